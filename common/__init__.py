@@ -1,0 +1,1 @@
+"""Torch-free pieces shared by every process: the typed error taxonomy."""

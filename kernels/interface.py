@@ -1,0 +1,96 @@
+"""The contract between the model and its kernel backends.
+
+StepMeta / GroupMeta are built once per step by `model.context.build_step_meta` (semantics in that
+module's docstring). An attention backend is planned once per step and then called per layer; a
+linear or MoE backend is a plain function table chosen once at start-up (`kernels.registry`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class GroupMeta:
+    page_table: torch.Tensor  # [B, maxp] int32, logical order from view_start
+    prefix_lens: torch.Tensor  # [B] int32
+    kv_lens: torch.Tensor  # [B] int32
+    slot_mapping: torch.Tensor  # [T] int64, -1 = not stored
+    pages_hold_all: bool
+    prefix_lens_host: list[int]
+    kv_lens_host: list[int]
+
+
+@dataclass(slots=True)
+class StepMeta:
+    positions: torch.Tensor  # [T] int64
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    q_lens_host: list[int]
+    logits_indices: torch.Tensor  # [B] int64: each sequence's last new token
+    groups: tuple[GroupMeta | None, GroupMeta | None]  # by PageGroup; None = no cache (dense only)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens_host)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(q == 1 for q in self.q_lens_host)
+
+
+class AttentionImpl(Protocol):
+    name: str
+
+    def plan(self, step: StepMeta) -> None:
+        """Once per step, before the first layer (FlashInfer plans its wrappers here)."""
+
+    def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
+                window: int | None) -> torch.Tensor:
+        """q [T,Hq,D], k/v [T,Hkv,D] (RoPE applied); kv = (k_cache, v_cache) [NP,Hkv,P,D] of this
+        layer or None (no cache: attend over the step's own tokens). Stores the new K/V per the
+        group's slot_mapping. Returns [T,Hq,D]."""
+
+
+@dataclass(slots=True)
+class ExpertWeights:
+    """One rank's experts. FP8 weights carry fp32 128x128 block scales; native ones carry None.
+
+    Experts [expert_start, expert_start + El) are local (EP); with TP sharding each expert holds
+    an I_l slice (gate/up pairs kept together) and b2 is None on all but one rank.
+    """
+
+    w1: torch.Tensor  # [El, 2*I_l, H], gate/up INTERLEAVED along rows
+    w1_scale: torch.Tensor | None  # [El, ceil(2*I_l/128), ceil(H/128)]
+    b1: torch.Tensor  # [El, 2*I_l]
+    w2: torch.Tensor  # [El, H, I_l]
+    w2_scale: torch.Tensor | None  # [El, ceil(H/128), ceil(I_l/128)]
+    b2: torch.Tensor | None  # [El, H]
+    expert_start: int
+    num_experts: int  # global E
+    alpha: float
+    limit: float
+
+    @property
+    def num_local(self) -> int:
+        return self.w1.shape[0]
+
+
+class LinearImpl(Protocol):
+    name: str
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M,K] -> x W^T + b [M,N]; W [N,K] native or e4m3 with [ceil(N/128),ceil(K/128)] scales."""
+
+
+class MoEImpl(Protocol):
+    name: str
+
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights
+                 ) -> torch.Tensor:
+        """x [T,H], router_logits [T,E] -> this rank's share of the MoE output [T,H]: top-k, softmax
+        over the k (logits dtype), local experts only, each weighted by its routing weight."""

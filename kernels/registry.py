@@ -1,0 +1,87 @@
+"""Backend selection, once at start-up: an enum per op kind -> implementation (lazy imports, so a
+CPU machine never imports FlashInfer or DeepGEMM). The choice is logged by the caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from common.errors import ConfigError
+from kernels.interface import AttentionImpl, LinearImpl, MoEImpl
+
+
+class AttentionBackend(str, Enum):
+    TORCH = "torch"
+    TRITON = "triton"
+    FLASHINFER = "flashinfer"
+
+
+class LinearBackend(str, Enum):
+    TORCH = "torch"
+    SCALED_MM = "scaled_mm"  # torch._scaled_mm block-scaled FP8 (cuBLAS) + bias epilogue
+    TRITON = "triton"
+    DEEPGEMM = "deepgemm"
+
+
+class MoEBackend(str, Enum):
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+@dataclass(slots=True)
+class Backends:
+    attention: AttentionImpl
+    linear: LinearImpl
+    moe: MoEImpl
+
+    def describe(self) -> str:
+        return f"attention={self.attention.name} linear={self.linear.name} moe={self.moe.name}"
+
+
+def make_attention(kind: AttentionBackend | str) -> AttentionImpl:
+    kind = AttentionBackend(kind)
+    if kind == AttentionBackend.TORCH:
+        from kernels.torch_backend import TorchAttention
+        return TorchAttention()
+    if kind == AttentionBackend.TRITON:
+        from kernels.triton_attention_backend import TritonAttention
+        return TritonAttention()
+    if kind == AttentionBackend.FLASHINFER:
+        from kernels.flashinfer_backend import FlashInferAttention
+        return FlashInferAttention()
+    raise ConfigError(f"unknown attention backend {kind}")
+
+
+def make_linear(kind: LinearBackend | str) -> LinearImpl:
+    kind = LinearBackend(kind)
+    if kind == LinearBackend.TORCH:
+        from kernels.torch_backend import TorchLinear
+        return TorchLinear()
+    if kind == LinearBackend.SCALED_MM:
+        from kernels.fp8_gemm import ScaledMMLinear
+        return ScaledMMLinear()
+    if kind == LinearBackend.TRITON:
+        from kernels.fp8_gemm import TritonFp8Linear
+        return TritonFp8Linear()
+    if kind == LinearBackend.DEEPGEMM:
+        from kernels.fp8_gemm import DeepGemmLinear
+        return DeepGemmLinear()
+    raise ConfigError(f"unknown linear backend {kind}")
+
+
+def make_moe(kind: MoEBackend | str) -> MoEImpl:
+    kind = MoEBackend(kind)
+    if kind == MoEBackend.TORCH:
+        from kernels.torch_backend import TorchMoE
+        return TorchMoE()
+    if kind == MoEBackend.TRITON:
+        from kernels.moe import TritonMoE
+        return TritonMoE()
+    raise ConfigError(f"unknown MoE backend {kind}")
+
+
+def make_backends(attention: str = "torch", linear: str = "torch", moe: str = "torch") -> Backends:
+    try:
+        return Backends(make_attention(attention), make_linear(linear), make_moe(moe))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,88 @@
+"""StepMeta: what one forward step tells every attention layer (built once per step, on the host).
+
+A step runs B sequences; sequence b contributes q_lens[b] new tokens at absolute positions
+[start_b, start_b + q_lens[b]). Attention of a new token at position t covers every earlier cached
+token and the new tokens up to t (sliding layers: only positions > t - W).
+
+Per page group the view of sequence b is the pages of `page_table[b]` in logical order, starting at
+absolute position `view_start[b]`; `prefix_lens[b]` tokens of the view were cached before this step
+and `kv_lens[b]` = prefix + new. When `pages_hold_all` is true the page table also covers the new
+tokens, so a backend may store K/V first and read everything through pages (decode, and every
+full-attention layer). When false (a sliding layer fed a prefill chunk larger than its ring), the
+backend must attend over [prefix from pages ; new K/V as given] and only then store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.interface import GroupMeta, StepMeta
+from model.kv_cache import KVCacheSpec, PageGroup, SeqPages, full_slot, ring_slot, ring_view
+
+
+@dataclass(slots=True)
+class SeqStep:
+    """One sequence's share of a step: its pages, tokens already cached, new token count."""
+
+    pages: SeqPages | None
+    start: int
+    q_len: int
+
+
+def _table(rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0) or 1
+    t = torch.zeros(len(rows), width, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        if r:
+            t[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    return t.to(device)
+
+
+def build_step_meta(steps: list[SeqStep], spec: KVCacheSpec | None, device: torch.device | str = "cpu"
+                    ) -> StepMeta:
+    q_lens = [s.q_len for s in steps]
+    positions = torch.cat([torch.arange(s.start, s.start + s.q_len) for s in steps])
+    cu = torch.zeros(len(steps) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    logits_idx = (cu[1:] - 1).long()
+    groups: list[GroupMeta | None] = [None, None]
+    if spec is not None:
+        p = spec.page_size
+        if spec.full_layers:
+            rows, slots = [], []
+            for s in steps:
+                assert s.pages is not None
+                rows.append(s.pages.full[: -(-(s.start + s.q_len) // p)])
+                slots += [full_slot(s.pages.full, t, p) for t in range(s.start, s.start + s.q_len)]
+            starts = [s.start for s in steps]
+            ends = [s.start + s.q_len for s in steps]
+            groups[PageGroup.FULL] = GroupMeta(
+                _table(rows, device), torch.tensor(starts, dtype=torch.int32, device=device),
+                torch.tensor(ends, dtype=torch.int32, device=device),
+                torch.tensor(slots, dtype=torch.int64, device=device), True, starts, ends)
+        if spec.sliding_layers:
+            groups[PageGroup.SLIDING] = _sliding_meta(steps, spec, device)
+    return StepMeta(positions.to(device), cu.to(device), q_lens, logits_idx.to(device), tuple(groups))
+
+
+def _sliding_meta(steps: list[SeqStep], spec: KVCacheSpec, device: torch.device | str) -> GroupMeta:
+    p, w, r = spec.page_size, spec.sliding_window, spec.ring_pages
+    # Write-then-read is valid only if, for every sequence, the oldest key the first new token needs
+    # and the newest new token fit the ring together.
+    hold_all = all(-(-(s.start + s.q_len) // p) - max(0, s.start - (w - 1)) // p <= r for s in steps)
+    rows, prefix, kv, slots = [], [], [], []
+    for s in steps:
+        assert s.pages is not None
+        end = s.start + s.q_len
+        first = max(0, s.start - (w - 1))
+        pages, vstart = ring_view(s.pages.ring, first, end if hold_all else s.start, p, r)
+        rows.append(pages)
+        prefix.append(s.start - vstart)
+        kv.append(end - vstart)
+        keep_from = s.start if hold_all else max(s.start, end - (w - 1))
+        slots += [ring_slot(s.pages.ring, t, p, r) if t >= keep_from else -1 for t in range(s.start, end)]
+    return GroupMeta(_table(rows, device), torch.tensor(prefix, dtype=torch.int32, device=device),
+                     torch.tensor(kv, dtype=torch.int32, device=device),
+                     torch.tensor(slots, dtype=torch.int64, device=device), hold_all, prefix, kv)

@@ -1,0 +1,150 @@
+"""gpt-oss in torch, mirroring openai/gpt-oss `gpt_oss/torch/model.py` and HF `modeling_gpt_oss.py`.
+
+Tokens are packed: a step feeds T tokens of B sequences as one [T, H] batch (positions and page
+tables in `StepMeta`). Attention, linear and MoE call the backends chosen once at start-up; the
+weights are filled in by `model.loader`. Shape legend: T tokens, H hidden, D head dim, Hq / Hkv
+this rank's query / KV heads, E experts.
+
+Model quirks, stated where they happen:
+  * attention sinks: one learned logit per head in the softmax denominator, no value vector;
+  * sliding window of 128 keys (incl. the current token) on even layers, full attention on odd;
+  * QKV and O projections have biases; O's is added once across TP ranks;
+  * MoE router has a bias; softmax over the top-k logits only (after top-k);
+  * clamped SwiGLU with an (up + 1) term on interleaved gate/up columns; experts have biases;
+  * the unembedding is untied.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import reference as ref
+from kernels.interface import ExpertWeights, StepMeta
+from kernels.registry import Backends
+from model.config import GptOssConfig
+from model.kv_cache import KVPool, PageGroup
+from model.parallel import MoEMode, ParallelConfig
+from model.rope import Rotary
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GptOssConfig, layer: int, par: ParallelConfig, dtype: torch.dtype, fp8: bool,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.layer = layer
+        self.par = par
+        self.num_heads = cfg.num_attention_heads // par.tp_size
+        self.num_kv_heads = cfg.num_key_value_heads // par.tp_size
+        self.head_dim = cfg.head_dim
+        self.sm_scale = cfg.head_dim ** -0.5
+        self.group = PageGroup.SLIDING if cfg.is_sliding(layer) else PageGroup.FULL
+        # Only even layers slide; the window counts the current token (keys with q - k < W).
+        self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
+        d, h = cfg.head_dim, cfg.hidden_size
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        wdt = torch.float8_e4m3fn if fp8 else dtype
+        self.qkv_w = _empty((q + 2 * kv, h), wdt, device)
+        self.qkv_s = _empty((-(-(q + 2 * kv) // 128), -(-h // 128)), torch.float32, device) if fp8 else None
+        self.qkv_b = _empty((q + 2 * kv,), dtype, device)
+        self.o_w = _empty((h, q), wdt, device)
+        self.o_s = _empty((-(-h // 128), -(-q // 128)), torch.float32, device) if fp8 else None
+        # Row-parallel output: the bias is added by one rank only.
+        self.o_b = _empty((h,), dtype, device) if par.adds_replicated_bias else None
+        self.sinks = _empty((self.num_heads,), torch.float32, device)  # raw logits, never scaled
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, be: Backends,
+                kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = be.linear(x, self.qkv_w, self.qkv_s, self.qkv_b)  # [T, (Hq + 2 Hkv) D]
+        q_sz, kv_sz = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_sz].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_sz:q_sz + kv_sz].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_sz + kv_sz:].reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
+        o = be.attention.forward(self.group, q, k, v.contiguous(), kv, self.sinks, self.sm_scale, self.window)
+        out = be.linear(o.reshape(t, q_sz), self.o_w, self.o_s, self.o_b)  # [T, H]
+        return self.par.all_reduce(out)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: GptOssConfig, par: ParallelConfig, dtype: torch.dtype, fp8: bool,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.cfg, self.par = cfg, par
+        e_range, i_range = par.experts(cfg), par.intermediate(cfg)
+        el, il, h = len(e_range), len(i_range), cfg.hidden_size
+        wdt = torch.float8_e4m3fn if fp8 else dtype
+        self.router_w = _empty((cfg.num_local_experts, h), dtype, device)  # replicated, stays native
+        self.router_b = _empty((cfg.num_local_experts,), dtype, device)
+        self.w1 = _empty((el, 2 * il, h), wdt, device)
+        self.w1_s = _empty((el, -(-2 * il // 128), -(-h // 128)), torch.float32, device) if fp8 else None
+        self.b1 = _empty((el, 2 * il), dtype, device)
+        self.w2 = _empty((el, h, il), wdt, device)
+        self.w2_s = _empty((el, -(-h // 128), -(-il // 128)), torch.float32, device) if fp8 else None
+        # EP: each expert lives on one rank, so its b2 is added exactly once. TP: rank 0 adds it.
+        has_b2 = par.moe_mode == MoEMode.EP or par.adds_replicated_bias
+        self.b2 = _empty((el, h), dtype, device) if has_b2 else None
+        self.expert_start = e_range.start
+
+    def experts(self) -> ExpertWeights:
+        return ExpertWeights(self.w1, self.w1_s, self.b1, self.w2, self.w2_s, self.b2, self.expert_start,
+                             self.cfg.num_local_experts, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
+        # The router runs in the activation dtype (bf16 in bf16 mode): this mattered for accuracy.
+        logits = torch.nn.functional.linear(x, self.router_w, self.router_b)  # [T, E]
+        out = be.moe(x, logits, self.cfg.num_experts_per_tok, self.experts())  # [T, H] partial
+        return self.par.all_reduce(out)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GptOssConfig, layer: int, par: ParallelConfig, dtype: torch.dtype, fp8: bool,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.attn_norm = _empty((cfg.hidden_size,), torch.float32, device)  # norms stay fp32
+        self.attn = Attention(cfg, layer, par, dtype, fp8, device)
+        self.mlp_norm = _empty((cfg.hidden_size,), torch.float32, device)
+        self.mlp = MoE(cfg, par, dtype, fp8, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, be: Backends,
+                kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = x + self.attn(ref.rms_norm(x, self.attn_norm, self.eps), cos, sin, be, kv)
+        return x + self.mlp(ref.rms_norm(x, self.mlp_norm, self.eps), be)
+
+
+class GptOss(nn.Module):
+    def __init__(self, cfg: GptOssConfig, backends: Backends, *, dtype: torch.dtype = torch.bfloat16,
+                 fp8: bool = False, parallel: ParallelConfig | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.cfg, self.dtype, self.fp8, self.backends = cfg, dtype, fp8, backends
+        self.par = parallel or ParallelConfig()
+        self.par.validate(cfg)
+        self.device = torch.device(device)
+        self.embed = _empty((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(Block(cfg, i, self.par, dtype, fp8, device) for i in range(cfg.num_hidden_layers))
+        self.norm = _empty((cfg.hidden_size,), torch.float32, device)
+        self.lm_head = _empty((cfg.vocab_size, cfg.hidden_size), dtype, device)  # untied
+        self.rotary = Rotary(cfg, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, step: StepMeta, kv: KVPool | None) -> torch.Tensor:
+        """input_ids [T] -> final-normed hidden states [T, H]."""
+        x = self.embed[input_ids]  # [T, H]
+        cos, sin = self.rotary.cos_sin(step.positions)  # [T, D/2] each
+        self.backends.attention.plan(step)
+        for i, block in enumerate(self.layers):
+            with torch.profiler.record_function(f"layer{i}"):
+                x = block(x, cos, sin, self.backends, kv.layer_kv(i) if kv is not None else None)
+        return ref.rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in fp32."""
+        return torch.nn.functional.linear(hidden, self.lm_head).float()

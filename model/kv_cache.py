@@ -1,0 +1,204 @@
+"""Paged KV cache with two page groups.
+
+Layout: each group owns one pool tensor [L_g, 2, NP_g, Hkv, P, D] (HND inside a page), so
+  * a layer's K (or V) pages are one contiguous [NP, Hkv, P, D] view, which FlashInfer (kv_layout
+    "HND") and our Triton kernels read through a page table, and which NIXL registers once;
+  * one KV head of one page is a contiguous P*D run, so a transfer between different TP degrees
+    maps head ranges with one descriptor per (page, head range).
+
+Groups:
+  * FULL: full-attention layers keep every token; a sequence owns ceil(len / P) pages.
+  * SLIDING: sliding-window layers only ever read the last W tokens. A sequence owns a ring of at
+    most R = ceil(W / P) + 1 pages; logical page j (tokens [jP, jP+P)) lives in ring[j % R]. Any W
+    consecutive positions span at most R logical pages, so live tokens never collide.
+
+Page size 16 (default): the sliding ring is then 9 pages (144 slots for a 128-token window, 11 %
+waste), the partial last page of a full-attention sequence wastes <= 15 tokens, and a page of one
+layer's K for 8 heads x 64 dims is 16 KiB in bf16, large enough for efficient NIXL descriptors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+from common.errors import ConfigError
+from model.config import GptOssConfig
+
+
+class PageGroup(IntEnum):
+    FULL = 0
+    SLIDING = 1
+
+
+class OutOfPages(Exception):
+    """Internal signal to the scheduler: not enough free pages (it preempts or waits)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    page_size: int
+    num_kv_heads: int  # on this rank
+    head_dim: int
+    dtype: torch.dtype
+    sliding_window: int
+    full_layers: tuple[int, ...]
+    sliding_layers: tuple[int, ...]
+    num_pages: tuple[int, int]  # (FULL, SLIDING)
+
+    @property
+    def ring_pages(self) -> int:
+        return math.ceil(self.sliding_window / self.page_size) + 1
+
+    def layers(self, group: PageGroup) -> tuple[int, ...]:
+        return self.full_layers if group == PageGroup.FULL else self.sliding_layers
+
+    def group_of(self, layer: int) -> tuple[PageGroup, int]:
+        if layer in self.full_layers:
+            return PageGroup.FULL, self.full_layers.index(layer)
+        return PageGroup.SLIDING, self.sliding_layers.index(layer)
+
+    def page_bytes(self, group: PageGroup) -> int:
+        """Bytes of one page id across all layers of its group, K and V."""
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        return len(self.layers(group)) * 2 * self.num_kv_heads * self.page_size * self.head_dim * elt
+
+    def total_bytes(self) -> int:
+        return sum(self.page_bytes(g) * self.num_pages[g] for g in PageGroup)
+
+
+def plan_kv_cache(cfg: GptOssConfig, budget_bytes: int, *, page_size: int = 16, max_num_seqs: int = 256,
+                  tp_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> KVCacheSpec:
+    """Split a byte budget between the groups: every admitted sequence may need a full sliding
+    ring, the rest goes to full-attention pages (which grow with context length)."""
+    if cfg.num_key_value_heads % tp_size:
+        raise ConfigError(f"{cfg.num_key_value_heads} KV heads cannot be split over TP {tp_size}")
+    spec0 = KVCacheSpec(page_size, cfg.num_key_value_heads // tp_size, cfg.head_dim, dtype, cfg.sliding_window,
+                        cfg.full_layers, cfg.sliding_layers, (0, 0))
+    sliding_pages = max_num_seqs * spec0.ring_pages if cfg.sliding_layers else 0
+    rest = budget_bytes - sliding_pages * spec0.page_bytes(PageGroup.SLIDING)
+    full_bytes = spec0.page_bytes(PageGroup.FULL)
+    full_pages = rest // full_bytes if full_bytes else 0
+    if cfg.full_layers and full_pages < 1:
+        raise ConfigError(f"KV budget of {budget_bytes} bytes leaves no full-attention pages "
+                          f"(max_num_seqs={max_num_seqs} rings take {sliding_pages} sliding pages)")
+    return KVCacheSpec(page_size, spec0.num_kv_heads, cfg.head_dim, dtype, cfg.sliding_window,
+                       cfg.full_layers, cfg.sliding_layers, (int(full_pages), int(sliding_pages)))
+
+
+class KVPool:
+    """The cache tensors. pools[g]: [L_g, 2, NP_g, Hkv, P, D]."""
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu") -> None:
+        self.spec = spec
+        self.pools = [torch.zeros(len(spec.layers(g)), 2, spec.num_pages[g], spec.num_kv_heads, spec.page_size,
+                                  spec.head_dim, dtype=spec.dtype, device=device) for g in PageGroup]
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g, i = self.spec.group_of(layer)
+        return self.pools[g][i, 0], self.pools[g][i, 1]
+
+
+class PageAllocator:
+    """Free list with reference counts for one group. Page ids are 0..num_pages-1."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._ref = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} pages, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._ref[p] = 1
+        return pages
+
+    def incref(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self._ref[p] > 0, f"incref of free page {p}"
+            self._ref[p] += 1
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self._ref[p] > 0, f"double free of page {p}"
+            self._ref[p] -= 1
+            if self._ref[p] == 0:
+                self._free.append(p)
+
+    def assert_all_free(self) -> None:
+        leaked = [p for p, r in enumerate(self._ref) if r]
+        assert not leaked and len(self._free) == self.num_pages, f"leaked pages: {leaked[:16]}..."
+
+
+@dataclass(slots=True)
+class SeqPages:
+    """One sequence's pages: `full` in logical order; `ring` holds up to R sliding pages."""
+
+    full: list[int] = field(default_factory=list)
+    ring: list[int] = field(default_factory=list)
+
+
+class KVManager:
+    """Page bookkeeping for all sequences of one engine (both groups)."""
+
+    def __init__(self, spec: KVCacheSpec) -> None:
+        self.spec = spec
+        self.alloc = [PageAllocator(spec.num_pages[g]) for g in PageGroup]
+
+    def pages_needed(self, pages: SeqPages, total_len: int) -> tuple[int, int]:
+        """Extra (full, sliding) pages for a sequence to hold `total_len` tokens."""
+        p = self.spec.page_size
+        full = max(0, math.ceil(total_len / p) - len(pages.full)) if self.spec.full_layers else 0
+        ring = min(self.spec.ring_pages, math.ceil(total_len / p)) if self.spec.sliding_layers else 0
+        return full, max(0, ring - len(pages.ring))
+
+    def can_grow(self, pages: SeqPages, total_len: int) -> bool:
+        f, s = self.pages_needed(pages, total_len)
+        return f <= self.alloc[PageGroup.FULL].num_free and s <= self.alloc[PageGroup.SLIDING].num_free
+
+    def grow(self, pages: SeqPages, total_len: int) -> None:
+        f, s = self.pages_needed(pages, total_len)
+        if not (f <= self.alloc[0].num_free and s <= self.alloc[1].num_free):
+            raise OutOfPages(f"need {f} full + {s} sliding pages")
+        pages.full += self.alloc[PageGroup.FULL].allocate(f)
+        pages.ring += self.alloc[PageGroup.SLIDING].allocate(s)
+
+    def release(self, pages: SeqPages) -> None:
+        self.alloc[PageGroup.FULL].free(pages.full)
+        self.alloc[PageGroup.SLIDING].free(pages.ring)
+        pages.full, pages.ring = [], []
+
+    def assert_all_free(self) -> None:
+        for a in self.alloc:
+            a.assert_all_free()
+
+    def num_free(self) -> tuple[int, int]:
+        return self.alloc[0].num_free, self.alloc[1].num_free
+
+
+# ---- slot arithmetic -------------------------------------------------------------------------------
+def full_slot(pages: list[int], pos: int, page_size: int) -> int:
+    return pages[pos // page_size] * page_size + pos % page_size
+
+
+def ring_slot(ring: list[int], pos: int, page_size: int, ring_pages: int) -> int:
+    """Logical page j lives in ring[j % R]; while the ring is still growing j < len(ring) <= R."""
+    return ring[(pos // page_size) % ring_pages] * page_size + pos % page_size
+
+
+def ring_view(ring: list[int], first_pos: int, end: int, page_size: int, ring_pages: int) -> tuple[list[int], int]:
+    """Ring pages in logical order covering positions [first_pos, end), and the view start
+    (first_pos rounded down to a page). The caller guarantees the span fits the ring."""
+    j0, j1 = first_pos // page_size, (end + page_size - 1) // page_size
+    assert j1 - j0 <= ring_pages, "sliding view wider than the ring"
+    return [ring[j % ring_pages] for j in range(j0, j1)], j0 * page_size

@@ -1,0 +1,158 @@
+"""Fill a `GptOss` from a `TensorSource`: validate names and shapes, slice this rank's shard, convert.
+
+Source formats (config.json `quantization_config.quant_method`):
+  * "mxfp4": the HF hub layout. Experts dequantise exactly (MXFP4 values are exact in fp32/bf16) and,
+    in FP8 mode, re-quantise per rank with power-of-two 128x128 tile scales, exact for tiles whose
+    exponent spread allows it (MODEL_SPEC.md §1.4). Slicing happens before quantisation, so any
+    TP shard works, even ones that cut 32-wide MXFP4 blocks or 128-wide tiles.
+  * "none": bf16 experts in HF's in-memory [E, in, out] layout.
+  * "fp8": written by `tandem convert` (names in `model.convert`); dequantised exactly, then sliced
+    and re-quantised, which reproduces the stored tiles bit for bit when shards are tile-aligned.
+Everything is moved to the model's device tensor by tensor, so peak host memory is one tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from tqdm import tqdm
+
+from common.errors import CheckpointError
+from kernels.reference import dequantize_fp8_blockwise, quantize_fp8_blockwise
+from model.config import GptOssConfig
+from model.gpt_oss import GptOss
+from model.quant import Fp8ConversionStats, dequantize_mxfp4, quantize_fp8_pow2
+from model.weights import TensorSource, expected_tensors
+
+FP8_SCALE_SUFFIX = "_scale_inv"
+
+
+def fp8_names(cfg: GptOssConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Tensor names of a `tandem convert` FP8 checkpoint."""
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    exp_cfg = expected_tensors(dataclasses.replace(cfg, quant_method="none"))
+    for name, (shape, dtype) in exp_cfg.items():
+        if name.endswith("_proj.weight") and ".self_attn." in name:
+            out[name] = (shape, torch.float8_e4m3fn)
+            out[name + FP8_SCALE_SUFFIX] = ((-(-shape[0] // 128), -(-shape[1] // 128)), torch.float32)
+        elif name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            e, k, n = shape  # stored out x in: [E, N, K]
+            out[name + ".weight"] = ((e, n, k), torch.float8_e4m3fn)
+            out[name + ".weight" + FP8_SCALE_SUFFIX] = ((e, -(-n // 128), -(-k // 128)), torch.float32)
+        else:
+            out[name] = (shape, dtype)
+    return out
+
+
+def validate_source(src: TensorSource) -> None:
+    cfg = src.config
+    want = fp8_names(cfg) if cfg.quant_method == "fp8" else expected_tensors(cfg)
+    have = set(src.names())
+    missing = [n for n in want if n not in have]
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+    for name, (shape, _) in want.items():
+        got = tuple(src.shape(name))
+        if got != shape:
+            raise CheckpointError(f"tensor {name} has shape {got}, config implies {shape}")
+
+
+class _Reader:
+    def __init__(self, src: TensorSource, device: torch.device) -> None:
+        self.src, self.dev, self.fp8_src = src, device, src.config.quant_method == "fp8"
+
+    def dense(self, name: str, rows: range | None = None) -> torch.Tensor:
+        """A 2-D/1-D weight in fp32 (exact dequantisation of FP8 sources), rows optionally sliced."""
+        if self.fp8_src and name.endswith("_proj.weight") and ".self_attn." in name:
+            w = dequantize_fp8_blockwise(self.src.get(name, self.dev), self.src.get(name + FP8_SCALE_SUFFIX, self.dev))
+            return w if rows is None else w[rows.start:rows.stop]
+        if rows is None:
+            return self.src.get(name, self.dev).float()
+        return self.src.get_rows(name, rows.start, rows.stop, self.dev).float()
+
+    def experts(self, prefix: str, proj: str, experts: range) -> torch.Tensor:
+        """[El, out, in] fp32 for experts in range (values exactly as stored)."""
+        cfg = self.src.config
+        e0, e1 = experts.start, experts.stop
+        if cfg.quant_method == "mxfp4":
+            blocks = self.src.get_rows(f"{prefix}{proj}_blocks", e0, e1, self.dev)
+            scales = self.src.get_rows(f"{prefix}{proj}_scales", e0, e1, self.dev)
+            return dequantize_mxfp4(blocks, scales, torch.float32)
+        if cfg.quant_method == "fp8":
+            q = self.src.get_rows(f"{prefix}{proj}.weight", e0, e1, self.dev)
+            s = self.src.get_rows(f"{prefix}{proj}.weight{FP8_SCALE_SUFFIX}", e0, e1, self.dev)
+            return dequantize_fp8_blockwise(q, s)
+        return self.src.get_rows(f"{prefix}{proj}", e0, e1, self.dev).float().transpose(1, 2)
+
+
+def _copy(param: torch.nn.Parameter | None, value: torch.Tensor) -> None:
+    if param is None:
+        return
+    if tuple(param.shape) != tuple(value.shape):
+        raise CheckpointError(f"internal shard shape {tuple(value.shape)} != parameter {tuple(param.shape)}")
+    param.data.copy_(value.to(param.dtype))
+
+
+def _linear(w_param, s_param, w: torch.Tensor) -> None:
+    if s_param is None:
+        _copy(w_param, w)
+        return
+    q, s = quantize_fp8_blockwise(w)  # bf16 attention weights: amax / 448 per 128x128 tile
+    _copy(w_param, q)
+    _copy(s_param, s)
+
+
+def load_weights(model: GptOss, src: TensorSource, *, progress: bool = True,
+                 expert_chunk: int = 8) -> Fp8ConversionStats:
+    """Returns the FP8 conversion statistics of the expert weights (empty when not FP8)."""
+    validate_source(src)
+    cfg, par, dev = model.cfg, model.par, model.device
+    if src.config.num_hidden_layers != cfg.num_hidden_layers or src.config.hidden_size != cfg.hidden_size:
+        raise CheckpointError("checkpoint config does not match the model being loaded")
+    rd = _Reader(src, dev)
+    stats = Fp8ConversionStats()
+    d = cfg.head_dim
+    qh, kvh = par.q_heads(cfg), par.kv_heads(cfg)
+    q_rows, kv_rows = range(qh.start * d, qh.stop * d), range(kvh.start * d, kvh.stop * d)
+    e_rng, i_rng = par.experts(cfg), par.intermediate(cfg)
+
+    _copy(model.embed, rd.dense("model.embed_tokens.weight"))
+    _copy(model.lm_head, rd.dense("lm_head.weight"))
+    _copy(model.norm, rd.dense("model.norm.weight"))
+    layers = tqdm(range(cfg.num_hidden_layers), desc="loading layers", disable=not progress, unit="layer")
+    for n in layers:
+        p, blk = f"model.layers.{n}.", model.layers[n]
+        a = blk.attn
+        _copy(blk.attn_norm, rd.dense(p + "input_layernorm.weight"))
+        _copy(blk.mlp_norm, rd.dense(p + "post_attention_layernorm.weight"))
+        qkv = torch.cat([rd.dense(p + "self_attn.q_proj.weight", q_rows), rd.dense(p + "self_attn.k_proj.weight", kv_rows),
+                         rd.dense(p + "self_attn.v_proj.weight", kv_rows)])
+        _linear(a.qkv_w, a.qkv_s, qkv)
+        _copy(a.qkv_b, torch.cat([rd.dense(p + "self_attn.q_proj.bias", q_rows), rd.dense(p + "self_attn.k_proj.bias", kv_rows),
+                                  rd.dense(p + "self_attn.v_proj.bias", kv_rows)]))
+        _linear(a.o_w, a.o_s, rd.dense(p + "self_attn.o_proj.weight")[:, q_rows.start:q_rows.stop])
+        _copy(a.o_b, rd.dense(p + "self_attn.o_proj.bias"))
+        _copy(a.sinks, rd.dense(p + "self_attn.sinks")[qh.start:qh.stop])
+        m = blk.mlp
+        _copy(m.router_w, rd.dense(p + "mlp.router.weight"))
+        _copy(m.router_b, rd.dense(p + "mlp.router.bias"))
+        b1 = rd.dense(p + "mlp.experts.gate_up_proj_bias", e_rng)  # [El, 2I] interleaved
+        _copy(m.b1, b1[:, 2 * i_rng.start:2 * i_rng.stop])
+        if m.b2 is not None:
+            _copy(m.b2, rd.dense(p + "mlp.experts.down_proj_bias", e_rng))
+        for c0 in range(e_rng.start, e_rng.stop, expert_chunk):
+            chunk = range(c0, min(c0 + expert_chunk, e_rng.stop))
+            lo, hi = c0 - e_rng.start, chunk.stop - e_rng.start
+            # Gate/up rows are interleaved (2i = gate_i, 2i+1 = up_i): slicing whole pairs keeps them together.
+            w1 = rd.experts(p + "mlp.experts.", "gate_up_proj", chunk)[:, 2 * i_rng.start:2 * i_rng.stop]
+            w2 = rd.experts(p + "mlp.experts.", "down_proj", chunk)[:, :, i_rng.start:i_rng.stop]
+            for w, wp, sp in ((w1, m.w1, m.w1_s), (w2, m.w2, m.w2_s)):
+                if sp is None:
+                    wp.data[lo:hi].copy_(w.to(wp.dtype))
+                else:
+                    q, s, st = quantize_fp8_pow2(w)
+                    wp.data[lo:hi].copy_(q)
+                    sp.data[lo:hi].copy_(s)
+                    stats.add(st)
+    return stats

@@ -1,0 +1,82 @@
+"""Tensor / expert parallelism inside the layers (MODEL_SPEC.md §6).
+
+One process group of size `tp_size` serves both attention (heads split by rank: q heads
+[Hq/tp * r, ...), KV heads [Hkv/tp * r, ...), sinks sliced, O bias added once) and the MoE, which
+is either
+  * "tp": every rank holds every expert, sliced along I (gate/up pairs kept together; b2 added by
+    rank 0 only), or
+  * "ep": whole experts per rank (contiguous blocks of E/tp), inputs replicated, each rank keeps
+    the (token, expert) pairs of its local experts -- the TP-only dispatch/combine: dispatch is a
+    local selection and combine is the same single all-reduce TP needs. No all-to-all at DP1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from common.errors import ConfigError
+from model.config import GptOssConfig
+
+
+class MoEMode(str, Enum):
+    TP = "tp"
+    EP = "ep"
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    tp_size: int = 1
+    tp_rank: int = 0
+    moe_mode: MoEMode = MoEMode.TP
+    group: Any = None  # torch.distributed ProcessGroup; None when tp_size == 1
+
+    def validate(self, cfg: GptOssConfig) -> None:
+        tp = self.tp_size
+        if cfg.num_key_value_heads % tp:
+            raise ConfigError(f"TP {tp} does not divide {cfg.num_key_value_heads} KV heads (TP <= "
+                              f"{cfg.num_key_value_heads} without KV replication)")
+        if cfg.num_attention_heads % tp:
+            raise ConfigError(f"TP {tp} does not divide {cfg.num_attention_heads} attention heads")
+        if self.moe_mode == MoEMode.EP and cfg.num_local_experts % tp:
+            raise ConfigError(f"expert parallelism over {tp} ranks needs the expert count "
+                              f"({cfg.num_local_experts}) to be divisible by {tp}")
+        if self.moe_mode == MoEMode.TP and cfg.intermediate_size % tp:
+            raise ConfigError(f"TP {tp} does not divide intermediate_size {cfg.intermediate_size}")
+
+    # ---- shard ranges (global index ranges owned by this rank) --------------------------------
+    def q_heads(self, cfg: GptOssConfig) -> range:
+        n = cfg.num_attention_heads // self.tp_size
+        return range(n * self.tp_rank, n * (self.tp_rank + 1))
+
+    def kv_heads(self, cfg: GptOssConfig) -> range:
+        n = cfg.num_key_value_heads // self.tp_size
+        return range(n * self.tp_rank, n * (self.tp_rank + 1))
+
+    def experts(self, cfg: GptOssConfig) -> range:
+        if self.moe_mode == MoEMode.TP:
+            return range(cfg.num_local_experts)
+        n = cfg.num_local_experts // self.tp_size
+        return range(n * self.tp_rank, n * (self.tp_rank + 1))
+
+    def intermediate(self, cfg: GptOssConfig) -> range:
+        if self.moe_mode == MoEMode.EP:
+            return range(cfg.intermediate_size)
+        n = cfg.intermediate_size // self.tp_size
+        return range(n * self.tp_rank, n * (self.tp_rank + 1))
+
+    @property
+    def adds_replicated_bias(self) -> bool:
+        """Row-parallel outputs are summed over ranks: only rank 0 adds a replicated bias."""
+        return self.tp_rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return x
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
