@@ -16,6 +16,8 @@ Model quirks, stated where they happen:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -134,14 +136,18 @@ class GptOss(nn.Module):
         self.rotary = Rotary(cfg, device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, step: StepMeta, kv: KVPool | None) -> torch.Tensor:
-        """input_ids [T] -> final-normed hidden states [T, H]."""
+    def forward(self, input_ids: torch.Tensor, step: StepMeta, kv: KVPool | None,
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids [T] -> final-normed hidden states [T, H]. `on_layer_done(i)` runs after layer i
+        has stored its K/V (the prefill worker starts that layer's KV transfer there)."""
         x = self.embed[input_ids]  # [T, H]
         cos, sin = self.rotary.cos_sin(step.positions)  # [T, D/2] each
         self.backends.attention.plan(step)
         for i, block in enumerate(self.layers):
             with torch.profiler.record_function(f"layer{i}"):
                 x = block(x, cos, sin, self.backends, kv.layer_kv(i) if kv is not None else None)
+            if on_layer_done is not None:
+                on_layer_done(i)
         return ref.rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
