@@ -125,3 +125,16 @@ def convert_to_fp8(src: TensorSource, out: str | Path, *, progress: bool = True,
             w.add(name, src.get(name))
     w.finish()
     return stats
+
+
+def ensure_checkpoint(preset_name: str, cache_dir: str | Path, seed: int = 0) -> Path:
+    """The embedded default: a preset's random checkpoint, written once into the cache folder."""
+    from model.config import preset
+
+    out = Path(cache_dir) / f"{preset_name}-seed{seed}"
+    if (out / "model.safetensors.index.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    write_random_checkpoint(preset(preset_name), tmp, seed=seed)
+    tmp.rename(out)
+    return out

@@ -73,13 +73,16 @@ class KVCacheSpec:
 
 def plan_kv_cache(cfg: GptOssConfig, budget_bytes: int, *, page_size: int = 16, max_num_seqs: int = 256,
                   tp_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> KVCacheSpec:
-    """Split a byte budget between the groups: every admitted sequence may need a full sliding
-    ring, the rest goes to full-attention pages (which grow with context length)."""
+    """Split a byte budget between the groups: a full sliding ring for each of max_num_seqs
+    sequences (capped at half the budget), the rest for full-attention pages, which grow with
+    context length."""
     if cfg.num_key_value_heads % tp_size:
         raise ConfigError(f"{cfg.num_key_value_heads} KV heads cannot be split over TP {tp_size}")
     spec0 = KVCacheSpec(page_size, cfg.num_key_value_heads // tp_size, cfg.head_dim, dtype, cfg.sliding_window,
                         cfg.full_layers, cfg.sliding_layers, (0, 0))
     sliding_pages = max_num_seqs * spec0.ring_pages if cfg.sliding_layers else 0
+    if sliding_pages:  # never more than half the budget: admission also checks sliding pages
+        sliding_pages = min(sliding_pages, budget_bytes // 2 // spec0.page_bytes(PageGroup.SLIDING))
     rest = budget_bytes - sliding_pages * spec0.page_bytes(PageGroup.SLIDING)
     full_bytes = spec0.page_bytes(PageGroup.FULL)
     full_pages = rest // full_bytes if full_bytes else 0

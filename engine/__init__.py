@@ -1,0 +1,1 @@
+"""The engine core shared by both workers: sequences, scheduler, model runner, sampler."""

@@ -1,0 +1,111 @@
+"""Build an engine's parts from one frozen EngineConfig: load the checkpoint, choose and log the
+backends, size the KV cache (logging the capacity of each page group), wire scheduler and runner."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.errors import ConfigError
+from engine.runner import ModelRunner
+from engine.sampling import Sampler
+from engine.scheduler import Scheduler, SchedulerConfig
+from kernels.registry import make_backends
+from model.checkpoint_io import ensure_checkpoint
+from model.gpt_oss import GptOss
+from model.kv_cache import KVCacheSpec, KVManager, KVPool, PageGroup, plan_kv_cache
+from model.loader import load_weights
+from model.parallel import ParallelConfig
+from model.weights import RandomSource, SafetensorsSource, TensorSource
+
+log = logging.getLogger("tandem.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_CACHE = Path.home() / ".cache" / "tandem" / "checkpoints"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    checkpoint: str | None = None  # a directory in the HF layout; None = the embedded tiny model
+    random_preset: str | None = None  # full-size random weights generated on the device (benchmarks)
+    dtype: str = "float32"
+    fp8: bool = False
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    linear_backend: str = "torch"
+    moe_backend: str = "torch"
+    page_size: int = 16
+    kv_cache_bytes: int | None = None  # explicit budget; else kv_cache_fraction of free memory (GPU)
+    kv_cache_fraction: float = 0.85
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+    cache_dir: str = str(DEFAULT_CACHE)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    progress: bool = False
+
+
+@dataclass(slots=True)
+class EngineParts:
+    model: GptOss
+    spec: KVCacheSpec
+    pool: KVPool
+    kv: KVManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    sampler: Sampler
+
+
+def open_source(cfg: EngineConfig) -> TensorSource:
+    if cfg.random_preset is not None:
+        from model.config import preset
+
+        return RandomSource(preset(cfg.random_preset), cfg.seed, fast_mxfp4=True)
+    path = cfg.checkpoint or str(ensure_checkpoint("tiny", cfg.cache_dir))
+    return SafetensorsSource(path)
+
+
+def load_model(cfg: EngineConfig) -> GptOss:
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    src = open_source(cfg)
+    backends = make_backends(cfg.attention_backend, cfg.linear_backend, cfg.moe_backend)
+    model = GptOss(src.config, backends, dtype=DTYPES[cfg.dtype], fp8=cfg.fp8, parallel=cfg.parallel,
+                   device=cfg.device)
+    stats = load_weights(model, src, progress=cfg.progress)
+    log.info("model: %d layers, %d experts, dtype %s, fp8=%s, tp=%d (%s); backends: %s",
+             src.config.num_hidden_layers, src.config.num_local_experts, cfg.dtype, cfg.fp8, cfg.parallel.tp_size,
+             cfg.parallel.moe_mode.value, backends.describe())
+    if cfg.fp8:
+        log.info("FP8 experts: %d/%d tiles not exact, rel. err %.2e", stats.inexact_tiles, stats.tiles, stats.rel_err)
+    return model
+
+
+def kv_budget(cfg: EngineConfig) -> int:
+    if cfg.kv_cache_bytes is not None:
+        return cfg.kv_cache_bytes
+    if cfg.device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(cfg.device))
+        return int(free * cfg.kv_cache_fraction)
+    return 256 << 20  # CPU default: 256 MiB
+
+
+def build_engine_parts(cfg: EngineConfig, model: GptOss | None = None) -> EngineParts:
+    model = model or load_model(cfg)
+    spec = plan_kv_cache(model.cfg, kv_budget(cfg), page_size=cfg.page_size,
+                         max_num_seqs=cfg.scheduler.max_num_seqs, tp_size=cfg.parallel.tp_size, dtype=model.dtype)
+    pool = KVPool(spec, cfg.device)
+    log_kv_capacity(spec)
+    kv = KVManager(spec)
+    scheduler = Scheduler(cfg.scheduler, kv, model.cfg.eos_token_ids)
+    sampler = Sampler(torch.device(cfg.device), cfg.seed)
+    return EngineParts(model, spec, pool, kv, scheduler, ModelRunner(model, pool, sampler), sampler)
+
+
+def log_kv_capacity(spec: KVCacheSpec) -> None:
+    full, sliding = spec.num_pages[PageGroup.FULL], spec.num_pages[PageGroup.SLIDING]
+    log.info("KV cache: %.2f GiB; full-attention group %d pages = %d tokens; sliding group %d pages = "
+             "%d rings of %d pages (window %d, page %d)", spec.total_bytes() / 2**30, full, full * spec.page_size,
+             sliding, sliding // max(spec.ring_pages, 1), spec.ring_pages, spec.sliding_window, spec.page_size)

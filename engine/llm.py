@@ -1,0 +1,102 @@
+"""LLMEngine (the single-process engine: add_request / step) and LLM (the offline generate API).
+
+    engine.step():  items = scheduler.schedule()
+                    tokens = runner.run(items)
+                    done = scheduler.postprocess(items, tokens)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from common.errors import InvalidRequest
+from engine.build import EngineConfig, build_engine_parts
+from engine.sampling import SamplingParams
+from engine.sequence import FinishReason, Sequence, TokenLogprob
+
+log = logging.getLogger("tandem.engine")
+
+
+@dataclass(slots=True)
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: FinishReason | None
+
+
+@dataclass(slots=True)
+class Completion:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob]
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        parts = build_engine_parts(cfg)
+        self.cfg, self.model, self.kv, self.scheduler, self.runner = (
+            cfg, parts.model, parts.kv, parts.scheduler, parts.runner)
+        self.sampler = parts.sampler
+        self.seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        rid = request_id or f"req-{next(self._ids)}"
+        seq = Sequence(rid, list(prompt_ids), params, arrival=time.monotonic())
+        bad = [t for t in prompt_ids if not 0 <= t < self.model.cfg.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary", param="prompt")
+        self.scheduler.add(seq)
+        self.seqs[rid] = seq
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            self.sampler.forget(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[StepOutput]:
+        items = self.scheduler.schedule()
+        if not items:
+            return []
+        tokens, lps = self.runner.run(items)
+        done = self.scheduler.postprocess(items, tokens, lps)
+        outs = []
+        for seq in done:
+            lp = [seq.logprobs[-1]] if seq.params.logprobs is not None and seq.logprobs else []
+            outs.append(StepOutput(seq.request_id, [seq.output_ids[-1]], lp, seq.finished, seq.finish_reason))
+            if seq.finished:
+                self.seqs.pop(seq.request_id, None)
+                self.sampler.forget(seq.request_id)
+        return outs
+
+
+class LLM:
+    """Offline generation: `LLM(EngineConfig(...)).generate([[ids...], ...], SamplingParams(...))`."""
+
+    def __init__(self, cfg: EngineConfig | None = None) -> None:
+        self.engine = LLMEngine(cfg or EngineConfig())
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        rids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        seqs = {rid: self.engine.seqs[rid] for rid in rids}
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [Completion(rid, s.prompt_ids, s.output_ids, s.finish_reason or FinishReason.ABORT, s.logprobs)
+                for rid, s in seqs.items()]
+
+    @property
+    def kv(self):
+        return self.engine.kv

@@ -1,0 +1,52 @@
+"""ModelRunner: turns a scheduled batch into model inputs, runs one forward, samples.
+
+Inputs are packed: every scheduled sequence contributes its q_len new tokens; logits are computed
+only for sequences whose chunk reaches their last token (the others are mid-prompt chunks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.sampling import Sampler
+from engine.scheduler import ScheduledSeq
+from engine.sequence import TokenLogprob
+from model.context import SeqStep, build_step_meta
+from model.gpt_oss import GptOss
+from model.kv_cache import KVPool
+
+
+class ModelRunner:
+    def __init__(self, model: GptOss, pool: KVPool, sampler: Sampler) -> None:
+        self.model, self.pool, self.sampler = model, pool, sampler
+        self.device = model.device
+
+    @torch.inference_mode()
+    def run(self, items: list[ScheduledSeq], on_layer_done: Callable[[int], None] | None = None
+            ) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        ids = [t for it in items for t in it.seq.all_ids[it.start:it.start + it.q_len]]
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        meta = build_step_meta([SeqStep(it.seq.pages, it.start, it.q_len) for it in items],
+                               self.pool.spec, self.device)
+        with torch.profiler.record_function("forward"):
+            hidden = self.model(input_ids, meta, self.pool, on_layer_done)  # [T, H]
+        rows = [i for i, it in enumerate(items) if it.sample]
+        tokens: list[int | None] = [None] * len(items)
+        lps: list[TokenLogprob | None] = [None] * len(items)
+        if not rows:
+            return tokens, lps
+        with torch.profiler.record_function("sample"):
+            logits = self.model.compute_logits(hidden[meta.logits_indices[rows]])  # [B', V]
+            out = self.sampler(logits, [(items[i].seq.request_id, items[i].seq.params) for i in rows])
+        sampled = out.token_ids.tolist()  # the step's one host sync
+        want_lp = out.logprobs is not None
+        if want_lp:
+            lp, top_ids, top_lp = out.logprobs.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+        for j, i in enumerate(rows):
+            tokens[i] = sampled[j]
+            n = items[i].seq.params.logprobs
+            if want_lp and n is not None:
+                lps[i] = TokenLogprob(sampled[j], lp[j], list(zip(top_ids[j][:n], top_lp[j][:n])))
+        return tokens, lps

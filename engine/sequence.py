@@ -1,0 +1,66 @@
+"""A sequence: one request's tokens, pages and progress through the engine.
+
+Lifecycle: WAITING (no KV) -> RUNNING (prefill chunks, then one token per step) -> FINISHED.
+A decode worker also admits sequences whose KV arrives from a prefill worker: TRANSFERRING (pages
+reserved, KV being written by the peer) -> RUNNING. Preemption frees the pages and sends a RUNNING
+sequence back to WAITING with num_cached = 0: its prompt and generated tokens are recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.sampling import SamplingParams
+from model.kv_cache import SeqPages
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # a stop token
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled or failed
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    pages: SeqPages = field(default_factory=SeqPages)
+    num_cached: int = 0  # tokens whose K/V is in this engine's cache
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncached(self) -> int:
+        return self.num_tokens - self.num_cached
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
