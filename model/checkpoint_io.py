@@ -61,7 +61,7 @@ class _ShardWriter:
         (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _write_configs(out: Path, cfg: GptOssConfig) -> None:
+def write_configs(out: Path, cfg: GptOssConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
     gen = dict(GENERATION_CONFIG, eos_token_id=list(cfg.eos_token_ids), pad_token_id=cfg.pad_token_id)
@@ -73,7 +73,7 @@ def write_random_checkpoint(cfg: GptOssConfig, out: str | Path, *, seed: int = 0
     """A random checkpoint in the exact HF layout (MXFP4 experts), deterministic from `seed`."""
     out = Path(out)
     cfg = dataclasses.replace(cfg, quant_method="mxfp4")
-    _write_configs(out, cfg)
+    write_configs(out, cfg)
     src = RandomSource(cfg, seed)
     w = _ShardWriter(out, max_shard_bytes)
     for name in tqdm(src.names(), desc="writing", disable=not progress):
@@ -92,7 +92,7 @@ def convert_to_fp8(src: TensorSource, out: str | Path, *, progress: bool = True,
     if cfg.quant_method not in ("mxfp4", "none"):
         raise CheckpointError(f"cannot convert a {cfg.quant_method!r} checkpoint to FP8 (need mxfp4 or none)")
     out = Path(out)
-    _write_configs(out, dataclasses.replace(cfg, quant_method="fp8"))
+    write_configs(out, dataclasses.replace(cfg, quant_method="fp8"))
     stats = {"experts": Fp8ConversionStats(), "attention": Fp8ConversionStats()}
     w = _ShardWriter(out, max_shard_bytes)
     names = src.names()

@@ -83,6 +83,9 @@ def plan_kv_cache(cfg: GptOssConfig, budget_bytes: int, *, page_size: int = 16, 
     sliding_pages = max_num_seqs * spec0.ring_pages if cfg.sliding_layers else 0
     if sliding_pages:  # never more than half the budget: admission also checks sliding pages
         sliding_pages = min(sliding_pages, budget_bytes // 2 // spec0.page_bytes(PageGroup.SLIDING))
+    if cfg.sliding_layers and sliding_pages < spec0.ring_pages:
+        raise ConfigError(f"KV budget of {budget_bytes} bytes cannot hold one sliding-window ring "
+                          f"({spec0.ring_pages} pages of {spec0.page_bytes(PageGroup.SLIDING)} bytes)")
     rest = budget_bytes - sliding_pages * spec0.page_bytes(PageGroup.SLIDING)
     full_bytes = spec0.page_bytes(PageGroup.FULL)
     full_pages = rest // full_bytes if full_bytes else 0

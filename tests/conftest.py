@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny checkpoints written once per session in the exact HF layout, and the HF
+transformers reference model loaded from the same files."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", message=".*MXFP4.*")
+
+
+@pytest.fixture(scope="session")
+def ckpt_factory(tmp_path_factory):
+    from model.checkpoint_io import write_random_checkpoint
+    from model.config import preset
+
+    made: dict[tuple[str, int], str] = {}
+
+    def make(name: str, seed: int = 0) -> str:
+        key = (name, seed)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"ckpt-{name}-{seed}")
+            made[key] = str(write_random_checkpoint(preset(name), out, seed=seed))
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_factory():
+    """HF GptOssForCausalLM (eager attention, fp32, MXFP4 dequantised) from a checkpoint dir."""
+    import torch
+    from transformers import GptOssForCausalLM, Mxfp4Config
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    cache = {}
+
+    def load(path: str):
+        if path not in cache:
+            cache[path] = GptOssForCausalLM.from_pretrained(
+                path, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True),
+                attn_implementation="eager").eval()
+        return cache[path]
+
+    return load

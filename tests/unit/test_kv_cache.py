@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from common.errors import ConfigError
+from model.config import preset
+from model.context import SeqStep, build_step_meta
+from model.kv_cache import KVManager, OutOfPages, PageAllocator, PageGroup, SeqPages, plan_kv_cache
+
+
+def test_allocator_refcounts_and_leak_check():
+    a = PageAllocator(4)
+    p = a.allocate(3)
+    a.incref(p[:1])
+    a.free(p)
+    assert a.num_free == 3
+    with pytest.raises(AssertionError, match="leaked"):
+        a.assert_all_free()
+    a.free(p[:1])
+    a.assert_all_free()
+    with pytest.raises(OutOfPages):
+        a.allocate(5)
+    with pytest.raises(AssertionError, match="double free"):
+        a.free([0])
+
+
+def test_plan_splits_budget_and_refuses_tiny_budgets():
+    cfg = preset("gpt-oss-120b")
+    spec = plan_kv_cache(cfg, 40 << 30, page_size=16, max_num_seqs=128)
+    assert spec.ring_pages == 9 and spec.num_pages[PageGroup.SLIDING] == 128 * 9
+    assert spec.total_bytes() <= 40 << 30
+    # 18 full layers x 8 heads x 64 x 2 (K,V) x 2 bytes = 36 KiB per token for the full group
+    assert spec.page_bytes(PageGroup.FULL) == 18 * 2 * 8 * 16 * 64 * 2
+    with pytest.raises(ConfigError):
+        plan_kv_cache(cfg, 1 << 20, page_size=16)
+    with pytest.raises(ConfigError, match="KV heads"):
+        plan_kv_cache(cfg, 40 << 30, tp_size=3)
+
+
+def test_ring_slots_never_collide_within_the_window():
+    cfg = preset("tiny")  # window 128
+    spec = plan_kv_cache(cfg, 8 << 20, page_size=16, max_num_seqs=2, dtype=torch.float32)
+    kv, pages = KVManager(spec), SeqPages()
+    pos = 0
+    for q in [100, 1, 37, 1, 1, 200, 1, 1, 5, 1]:
+        kv.grow(pages, pos + q)
+        assert len(pages.ring) <= spec.ring_pages
+        meta = build_step_meta([SeqStep(pages, pos, q)], spec)
+        g = meta.groups[PageGroup.SLIDING]
+        stored = [s for s in g.slot_mapping.tolist() if s >= 0]
+        assert len(stored) == len(set(stored))
+        if g.pages_hold_all:  # every new token stored; view covers window of the first new token
+            assert len(stored) == q and g.prefix_lens_host[0] <= 127 + 15
+        else:  # only the last W-1 new tokens are kept for later steps
+            assert len(stored) == min(q, 127)
+        pos += q
+    kv.release(pages)
+    kv.assert_all_free()
