@@ -1,0 +1,333 @@
+"""Wire messages of the KV transfer: typed, versioned, size-bounded msgpack.
+
+Every message is a frozen dataclass registered under a KIND number. On the wire it is the msgpack
+array [PROTOCOL_VERSION, KIND, [field values in declaration order]]; `decode` checks the version,
+the kind, every field's type (recursively, from the dataclass annotations) and then the message's
+own `validate()`, so nothing untyped crosses a process boundary.
+
+Who sends what (D = decode rank's side channel, P = a prefill rank, N = NIXL notification):
+  P -> D  HandshakeRequest        D -> P  Handshake      (once per decode epoch; cached by P)
+  P -> D  Claim                   D -> P  ClaimReply     (before P writes anything for a request)
+  P -> D  (N, attached to each layer's WRITE) LayerDone  (delivered after that layer's data)
+  P -> D  Ended                                          (P will write no more for the request)
+  D -> P  Cancel                                         (decode failed/aborted the request)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import types
+import typing
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+import torch
+
+from common.errors import ProtocolError
+from model.kv_cache import KVCacheSpec
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 4 << 20  # a 128k-token request names ~8k pages (~40 KB); metadata is KBs
+MAX_ID_CHARS = 256
+# The pool layout both sides must share: per group [layers, K/V, pages, KV heads, page tokens, head dim].
+KV_LAYOUT = "L,2,NP,Hkv,P,D"
+
+M = TypeVar("M", bound="Message")
+_REGISTRY: dict[int, type[Message]] = {}
+
+
+class FailureReason(IntEnum):
+    DEADLINE = 1
+    EPOCH_MISMATCH = 2  # a restarted worker: what its predecessor promised is void
+    PEER_DEAD = 3  # the transport reports the peer gone (or a transport error)
+    HANDSHAKE_MISMATCH = 4  # incompatible layout, model, dtype, TP split or protocol version
+    ABORTED = 5  # cancelled by either side's owner
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class Message:
+    __slots__ = ()
+    KIND: ClassVar[int]
+
+    def validate(self) -> None:
+        """Semantic checks after the type check; raise ProtocolError."""
+
+
+def _register(kind: int):  # noqa: ANN202 - class decorator
+    def wrap(cls: type[M]) -> type[M]:
+        assert kind not in _REGISTRY, f"duplicate message kind {kind}"
+        cls.KIND = kind
+        _REGISTRY[kind] = cls
+        return cls
+    return wrap
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ProtocolError(msg)
+
+
+def _check_id(name: str, value: str) -> None:
+    _need(0 < len(value) <= MAX_ID_CHARS, f"{name} must have 1..{MAX_ID_CHARS} characters")
+
+
+# ---- messages ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class KVCompat(Message):
+    """What two workers must agree on before one writes into the other's pages."""
+
+    model_name: str
+    dtype: str
+    page_size: int
+    sliding_window: int
+    layout: str
+    head_dim: int
+    total_num_kv_heads: int
+    full_layers: tuple[int, ...]
+    sliding_layers: tuple[int, ...]
+
+    @classmethod
+    def from_spec(cls, spec: KVCacheSpec, model_name: str, tp_size: int) -> KVCompat:
+        return cls(model_name, dtype_name(spec.dtype), spec.page_size, spec.sliding_window,
+                   KV_LAYOUT, spec.head_dim, spec.num_kv_heads * tp_size, spec.full_layers, spec.sliding_layers)
+
+    def digest(self) -> str:
+        return hashlib.sha256(msgpack.packb(_to_wire(self), use_bin_type=True)).hexdigest()[:32]
+
+    def diff(self, other: KVCompat) -> list[str]:
+        return [f"{f.name}: {getattr(self, f.name)!r} here vs {getattr(other, f.name)!r} at the peer"
+                for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLayout(Message):
+    """One registered pool tensor [L_g, 2, NP_g, Hkv, P, D] of one decode rank."""
+
+    group: int  # model.kv_cache.PageGroup
+    base_addr: int
+    nbytes: int
+    device_id: int
+    num_pages: int
+
+
+@_register(2)
+@dataclass(frozen=True, slots=True)
+class HandshakeRequest(Message):
+    requester: str  # agent name, for logs
+
+
+@_register(3)
+@dataclass(frozen=True, slots=True)
+class Handshake(Message):
+    """A decode rank's answer: how to reach its NIXL agent and where its pages live."""
+
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    epoch: int
+    tp_rank: int
+    tp_size: int
+    mem_type: str  # "DRAM" | "VRAM"
+    num_kv_heads: int  # on this rank
+    pools: tuple[PoolLayout, ...]
+    compat: KVCompat
+    compat_hash: str
+
+    def validate(self) -> None:
+        _check_id("agent_name", self.agent_name)
+        _need(0 <= self.tp_rank < self.tp_size, f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        _need(self.mem_type in ("DRAM", "VRAM"), f"unknown mem_type {self.mem_type!r}")
+        _need(self.compat_hash == self.compat.digest(), "compat_hash does not match the compat fields")
+        _need(self.num_kv_heads * self.tp_size == self.compat.total_num_kv_heads, "KV heads do not add up")
+        _need(len({p.group for p in self.pools}) == len(self.pools), "duplicate pool groups")
+
+    def pool(self, group: int) -> PoolLayout:
+        for p in self.pools:
+            if p.group == group:
+                return p
+        raise ProtocolError(f"decode rank {self.tp_rank} registered no pool for page group {group}")
+
+
+@_register(4)
+@dataclass(frozen=True, slots=True)
+class TransferRequest(Message):
+    """Decode's promise: pages reserved for `request_id`, valid for `decode_epoch` until the deadline."""
+
+    request_id: str
+    decode_engine_id: str
+    decode_epoch: int
+    decode_endpoints: tuple[str, ...]  # side channel of every decode TP rank, in rank order
+    full_pages: tuple[int, ...]  # logical order
+    ring_pages: tuple[int, ...]  # sliding ring; logical page j lives in ring[j % R]
+    num_tokens: int
+    deadline_unix: float  # wall clock; each side converts it to its monotonic clock on receipt
+
+    def validate(self) -> None:
+        _check_id("request_id", self.request_id)
+        _need(len(self.decode_endpoints) > 0, "no decode endpoints")
+        _need(self.num_tokens > 0, "num_tokens must be > 0")
+        _need(math.isfinite(self.deadline_unix), "deadline must be finite")
+        _need(all(p >= 0 for p in self.full_pages) and all(p >= 0 for p in self.ring_pages),
+              "page ids must be >= 0")
+
+    @property
+    def decode_tp_size(self) -> int:
+        return len(self.decode_endpoints)
+
+
+@_register(5)
+@dataclass(frozen=True, slots=True)
+class Claim(Message):
+    """A prefill rank announces it will write `request_id` (nothing is written before acceptance)."""
+
+    request_id: str
+    decode_epoch: int
+    sender_agent: str
+    sender_engine_id: str
+    sender_epoch: int
+    sender_rank: int
+    sender_tp: int
+    sender_metadata: bytes  # NIXL metadata, so decode can probe whether the sender is alive
+    compat: KVCompat
+
+    def validate(self) -> None:
+        _check_id("request_id", self.request_id)
+        _check_id("sender_agent", self.sender_agent)
+        _need(0 <= self.sender_rank < self.sender_tp, "sender_rank outside sender_tp")
+
+
+@_register(6)
+@dataclass(frozen=True, slots=True)
+class ClaimReply(Message):
+    request_id: str
+    accepted: bool
+    retry: bool  # decode has not registered the request yet (its TP ranks expect in lockstep)
+    reason: FailureReason | None
+    detail: str
+
+
+@_register(7)
+@dataclass(frozen=True, slots=True)
+class LayerDone(Message):
+    """Attached to one layer's WRITE as its NIXL notification, so it arrives after the data."""
+
+    request_id: str
+    decode_epoch: int
+    sender_rank: int
+    layer: int
+    num_bytes: int
+
+
+@_register(8)
+@dataclass(frozen=True, slots=True)
+class Ended(Message):
+    """The sender has no write in flight and will post none: its claim on the pages is over."""
+
+    request_id: str
+    decode_epoch: int
+    sender_agent: str
+    sender_rank: int
+    ok: bool
+    reason: FailureReason | None
+    detail: str
+
+
+@_register(9)
+@dataclass(frozen=True, slots=True)
+class Cancel(Message):
+    request_id: str
+    decode_epoch: int
+    reason: FailureReason
+    detail: str
+
+
+# ---- codec ---------------------------------------------------------------------------------------
+def encode(msg: Message) -> bytes:
+    data = msgpack.packb([PROTOCOL_VERSION, msg.KIND, _to_wire(msg)], use_bin_type=True)
+    _need(len(data) <= MAX_MESSAGE_BYTES, f"{type(msg).__name__} is {len(data)} bytes > {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def decode(data: bytes, *expected: type[M]) -> M:
+    """Bytes -> a validated message of one of the `expected` classes (any registered one if none)."""
+    _need(len(data) <= MAX_MESSAGE_BYTES, f"message of {len(data)} bytes > {MAX_MESSAGE_BYTES}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, use_list=True)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise ProtocolError(f"malformed msgpack: {e}") from e
+    _need(isinstance(obj, list) and len(obj) == 3, "envelope must be [version, kind, body]")
+    version, kind, body = obj
+    _need(version == PROTOCOL_VERSION, f"protocol version {version!r}, this side speaks {PROTOCOL_VERSION}")
+    cls = _REGISTRY.get(kind) if isinstance(kind, int) else None
+    _need(cls is not None, f"unknown message kind {kind!r}")
+    assert cls is not None
+    _need(not expected or cls in expected,
+          f"got {cls.__name__}, expected one of {[c.__name__ for c in expected]}")
+    msg = _from_wire(cls, body, cls.__name__)
+    msg.validate()
+    return msg  # type: ignore[return-value]
+
+
+def _to_wire(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [_to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)]
+    if isinstance(value, tuple):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, IntEnum):
+        return int(value)
+    assert value is None or isinstance(value, (int, float, str, bytes, bool)), f"unencodable {type(value)}"
+    return value
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _from_wire(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            _need(type(None) in args, f"{path}: null not allowed")
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _from_wire(inner, value, path)
+    if origin is tuple:
+        elem, ellipsis = typing.get_args(tp)
+        assert ellipsis is Ellipsis, "only homogeneous tuple[X, ...] fields are supported"
+        _need(isinstance(value, list), f"{path}: expected a list, got {type(value).__name__}")
+        return tuple(_from_wire(elem, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        hints = _HINTS.get(tp) or _HINTS.setdefault(tp, typing.get_type_hints(tp))
+        fields = dataclasses.fields(tp)
+        _need(isinstance(value, list) and len(value) == len(fields),
+              f"{path}: expected {len(fields)} fields, got {value!r:.80}")
+        return tp(**{f.name: _from_wire(hints[f.name], v, f"{path}.{f.name}") for f, v in zip(fields, value)})
+    if isinstance(tp, type) and issubclass(tp, IntEnum):
+        _need(isinstance(value, int) and not isinstance(value, bool), f"{path}: expected an enum value")
+        try:
+            return tp(value)
+        except ValueError as e:
+            raise ProtocolError(f"{path}: {e}") from e
+    if tp is bool:
+        _need(isinstance(value, bool), f"{path}: expected bool, got {type(value).__name__}")
+    elif tp is int:
+        _need(isinstance(value, int) and not isinstance(value, bool), f"{path}: expected int, got {value!r:.40}")
+    elif tp is float:
+        _need(isinstance(value, (int, float)) and not isinstance(value, bool), f"{path}: expected a number")
+        return float(value)
+    elif tp in (str, bytes):
+        _need(isinstance(value, tp), f"{path}: expected {tp.__name__}, got {type(value).__name__}")
+    else:
+        raise AssertionError(f"unsupported field type {tp!r} at {path}")
+    return value
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
