@@ -26,50 +26,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from openai_harmony import (
-    Author,
-    Conversation,
-    DeveloperContent,
-    HarmonyEncoding,
-    HarmonyError,
-    Message,
-    ReasoningEffort,
-    Role,
-    StreamableParser,
-    StreamState,
-    SystemContent,
-    TextContent,
-    ToolDescription,
-)
+from openai_harmony import (Author, Conversation, DeveloperContent, HarmonyEncoding, HarmonyError,
+                            Message, ReasoningEffort, Role, StreamableParser, StreamState,
+                            SystemContent, TextContent, ToolDescription)
 
 from common.errors import InvalidRequest
-from router.chat_types import (
-    TOOL_NAME_PATTERN,
-    ChatFormat,
-    ChatMessage,
-    ChatPrompt,
-    Delta,
-    DeltaKind,
-    FinishReason,
-    NamedToolChoice,
-    ParsedCompletion,
-    StreamParser,
-    ToolCall,
-    ToolDef,
-)
-from router.tokenizer import (
-    ASSISTANT_STOP_TOKEN_IDS,
-    CALL,
-    CHANNEL,
-    CONSTRAIN,
-    FIRST_SPECIAL_ID,
-    MESSAGE,
-    START,
-    IncrementalDetokenizer,
-    Tokenizer,
-    in_vocab,
-    load_encoding,
-)
+from router.chat_types import (TOOL_NAME_PATTERN, ChatFormat, ChatMessage, ChatPrompt, Delta,
+                               DeltaKind, FinishReason, NamedToolChoice, ParsedCompletion,
+                               StreamParser, ToolCall, ToolDef)
+from router.tokenizer import (ASSISTANT_STOP_TOKEN_IDS, CALL, CHANNEL, CONSTRAIN, FIRST_SPECIAL_ID,
+                              MESSAGE, START, IncrementalDetokenizer, Tokenizer, in_vocab,
+                              load_encoding)
 
 __all__ = ["ChatFormat", "StreamParser", "HarmonyFormat", "HarmonyStreamParser"]
 
