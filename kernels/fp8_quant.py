@@ -1,0 +1,101 @@
+"""FP8 e4m3 activation quantisation, 1x128 per token (the DeepSeek recipe), in Triton.
+
+Role: turn a [M, K] bf16/fp32 activation into (e4m3 [M, Kp], fp32 scales) with x ~= q * scale per
+1x128 group, the layout each FP8 GEMM backend reads without a further copy:
+
+  * scales are written M-major: a [ceil(K/128), M_al] contiguous buffer returned as its transposed
+    view [M, ceil(K/128)] with strides (1, M_al). torch._scaled_mm wants M_al == M exactly;
+    DeepGEMM wants M_al a multiple of 4 (16-byte TMA rows); our Triton GEMMs take any strides.
+  * K need not be a multiple of 128 (hidden 2880 = 22.5 x 128): the last group is partial and its
+    missing columns count as zeros. `k_pad` widens q with zero columns for backends that need an
+    aligned K; the scale count ceil(K/128) does not change.
+
+Same arithmetic as `reference.quantize_fp8_per_token`: scale = max(amax, 1e-12) / 448, q =
+RTNE(x / scale) saturated to +-448. `round_e4m3` rounds on the e4m3 grid in fp32 first, so the
+final cast is exact: the same code gives bit-identical results compiled (cvt.rn) and under
+TRITON_INTERPRET (whose fp32->fp8 cast mis-rounds values that carry into the next binade).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import BLOCK, FP8_MAX
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@triton.jit
+def round_e4m3(v):
+    """fp32 -> fp32 holding the nearest e4m3 value (ties to even), saturated to +-448."""
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    bits = v.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    # e4m3 keeps 3 mantissa bits; below 2^-6 the grid is the subnormal step 2^-9.
+    ue = tl.maximum(e, -6) - 3
+    ulp = ((ue + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - ue) << 23).to(tl.float32, bitcast=True)
+    t = tl.abs(v) * inv_ulp  # exact (power-of-two scaling), t < 16
+    r = tl.floor(t + 0.5)
+    tie_to_odd = ((r - t) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) == 1.0)
+    r = tl.where(tie_to_odd, r - 1.0, r)
+    return tl.where(v < 0, -r, r) * ulp
+
+
+@triton.jit
+def quantize_tile(x, valid_cols, FP8_MAX_C: tl.constexpr):
+    """x [R, G] fp32 (one 1x128 group per row, invalid columns already 0) -> (q fp32 on the e4m3
+    grid [R, G], scale [R])."""
+    amax = tl.max(tl.abs(x), axis=1)
+    amax = tl.maximum(amax, 1e-12)
+    scale = tl.math.div_rn(amax, FP8_MAX_C)
+    q = round_e4m3(tl.math.div_rn(x, scale[:, None]))
+    q = tl.where(valid_cols, q, 0.0)
+    return q, scale
+
+
+@triton.jit
+def _quant_1x128_kernel(x_ptr, q_ptr, s_ptr, M, K, KP, stride_xm, stride_qm, stride_sk,
+                        BLOCK_M: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr):
+    pid_m = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    cols = kb * GROUP + tl.arange(0, GROUP)  # [G]
+    rmask = rows < M
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
+                mask=rmask[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
+    q, scale = quantize_tile(x, (cols < K)[None, :], FP8_MAX_C)
+    # Columns in [K, KP) are the zero padding some backends need.
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (cols < KP)[None, :])
+    tl.store(s_ptr + kb * stride_sk + rows, scale, mask=rmask)
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def quantize_act_1x128(x: torch.Tensor, *, k_pad: int | None = None, m_align: int = 1
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q e4m3 [M, Kp], scale fp32 [M, ceil(Kp/128)] with strides (1, M_al)).
+
+    Kp = K rounded up to `k_pad` (zero columns) or K; M_al = M rounded up to `m_align`. Groups made
+    only of padding get q = 0 and the floor scale 1e-12/448.
+    """
+    assert x.dim() == 2, "quantize_act_1x128 takes [M, K]"
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    kp = _round_up(k, k_pad) if k_pad else k
+    kb = -(-kp // BLOCK)  # == ceil(K/128) unless k_pad adds whole zero groups (their scale is tiny)
+    m_al = _round_up(max(m, 1), m_align)
+    q = torch.empty(m, kp, dtype=FP8_DTYPE, device=x.device)
+    s_buf = torch.empty(kb, m_al, dtype=torch.float32, device=x.device)  # [KB, M_al]
+    if m > 0:
+        block_m = 16 if m >= 16 else triton.next_power_of_2(m)
+        grid = (triton.cdiv(m, block_m), kb)
+        _quant_1x128_kernel[grid](x, q, s_buf, m, k, kp, x.stride(0), q.stride(0), s_buf.stride(0),
+                                  BLOCK_M=block_m, GROUP=BLOCK, FP8_MAX_C=FP8_MAX, num_warps=4)
+    return q, s_buf[:, :m].t()

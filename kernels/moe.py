@@ -1,0 +1,263 @@
+"""The gpt-oss MoE layer in Triton (MoEImpl): routing, grouped expert GEMMs, combine.
+
+Steps (MODEL_SPEC §1.2, §6), one launch each, no host sync (CUDA-graph capturable):
+  1. route     logits [T, E] -> top-k + softmax over the k (moe_align.route_topk_softmax)
+  2. group     (token, slot) pairs -> rows grouped by local expert, padded to BLOCK_M; pairs routed
+               to experts another EP rank owns are dropped (moe_align.align_by_expert)
+  3. quantise  x -> e4m3 1x128 per token, once per token (FP8 weights only)
+  4. gate_up   act = SwiGLU(x W1[e]^T + b1[e]) per row tile of one expert. The accumulator starts
+               at b1; gate/up rows of W1 are interleaved, so (gate_i, up_i) are adjacent output
+               columns and the clamped SwiGLU runs in the epilogue on column pairs. With FP8 and
+               256-wide tiles each tile holds exactly one 1x128 group of act, so its re-quantisation
+               is fused too; other tile widths write act in x.dtype and run step 3 on it.
+  5. down      y = (act W2[e]^T + b2[e]) rounded to x.dtype, times the routing weight (reference
+               rounding points), written per pair
+  6. combine   out[t] = sum over local slots of y[t, j], in fp32
+
+Two regimes share the code and differ by tile table (kernels/tuning, by routed rows per expert):
+prefill (thousands of tokens, compute-bound: 128-row tiles, grouped tile order for L2 reuse) and
+decode (1..128 tokens, bandwidth-bound: 16-row tiles; only tiles of experts that received tokens
+run, so only the selected experts' weights are read). Native (bf16/fp32) weights use the same
+kernels without scales. Shapes: T tokens, H hidden, E experts (El local), I intermediate per rank,
+P = T * top_k pairs, R = row capacity of the grouping.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8_gemm import grouped_tile, scaled_dot_step
+from kernels.fp8_quant import FP8_DTYPE, quantize_act_1x128, quantize_tile
+from kernels.interface import ExpertWeights
+from kernels.moe_align import ExpertGrouping, align_by_expert, route_topk_softmax
+from kernels.reference import BLOCK, FP8_MAX
+from kernels.tuning import MoEConfig, TileConfig, moe_config
+
+
+@triton.jit
+def native_dot(a, b, acc, DOT_F32: tl.constexpr):
+    if DOT_F32:  # CPU interpreter only: its bf16 dot multiplies the raw uint16 storage
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, stride_ask, stride_bsk,
+                FP8: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc [BM, BN] += A [BM, K] . B [K, BN], FP8 with per-block scales or native."""
+    k_full = (K // BLOCK_K) * BLOCK_K
+    for k0 in range(0, k_full, BLOCK_K):
+        if FP8:
+            acc = scaled_dot_step(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k0, K, stride_ask, stride_bsk,
+                                  BLOCK_K, False, SCALE_K)
+        else:
+            acc = native_dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, DOT_F32)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if k_full < K:  # 2880 = 22.5 x 128
+        if FP8:
+            acc = scaled_dot_step(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_full, K, stride_ask,
+                                  stride_bsk, BLOCK_K, True, SCALE_K)
+        else:
+            kmask = tl.arange(0, BLOCK_K) < K - k_full
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+            acc = native_dot(a, b, acc, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, acts_ptr,
+                    sorted_ptr, block_expert_ptr, num_rows_ptr,
+                    N, K, I, num_pairs, max_blocks, alpha, limit,
+                    stride_xt, stride_xst, stride_xsk, stride_we, stride_wn, stride_wse, stride_wsn,
+                    stride_wsk, stride_be, stride_am, stride_ask,
+                    TOP_K: tl.constexpr, FP8: tl.constexpr, QUANT_OUT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, SCALE_K: tl.constexpr, FP8_MAX_C: tl.constexpr,
+                    DOT_F32: tl.constexpr):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), max_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return  # beyond the rows in use: experts without tokens cost nothing
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] grouped rows
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    tok = tl.where(valid, pair // TOP_K, 0)  # padding rows read token 0, never stored
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = offs_n % N  # N = 2I is even, so wrapped columns keep (gate, up) pairs together
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # [BM, BK] gathered tokens
+    b_ptrs = w_ptr + e * stride_we + rn[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    as_ptrs = xs_ptr + tok * stride_xst
+    bs_ptrs = ws_ptr + e * stride_wse + (rn // SCALE_K) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc += tl.load(b_ptr + e * stride_be + rn).to(tl.float32)[None, :]  # start at b1
+    acc = expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, stride_xsk, stride_wsk,
+                      FP8, BLOCK_K, SCALE_K, DOT_F32)
+    # Clamped SwiGLU on interleaved columns: 2i = gate_i, 2i+1 = up_i.
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))  # [BM, BN/2] each
+    gate = tl.minimum(gate, limit)  # from above only
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    act = gate * tl.sigmoid(gate * alpha) * (up + 1.0)
+    offs_i = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    imask = offs_i < I
+    out_ptrs = act_ptr + rows[:, None] * stride_am + offs_i[None, :]
+    smask = valid[:, None] & imask[None, :]
+    if QUANT_OUT:  # BLOCK_N // 2 == 128: this tile is exactly 1x128 group pid_n of each row
+        q, scale = quantize_tile(tl.where(imask[None, :], act, 0.0), imask[None, :], FP8_MAX_C)
+        tl.store(out_ptrs, q.to(act_ptr.dtype.element_ty), mask=smask)
+        tl.store(acts_ptr + pid_n * stride_ask + rows, scale, mask=valid)
+    else:
+        tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=smask)
+
+
+@triton.jit
+def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, rw_ptr, y_ptr,
+                 sorted_ptr, block_expert_ptr, num_rows_ptr, N, K, num_pairs, max_blocks,
+                 stride_am, stride_asm, stride_ask, stride_we, stride_wn, stride_wse, stride_wsn,
+                 stride_wsk, stride_be, stride_ym,
+                 FP8: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 SCALE_K: tl.constexpr, OUT_ROUND: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), max_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]  # act rows are already grouped
+    b_ptrs = w_ptr + e * stride_we + rn[None, :] * stride_wn + offs_k[:, None]
+    as_ptrs = as_ptr + rows * stride_asm
+    bs_ptrs = ws_ptr + e * stride_wse + (rn // SCALE_K) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_BIAS:  # b2: one EP rank (or TP rank 0) adds it, inside the routing weight
+        acc += tl.load(b_ptr + e * stride_be + rn).to(tl.float32)[None, :]
+    acc = expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, stride_ask, stride_wsk,
+                      FP8, BLOCK_K, SCALE_K, DOT_F32)
+    wgt = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)  # [BM] routing weight
+    y = acc.to(OUT_ROUND).to(tl.float32) * wgt[:, None]  # reference: bf16 linear, then * weight
+    tl.store(y_ptr + pair[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=valid[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, H, expert_start, num_local, stride_ym, stride_ot,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + j) - expert_start
+        if (e >= 0) & (e < num_local):  # slots routed to another rank's experts add nothing here
+            acc += tl.load(y_ptr + (t * TOP_K + j) * stride_ym + offs, mask=hmask).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _launch_cfg(cfg: TileConfig, device: torch.device) -> dict[str, int]:
+    # Triton on CPU tensors means TRITON_INTERPRET, whose bf16 tl.dot is wrong: upcast there only.
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, DOT_F32=device.type == "cpu")
+
+
+def gate_up(x: torch.Tensor, xs: torch.Tensor | None, w: ExpertWeights, g: ExpertGrouping, top_k: int,
+            cfg: TileConfig, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, H] (e4m3 with xs [T, KB], or native) -> act [R, I] in grouped row order (+ act scales
+    [R, I/128] with strides (1, R) when re-quantisation is fused)."""
+    fp8 = w.w1_scale is not None
+    n, k = w.w1.shape[1], w.w1.shape[2]
+    i = n // 2
+    rows = g.sorted_pairs.shape[0]
+    quant_out = fp8 and cfg.block_n == 2 * BLOCK
+    act = torch.empty(rows, i, dtype=FP8_DTYPE if quant_out else act_dtype, device=x.device)
+    acts_buf = torch.empty(-(-i // BLOCK), rows, dtype=torch.float32, device=x.device) if quant_out else None
+    xs_ = xs if xs is not None else x  # unused pointer when not FP8
+    ws = w.w1_scale if fp8 else w.w1
+    acts_arg = acts_buf if acts_buf is not None else act
+    grid = (g.max_blocks * triton.cdiv(n, cfg.block_n),)
+    _gate_up_kernel[grid](
+        x, xs_, w.w1, ws, w.b1, act, acts_arg, g.sorted_pairs, g.block_expert, g.num_rows,
+        n, k, i, g.num_pairs, g.max_blocks, float(w.alpha), float(w.limit),
+        x.stride(0), xs_.stride(0), xs_.stride(1) if xs is not None else 0,
+        w.w1.stride(0), w.w1.stride(1), ws.stride(0), ws.stride(1) if fp8 else 0,
+        ws.stride(2) if fp8 else 0, w.b1.stride(0), act.stride(0), acts_arg.stride(0),
+        TOP_K=top_k, FP8=fp8, QUANT_OUT=quant_out, SCALE_K=BLOCK, FP8_MAX_C=FP8_MAX, **_launch_cfg(cfg, x.device))
+    return act, (acts_buf.t() if acts_buf is not None else None)
+
+
+def down(act: torch.Tensor, acts: torch.Tensor | None, w: ExpertWeights, g: ExpertGrouping,
+         weights: torch.Tensor, cfg: TileConfig, out_dtype: torch.dtype) -> torch.Tensor:
+    """act [R, I] grouped rows -> y [P, H] per pair: (act W2^T + b2) * routing weight."""
+    fp8 = w.w2_scale is not None
+    n, k = w.w2.shape[1], w.w2.shape[2]
+    y_dtype = torch.promote_types(out_dtype, weights.dtype)
+    y = torch.empty(g.num_pairs, n, dtype=y_dtype, device=act.device)
+    ws = w.w2_scale if fp8 else w.w2
+    as_ = acts if acts is not None else act
+    b2 = w.b2 if w.b2 is not None else w.w2
+    grid = (g.max_blocks * triton.cdiv(n, cfg.block_n),)
+    _down_kernel[grid](
+        act, as_, w.w2, ws, b2, weights, y, g.sorted_pairs, g.block_expert, g.num_rows,
+        n, k, g.num_pairs, g.max_blocks,
+        act.stride(0), as_.stride(0), as_.stride(1) if fp8 else 0,
+        w.w2.stride(0), w.w2.stride(1), ws.stride(0), ws.stride(1) if fp8 else 0,
+        ws.stride(2) if fp8 else 0, b2.stride(0), y.stride(0),
+        FP8=fp8, HAS_BIAS=w.b2 is not None, SCALE_K=BLOCK, OUT_ROUND=_TL_DTYPE[out_dtype],
+        **_launch_cfg(cfg, act.device))
+    return y
+
+
+def combine(y: torch.Tensor, ids: torch.Tensor, w: ExpertWeights, out_dtype: torch.dtype) -> torch.Tensor:
+    t, top_k = ids.shape
+    h = y.shape[1]
+    out = torch.empty(t, h, dtype=out_dtype, device=y.device)
+    block_h = 1024
+    _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, out, h, w.expert_start, w.num_local,
+                                                   y.stride(0), out.stride(0), TOP_K=top_k,
+                                                   BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+class TritonMoE:
+    name = "triton"
+
+    def __init__(self, config: MoEConfig | None = None) -> None:
+        self.config = config  # None: the tuned table by routed rows per expert
+
+    def config_for(self, num_tokens: int, top_k: int, w: ExpertWeights, fp8: bool) -> MoEConfig:
+        if self.config is not None:
+            return self.config
+        rows_per_expert = -(-num_tokens * top_k // w.num_experts)
+        return moe_config(rows_per_expert, w.w1.shape[1], w.w1.shape[2], fp8)
+
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights
+                 ) -> torch.Tensor:
+        t, h = x.shape
+        assert router_logits.shape == (t, w.num_experts), "router logits must be [T, E]"
+        if t == 0:
+            return torch.zeros_like(x)
+        fp8 = w.w1_scale is not None
+        assert (w.w2_scale is not None) == fp8, "w1 and w2 must both be FP8 or both native"
+        cfg = self.config_for(t, top_k, w, fp8)
+        weights, ids = route_topk_softmax(router_logits, top_k)  # [T, k] each
+        g = align_by_expert(ids, w.expert_start, w.num_local, cfg.block_m)
+        if fp8:
+            xq, xs = quantize_act_1x128(x)  # once per token, not per (token, expert) pair
+        else:
+            xq, xs = (x if x.dtype == w.w1.dtype else x.to(w.w1.dtype)), None
+        act_dtype = x.dtype if fp8 else w.w2.dtype  # native: act feeds W2's dot directly
+        act, acts = gate_up(xq, xs, w, g, top_k, cfg.gemm1, act_dtype)  # [R, I]
+        if fp8 and acts is None:  # tile width without fused re-quantisation
+            act, acts = quantize_act_1x128(act)
+        y = down(act, acts, w, g, weights, cfg.gemm2, x.dtype)  # [P, H]
+        return combine(y, ids, w, x.dtype)

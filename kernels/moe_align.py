@@ -1,0 +1,154 @@
+"""MoE routing and token grouping in Triton: the two small kernels in front of the expert GEMMs.
+
+  1. `route_topk_softmax`: router logits [T, E] -> top-k (sorted descending, lowest expert id on
+     ties) -> softmax over the k selected logits, computed in fp32 and stored in the logits dtype
+     (MODEL_SPEC §1.2: the softmax runs in the logits dtype, bf16 in the model). One fused kernel:
+     torch would take topk + softmax + a dtype pass, i.e. three launches per layer at decode.
+  2. `align_by_expert`: (token, slot) pairs -> rows grouped by local expert, each expert's group
+     padded to a multiple of BLOCK_M, so one GEMM tile never mixes experts. Pairs routed to experts
+     outside [expert_start, expert_start + El) (expert parallelism: another rank owns them) are
+     dropped here; experts with no tokens get no tiles. One single-program kernel, no host sync:
+     every buffer has a size bound known from T, so the step is CUDA-graph capturable.
+
+Pair p = t * top_k + j names slot j of token t. Outputs of the grouping:
+  sorted_pairs [max_blocks * BLOCK_M] int32  pair per row; padding rows hold num_pairs
+  block_expert [max_blocks] int32            local expert of each row tile; -1 past the end
+  num_rows     [1] int32                     rows in use (a multiple of BLOCK_M)
+with max_blocks = ceil(P / BLOCK_M) + min(P, El) >= sum_e ceil(count_e / BLOCK_M).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+# ---- top-k + softmax ----------------------------------------------------------------------------
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, TOP_K: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    cols = tl.arange(0, BLOCK_E)  # [BE]
+    rmask = rows < T
+    x0 = tl.load(logits_ptr + rows[:, None] * stride_lt + cols[None, :],
+                 mask=rmask[:, None] & (cols < E)[None, :], other=float("-inf")).to(tl.float32)
+    top = tl.where(rmask, tl.max(x0, axis=1), 0.0)  # [BT]: the largest logit is the softmax shift
+    # Pass 1 sums exp over the k largest; pass 2 repeats the (cheap) selection and stores. Selecting
+    # twice keeps everything in registers (no scratch round trip between threads).
+    x = x0
+    denom = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        v = tl.max(x, axis=1)
+        idx = tl.min(tl.where(x == v[:, None], cols[None, :], BLOCK_E), axis=1)  # lowest id on ties
+        denom += tl.exp(v - top)
+        x = tl.where(cols[None, :] == idx[:, None], float("-inf"), x)
+    x = x0
+    for j in tl.static_range(TOP_K):
+        v = tl.max(x, axis=1)
+        idx = tl.min(tl.where(x == v[:, None], cols[None, :], BLOCK_E), axis=1)
+        tl.store(ids_ptr + rows * TOP_K + j, idx, mask=rmask)
+        tl.store(w_ptr + rows * TOP_K + j, (tl.exp(v - top) / denom).to(w_ptr.dtype.element_ty), mask=rmask)
+        x = tl.where(cols[None, :] == idx[:, None], float("-inf"), x)
+
+
+def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k] in logits.dtype, expert ids [T, k] int32)."""
+    t, e = logits.shape
+    assert 0 < top_k <= e
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    if t > 0:
+        block_e = triton.next_power_of_2(e)
+        block_t = max(1, min(16, 4096 // block_e))
+        _topk_softmax_kernel[(triton.cdiv(t, block_t),)](logits, weights, ids, t, e, logits.stride(0),
+                                                          TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e,
+                                                          num_warps=4)
+    return weights, ids
+
+
+# ---- grouping by expert -------------------------------------------------------------------------
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, cnt_ptr, start_ptr, rank_ptr,
+                  P, expert_start, num_local, max_blocks,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Single program. cnt/start [BLOCK_E] and rank [P] int32 are scratch."""
+    e_off = tl.arange(0, BLOCK_E)
+    c_off = tl.arange(0, CHUNK)
+    tl.store(cnt_ptr + e_off, tl.zeros((BLOCK_E,), dtype=tl.int32))
+    tl.debug_barrier()
+    # 1. count per local expert; the atomic's old value is the pair's rank inside its expert.
+    for p0 in range(0, P, CHUNK):
+        p = p0 + c_off
+        pm = p < P
+        e = tl.load(ids_ptr + p, mask=pm, other=-1) - expert_start
+        ok = pm & (e >= 0) & (e < num_local)
+        r = tl.atomic_add(cnt_ptr + e, 1, mask=ok)
+        tl.store(rank_ptr + p, r, mask=ok)
+    tl.debug_barrier()
+    # 2. padded segment starts (exclusive cumsum) and the expert of every row tile.
+    cnt = tl.load(cnt_ptr + e_off, mask=e_off < num_local, other=0, volatile=True)
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(start_ptr + e_off, ends - padded)
+    total = tl.sum(padded, axis=0)
+    tl.store(num_rows_ptr, total)
+    for b0 in range(0, max_blocks, CHUNK):
+        b = b0 + c_off
+        row = b * BLOCK_M
+        # expert of tile b = number of experts whose padded segment ends at or before its first row
+        owner = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(row < total, owner, -1), mask=b < max_blocks)
+    # 3. padding rows point past the last pair; then 4. scatter each pair to its row.
+    for r0 in range(0, max_blocks * BLOCK_M, CHUNK):
+        r = r0 + c_off
+        tl.store(sorted_ptr + r, tl.zeros((CHUNK,), dtype=tl.int32) + P, mask=r < max_blocks * BLOCK_M)
+    tl.debug_barrier()
+    for p0 in range(0, P, CHUNK):
+        p = p0 + c_off
+        pm = p < P
+        e = tl.load(ids_ptr + p, mask=pm, other=-1) - expert_start
+        ok = pm & (e >= 0) & (e < num_local)
+        dest = tl.load(start_ptr + e, mask=ok, other=0, volatile=True) + \
+            tl.load(rank_ptr + p, mask=ok, other=0, volatile=True)
+        tl.store(sorted_ptr + dest, p, mask=ok)
+
+
+@dataclass(slots=True)
+class ExpertGrouping:
+    sorted_pairs: torch.Tensor  # [max_blocks * BLOCK_M] int32, padding = num_pairs
+    block_expert: torch.Tensor  # [max_blocks] int32, local expert id, -1 = unused tile
+    num_rows: torch.Tensor  # [1] int32
+    block_m: int
+    num_pairs: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_expert.shape[0]
+
+
+def max_row_blocks(num_pairs: int, num_local: int, block_m: int) -> int:
+    return triton.cdiv(num_pairs, block_m) + min(num_pairs, num_local)
+
+
+def align_by_expert(ids: torch.Tensor, expert_start: int, num_local: int, block_m: int
+                    ) -> ExpertGrouping:
+    """ids [T, k] global expert ids -> rows grouped by local expert (see module docstring)."""
+    p = ids.numel()
+    dev = ids.device
+    ids = ids.reshape(-1).to(torch.int32)
+    max_blocks = max(1, max_row_blocks(p, num_local, block_m))
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    block_e = triton.next_power_of_2(max(num_local, 2))
+    scratch = torch.empty(2 * block_e + max(p, 1), dtype=torch.int32, device=dev)
+    cnt, start, rank = scratch[:block_e], scratch[block_e:2 * block_e], scratch[2 * block_e:]
+    _align_kernel[(1,)](ids, sorted_pairs, block_expert, num_rows, cnt, start, rank,
+                        p, expert_start, num_local, max_blocks,
+                        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, num_warps=8)
+    return ExpertGrouping(sorted_pairs, block_expert, num_rows, block_m, p)
