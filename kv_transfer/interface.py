@@ -121,8 +121,13 @@ class KVSender(abc.ABC):
         """Layer `layer` has stored its K/V for every started, still computing request: write it."""
 
     @abc.abstractmethod
+    def progress(self) -> None:
+        """Advance every transfer (also failed ones still draining): call it every loop iteration,
+        even when idle, so decode learns promptly that its quarantined pages are free of us."""
+
+    @abc.abstractmethod
     def poll(self, request_id: str) -> TransferStatus:
-        """Progress all transfers; return this request's status."""
+        """progress(), then this request's status."""
 
     @abc.abstractmethod
     def outcome(self, request_id: str) -> TransferOutcome: ...

@@ -194,9 +194,12 @@ class LoopbackSender(KVSender):
                 tx.computed.append(layer)
                 self._advance(tx)
 
-    def poll(self, request_id: str) -> TransferStatus:
+    def progress(self) -> None:
         for tx in self._txs.values():
             self._advance(tx)
+
+    def poll(self, request_id: str) -> TransferStatus:
+        self.progress()
         return self._txs[request_id].status
 
     def outcome(self, request_id: str) -> TransferOutcome:

@@ -11,6 +11,7 @@ Who sends what (D = decode rank's side channel, P = a prefill rank, N = NIXL not
   P -> D  (N, attached to each layer's WRITE) LayerDone  (delivered after that layer's data)
   P -> D  Ended                                          (P will write no more for the request)
   D -> P  Cancel                                         (decode failed/aborted the request)
+  D -> P  (N) Probe                                      (is a claimant's process still there?)
 """
 
 from __future__ import annotations
@@ -246,6 +247,15 @@ class Cancel(Message):
     decode_epoch: int
     reason: FailureReason
     detail: str
+
+
+@_register(10)
+@dataclass(frozen=True, slots=True)
+class Probe(Message):
+    """Decode -> a claimant, as a NIXL notification: if NIXL cannot deliver it because the remote
+    disconnected, the claimant's epoch is dead. The sender drops it on receipt."""
+
+    decode_epoch: int
 
 
 # ---- codec ---------------------------------------------------------------------------------------
