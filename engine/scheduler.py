@@ -134,13 +134,13 @@ class Scheduler:
             seq.output_ids.append(tok)
             if lp is not None:
                 seq.logprobs.append(lp)
-            reason = self._stop_reason(seq, tok)
+            reason = self.stop_reason(seq, tok)
             if reason is not None:
                 self.finish(seq, reason)
             out.append(seq)
         return out
 
-    def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
+    def stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
         p = seq.params
         n = len(seq.output_ids)
         if n >= p.min_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)):

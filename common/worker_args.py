@@ -1,0 +1,58 @@
+"""Flags shared by `tandem prefill-worker` and `tandem decode-worker` (helm values map onto them)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import uuid
+
+from engine.build import EngineConfig
+from engine.scheduler import SchedulerConfig
+from model.parallel import MoEMode, ParallelConfig
+
+
+def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int) -> None:
+    p.add_argument("--checkpoint", default=None, help="HF-layout directory (default: the embedded tiny model)")
+    p.add_argument("--random-weights", default=None, metavar="PRESET",
+                   help="full-size random weights generated on the device (benchmarks), e.g. gpt-oss-20b")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind the router-facing socket on")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--metrics-port", type=int, default=metrics_port, help="HTTP /health /ready /metrics; 0 = off")
+    p.add_argument("--advertise-host", default=None, help="address peers use to reach this worker (default: --host)")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--fp8", action="store_true")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--moe-mode", choices=["tp", "ep"], default="tp")
+    p.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"])
+    p.add_argument("--linear-backend", default=None, choices=["torch", "scaled_mm", "triton", "deepgemm"])
+    p.add_argument("--moe-backend", default=None, choices=["torch", "triton"])
+    p.add_argument("--kv-backend", default="nixl", choices=["nixl", "loopback", "none"])
+    p.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument("--kv-cache-fraction", type=float, default=0.85)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=131072)
+    p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(a: argparse.Namespace, *, tp_rank: int = 0, group=None) -> EngineConfig:
+    gpu = a.device.startswith("cuda")
+    return EngineConfig(
+        checkpoint=a.checkpoint, random_preset=a.random_weights, device=a.device, fp8=a.fp8,
+        dtype=a.dtype or ("bfloat16" if gpu else "float32"),
+        attention_backend=a.attention_backend or ("flashinfer" if gpu else "torch"),
+        linear_backend=a.linear_backend or ("scaled_mm" if gpu and a.fp8 else "torch"),
+        moe_backend=a.moe_backend or ("triton" if gpu else "torch"),
+        page_size=a.page_size, kv_cache_bytes=int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None,
+        kv_cache_fraction=a.kv_cache_fraction,
+        scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),
+        seed=a.seed, parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group), progress=tp_rank == 0)
+
+
+def worker_id(a: argparse.Namespace, role: str) -> str:
+    return a.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -1,0 +1,113 @@
+"""A worker's network side, on its own thread, so a long forward pass never makes it look dead.
+
+The I/O thread owns the ZMQ ROUTER socket the router talks to. It answers StatusRequest itself from
+the snapshot the worker loop publishes, hands every other message to the loop through `inbox`, and
+sends what the loop puts in the outbox (an inproc PUSH/PULL pair, the thread-safe way into ZMQ).
+
+    io = WorkerIO("tcp://0.0.0.0:7200", status_fn)
+    io.start()
+    for peer, msg in io.drain(timeout_s): ...   # worker loop
+    io.send(peer, TokenChunk(...))
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Callable
+
+import zmq
+
+from common.errors import ProtocolError
+from router.protocol import StatusRequest, WorkerStatus, decode, encode
+
+log = logging.getLogger("tandem.worker.io")
+
+
+class WorkerIO:
+    def __init__(self, bind: str, status_fn: Callable[[], WorkerStatus]) -> None:
+        self.bind, self.status_fn = bind, status_fn
+        self.ctx = zmq.Context.instance()
+        self.inbox: queue.Queue[tuple[bytes, object]] = queue.Queue()
+        self._outbox_addr = f"inproc://outbox-{uuid.uuid4().hex}"
+        self._push = self.ctx.socket(zmq.PUSH)
+        self._push.bind(self._outbox_addr)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
+        self._ready = threading.Event()
+        self._error: Exception | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait(10)
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._push.close(0)
+
+    def send(self, peer: bytes, msg: object) -> None:
+        """Called from the worker loop thread only."""
+        self._push.send_multipart([peer, encode(msg)])
+
+    def drain(self, timeout_s: float) -> list[tuple[bytes, object]]:
+        """Every message that arrived; waits up to timeout_s for the first when there is none."""
+        out = []
+        try:
+            out.append(self.inbox.get(timeout=timeout_s) if timeout_s > 0 else self.inbox.get_nowait())
+        except queue.Empty:
+            return out
+        while True:
+            try:
+                out.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _run(self) -> None:
+        try:
+            router = self.ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished router: drop, don't block
+            router.bind(self.bind)
+            pull = self.ctx.socket(zmq.PULL)
+            pull.connect(self._outbox_addr)
+        except zmq.ZMQError as e:
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(100))
+            if pull in events:
+                while True:
+                    try:
+                        peer, data = pull.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    router.send_multipart([peer, data])
+            if router in events:
+                while True:
+                    try:
+                        peer, data = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except ValueError:  # not [identity, payload]: ignore
+                        continue
+                    try:
+                        msg = decode(data)
+                    except ProtocolError as e:
+                        log.warning("dropping a bad frame: %s", e)
+                        continue
+                    if isinstance(msg, StatusRequest):
+                        router.send_multipart([peer, encode(self.status_fn())])
+                    else:
+                        self.inbox.put((peer, msg))
+        router.close(0)
+        pull.close(0)

@@ -1,0 +1,58 @@
+"""What both worker entry points share: build the engine parts, the KV transfer endpoint, the
+network thread and the health server, then run the role's loop until it drains."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+
+from common.http_health import HealthServer
+from common.worker_args import engine_config
+from common.worker_io import WorkerIO
+from engine.build import EngineParts, build_engine_parts
+from kv_transfer.interface import TransferConfig
+
+log = logging.getLogger("tandem.worker")
+
+
+def model_fingerprint(parts: EngineParts) -> str:
+    """Names the model in the KV compatibility check: same config, same KV meaning."""
+    cfg = parts.model.cfg.to_hf_dict()
+    cfg.pop("quantization_config", None)
+    return "gpt-oss-" + hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_parts(a: argparse.Namespace) -> EngineParts:
+    cfg = engine_config(a)
+    parts = build_engine_parts(cfg)
+    if cfg.attention_backend != "torch":
+        from kernels.selftest import self_test_attention
+
+        self_test_attention(parts.model.backends.attention, cfg.device, parts.model.dtype)
+        log.info("attention self-test passed (%s)", cfg.attention_backend)
+    return parts
+
+
+def transfer_config(a: argparse.Namespace, parts: EngineParts, wid: str) -> TransferConfig:
+    return TransferConfig(engine_id=wid, model_name=model_fingerprint(parts), tp_rank=0, tp_size=a.tp,
+                          host=a.advertise_host or a.host, port=0)
+
+
+def serve(a: argparse.Namespace, server, io_bind: str) -> int:
+    io = WorkerIO(io_bind, server.status)
+    server.io = io
+    io.start()
+    health = HealthServer(a.host, a.metrics_port, server.ready_check) if a.metrics_port else None
+    if health:
+        health.start()
+    server.install_signals()
+    log.info("%s ready on %s (metrics :%s)", server.worker_id, io_bind, health.port if health else "off")
+    try:
+        server.run()
+    finally:
+        io.close()
+        if health:
+            health.close()
+    return 0

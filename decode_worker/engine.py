@@ -1,0 +1,188 @@
+"""DecodeEngine: the engine core plus admission of sequences whose KV a prefill worker pushes.
+
+Request lifecycle on a decode worker:
+  AdmitRequest  -> reserve pages for the prompt now (or Rejected: no room / too long), register
+                   them with the KV receiver, return the TransferRequest bytes (kv_target)
+  StartDecode   -> prompt ids, sampling and the first token arrive (from the router, after prefill)
+  transfer DONE -> the sequence joins continuous batching with num_cached = prompt_len
+  FAILED / deadline / Abort -> the request ends with an error; its pages return to the pool only
+                   when the receiver says no peer can still write into them (fail-closed)
+  GenerateRequest (colocated) -> a normal sequence that prefills here
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from common.errors import InvalidRequest
+from engine.build import EngineParts
+from engine.sampling import SamplingParams
+from engine.sequence import FinishReason, Sequence, SeqStatus, TokenLogprob
+from kv_transfer.interface import KVReceiver, TransferStatus
+from kv_transfer.messages import encode as encode_kv
+from model.kv_cache import SeqPages
+from router.protocol import (
+    AdmitRequest,
+    Admitted,
+    GenerateRequest,
+    Rejected,
+    SamplingSpec,
+    StartDecode,
+    TokenChunk,
+    TopLogprob,
+)
+
+log = logging.getLogger("tandem.decode")
+
+
+def to_params(s: SamplingSpec) -> SamplingParams:
+    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                          logprobs=s.logprobs, min_tokens=s.min_tokens)
+
+
+@dataclass(slots=True)
+class Pending:
+    """Pages reserved, KV on its way. `start` arrives from the router once prefill finished."""
+
+    request_id: str
+    peer: bytes
+    pages: SeqPages
+    prompt_len: int
+    deadline: float
+    start: StartDecode | None = None
+
+
+def chunk_of(seq: Sequence, n_new: int) -> TokenChunk:
+    new = seq.output_ids[-n_new:] if n_new else []
+    lps = seq.logprobs[-n_new:] if (n_new and seq.params.logprobs is not None) else []
+    return TokenChunk(seq.request_id, new, [lp.logprob for lp in lps],
+                      [[TopLogprob(t, v) for t, v in lp.top] for lp in lps], seq.finished,
+                      seq.finish_reason.value if seq.finish_reason else "", "")
+
+
+class DecodeEngine:
+    def __init__(self, parts: EngineParts, receiver: KVReceiver | None) -> None:
+        self.parts, self.rx = parts, receiver
+        self.kv, self.scheduler = parts.kv, parts.scheduler
+        self.pending: dict[str, Pending] = {}
+        self.peers: dict[str, bytes] = {}  # request id -> router socket identity
+        self.seqs: dict[str, Sequence] = {}
+
+    # ---- admission --------------------------------------------------------------------------------
+    def admit(self, peer: bytes, m: AdmitRequest) -> Admitted | Rejected:
+        if self.rx is None:
+            return Rejected(m.request_id, "this decode worker has no KV transfer backend", False)
+        try:
+            self.scheduler.check_fits(m.prompt_len, m.max_tokens)
+        except InvalidRequest as e:
+            return Rejected(m.request_id, e.message, False)
+        pages = SeqPages()
+        full, sliding = self.kv.pages_needed(pages, m.prompt_len + 1)
+        free_full, free_sliding = self.kv.num_free()
+        if full + len(self.scheduler.running) > free_full or sliding > free_sliding \
+                or len(self.scheduler.running) + len(self.pending) >= self.scheduler.cfg.max_num_seqs:
+            return Rejected(m.request_id, f"no KV room for {m.prompt_len} tokens right now", True)
+        self.kv.grow(pages, m.prompt_len)
+        deadline = time.time() + m.deadline_s
+        req = self.rx.expect(m.request_id, pages, m.prompt_len, deadline)
+        self.pending[m.request_id] = Pending(m.request_id, peer, pages, m.prompt_len, deadline)
+        self.peers[m.request_id] = peer
+        return Admitted(m.request_id, req.decode_epoch, encode_kv(req))
+
+    def start(self, peer: bytes, m: StartDecode) -> TokenChunk | None:
+        p = self.pending.get(m.request_id)
+        if p is None:
+            return TokenChunk(m.request_id, [], [], [], True, "abort", "unknown request (expired or aborted)")
+        if len(m.prompt_ids) != p.prompt_len:
+            self.abort(m.request_id, "prompt length differs from the admitted one")
+            return TokenChunk(m.request_id, [], [], [], True, "abort", "prompt length differs from admission")
+        p.start, self.peers[m.request_id] = m, peer
+        return None
+
+    def generate(self, peer: bytes, m: GenerateRequest) -> TokenChunk | None:
+        try:
+            seq = Sequence(m.request_id, list(m.prompt_ids), to_params(m.sampling), arrival=time.monotonic())
+            self.scheduler.add(seq)
+        except InvalidRequest as e:
+            return TokenChunk(m.request_id, [], [], [], True, "abort", e.message)
+        self.seqs[m.request_id] = seq
+        self.peers[m.request_id] = peer
+        return None
+
+    def abort(self, request_id: str, reason: str) -> None:
+        if request_id in self.pending:
+            if self.rx is not None:
+                self.rx.abort(request_id, detail=reason)
+            self.pending.pop(request_id)
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            self.parts.sampler.forget(request_id)
+        self.peers.pop(request_id, None)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def poll_transfers(self) -> list[tuple[bytes, TokenChunk]]:
+        """Move landed sequences into batching; report failures. Returns chunks to send."""
+        if self.rx is None:
+            return []
+        self.rx.progress()
+        out = []
+        for rid, p in list(self.pending.items()):
+            st = self.rx.poll(rid)
+            if st == TransferStatus.FAILED:
+                o = self.rx.outcome(rid)
+                self.pending.pop(rid)
+                peer = self.peers.pop(rid, p.peer)
+                out.append((peer, TokenChunk(rid, [], [], [], True, "abort", f"kv transfer failed: {o.reason.label if o.reason else ''} {o.detail}")))
+            elif st == TransferStatus.DONE and p.start is not None:
+                self.rx.finish(rid)
+                self.pending.pop(rid)
+                out += self._activate(p)
+            elif st != TransferStatus.DONE and p.start is None and time.time() > p.deadline:
+                self.rx.abort(rid, detail="no StartDecode before the deadline")
+        for rel in self.rx.take_releasable():
+            self.kv.release(rel.pages)
+        return out
+
+    def _activate(self, p: Pending) -> list[tuple[bytes, TokenChunk]]:
+        m = p.start
+        assert m is not None
+        seq = Sequence(p.request_id, list(m.prompt_ids), to_params(m.sampling), arrival=time.monotonic(),
+                       pages=p.pages, num_cached=p.prompt_len)
+        seq.output_ids.append(m.first_token)
+        if m.first_logprob is not None:
+            seq.logprobs.append(TokenLogprob(m.first_token, m.first_logprob, [(t.token_id, t.logprob) for t in m.first_top]))
+        reason = self.scheduler.stop_reason(seq, m.first_token)
+        self.seqs[seq.request_id] = seq
+        if reason is not None:  # the first token already ends it (stop token or max_tokens == 1)
+            self.scheduler.running.append(seq)
+            seq.status = SeqStatus.RUNNING
+            self.scheduler.finish(seq, reason)
+            return [(self.peers.pop(seq.request_id), TokenChunk(seq.request_id, [], [], [], True, reason.value, ""))]
+        self.scheduler.add_running(seq)
+        return []
+
+    def step(self) -> list[tuple[bytes, TokenChunk]]:
+        if not self.scheduler.has_work:
+            return []
+        items = self.scheduler.schedule()
+        if not items:
+            return []
+        tokens, lps = self.parts.runner.run(items)
+        out = []
+        for seq in self.scheduler.postprocess(items, tokens, lps):
+            peer = self.peers.get(seq.request_id)
+            if peer is not None:
+                out.append((peer, chunk_of(seq, 1)))
+            if seq.finished:
+                self.seqs.pop(seq.request_id, None)
+                self.peers.pop(seq.request_id, None)
+                self.parts.sampler.forget(seq.request_id)
+        return out
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self.pending)

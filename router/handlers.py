@@ -1,0 +1,229 @@
+"""Chat and text completions: request -> prompt ids -> orchestrator -> deltas / final response.
+
+Both endpoints run one event generator (`_events`) and differ only in how they present it: SSE
+chunks as they come, or one JSON body at the end. Stop strings are matched on the generated text
+(content for chat): text that could still grow into a stop string is held back, and a hit ends the
+request on its workers.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from common.errors import InvalidRequest
+from router.chat_types import Delta, DeltaKind, ParsedCompletion
+from router.config import RouterConfig
+from router.harmony import HarmonyFormat
+from router.metrics import RouterMetrics
+from router.openai_models import ChatCompletionRequest, CompletionRequest, sampling_spec, to_chat_prompt
+from router.orchestrator import Job, Orchestrator
+from router.protocol import SamplingSpec, TokenChunk
+from router.tokenizer import VOCAB_SIZE, Tokenizer
+
+
+class StopStrings:
+    """Finds the earliest stop string in streamed text, holding back a possible partial match."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops, self.held = stops, ""
+        self.keep = max((len(s) for s in stops), default=1) - 1
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[:min(hits)], True
+        cut = len(buf) - self.keep if self.keep else len(buf)
+        self.held = buf[max(cut, 0):]
+        return buf[:max(cut, 0)], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+@dataclass(slots=True)
+class Event:
+    deltas: list[Delta] = field(default_factory=list)
+    text: str = ""  # completions: new text
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Handlers:
+    def __init__(self, cfg: RouterConfig, orch: Orchestrator, metrics: RouterMetrics, fmt: HarmonyFormat) -> None:
+        self.cfg, self.orch, self.metrics, self.fmt = cfg, orch, metrics, fmt
+        self.tok: Tokenizer = fmt.tokenizer
+
+    # ---- shared -------------------------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        from common.errors import ModelNotFound
+
+        if name not in self.cfg.model_names:
+            raise ModelNotFound(f"model {name!r} does not exist; served: {', '.join(self.cfg.model_names)}",
+                                param="model")
+
+    def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        room = self.cfg.max_model_len - prompt_len
+        if room < 1:
+            raise InvalidRequest(f"the prompt has {prompt_len} tokens; the maximum context length is "
+                                 f"{self.cfg.max_model_len}", param="messages")
+        if requested is not None and requested > room:
+            raise InvalidRequest(f"prompt ({prompt_len} tokens) + max_tokens ({requested}) exceeds the maximum "
+                                 f"context length {self.cfg.max_model_len}", param="max_tokens")
+        return requested if requested is not None else min(self.cfg.default_max_tokens, room)
+
+    def _logprob_entry(self, token_id: int, logprob: float, top: list) -> dict:
+        return {"token": self.tok.decode([token_id]), "logprob": logprob,
+                "bytes": list(self.tok.token_bytes([token_id])),
+                "top_logprobs": [{"token": self.tok.decode([t.token_id]), "logprob": t.logprob,
+                                  "bytes": list(self.tok.token_bytes([t.token_id]))} for t in top]}
+
+    async def _run(self, job: Job, stream_fn) -> AsyncIterator[Event]:
+        """Drive the orchestrator; `stream_fn(chunk) -> (Event, stop_hit)` turns chunks into events."""
+        t0 = time.monotonic()
+        last = None
+        gen = self.orch.generate(job)
+        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        status = "error"
+        try:
+            async for chunk in gen:
+                now = time.monotonic()
+                if last is None:
+                    self.metrics.ttft.observe(now - t0)
+                elif chunk.token_ids:
+                    for _ in chunk.token_ids:
+                        self.metrics.itl.observe((now - last) / len(chunk.token_ids))
+                last = now
+                self.metrics.generation_tokens.inc(len(chunk.token_ids))
+                ev, hit = stream_fn(chunk)
+                if hit:
+                    ev.finish_reason = "stop"
+                    yield ev
+                    status = "ok"
+                    return
+                if chunk.finished:
+                    ev.finish_reason = chunk.finish_reason or "stop"
+                yield ev
+                if chunk.finished:
+                    status = "ok"
+                    return
+        finally:
+            await gen.aclose()  # a stop-string hit or a client disconnect aborts on the workers
+            self.metrics.requests.labels(status).inc()
+            self.metrics.e2e.observe(time.monotonic() - t0)
+
+    # ---- chat -----------------------------------------------------------------------------------------
+    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[Job, list[str]]:
+        self.check_model(req.model)
+        req.check_unsupported()
+        prompt = to_chat_prompt(req, time.strftime("%Y-%m-%d"), self.cfg.knowledge_cutoff)
+        ids = self.fmt.render(prompt)
+        max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens, len(ids))
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        spec = sampling_spec(req, max_tokens, self.fmt.stop_token_ids(), logprobs)
+        return Job(f"chatcmpl-{uuid.uuid4().hex}", ids, spec), req.stop_strings()
+
+    async def chat_events(self, job: Job, stops: list[str]) -> AsyncIterator[tuple[Event, ParsedCompletion | None]]:
+        """Events as tokens arrive; the last one carries the ParsedCompletion and the finish reason."""
+        parser = self.fmt.new_parser()
+        stop = StopStrings(stops)
+        stopped = False
+        content_parts: list[str] = []
+
+        def filter_deltas(deltas: list[Delta]) -> list[Delta]:
+            nonlocal stopped
+            out = []
+            for d in deltas:
+                if stopped:
+                    break
+                if d.kind == DeltaKind.CONTENT and stops:
+                    text, stopped = stop.feed(d.text)
+                    if text:
+                        content_parts.append(text)
+                        out.append(Delta(DeltaKind.CONTENT, text))
+                else:
+                    out.append(d)
+            return out
+
+        def on_chunk(chunk: TokenChunk) -> tuple[Event, bool]:
+            ev = Event(token_ids=list(chunk.token_ids), deltas=filter_deltas(parser.feed(chunk.token_ids)))
+            if job.sampling.logprobs is not None:
+                tops = chunk.top_logprobs or [[]] * len(chunk.token_ids)
+                ev.logprobs = [self._logprob_entry(t, lp, top) for t, lp, top in
+                               zip(chunk.token_ids, chunk.logprobs, tops)]
+            return ev, stopped
+
+        finish = "stop"
+        async for ev in self._run(job, on_chunk):
+            finish = ev.finish_reason or finish
+            ev.finish_reason = None  # reported once, with the parsed result below
+            yield ev, None
+        tail, parsed = parser.finish("length" if finish == "length" else "stop")
+        tail = filter_deltas(tail)
+        if stops and not stopped:
+            held = stop.flush()
+            if held:
+                content_parts.append(held)
+                tail.append(Delta(DeltaKind.CONTENT, held))
+        if stops:
+            parsed.content = "".join(content_parts) or None
+        if stopped:
+            parsed.finish_reason = "stop"
+        yield Event(deltas=tail, finish_reason=parsed.finish_reason), parsed
+
+    # ---- completions ------------------------------------------------------------------------------
+    def prompts_of(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [self.tok.encode(p)]
+        elif p and isinstance(p[0], int):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        elif p and isinstance(p[0], str):
+            prompts = [self.tok.encode(s) for s in p]  # type: ignore[union-attr]
+        else:
+            prompts = [list(x) for x in p]  # type: ignore[union-attr]
+        if not prompts or any(not x for x in prompts):
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if any(t < 0 or t >= VOCAB_SIZE for x in prompts for t in x):
+            raise InvalidRequest(f"prompt token ids must be in [0, {VOCAB_SIZE})", param="prompt")
+        return prompts
+
+    def prepare_completion(self, req: CompletionRequest) -> tuple[list[Job], list[str]]:
+        self.check_model(req.model)
+        req.check_unsupported()
+        if req.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+        jobs = []
+        for ids in self.prompts_of(req):
+            max_tokens = self._max_tokens(req.max_tokens if req.max_tokens is not None else 16, len(ids))
+            jobs.append(Job(f"cmpl-{uuid.uuid4().hex}", ids, sampling_spec(req, max_tokens, [], req.logprobs)))
+        return jobs, req.stop_strings()
+
+    async def completion_events(self, job: Job, stops: list[str], skip_special: bool) -> AsyncIterator[Event]:
+        detok = self.tok.new_detokenizer(skip_special=skip_special)
+        stop = StopStrings(stops)
+        stop_hit = [False]
+
+        def on_chunk(chunk: TokenChunk) -> tuple[Event, bool]:
+            text, hit = stop.feed(detok.feed(chunk.token_ids))
+            stop_hit[0] = stop_hit[0] or hit
+            ev = Event(text=text, token_ids=list(chunk.token_ids))
+            if job.sampling.logprobs is not None:
+                tops = chunk.top_logprobs or [[]] * len(chunk.token_ids)
+                ev.logprobs = [self._logprob_entry(t, lp, top) for t, lp, top in
+                               zip(chunk.token_ids, chunk.logprobs, tops)]
+            return ev, hit
+
+        finish = "stop"
+        async for ev in self._run(job, on_chunk):
+            finish = ev.finish_reason or finish
+            ev.finish_reason = None  # reported once, on the final event
+            yield ev
+        tail = "" if stop_hit[0] else stop.feed(detok.flush())[0] + stop.flush()
+        yield Event(text=tail, finish_reason=finish)

@@ -1,0 +1,44 @@
+"""Prometheus metrics of the router (its own registry, so several routers can live in one test
+process). Per-phase worker gauges are refreshed from the fleet's last status poll at scrape time,
+so one scrape of the router is enough for dashboards and the autoscaler."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("tandem_ttft_seconds", "time to first token, router view", buckets=_LAT, registry=r)
+        self.itl = Histogram("tandem_itl_seconds", "inter-token latency", buckets=_ITL, registry=r)
+        self.e2e = Histogram("tandem_e2e_latency_seconds", "request latency", buckets=_LAT, registry=r)
+        self.requests = Counter("tandem_requests_total", "finished requests", ["status"], registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens_total", "prompt tokens", registry=r)
+        self.generation_tokens = Counter("tandem_generation_tokens_total", "generated tokens", registry=r)
+        self.retries = Counter("tandem_retries_total", "transparent retries before the first token", registry=r)
+        self.queue = Gauge("tandem_queue_depth", "queued requests per phase", ["phase"], registry=r)
+        self.kv_usage = Gauge("tandem_kv_usage_ratio", "KV pages in use per phase", ["phase"], registry=r)
+        self.running = Gauge("tandem_running_seqs", "running sequences per phase", ["phase"], registry=r)
+        self.prefill = Histogram("tandem_prefill_seconds", "prefill compute time", buckets=_LAT, registry=r)
+        self.xfer_bytes = Counter("tandem_kv_transfer_bytes_total", "KV bytes pushed prefill -> decode", registry=r)
+        self.xfer_seconds = Histogram("tandem_kv_transfer_seconds", "KV transfer duration", buckets=_LAT, registry=r)
+        self.xfer_gbps = Gauge("tandem_kv_transfer_gbps", "throughput of the last KV transfer (GB/s)", registry=r)
+
+    def observe_prefill(self, prefill_s: float, xfer_bytes: int, xfer_s: float, total_s: float) -> None:
+        self.prefill.observe(prefill_s)
+        if xfer_bytes:
+            self.xfer_bytes.inc(xfer_bytes)
+            self.xfer_seconds.observe(xfer_s)
+            if xfer_s > 0:
+                self.xfer_gbps.set(xfer_bytes / xfer_s / 1e9)
+
+    def render(self, phase_gauges: dict[str, tuple[int, float, int]]) -> bytes:
+        for phase, (queue, usage, running) in phase_gauges.items():
+            self.queue.labels(phase).set(queue)
+            self.kv_usage.labels(phase).set(usage)
+            self.running.labels(phase).set(running)
+        return generate_latest(self.registry)

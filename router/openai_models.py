@@ -1,0 +1,174 @@
+"""OpenAI request bodies (pydantic, the HTTP edge only) and their conversion into the router's typed
+chat model / wire sampling spec. Unsupported features are refused with a clear 400, never ignored
+silently."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import jsonschema
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.errors import InvalidRequest
+from router.chat_types import ChatMessage, ChatPrompt, NamedToolChoice, ToolCall, ToolDef
+from router.protocol import SamplingSpec
+from router.tokenizer import VOCAB_SIZE
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str = ""
+
+
+class ToolCallIn(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class MessageIn(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # vLLM's spelling of the chain of thought
+    reasoning: str | None = None
+
+
+class FunctionDef(_Model):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolIn(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _Named(_Model):
+    name: str
+
+
+class NamedToolChoiceIn(_Model):
+    type: Literal["function"]
+    function: _Named
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class _SamplingFields(_Model):
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: NonNegInt | None = None  # vLLM extension
+    min_tokens: NonNegInt = 0  # vLLM extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegInt] | None = None  # vLLM extension
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    return_token_ids: bool = False  # vLLM extension: generated ids on each choice
+
+    def check_unsupported(self) -> None:
+        if self.n != 1:
+            raise InvalidRequest("only n=1 is supported", param="n")
+        if self.presence_penalty or self.frequency_penalty:
+            raise InvalidRequest("presence/frequency penalties are not supported", param="presence_penalty")
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 8 or any(not s for s in stops):
+            raise InvalidRequest("stop takes up to 8 non-empty strings", param="stop")
+        return stops
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[MessageIn] = Field(min_length=1)
+    tools: list[ToolIn] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoiceIn | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    suffix: str | None = None
+    skip_special_tokens: bool = True  # vLLM extension
+
+
+# ---- conversion ---------------------------------------------------------------------------------
+def _text(content: str | list[ContentPart] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(p.text for p in content)
+
+
+def _tool_def(t: ToolIn) -> ToolDef:
+    params = t.function.parameters
+    if params is not None:
+        try:
+            jsonschema.validators.validator_for(params).check_schema(params)
+        except jsonschema.SchemaError as e:
+            raise InvalidRequest(f"tool {t.function.name!r}: parameters is not a valid JSON schema: {e.message}",
+                                 param="tools") from None
+        if params.get("type", "object") != "object":
+            raise InvalidRequest(f"tool {t.function.name!r}: parameters must describe an object", param="tools")
+    return ToolDef(t.function.name, t.function.description, params)
+
+
+def to_chat_prompt(req: ChatCompletionRequest, current_date: str, knowledge_cutoff: str) -> ChatPrompt:
+    if req.response_format and req.response_format.get("type") not in (None, "text"):
+        raise InvalidRequest("response_format other than text is not supported", param="response_format")
+    msgs = []
+    for m in req.messages:
+        calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
+        msgs.append(ChatMessage(role=m.role, content=_text(m.content), reasoning=m.reasoning_content or m.reasoning,
+                                tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name))
+    tools = [_tool_def(t) for t in req.tools or []]
+    choice: Any = req.tool_choice or "auto"
+    if isinstance(choice, NamedToolChoiceIn):
+        choice = NamedToolChoice(choice.function.name)
+    return ChatPrompt(messages=msgs, tools=tools, tool_choice=choice, reasoning_effort=req.reasoning_effort or "medium",
+                      knowledge_cutoff=knowledge_cutoff, current_date=current_date)
+
+
+def sampling_spec(req: _SamplingFields, max_tokens: int, stop_ids: list[int], logprobs: int | None) -> SamplingSpec:
+    extra = list(req.stop_token_ids or [])
+    if any(t >= VOCAB_SIZE for t in extra):
+        raise InvalidRequest("stop_token_ids must be inside the vocabulary", param="stop_token_ids")
+    if req.min_tokens > max_tokens:
+        raise InvalidRequest("min_tokens exceeds max_tokens", param="min_tokens")
+    return SamplingSpec(
+        max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
+        stop_token_ids=sorted(set(stop_ids + extra)), ignore_eos=req.ignore_eos, logprobs=logprobs,
+        min_tokens=req.min_tokens)

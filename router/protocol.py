@@ -1,0 +1,235 @@
+"""Wire protocol between router and workers: typed messages, msgpack over ZMQ, versioned, bounded.
+
+Every frame is msgpack `[PROTOCOL_VERSION, tag, [field values...]]`. Decoding checks the version,
+the tag, the field count and every field's type against the class annotations, so a malformed or
+foreign frame raises ProtocolError instead of reaching worker logic. No dict[str, Any] crosses.
+
+Request lifecycle (disaggregated):
+  router -> decode  AdmitRequest        decode reserves pages for the prompt (or Rejected)
+  decode -> router  Admitted            with an opaque KV target (kv_transfer's TransferRequest bytes)
+  router -> prefill PrefillRequest      prefill computes the prompt and writes KV into those pages
+  prefill -> router PrefillResult       first token once the transfer is DONE (or an error)
+  router -> decode  StartDecode         decode waits for the KV-landed notification and this message
+  decode -> router  TokenChunk ...      streamed until finished
+  router -> any     Abort               client gone / failure; frees or quarantines pages
+Colocated: router -> decode GenerateRequest, then TokenChunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+import msgpack
+
+from common.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRequest:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    role: str  # "prefill" | "decode"
+    worker_id: str
+    epoch: int
+    ready: bool
+    draining: bool
+    queue_depth: int  # requests waiting (prefill: queued prompts; decode: waiting + transferring)
+    queued_tokens: int  # prompt tokens waiting (prefill placement)
+    running: int
+    kv_free_pages: int
+    kv_total_pages: int
+    page_size: int
+    max_num_seqs: int
+    busy_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    prefill_tp: int  # the prefill worker's TP degree (heads per rank for the transfer plan)
+    deadline_s: float  # seconds the reservation may wait for its KV
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    request_id: str
+    epoch: int
+    kv_target: bytes  # kv_transfer TransferRequest, opaque to the router
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    request_id: str
+    reason: str
+    retryable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    kv_target: bytes
+    deadline_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    request_id: str
+    ok: bool
+    first_token: int
+    first_logprob: float | None
+    first_top: list[TopLogprob]
+    error: str
+    prefill_seconds: float
+    transfer_bytes: int
+    transfer_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class StartDecode:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    first_token: int
+    first_logprob: float | None
+    first_top: list[TopLogprob]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]  # one per token when requested, else empty
+    top_logprobs: list[list[TopLogprob]]  # per token, when requested
+    finished: bool
+    finish_reason: str  # "" | "stop" | "length" | "abort"
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    request_id: str
+
+
+MESSAGES: tuple[type, ...] = (SamplingSpec, TopLogprob, StatusRequest, WorkerStatus, AdmitRequest, Admitted, Rejected,
+                              PrefillRequest, PrefillResult, StartDecode, GenerateRequest, TokenChunk, Abort, Ack)
+_TAGS = {cls: i for i, cls in enumerate(MESSAGES)}
+_HINTS = {cls: typing.get_type_hints(cls) for cls in MESSAGES}
+
+
+def _to_wire(obj: typing.Any) -> typing.Any:
+    if dataclasses.is_dataclass(obj):
+        return [_to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    if isinstance(obj, list | tuple):
+        return [_to_wire(x) for x in obj]
+    return obj
+
+
+def encode(msg: typing.Any) -> bytes:
+    cls = type(msg)
+    if cls not in _TAGS:
+        raise TypeError(f"{cls.__name__} is not a protocol message")
+    data = msgpack.packb([PROTOCOL_VERSION, _TAGS[cls], _to_wire(msg)], use_bin_type=True)
+    if len(data) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"{cls.__name__} frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
+    return data
+
+
+def _check(value: typing.Any, tp: typing.Any, where: str) -> typing.Any:
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        for alt in typing.get_args(tp):
+            try:
+                return _check(value, alt, where)
+            except ProtocolError:
+                continue
+        raise ProtocolError(f"{where}: {type(value).__name__} matches none of {tp}")
+    if tp is type(None):
+        if value is not None:
+            raise ProtocolError(f"{where}: expected None")
+        return None
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+        (inner,) = typing.get_args(tp)
+        return [_check(v, inner, f"{where}[]") for v in value]
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if tp is int and isinstance(value, bool):
+        raise ProtocolError(f"{where}: expected int, got bool")
+    if not isinstance(value, tp):
+        raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _build(cls: type, values: typing.Any, where: str) -> typing.Any:
+    fields = dataclasses.fields(cls)
+    if not isinstance(values, list) or len(values) != len(fields):
+        raise ProtocolError(f"{where}: {cls.__name__} needs {len(fields)} fields")
+    hints = _HINTS[cls]
+    return cls(**{f.name: _check(v, hints[f.name], f"{cls.__name__}.{f.name}") for f, v in zip(fields, values)})
+
+
+def decode(data: bytes) -> typing.Any:
+    if len(data) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        frame = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
+        raise ProtocolError(f"not a msgpack frame: {e}") from None
+    if not isinstance(frame, list) or len(frame) != 3:
+        raise ProtocolError("frame is not [version, tag, fields]")
+    version, tag, values = frame
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version} != ours {PROTOCOL_VERSION}; upgrade the older side")
+    if not isinstance(tag, int) or not 0 <= tag < len(MESSAGES):
+        raise ProtocolError(f"unknown message tag {tag!r}")
+    return _build(MESSAGES[tag], values, "frame")

@@ -1,0 +1,125 @@
+"""Async RPC to one worker over ZMQ (DEALER -> the worker's ROUTER), with deadlines everywhere.
+
+One socket per worker; a background task receives every frame and routes it: replies to the future
+waiting on (kind, request_id), TokenChunks to the request's stream queue, status to the poller.
+When the fleet marks a worker dead, `fail_all` wakes every waiter with WorkerUnavailable, so no
+client request outlives its worker by more than one poll interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import zmq
+import zmq.asyncio
+
+from common.errors import ProtocolError, WorkerUnavailable
+from router.protocol import (
+    Ack,
+    Admitted,
+    PrefillResult,
+    Rejected,
+    StatusRequest,
+    TokenChunk,
+    WorkerStatus,
+    decode,
+    encode,
+)
+
+log = logging.getLogger("tandem.router.client")
+
+_REPLIES = (Admitted, Rejected, PrefillResult, Ack)
+
+
+class WorkerClient:
+    def __init__(self, address: str, role: str, ctx: zmq.asyncio.Context) -> None:
+        self.address, self.role = address, role
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 10_000)
+        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock.connect(address)
+        self._pending: dict[str, asyncio.Future] = {}
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._status: asyncio.Future | None = None
+        self._task: asyncio.Task | None = None
+        self._dead_reason = ""
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.sock.close(0)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            data = await self.sock.recv()
+            try:
+                msg = decode(data)
+            except ProtocolError as e:
+                log.error("bad frame from %s: %s", self.address, e)
+                continue
+            if isinstance(msg, TokenChunk):
+                q = self._streams.get(msg.request_id)
+                if q is not None:
+                    q.put_nowait(msg)
+            elif isinstance(msg, WorkerStatus):
+                if self._status is not None and not self._status.done():
+                    self._status.set_result(msg)
+            elif isinstance(msg, _REPLIES):
+                fut = self._pending.pop(msg.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    async def send(self, msg: object) -> None:
+        await self.sock.send(encode(msg))
+
+    async def call(self, msg: object, request_id: str, timeout_s: float) -> object:
+        """Send a request and wait for its reply (any of Admitted/Rejected/PrefillResult/Ack)."""
+        if self._dead_reason:
+            raise WorkerUnavailable(f"{self.role} worker {self.address} is down: {self._dead_reason}")
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = fut
+        try:
+            await self.send(msg)
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise WorkerUnavailable(f"{self.role} worker {self.address} did not answer within {timeout_s:.0f} s") from None
+        finally:
+            self._pending.pop(request_id, None)
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def status(self, timeout_s: float) -> WorkerStatus:
+        self._status = asyncio.get_running_loop().create_future()
+        await self.send(StatusRequest())
+        try:
+            return await asyncio.wait_for(self._status, timeout_s)
+        finally:
+            self._status = None
+
+    def mark_alive(self) -> None:
+        self._dead_reason = ""
+
+    def fail_all(self, reason: str) -> None:
+        """The worker is gone: wake every waiter now instead of at its deadline."""
+        self._dead_reason = reason
+        err = WorkerUnavailable(f"{self.role} worker {self.address} is down: {reason}")
+        for fut in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+        for q in self._streams.values():
+            q.put_nowait(err)
