@@ -198,12 +198,38 @@ def test_gpus_per_pod_follow_parallelism_and_flags_match_the_workers() -> None:
     assert _gpus(prefill) == (2, 2) and _gpus(decode) == (4, 4)
     assert prefill["command"] == ["tandem"] and prefill["args"] == [
         "prefill-worker", "--checkpoint=/models/gpt-oss-20b", "--tp=2", "--host=0.0.0.0",
-        "--port=7100", "--metrics-port=9100", "--kv-backend=nixl", "--device=cuda", "--fp8"]
+        "--advertise-host=$(POD_IP)", "--port=7100", "--metrics-port=9100", "--kv-backend=nixl", "--device=cuda", "--fp8"]
     assert decode["args"] == [
         "decode-worker", "--checkpoint=/models/gpt-oss-20b", "--tp=4", "--moe-mode=ep",
-        "--host=0.0.0.0", "--port=7200", "--metrics-port=9200", "--kv-backend=nixl",
+        "--host=0.0.0.0", "--advertise-host=$(POD_IP)", "--port=7200", "--metrics-port=9200", "--kv-backend=nixl",
         "--device=cuda", "--fp8", "--max-num-seqs=256", "--kv-cache-fraction=0.85",
         "--cuda-graphs"]
+
+
+@pytest.mark.parametrize("values", [["-f", str(p)] for p in EXAMPLES],
+                         ids=[p.stem for p in EXAMPLES])
+def test_rendered_commands_parse_with_the_real_clis(values: list[str]) -> None:
+    """The chart and the programs agree on flags: each rendered command line goes through the
+    parser of the program it starts (kubelet expands $(POD_IP) before the program sees it)."""
+    import argparse
+
+    from common.worker_args import add_worker_args
+    from router.main import parse_args as router_parse_args
+
+    docs = render(*values)
+    for role, port in (("prefill", 7100), ("decode", 7200)):
+        c = container(docs, role)
+        assert c["args"][0] == f"{role}-worker"
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        add_worker_args(parser, port=port, metrics_port=port + 2000)
+        ns = parser.parse_args([a.replace("$(POD_IP)", "10.1.2.3") for a in c["args"][1:]])
+        assert ns.advertise_host == "10.1.2.3" and ns.device == "cuda" and ns.fp8
+        assert ns.port == c["ports"][0]["containerPort"]
+    cfg, disc = router_parse_args(container(docs, "router")["args"][1:])
+    assert disc.dns and cfg.decode == (f"{RELEASE}-decode.{NAMESPACE}.svc:7200",)
+    autoscaler = [d for d in docs if d["metadata"]["name"] == f"{RELEASE}-autoscaler"]
+    if autoscaler:
+        config_from_args(build_parser().parse_args(container(docs, "autoscaler")["args"][1:]))
 
 
 def test_worker_pods_probe_drain_and_mount_as_designed() -> None:
@@ -222,6 +248,8 @@ def test_worker_pods_probe_drain_and_mount_as_designed() -> None:
         mounts = {m["name"]: m for m in c["volumeMounts"]}
         assert mounts["model"]["readOnly"] is True and mounts["dshm"]["mountPath"] == "/dev/shm"
         assert {"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc"} in c["env"]
+        pod_ip = next(e for e in c["env"] if e["name"] == "POD_IP")
+        assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         svc = find(docs, "Service", f"{RELEASE}-{role}")
         assert svc["spec"]["clusterIP"] == "None"
         assert svc["spec"]["selector"] == find(docs, "Deployment", f"{RELEASE}-{role}")[
@@ -274,17 +302,19 @@ def test_router_discovery_modes() -> None:
     args = container(k8s, "router")["args"]
     assert args[:4] == ["router", "--host=0.0.0.0", "--port=8000", "--model-name=gpt-oss-20b"]
     assert {"--discovery=k8s", f"--namespace={NAMESPACE}", f"--prefill-service={RELEASE}-prefill",
-            f"--decode-service={RELEASE}-decode"} <= set(args)
-    role = find(k8s, "Role", f"{RELEASE}-router")
-    assert {r for rule in role["rules"] for r in rule["resources"]} == {"endpoints",
-                                                                       "endpointslices"}
+            f"--decode-service={RELEASE}-decode", "--prefill-port=7100",
+            "--decode-port=7200"} <= set(args)
+    pod = find(k8s, "Deployment", f"{RELEASE}-router")["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False  # DNS discovery needs no API access
+    moved = render("--set", "decode.port=7300")
+    assert "--decode-port=7300" in container(moved, "router")["args"]
     static = render("--set", "router.discovery=static",
                     "--set", "router.staticPrefill={tcp://a:7100,tcp://b:7100}",
                     "--set", "router.staticDecode={tcp://c:7200}")
     args = container(static, "router")["args"]
     assert [a for a in args if a.startswith(("--prefill", "--decode"))] == [
         "--prefill=tcp://a:7100", "--prefill=tcp://b:7100", "--decode=tcp://c:7200"]
-    assert not [d for d in static if d["kind"] in ("Role", "ServiceAccount")]
+    assert not [d for d in static + k8s if d["kind"] in ("Role", "ServiceAccount")]
 
 
 def test_pdbs_and_service_monitor_toggle() -> None:

@@ -29,6 +29,7 @@ Args everywhere: dict "root" $ "role" "prefill"|"decode".
 - --moe-mode={{ $w.parallelism.moeMode }}
 {{- end }}
 - --host=0.0.0.0
+- --advertise-host=$(POD_IP)
 - --port={{ $w.port }}
 - --metrics-port={{ $w.metricsPort }}
 - --kv-backend=nixl
@@ -108,6 +109,9 @@ spec:
             - {name: rpc, containerPort: {{ $w.port }}, protocol: TCP}
             - {name: metrics, containerPort: {{ $w.metricsPort }}, protocol: TCP}
           env:
+            # Peers (the KV side channel) must reach this pod's own address, not 0.0.0.0.
+            - name: POD_IP
+              valueFrom: {fieldRef: {fieldPath: status.podIP}}
             - {name: UCX_TLS, value: {{ $w.nixl.ucxTls | quote }}}
             {{- with $w.nixl.ucxNetDevices }}
             - {name: UCX_NET_DEVICES, value: {{ . | quote }}}
