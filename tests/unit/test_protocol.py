@@ -1,0 +1,46 @@
+import msgpack
+import pytest
+
+from common.errors import ProtocolError
+from router.protocol import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    AdmitRequest,
+    PrefillResult,
+    SamplingSpec,
+    TokenChunk,
+    TopLogprob,
+    decode,
+    encode,
+)
+
+
+def test_round_trip_every_field_kind():
+    msgs = [SamplingSpec(max_tokens=3, seed=None, stop_token_ids=[1, 2], logprobs=2),
+            AdmitRequest("r", 10, 20, 2, 30.5),
+            PrefillResult("r", True, 5, -0.5, [TopLogprob(5, -0.5)], "", 0.1, 1 << 40, 0.2),
+            TokenChunk("r", [1, 2], [-0.1, -0.2], [[TopLogprob(1, -0.1)], [TopLogprob(2, -0.2)]], True, "stop", "")]
+    for m in msgs:
+        assert decode(encode(m)) == m
+
+
+@pytest.mark.parametrize("frame,match", [
+    ([PROTOCOL_VERSION + 1, 0, []], "protocol version"),
+    ([PROTOCOL_VERSION, 999, []], "unknown message tag"),
+    ([PROTOCOL_VERSION, 0], "frame is not"),
+    ([PROTOCOL_VERSION, 4, ["r", "ten", 20, 2, 30.5]], "AdmitRequest.prompt_len"),
+    ([PROTOCOL_VERSION, 4, ["r", 10, 20, 2]], "needs 5 fields"),
+    ([PROTOCOL_VERSION, 4, ["r", True, 20, 2, 1.0]], "expected int, got bool"),
+])
+def test_malformed_frames_are_refused(frame, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(msgpack.packb(frame))
+
+
+def test_garbage_and_oversize():
+    with pytest.raises(ProtocolError):
+        decode(b"\xc1\xc1\xc1")
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(b"\x00" * (MAX_FRAME_BYTES + 1))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        encode(TokenChunk("r", list(range(MAX_FRAME_BYTES // 4)), [], [], False, "", ""))
