@@ -20,6 +20,11 @@ class ConnectorKind(str, Enum):
     RAY = "ray"
 
 
+class RouterDiscovery(str, Enum):
+    STATIC = "static"  # scrape --router-metrics-url as given (one router)
+    DNS = "dns"        # its host is a headless Service: scrape every address it resolves to
+
+
 @dataclass(frozen=True, slots=True)
 class AutoscalerConfig:
     connector: ConnectorKind
@@ -27,6 +32,7 @@ class AutoscalerConfig:
     prefill_deployment: str
     decode_deployment: str
     router_metrics_url: str
+    router_discovery: RouterDiscovery
     interval_s: float
     window_s: float
     http_timeout_s: float      # deadline for each router scrape
@@ -45,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-deployment", required=True)
     p.add_argument("--decode-deployment", required=True)
     p.add_argument("--router-metrics-url", required=True, help="e.g. http://router:8000/metrics")
+    p.add_argument("--router-discovery", choices=[d.value for d in RouterDiscovery],
+                   default=RouterDiscovery.STATIC.value,
+                   help="dns: the URL's host is a headless Service; scrape every router replica "
+                        "(each has its own latency histograms)")
     p.add_argument("--interval-s", type=float, default=15.0)
     p.add_argument("--window-s", type=float, default=60.0,
                    help="latency quantiles are computed over this trailing window")
@@ -116,7 +126,8 @@ def config_from_args(ns: argparse.Namespace) -> AutoscalerConfig:
     return AutoscalerConfig(
         connector=ConnectorKind(ns.connector), namespace=ns.namespace,
         prefill_deployment=ns.prefill_deployment, decode_deployment=ns.decode_deployment,
-        router_metrics_url=ns.router_metrics_url, interval_s=ns.interval_s,
+        router_metrics_url=ns.router_metrics_url,
+        router_discovery=RouterDiscovery(ns.router_discovery), interval_s=ns.interval_s,
         window_s=ns.window_s, http_timeout_s=ns.http_timeout_s, api_timeout_s=ns.api_timeout_s,
         kubeconfig=ns.kubeconfig, metrics_port=ns.metrics_port, dry_run=ns.dry_run,
         policy=policy)

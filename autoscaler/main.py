@@ -1,12 +1,12 @@
 """`tandem autoscaler`: the loop that scales prefill and decode separately.
 
-Role: the only I/O-driving part of the autoscaler. Each tick reads the router's /metrics (one
-scrape holds the latency histograms and the per-phase gauges), reads replica counts through the
+Role: the only I/O-driving part of the autoscaler. Each tick reads every router replica's
+/metrics (latency histograms and the per-phase gauges), reads replica counts through the
 connector, asks the pure core what to do, and applies it through the connector.
 
 Lifecycle:
     main(argv) -> AutoscalerConfig -> connector -> Autoscaler.run(stop)
-    every interval_s:  scrape (deadline) -> ScrapeWindow -> build_tick_input -> core.tick
+    every interval_s:  scrape routers (deadlines) -> RouterWindows -> build_tick_input -> core.tick
                        -> connector.set_replicas per changed phase (deadline, compare-and-set)
                        -> core.settle -> sleep until the next tick or until stopped
     SIGTERM/SIGINT set `stop`; the current tick finishes (every call in it has a deadline) and
@@ -18,32 +18,61 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
 from types import FrameType
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from autoscaler.config import AutoscalerConfig, ConnectorKind, build_parser, config_from_args
+from autoscaler.config import (AutoscalerConfig, ConnectorKind, RouterDiscovery, build_parser,
+                               config_from_args)
 from autoscaler.connector import ScaleOutcome, ScalingConnector, ScalingError
 from autoscaler.core import Decision, Phase, State, settle, tick
-from autoscaler.metrics import ScrapeWindow, build_tick_input, parse_router_metrics
+from autoscaler.metrics import RouterWindows, build_tick_input, parse_router_metrics
 from common.errors import ConfigError, ProtocolError, TandemError, WorkerUnavailable
 
 log = logging.getLogger("tandem.autoscaler")
 
 
-def fetch_metrics(url: str, timeout_s: float) -> str:
-    """One scrape of the router, with a hard deadline."""
+def router_targets(url: str, discovery: RouterDiscovery) -> list[str]:
+    """The metrics URLs to scrape: the URL itself, or one per address its host resolves to."""
+    if discovery is RouterDiscovery.STATIC:
+        return [url]
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        resp = httpx.get(url, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise WorkerUnavailable(f"router metrics {url}: {exc!r}") from exc
-    if resp.status_code != 200:
-        raise WorkerUnavailable(f"router metrics {url}: HTTP {resp.status_code}")
-    return resp.text
+        infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise WorkerUnavailable(f"router metrics: cannot resolve {parts.hostname}: {exc}") from exc
+    hosts = sorted({f"[{i[4][0]}]" if i[0] == socket.AF_INET6 else str(i[4][0]) for i in infos})
+    return [urlunsplit((parts.scheme, f"{h}:{port}", parts.path, parts.query, "")) for h in hosts]
+
+
+def fetch_router_metrics(url: str, discovery: RouterDiscovery,
+                         timeout_s: float) -> dict[str, str]:
+    """One scrape of every router replica, each with a hard deadline. Routers that fail are
+    left out of this tick; it fails only when none answers."""
+    texts: dict[str, str] = {}
+    errors: list[str] = []
+    for target in router_targets(url, discovery):
+        try:
+            resp = httpx.get(target, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            errors.append(f"{target}: {exc!r}")
+            continue
+        if resp.status_code != 200:
+            errors.append(f"{target}: HTTP {resp.status_code}")
+            continue
+        texts[target] = resp.text
+    if errors:
+        log.warning("router metrics: %s", "; ".join(errors))
+    if not texts:
+        raise WorkerUnavailable(f"router metrics: no router answered ({'; '.join(errors)})")
+    return texts
 
 
 class _Telemetry:
@@ -61,25 +90,28 @@ class _Telemetry:
 
 
 class Autoscaler:
-    """Holds what must survive between ticks: the scrape window and the core's State."""
+    """Holds what must survive between ticks: the scrape windows and the core's State.
+    `fetch` returns the metrics text of every router replica that answered, by address."""
 
     def __init__(self, cfg: AutoscalerConfig, connector: ScalingConnector,
-                 fetch: Callable[[], str], clock: Callable[[], float] = time.monotonic) -> None:
+                 fetch: Callable[[], dict[str, str]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.connector = connector
         self.fetch = fetch
         self.clock = clock
-        self.window = ScrapeWindow(cfg.window_s)
+        self.windows = RouterWindows(cfg.window_s)
         self.state = State()
         self.telemetry = _Telemetry()
 
     def step(self) -> Decision:
         """One tick. Raises TandemError when the router or the platform cannot be read."""
         now = self.clock()
-        self.window.add(parse_router_metrics(self.fetch(), now))
+        texts = self.fetch()
+        self.windows.add({target: parse_router_metrics(text, now) for target, text in texts.items()})
         prefill = self.connector.get_replicas(Phase.PREFILL)
         decode = self.connector.get_replicas(Phase.DECODE)
-        decision = tick(build_tick_input(self.window, prefill, decode, now), self.state,
+        decision = tick(build_tick_input(self.windows, prefill, decode, now), self.state,
                         self.cfg.policy)
 
         applied: dict[Phase, bool] = {}
@@ -152,8 +184,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    scaler = Autoscaler(cfg, connector, lambda: fetch_metrics(cfg.router_metrics_url,
-                                                              cfg.http_timeout_s))
+    scaler = Autoscaler(cfg, connector, lambda: fetch_router_metrics(
+        cfg.router_metrics_url, cfg.router_discovery, cfg.http_timeout_s))
     server = None
     if cfg.metrics_port:
         server, _thread = start_http_server(cfg.metrics_port, registry=scaler.telemetry.registry)

@@ -5,10 +5,11 @@ the `TickInput` the pure core decides on. One scrape of the router is enough: it
 latency histograms it measures itself and re-exports the per-phase gauges it polls from workers.
 No I/O here: the HTTP fetch lives in main.py, so tests feed text straight in.
 
-Lifecycle: main.py fetches the text each tick -> `parse_router_metrics(text, at_s)` ->
-`ScrapeWindow.add()` keeps recent scrapes -> `build_tick_input()` diffs the newest scrape against
-the one about `window_s` older, so latency quantiles describe the last window, not the router's
-lifetime (histograms are cumulative counters).
+Lifecycle: main.py fetches the text of every router replica each tick ->
+`parse_router_metrics(text, at_s)` -> `RouterWindows.add()` keeps recent scrapes per router ->
+`build_tick_input()` diffs each router's newest scrape against its scrape about `window_s` older
+and sums the differences, so latency quantiles describe the last window of the whole router
+fleet, not one router's lifetime (histograms are cumulative counters, one set per router).
 
 Metric names (fixed by the router): `tandem_ttft_seconds`, `tandem_itl_seconds` (histograms);
 `tandem_queue_depth{phase}`, `tandem_kv_usage_ratio{phase}`, `tandem_running_seqs{phase}`
@@ -114,11 +115,13 @@ def _histogram(buckets: dict[float, float], name: str) -> Histogram:
 
 def _phase_gauge(series: list[tuple[dict[str, str], float]], phase: Phase,
                  average: bool) -> float | None:
-    mine = [(labels, value) for labels, value in series if labels.get("phase") == phase.value]
+    # NaN (a gauge set to "no data") reads as unknown, like a missing series.
+    mine = [(labels, value) for labels, value in series
+            if labels.get("phase") == phase.value and not math.isnan(value)]
     aggregate = [value for labels, value in mine if set(labels) == {"phase"}]
     if aggregate:
         return aggregate[-1]
-    values = [value for _, value in mine if not math.isnan(value)]
+    values = [value for _, value in mine]
     if not values:
         return None
     return sum(values) / len(values) if average else sum(values)
@@ -178,32 +181,75 @@ class ScrapeWindow:
         return self._scrapes[0] if len(self._scrapes) >= 2 else None
 
 
-def _latency(now: Histogram, then: Histogram | None) -> LatencyQuantiles | None:
-    if then is None:
-        return None  # a single scrape holds the router's whole lifetime, not a window
-    window = now.since(then)
+class RouterWindows:
+    """One `ScrapeWindow` per router replica. Each router keeps its own histograms, so windows
+    are differenced per router and only then summed; a router that did not answer this tick
+    is forgotten (a pod that comes back at the same address is a new router)."""
+
+    def __init__(self, window_s: float) -> None:
+        if window_s <= 0:
+            raise ConfigError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self._windows: dict[str, ScrapeWindow] = {}
+
+    def add(self, scrapes: dict[str, RouterScrape]) -> None:
+        for target in list(self._windows):
+            if target not in scrapes:
+                del self._windows[target]
+        for target, scrape in scrapes.items():
+            self._windows.setdefault(target, ScrapeWindow(self.window_s)).add(scrape)
+
+    @property
+    def routers(self) -> list[str]:
+        return sorted(self._windows)
+
+    def window_of(self, target: str) -> ScrapeWindow:
+        return self._windows[target]
+
+
+def _sum(histograms: list[Histogram]) -> Histogram:
+    nonempty = [h for h in histograms if h.bounds]
+    if not nonempty:
+        return EMPTY_HISTOGRAM
+    bounds = nonempty[0].bounds
+    if any(h.bounds != bounds for h in nonempty):
+        raise ProtocolError("routers disagree on histogram buckets")
+    return Histogram(bounds, tuple(map(sum, zip(*(h.counts for h in nonempty)))))
+
+
+def _quantiles(window: Histogram) -> LatencyQuantiles | None:
     p50, p90 = window.quantile(0.5), window.quantile(0.9)
     if p50 is None or p90 is None:
         return None
     return LatencyQuantiles(p50_s=p50, p90_s=p90)
 
 
-def build_tick_input(window: ScrapeWindow, prefill: ReplicaCounts,
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def build_tick_input(windows: RouterWindows, prefill: ReplicaCounts,
                      decode: ReplicaCounts, now_s: float) -> TickInput:
-    """The core's input from the scrape window and the replica counts the connector read."""
-    latest = window.latest
-    assert latest is not None, "build_tick_input needs at least one scrape"
-    base = window.baseline()
+    """The core's input from the routers' scrape windows and the connector's replica counts.
 
-    def observe(phase: Phase, replicas: ReplicaCounts, now_h: Histogram,
-                then_h: Histogram | None) -> PhaseObservation:
-        gauges = latest.of(phase)
-        return PhaseObservation(replicas=replicas, latency=_latency(now_h, then_h),
-                                queue_depth=gauges.queue_depth,
-                                kv_usage_ratio=gauges.kv_usage_ratio)
+    Latency: per-router window deltas summed (a router with a single scrape has no window yet
+    and is left out). Gauges: every router polls the same workers, so their views agree up to
+    timing; the mean over routers is taken.
+    """
+    assert windows.routers, "build_tick_input needs at least one scrape"
+    latest = [windows.window_of(t).latest for t in windows.routers]
+    pairs = [(w.latest, w.baseline()) for w in map(windows.window_of, windows.routers)]
+    ttft = [now.ttft.since(base.ttft) for now, base in pairs if now and base]
+    itl = [now.itl.since(base.itl) for now, base in pairs if now and base]
 
-    return TickInput(
-        now_s=now_s,
-        prefill=observe(Phase.PREFILL, prefill, latest.ttft, base.ttft if base else None),
-        decode=observe(Phase.DECODE, decode, latest.itl, base.itl if base else None),
-    )
+    def observe(phase: Phase, replicas: ReplicaCounts,
+                deltas: list[Histogram]) -> PhaseObservation:
+        gauges = [s.of(phase) for s in latest if s is not None]
+        return PhaseObservation(
+            replicas=replicas, latency=_quantiles(_sum(deltas)) if deltas else None,
+            queue_depth=_mean([g.queue_depth for g in gauges]),
+            kv_usage_ratio=_mean([g.kv_usage_ratio for g in gauges]))
+
+    return TickInput(now_s=now_s, prefill=observe(Phase.PREFILL, prefill, ttft),
+                     decode=observe(Phase.DECODE, decode, itl))

@@ -3,6 +3,7 @@ flags -> config."""
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 
@@ -50,7 +51,7 @@ class MemoryConnector:
 def scaler(argv: list[str], conn: MemoryConnector, text: str = BUSY) -> Autoscaler:
     cfg = config_from_args(build_parser().parse_args(BASE + argv))
     clock = iter(float(t) for t in range(0, 10_000, 15))
-    return Autoscaler(cfg, conn, fetch=lambda: text, clock=lambda: next(clock))
+    return Autoscaler(cfg, conn, fetch=lambda: {"router": text}, clock=lambda: next(clock))
 
 
 def test_step_applies_both_phases() -> None:
@@ -84,9 +85,9 @@ def test_run_survives_bad_ticks_and_stops() -> None:
     answers = iter(["not { prometheus", BUSY])
     stop = threading.Event()
 
-    def fetch() -> str:
+    def fetch() -> dict[str, str]:
         try:
-            return next(answers)
+            return {"router": next(answers)}
         except StopIteration:
             stop.set()
             raise WorkerUnavailable("router gone") from None
@@ -118,3 +119,57 @@ def test_main_returns_2_on_config_errors(monkeypatch: pytest.MonkeyPatch) -> Non
     # A build without the Ray connector module: a clear error, not a traceback.
     monkeypatch.setitem(sys.modules, "autoscaler.ray_connector", None)
     assert main(["--connector", "ray"] + BASE[2:]) == 2
+
+
+def test_dns_discovery_scrapes_every_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autoscaler.config import RouterDiscovery
+    from autoscaler.main import router_targets
+
+    url = "http://tandem-router-pods.serving.svc:8000/metrics"
+    assert router_targets(url, RouterDiscovery.STATIC) == [url]
+    answers = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.7", 8000)),
+               (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.3", 8000)),
+               (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::5", 8000, 0, 0))]
+    seen = []
+
+    def fake_getaddrinfo(host: str, port: int, **kw: object) -> list:
+        seen.append((host, port))
+        return answers
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake_getaddrinfo)
+    assert router_targets(url, RouterDiscovery.DNS) == [
+        "http://10.0.0.3:8000/metrics", "http://10.0.0.7:8000/metrics",
+        "http://[fd00::5]:8000/metrics"]
+    assert seen == [("tandem-router-pods.serving.svc", 8000)]
+
+
+def test_fetch_skips_dead_routers_and_fails_when_none_answers() -> None:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from autoscaler.config import RouterDiscovery
+    from autoscaler.main import fetch_router_metrics
+
+    class Ok(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            body = BUSY.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Ok)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
+    try:
+        live = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        assert fetch_router_metrics(live, RouterDiscovery.STATIC, 2.0) == {live: BUSY}
+        with pytest.raises(WorkerUnavailable, match="no router answered"):
+            fetch_router_metrics(dead, RouterDiscovery.STATIC, 2.0)
+    finally:
+        server.shutdown()
+        server.server_close()

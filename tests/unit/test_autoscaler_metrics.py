@@ -7,8 +7,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram as PromHistogram, generate_latest
 
 from autoscaler.core import Phase, ReplicaCounts
-from autoscaler.metrics import (EMPTY_HISTOGRAM, Histogram, ScrapeWindow, build_tick_input,
-                                parse_router_metrics)
+from autoscaler.metrics import (EMPTY_HISTOGRAM, Histogram, RouterWindows, ScrapeWindow,
+                                build_tick_input, parse_router_metrics)
 from common.errors import ConfigError, ProtocolError
 
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -74,22 +74,22 @@ def test_quantile_matches_prometheus_interpolation() -> None:
 
 def test_window_quantiles_come_from_the_difference_of_two_scrapes() -> None:
     r = FakeRouter()
-    window = ScrapeWindow(window_s=60.0)
+    windows = RouterWindows(window_s=60.0)
     for _ in range(1000):           # a long, fast history the window must forget
         r.ttft.observe(0.02)
     r.queue.labels("prefill").set(0)
     r.queue.labels("decode").set(0)
     r.kv.labels("decode").set(0.3)
-    window.add(parse_router_metrics(r.text(), at_s=0.0))
-    first = build_tick_input(window, ReplicaCounts(1, 1), ReplicaCounts(1, 1), now_s=0.0)
+    windows.add({"r0": parse_router_metrics(r.text(), at_s=0.0)})
+    first = build_tick_input(windows, ReplicaCounts(1, 1), ReplicaCounts(1, 1), now_s=0.0)
     assert first.prefill.latency is None  # one scrape is a lifetime, not a window
 
     for t in (15.0, 30.0, 45.0, 60.0):
         for _ in range(25):
             r.ttft.observe(0.7)    # the last minute was slow
             r.itl.observe(0.03)
-        window.add(parse_router_metrics(r.text(), at_s=t))
-    inp = build_tick_input(window, ReplicaCounts(2, 2), ReplicaCounts(3, 2), now_s=60.0)
+        windows.add({"r0": parse_router_metrics(r.text(), at_s=t)})
+    inp = build_tick_input(windows, ReplicaCounts(2, 2), ReplicaCounts(3, 2), now_s=60.0)
     assert inp.prefill.latency is not None and inp.decode.latency is not None
     assert 0.5 < inp.prefill.latency.p50_s <= 1.0  # not dragged down by the 1000 fast ones
     assert 0.025 < inp.decode.latency.p90_s <= 0.05
@@ -97,10 +97,43 @@ def test_window_quantiles_come_from_the_difference_of_two_scrapes() -> None:
     assert inp.decode.kv_usage_ratio == pytest.approx(0.3)
 
     # 75 s: the baseline moves to the 15 s scrape; a quiet window reports no latency at all.
-    window.add(parse_router_metrics(r.text(), at_s=75.0))
-    window.add(parse_router_metrics(r.text(), at_s=135.0))
-    quiet = build_tick_input(window, ReplicaCounts(2, 2), ReplicaCounts(3, 3), now_s=135.0)
+    windows.add({"r0": parse_router_metrics(r.text(), at_s=75.0)})
+    windows.add({"r0": parse_router_metrics(r.text(), at_s=135.0)})
+    quiet = build_tick_input(windows, ReplicaCounts(2, 2), ReplicaCounts(3, 3), now_s=135.0)
     assert quiet.prefill.latency is None and quiet.decode.latency is None
+
+
+def test_several_routers_are_differenced_one_by_one_then_summed() -> None:
+    fast, slow = FakeRouter(), FakeRouter()
+    for _ in range(5000):
+        slow.ttft.observe(4.0)      # old history on one router only
+    for r, kv in ((fast, 0.2), (slow, 0.4)):
+        r.queue.labels("decode").set(6)
+        r.kv.labels("decode").set(kv)
+    windows = RouterWindows(window_s=30.0)
+    windows.add({"a": parse_router_metrics(fast.text(), 0.0),
+                 "b": parse_router_metrics(slow.text(), 0.0)})
+    for _ in range(85):
+        fast.ttft.observe(0.02)     # in the window: 85 fast on a, 15 slow-ish on b
+    for _ in range(15):
+        slow.ttft.observe(0.7)
+    windows.add({"a": parse_router_metrics(fast.text(), 30.0),
+                 "b": parse_router_metrics(slow.text(), 30.0)})
+    inp = build_tick_input(windows, ReplicaCounts(1, 1), ReplicaCounts(1, 1), now_s=30.0)
+    assert inp.prefill.latency is not None
+    assert inp.prefill.latency.p50_s <= 0.025      # 85 of 100 were fast
+    assert 0.5 < inp.prefill.latency.p90_s <= 1.0  # the 86th..100th are the 0.7 s ones
+    assert inp.decode.queue_depth == 6             # routers agree: mean, not sum
+    assert inp.decode.kv_usage_ratio == pytest.approx(0.3)
+
+    # Router b disappears and a new one (c) appears: c has no window yet, b is forgotten.
+    for _ in range(10):
+        fast.ttft.observe(0.3)
+    windows.add({"a": parse_router_metrics(fast.text(), 60.0),
+                 "c": parse_router_metrics(FakeRouter().text(), 60.0)})
+    assert windows.routers == ["a", "c"]
+    inp = build_tick_input(windows, ReplicaCounts(1, 1), ReplicaCounts(1, 1), now_s=60.0)
+    assert inp.prefill.latency is not None and 0.25 < inp.prefill.latency.p50_s <= 0.5
 
 
 def test_router_restart_resets_the_window() -> None:
@@ -124,11 +157,14 @@ def test_scrape_window_keeps_one_baseline() -> None:
     assert w.latest.at_s - base.at_s >= 30.0
     with pytest.raises(ConfigError):
         ScrapeWindow(window_s=0.0)
+    with pytest.raises(ConfigError):
+        RouterWindows(window_s=-1.0)
 
 
-def test_missing_gauges_read_as_unknown() -> None:
+def test_missing_or_nan_gauges_read_as_unknown() -> None:
     r = FakeRouter()
     r.ttft.observe(0.1)
+    r.kv.labels("decode").set(float("nan"))
     s = parse_router_metrics(r.text(), at_s=0.0)
     for phase in Phase:
         g = s.of(phase)

@@ -292,7 +292,12 @@ def test_autoscaler_objects_only_when_enabled_and_it_owns_replicas() -> None:
     assert c["args"][0] == "autoscaler"
     cfg = config_from_args(build_parser().parse_args(c["args"][1:]))  # the real CLI parser
     assert cfg.namespace == NAMESPACE and cfg.prefill_deployment == f"{RELEASE}-prefill"
-    assert cfg.router_metrics_url == f"http://{RELEASE}-router.{NAMESPACE}.svc:8000/metrics"
+    # every router pod is scraped through the headless twin of the router Service
+    assert cfg.router_metrics_url == f"http://{RELEASE}-router-pods.{NAMESPACE}.svc:8000/metrics"
+    assert cfg.router_discovery.value == "dns"
+    pods = find(on, "Service", f"{RELEASE}-router-pods")
+    assert pods["spec"]["clusterIP"] == "None"
+    assert pods["spec"]["selector"] == find(on, "Service", f"{RELEASE}-router")["spec"]["selector"]
     assert cfg.policy.decode.max_replicas == 5 and cfg.policy.decode.kv_up_ratio == 0.85
     assert cfg.metrics_port == 9300
 
@@ -327,7 +332,10 @@ def test_pdbs_and_service_monitor_toggle() -> None:
     sm = find(docs, "ServiceMonitor", RELEASE)
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert {e["port"] for e in sm["spec"]["endpoints"]} == {"http", "metrics"}
-    # every Service the monitor selects exposes one of those port names
-    selected = [d for d in docs if d["kind"] == "Service"]
-    for svc in selected:
-        assert {p["name"] for p in svc["spec"]["ports"]} & {"http", "metrics"}
+    # each router/worker pod is scraped through exactly one Service (no double scrapes)
+    scraped: dict[str, int] = {}
+    for svc in (d for d in docs if d["kind"] == "Service"):
+        if {p["name"] for p in svc["spec"]["ports"]} & {"http", "metrics"}:
+            component = svc["spec"]["selector"]["app.kubernetes.io/component"]
+            scraped[component] = scraped.get(component, 0) + 1
+    assert scraped == {"router": 1, "prefill": 1, "decode": 1}

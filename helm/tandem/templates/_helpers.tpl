@@ -49,9 +49,10 @@ app.kubernetes.io/part-of: tandem
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* The router's Service: in-cluster URL of its /metrics, scraped by the autoscaler. */}}
+{{/* The routers' headless Service: the autoscaler resolves it and scrapes every router pod
+     (headless names resolve to pod IPs, so the port is the container port). */}}
 {{- define "tandem.routerMetricsUrl" -}}
-{{- printf "http://%s.%s.svc:%v/metrics" (include "tandem.componentName" (dict "root" . "component" "router")) .Release.Namespace .Values.router.service.port }}
+{{- printf "http://%s.%s.svc:%v/metrics" (include "tandem.componentName" (dict "root" . "component" "router-pods")) .Release.Namespace .Values.router.port }}
 {{- end }}
 
 {{/* httpGet probes on one port. Args: dict probes (values block), port (name or number). */}}
