@@ -152,9 +152,15 @@ class KVReceiver(abc.ABC):
     def endpoint(self) -> str:
         """This rank's side-channel address, to be gathered by the worker for set_rank_endpoints."""
 
+    @property
     @abc.abstractmethod
-    def set_rank_endpoints(self, endpoints: tuple[str, ...]) -> None:
-        """Side-channel endpoints of all decode TP ranks of this worker, in rank order."""
+    def epoch(self) -> int:
+        """This rank's epoch, gathered with `endpoint`."""
+
+    @abc.abstractmethod
+    def set_rank_endpoints(self, endpoints: tuple[str, ...], epochs: tuple[int, ...]) -> None:
+        """Side-channel endpoints and epochs of all decode TP ranks of this worker, in rank order
+        (only needed for TP > 1)."""
 
     @abc.abstractmethod
     def expect(self, request_id: str, pages: SeqPages, num_tokens: int, deadline_unix: float) -> TransferRequest:

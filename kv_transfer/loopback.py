@@ -62,28 +62,35 @@ def default_hub() -> LoopbackHub:
 class LoopbackReceiver(KVReceiver):
     def __init__(self, pool: KVPool, config: TransferConfig, hub: LoopbackHub | None = None) -> None:
         self.pool, self.config, self.hub = pool, config, hub or default_hub()
-        self.epoch = new_epoch()
-        self.agent_name = f"{config.engine_id}/decode/{config.tp_rank}/{self.epoch}"
+        self._epoch = new_epoch()
+        self.agent_name = f"{config.engine_id}/decode/{config.tp_rank}/{self._epoch}"
         self.compat = KVCompat.from_spec(pool.spec, config.model_name, config.tp_size)
-        self.book = ReceiverBook(self.epoch, config.tp_rank, config.tp_size, self.compat,
+        self.book = ReceiverBook(self._epoch, config.tp_rank, config.tp_size, self.compat,
                                  on_terminal=lambda o: metrics.record_outcome("decode", o))
         self._endpoint = self.hub.add_receiver(self)
         self._endpoints: tuple[str, ...] = (self._endpoint,) if config.tp_size == 1 else ()
+        self._epochs: tuple[int, ...] = (self._epoch,) if config.tp_size == 1 else ()
 
     @property
     def endpoint(self) -> str:
         return self._endpoint
 
-    def set_rank_endpoints(self, endpoints: tuple[str, ...]) -> None:
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_rank_endpoints(self, endpoints: tuple[str, ...], epochs: tuple[int, ...]) -> None:
         if len(endpoints) != self.config.tp_size or endpoints[self.config.tp_rank] != self._endpoint:
             raise ProtocolError(f"rank endpoints {endpoints} do not fit rank {self.config.tp_rank} at {self._endpoint}")
-        self._endpoints = tuple(endpoints)
+        if len(epochs) != len(endpoints) or epochs[self.config.tp_rank] != self._epoch:
+            raise ProtocolError(f"rank epochs {epochs} do not fit rank {self.config.tp_rank} at epoch {self._epoch}")
+        self._endpoints, self._epochs = tuple(endpoints), tuple(epochs)
 
     def expect(self, request_id: str, pages: SeqPages, num_tokens: int, deadline_unix: float) -> TransferRequest:
         assert self._endpoints, "set_rank_endpoints() first (TP > 1)"
         now = time.monotonic()
         self.book.expect(request_id, pages, num_tokens, now + (deadline_unix - time.time()), now)
-        req = TransferRequest(request_id, self.config.engine_id, self.epoch, self._endpoints, tuple(pages.full),
+        req = TransferRequest(request_id, self.config.engine_id, self._endpoints, self._epochs, tuple(pages.full),
                               tuple(pages.ring), num_tokens, deadline_unix)
         req.validate()
         return req
@@ -145,6 +152,7 @@ class LoopbackReceiver(KVReceiver):
 class _Target:
     run: HeadRun
     endpoint: str
+    epoch: int  # the decode rank's epoch named by the request
     accepted: bool = False
     pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # by group
     written: set[int] = field(default_factory=set)
@@ -182,7 +190,7 @@ class LoopbackSender(KVSender):
                          request.decode_tp_size)
         check_source_pages(self.spec, request, pages)
         now = time.monotonic()
-        targets = [_Target(r, request.decode_endpoints[r.dst_rank]) for r in runs]
+        targets = [_Target(r, request.decode_endpoints[r.dst_rank], request.decode_epochs[r.dst_rank]) for r in runs]
         tx = _Tx(request, pages, now + (request.deadline_unix - time.time()), now, targets)
         self._txs[request.request_id] = tx
         self._advance(tx)
@@ -226,7 +234,7 @@ class LoopbackSender(KVSender):
 
     def handle_cancel(self, cancel: Cancel) -> None:
         tx = self._txs.get(cancel.request_id)
-        if tx is not None and not tx.status.terminal and tx.request.decode_epoch == cancel.decode_epoch:
+        if tx is not None and not tx.status.terminal and any(t.epoch == cancel.decode_epoch for t in tx.targets):
             self._fail(tx, cancel.reason, f"cancelled by decode: {cancel.detail}")
 
     # ---- internals -----------------------------------------------------------------------------
@@ -258,7 +266,7 @@ class LoopbackSender(KVSender):
         if rx is None:
             self._fail(tx, FailureReason.PEER_DEAD, f"no decode receiver at {t.endpoint}")
             return False
-        reply = rx.handle_claim(Claim(tx.request.request_id, tx.request.decode_epoch, self.agent_name,
+        reply = rx.handle_claim(Claim(tx.request.request_id, t.epoch, self.agent_name,
                                       self.config.engine_id, self.epoch, self.config.tp_rank, self.config.tp_size,
                                       b"", self.compat))
         if reply.accepted:
@@ -296,7 +304,7 @@ class LoopbackSender(KVSender):
         t.written.add(layer)
         tx.num_bytes += nbytes
         metrics.BYTES.labels(role="prefill").inc(nbytes)
-        rx.handle_layer_done(LayerDone(tx.request.request_id, tx.request.decode_epoch, self.config.tp_rank, layer,
+        rx.handle_layer_done(LayerDone(tx.request.request_id, t.epoch, self.config.tp_rank, layer,
                                        nbytes), self.agent_name)
 
     def _fail(self, tx: _Tx, reason: FailureReason, detail: str) -> None:
@@ -308,6 +316,6 @@ class LoopbackSender(KVSender):
         for t in tx.targets:
             rx = self.hub.receiver(t.endpoint)
             if rx is not None:
-                rx.handle_ended(Ended(tx.request.request_id, tx.request.decode_epoch, self.agent_name,
+                rx.handle_ended(Ended(tx.request.request_id, t.epoch, self.agent_name,
                                       self.config.tp_rank, ok, tx.reason, tx.detail))
 

@@ -159,12 +159,13 @@ class Handshake(Message):
 @_register(4)
 @dataclass(frozen=True, slots=True)
 class TransferRequest(Message):
-    """Decode's promise: pages reserved for `request_id`, valid for `decode_epoch` until the deadline."""
+    """Decode's promise: pages reserved for `request_id` on every decode TP rank, valid while each
+    rank is still at the epoch named here, until the deadline."""
 
     request_id: str
     decode_engine_id: str
-    decode_epoch: int
     decode_endpoints: tuple[str, ...]  # side channel of every decode TP rank, in rank order
+    decode_epochs: tuple[int, ...]  # each rank's epoch (a rank restarted alone is caught too)
     full_pages: tuple[int, ...]  # logical order
     ring_pages: tuple[int, ...]  # sliding ring; logical page j lives in ring[j % R]
     num_tokens: int
@@ -173,6 +174,7 @@ class TransferRequest(Message):
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
         _need(len(self.decode_endpoints) > 0, "no decode endpoints")
+        _need(len(self.decode_epochs) == len(self.decode_endpoints), "one epoch per decode endpoint")
         _need(self.num_tokens > 0, "num_tokens must be > 0")
         _need(math.isfinite(self.deadline_unix), "deadline must be finite")
         _need(all(p >= 0 for p in self.full_pages) and all(p >= 0 for p in self.ring_pages),

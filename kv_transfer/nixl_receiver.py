@@ -39,15 +39,16 @@ log = logging.getLogger(__name__)
 class NixlReceiver(KVReceiver):
     def __init__(self, pool: KVPool, config: TransferConfig) -> None:
         self.config = config
-        self.epoch = new_epoch()
-        self.agent_name = f"{config.engine_id}/decode/{config.tp_rank}/{self.epoch}"
+        self._epoch = new_epoch()
+        self.agent_name = f"{config.engine_id}/decode/{config.tp_rank}/{self._epoch}"
         self.compat = KVCompat.from_spec(pool.spec, config.model_name, config.tp_size)
-        self.book = ReceiverBook(self.epoch, config.tp_rank, config.tp_size, self.compat,
+        self.book = ReceiverBook(self._epoch, config.tp_rank, config.tp_size, self.compat,
                                  on_terminal=lambda o: metrics.record_outcome("decode", o))
         self.nixl = NixlAgent(self.agent_name, pool, config.backends)
         self._ctx = zmq.Context()
         self._server = SideChannelServer(self._ctx, config.host, config.port)
         self._endpoints: tuple[str, ...] = (self._server.endpoint,) if config.tp_size == 1 else ()
+        self._epochs: tuple[int, ...] = (self._epoch,) if config.tp_size == 1 else ()
         self._handshake = encode(Handshake(
             config.engine_id, self.agent_name, self.nixl.metadata(), self.epoch, config.tp_rank, config.tp_size,
             self.nixl.mem_type, pool.spec.num_kv_heads, self.nixl.layouts, self.compat, self.compat.digest()))
@@ -60,14 +61,20 @@ class NixlReceiver(KVReceiver):
     def endpoint(self) -> str:
         return self._server.endpoint
 
-    def set_rank_endpoints(self, endpoints: tuple[str, ...]) -> None:
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_rank_endpoints(self, endpoints: tuple[str, ...], epochs: tuple[int, ...]) -> None:
         if len(endpoints) != self.config.tp_size or endpoints[self.config.tp_rank] != self.endpoint:
             raise ProtocolError(f"rank endpoints {endpoints} do not fit rank {self.config.tp_rank} at {self.endpoint}")
-        self._endpoints = tuple(endpoints)
+        if len(epochs) != len(endpoints) or epochs[self.config.tp_rank] != self._epoch:
+            raise ProtocolError(f"rank epochs {epochs} do not fit rank {self.config.tp_rank} at epoch {self._epoch}")
+        self._endpoints, self._epochs = tuple(endpoints), tuple(epochs)
 
     def expect(self, request_id: str, pages: SeqPages, num_tokens: int, deadline_unix: float) -> TransferRequest:
         assert self._endpoints, "set_rank_endpoints() first (TP > 1)"
-        req = TransferRequest(request_id, self.config.engine_id, self.epoch, self._endpoints, tuple(pages.full),
+        req = TransferRequest(request_id, self.config.engine_id, self._endpoints, self._epochs, tuple(pages.full),
                               tuple(pages.ring), num_tokens, deadline_unix)
         req.validate()
         now = time.monotonic()

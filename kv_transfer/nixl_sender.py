@@ -69,6 +69,7 @@ class _Peer:
 class _Target:
     run: HeadRun
     endpoint: str
+    epoch: int  # the decode rank's epoch named by the request
     phase: _Phase = _Phase.HANDSHAKE
     claim_at: float | None = None
     next_claim: float = 0.0
@@ -126,7 +127,7 @@ class NixlSender(KVSender):
                          request.decode_tp_size)
         check_source_pages(self.spec, request, pages)
         now = time.monotonic()
-        targets = [_Target(r, request.decode_endpoints[r.dst_rank]) for r in runs]
+        targets = [_Target(r, request.decode_endpoints[r.dst_rank], request.decode_epochs[r.dst_rank]) for r in runs]
         self._txs[request.request_id] = _Tx(request, pages, now + (request.deadline_unix - time.time()), now, targets)
         self.progress()
 
@@ -229,7 +230,7 @@ class NixlSender(KVSender):
         if tx is None or tx.status.terminal:
             return
         if isinstance(msg, Cancel):
-            if msg.decode_epoch == tx.request.decode_epoch:
+            if any(t.endpoint == endpoint and t.epoch == msg.decode_epoch for t in tx.targets):
                 self._fail(tx, msg.reason, f"cancelled by decode: {msg.detail}")
             return
         t = next((t for t in tx.targets if t.endpoint == endpoint and t.phase == _Phase.CLAIM), None)
@@ -270,7 +271,7 @@ class NixlSender(KVSender):
         if peer is None:
             peer = self._peers[t.endpoint] = _Peer(SideChannelClient(self._ctx, t.endpoint, self.agent_name))
         hs = peer.handshake
-        if hs is not None and hs.epoch == tx.request.decode_epoch:
+        if hs is not None and hs.epoch == t.epoch:
             problem = self._check_handshake(tx, t, hs)
             if problem:
                 return self._fail(tx, FailureReason.HANDSHAKE_MISMATCH, problem)
@@ -280,7 +281,7 @@ class NixlSender(KVSender):
             return self._fail(tx, FailureReason.HANDSHAKE_MISMATCH, peer.error)
         if hs is not None and peer.answered_for >= tx.started:
             return self._fail(tx, FailureReason.EPOCH_MISMATCH, f"decode rank at {t.endpoint} is at epoch {hs.epoch}, "
-                              f"the request was made by epoch {tx.request.decode_epoch}")
+                              f"the request was made by epoch {t.epoch}")
         if peer.asked_at is None or now - peer.asked_at > self.config.handshake_timeout_s:
             peer.asked_at = now
             peer.chan.send(encode(HandshakeRequest(self.agent_name)))
@@ -312,7 +313,7 @@ class NixlSender(KVSender):
         t.claim_at = now
         c = self.config
         self._peers[t.endpoint].chan.send(encode(Claim(
-            tx.request.request_id, tx.request.decode_epoch, self.agent_name, c.engine_id, self.epoch, c.tp_rank,
+            tx.request.request_id, t.epoch, self.agent_name, c.engine_id, self.epoch, c.tp_rank,
             c.tp_size, self._metadata, self.compat)))
 
     def _write_step(self, tx: _Tx, t: _Target) -> None:
@@ -325,7 +326,7 @@ class NixlSender(KVSender):
                     geo, base, dev = t.geo[g]
                     cp = layer_copies(self._src_geo[g], geo, li, t.pairs[g], t.run)
                     src = self._src[g]
-                    notif = encode(LayerDone(tx.request.request_id, tx.request.decode_epoch, self.config.tp_rank,
+                    notif = encode(LayerDone(tx.request.request_id, t.epoch, self.config.tp_rank,
                                              layer, cp.total_bytes))
                     h = self.nixl.write(hs.agent_name, hs.mem_type, descriptors(src.base_addr, cp.src, cp.nbytes,
                                         src.device_id), descriptors(base, cp.dst, cp.nbytes, dev), notif)
@@ -371,5 +372,5 @@ class NixlSender(KVSender):
         for t in tx.targets:
             peer = self._peers.get(t.endpoint)
             if peer is not None:
-                peer.chan.send(encode(Ended(tx.request.request_id, tx.request.decode_epoch, self.agent_name,
+                peer.chan.send(encode(Ended(tx.request.request_id, t.epoch, self.agent_name,
                                             self.config.tp_rank, ok, tx.reason, tx.detail)))
