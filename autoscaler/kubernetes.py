@@ -79,7 +79,8 @@ class KubernetesConnector:
         self._sleep = sleep
         self.conflicts_seen = 0  # lifetime count, exported by main.py
 
-    def _call(self, what: str, fn: Callable[..., object], *args: object, **kwargs: object) -> object:
+    def _call(self, what: str, fn: Callable[..., object], *args: object,
+              **kwargs: object) -> object:
         try:
             return fn(*args, _request_timeout=self._timeout_s, **kwargs)
         except ApiException:

@@ -108,7 +108,8 @@ class Autoscaler:
         """One tick. Raises TandemError when the router or the platform cannot be read."""
         now = self.clock()
         texts = self.fetch()
-        self.windows.add({target: parse_router_metrics(text, now) for target, text in texts.items()})
+        self.windows.add({target: parse_router_metrics(text, now)
+                          for target, text in texts.items()})
         prefill = self.connector.get_replicas(Phase.PREFILL)
         decode = self.connector.get_replicas(Phase.DECODE)
         decision = tick(build_tick_input(self.windows, prefill, decode, now), self.state,
@@ -118,9 +119,11 @@ class Autoscaler:
         for phase in Phase:
             d = decision.of(phase)
             self.telemetry.desired.labels(phase.value).set(d.desired)
-            log.info("%s: %d -> %d (%s, worst signal %.2f of threshold%s)", phase.value,
-                     d.current, d.desired, d.reason.value, d.worst_ratio,
-                     ", SLO breached" if d.breaching_slo else "")
+            # Changes at INFO; the steady-state reasons (hold, cooldown, ...) at DEBUG.
+            log.log(logging.INFO if d.changed else logging.DEBUG,
+                    "%s: %d -> %d (%s, worst signal %.2f of threshold%s)", phase.value,
+                    d.current, d.desired, d.reason.value, d.worst_ratio,
+                    ", SLO breached" if d.breaching_slo else "")
             if not d.changed or self.cfg.dry_run:
                 continue
             try:

@@ -74,7 +74,8 @@ class Histogram:
             if count >= rank and count > prev_count:
                 if math.isinf(bound):
                     return prev_bound
-                return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
+                share = (rank - prev_count) / (count - prev_count)
+                return prev_bound + (bound - prev_bound) * share
             prev_bound, prev_count = bound, count
         return prev_bound
 

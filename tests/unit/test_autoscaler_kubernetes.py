@@ -284,7 +284,8 @@ def test_autoscaler_process_scales_the_loaded_phase_and_stops_on_sigterm(
            "--connector", "kubernetes", "--namespace", NS, "--kubeconfig", str(kubeconfig),
            "--prefill-deployment", "tandem-prefill", "--decode-deployment", "tandem-decode",
            "--router-metrics-url", f"http://127.0.0.1:{router.server_address[1]}/metrics",
-           "--interval-s", "0.2", "--window-s", "1", "--scale-up-cooldown-s", "0"]
+           "--interval-s", "0.2", "--window-s", "1", "--scale-up-cooldown-s", "0",
+           "--log-level", "DEBUG"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, text=True)
     try:
