@@ -263,6 +263,11 @@ PRESETS: dict[str, GptOssConfig] = {
                            num_experts_per_tok=3, sliding_window=7, max_position_embeddings=4096,
                            rope=RopeConfig(theta=10000.0, factor=8.0, original_max_position_embeddings=64),
                            eos_token_ids=(380,), pad_token_id=383),
+    # Parallelism tests: 8 KV heads like the real models (TP up to 8), experts divisible by 4 and 8.
+    "tiny-c": GptOssConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=8, num_local_experts=8,
+                           num_experts_per_tok=4, sliding_window=6, max_position_embeddings=4096,
+                           eos_token_ids=(510,), pad_token_id=511),
 }
 
 
