@@ -22,6 +22,11 @@ from kernels.registry import make_linear  # noqa: E402
 from kernels.tuning import TileConfig  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)  # fresh random inputs, the same in every run and order
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
