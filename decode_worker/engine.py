@@ -90,7 +90,7 @@ class DecodeEngine:
         req = self.rx.expect(m.request_id, pages, m.prompt_len, deadline)
         self.pending[m.request_id] = Pending(m.request_id, peer, pages, m.prompt_len, deadline)
         self.peers[m.request_id] = peer
-        return Admitted(m.request_id, req.decode_epoch, encode_kv(req))
+        return Admitted(m.request_id, self.rx.epoch, encode_kv(req))
 
     def start(self, peer: bytes, m: StartDecode) -> TokenChunk | None:
         p = self.pending.get(m.request_id)

@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
         from kv_transfer.factory import TransferBackend, create_receiver
 
         rx = create_receiver(TransferBackend(a.kv_backend), parts.pool, transfer_config(a, parts, wid))
-        rx.set_rank_endpoints((rx.endpoint,))
+        rx.set_rank_endpoints((rx.endpoint,), (rx.epoch,))
     server = DecodeServer(DecodeEngine(parts, rx), None, wid, epoch)
     try:
         return serve(a, server, f"tcp://{a.host}:{a.port}")

@@ -66,7 +66,8 @@ class DecodeServer:
             role="decode", worker_id=self.worker_id, epoch=self.epoch, ready=self.ready,
             draining=self.draining.is_set(), queue_depth=len(sched.waiting) + len(e.pending),
             queued_tokens=sum(s.num_uncached for s in sched.waiting), running=len(sched.running),
-            kv_free_pages=free_full, kv_total_pages=total, page_size=e.kv.spec.page_size,
+            kv_free_pages=free_full, kv_total_pages=total, kv_free_sliding_pages=e.kv.num_free()[PageGroup.SLIDING],
+            kv_total_sliding_pages=e.kv.spec.num_pages[PageGroup.SLIDING], page_size=e.kv.spec.page_size,
             max_num_seqs=sched.cfg.max_num_seqs, busy_seconds=self.busy_seconds)
 
     def handle(self, peer: bytes, msg: object) -> None:

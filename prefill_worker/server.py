@@ -58,6 +58,8 @@ class PrefillServer:
             draining=self.draining.is_set(), queue_depth=len(self.queue),
             queued_tokens=sum(len(m.prompt_ids) for _, m in self.queue), running=0,
             kv_free_pages=kv.num_free()[PageGroup.FULL], kv_total_pages=kv.spec.num_pages[PageGroup.FULL],
+            kv_free_sliding_pages=kv.num_free()[PageGroup.SLIDING],
+            kv_total_sliding_pages=kv.spec.num_pages[PageGroup.SLIDING],
             page_size=kv.spec.page_size, max_num_seqs=1, busy_seconds=self.busy_seconds)
 
     def _take_messages(self, timeout_s: float) -> None:

@@ -64,8 +64,10 @@ class WorkerStatus:
     queue_depth: int  # requests waiting (prefill: queued prompts; decode: waiting + transferring)
     queued_tokens: int  # prompt tokens waiting (prefill placement)
     running: int
-    kv_free_pages: int
+    kv_free_pages: int  # full-attention group (grows with context)
     kv_total_pages: int
+    kv_free_sliding_pages: int  # sliding-window rings
+    kv_total_sliding_pages: int
     page_size: int
     max_num_seqs: int
     busy_seconds: float
