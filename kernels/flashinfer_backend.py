@@ -1,0 +1,285 @@
+"""FlashInferAttention: the AttentionImpl on FlashInfer 0.6.6's AttentionSink JIT variant (GPU only).
+
+Why the JIT variant: the ordinary wrappers accept `sinks=` and silently ignore it on Hopper
+(MODEL_SPEC.md §4). The AttentionSink variant adds the fp32 sink as a raw logit to the online
+softmax (fa2: only in KV tile 0, so split-KV merges stay right; fa3 does not split KV).
+
+Lifecycle:
+  * construction imports flashinfer (ConfigError when it or CUDA is missing). `cache_dir` sets
+    FLASHINFER_WORKSPACE_BASE before that import: FlashInfer keeps its JIT builds under
+    <base>/.cache/flashinfer/<version>/<arch>/cached_ops, so a restart with the same folder loads
+    the built .so files instead of compiling again (13 s fa2 / 65 s fa3 per variant on the H200).
+  * `prepare(dims, windows)` (or the first forward) builds the variants: one per (backend, window
+    kind); sliding layers use window_left = W - 1 = 127, full layers -1. Prefill uses fa3 on sm90a
+    (fa2 if fa3 fails to build), decode fa2 (fa3 does not pack GQA heads into a q tile, so q_len 1
+    would fill one 192-row tile per head).
+  * `plan(step)` plans each page group once; every layer of the group reuses that plan.
+  * `forward`: no cache -> ragged causal over the step's tokens; pages_hold_all -> store, then
+    paged; otherwise -> gather [prefix from pages ; new K/V] densely, ragged, then store.
+  * decode CUDA graphs: `enable_cuda_graphs(batch_sizes, max_pages_per_seq)`; a pure-decode step
+    of one of those batch sizes then runs on wrappers with static index buffers. plan() runs
+    outside the graph (host work + copies into those buffers), forward() inside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.errors import ConfigError
+from kernels.interface import GroupMeta, StepMeta
+from kernels.triton_store_kv import store_kv
+
+log = logging.getLogger(__name__)
+
+WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partials), shared by all wrappers
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionDims:
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def import_flashinfer(cache_dir: str | None = None):
+    """Import flashinfer with its JIT cache under `cache_dir` (which must be set before import)."""
+    if cache_dir is not None:
+        cache_dir = os.path.abspath(cache_dir)
+        if "flashinfer" in sys.modules and os.environ.get("FLASHINFER_WORKSPACE_BASE") != cache_dir:
+            raise ConfigError(f"flashinfer was already imported with another JIT cache folder; "
+                              f"cannot switch to {cache_dir}")
+        os.makedirs(cache_dir, exist_ok=True)
+        os.environ["FLASHINFER_WORKSPACE_BASE"] = cache_dir
+    if not torch.cuda.is_available():
+        raise ConfigError("the flashinfer attention backend needs a CUDA GPU; use 'triton' or 'torch'")
+    try:
+        import flashinfer
+        from flashinfer.jit.attention.variants import attention_sink_decl  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"the flashinfer attention backend needs flashinfer-python 0.6.6 "
+                          f"(+ apache-tvm-ffi, nvidia-cudnn-frontend): {e}") from None
+    return flashinfer
+
+
+def _host_cu(step: StepMeta) -> torch.Tensor:
+    """cu_seqlens_q on the host without a device sync."""
+    return torch.tensor([0] + step.q_lens_host, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def _jit_args(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool) -> list:
+    from flashinfer.jit.attention.variants import attention_sink_decl
+    name = str(dtype).removeprefix("torch.")
+    uri = f"tandem_attention_sink_{name}_d{head_dim}_swa{int(sliding)}_{backend}"
+    return [uri, dtype, dtype, dtype, torch.int32, head_dim, head_dim, ["sink"], ["float"], ["sm_scale"],
+            ["double"], "AttentionSink", attention_sink_decl[backend]]
+
+
+@dataclass(slots=True)
+class _GroupPlan:
+    """What one page group needs at forward time in the current step."""
+
+    kind: str  # "paged" | "ragged"
+    wrapper: object
+    gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    num_keys: int = 0  # rows of the gathered dense K/V (ragged with a cached prefix)
+
+
+class FlashInferAttention:
+    name = "flashinfer"
+
+    def __init__(self, *, prefill_backend: str = "auto", decode_backend: str = "fa2",
+                 cache_dir: str | None = None) -> None:
+        self._fi = import_flashinfer(cache_dir)
+        for b in (prefill_backend, decode_backend):
+            if b not in ("auto", "fa2", "fa3"):
+                raise ConfigError(f"unknown FlashInfer backend {b!r} (auto, fa2, fa3)")
+        self._want = {"prefill": prefill_backend, "decode": decode_backend}
+        self._backend: dict[str, str] = {}  # resolved per role once the device is known
+        self._dims: AttentionDims | None = None
+        self._windows: dict[int, int] = {}  # page group -> window_left, learned from forward
+        self._workspace: torch.Tensor | None = None
+        self._wrappers: dict[tuple, object] = {}
+        self._graph_sizes: set[int] = set()
+        self._graph_max_pages = 0
+        self._step: StepMeta | None = None
+        self._plans: dict[int, _GroupPlan] = {}
+
+    @property
+    def cache_dir(self) -> str:
+        from flashinfer.jit import env
+        return str(env.FLASHINFER_JIT_DIR)
+
+    # ---- set-up ------------------------------------------------------------------------------------
+    def prepare(self, dims: AttentionDims, windows: dict[int, int | None]) -> None:
+        """Fix the shapes and build every variant now (start-up), not inside the first step.
+        windows: page group -> sliding window or None."""
+        self._set_dims(dims)
+        for g, w in windows.items():
+            self._windows[g] = -1 if w is None else w - 1
+        for role in ("prefill", "decode"):
+            for wl in set(self._windows.values()):
+                self._wrapper(role, "paged", wl)
+                if role == "prefill":
+                    self._wrapper(role, "ragged", wl)
+
+    def enable_cuda_graphs(self, batch_sizes: Sequence[int], max_pages_per_seq: int) -> None:
+        self._graph_sizes = set(batch_sizes)
+        self._graph_max_pages = max_pages_per_seq
+
+    def _set_dims(self, dims: AttentionDims) -> None:
+        if self._dims is not None and self._dims != dims:
+            raise ConfigError(f"attention shapes changed from {self._dims} to {dims}")
+        self._dims = dims
+        if self._workspace is None:
+            self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dims.device)
+            from flashinfer.utils import is_sm90a_supported
+            fa3_ok = is_sm90a_supported(dims.device)
+            for role, want in self._want.items():
+                self._backend[role] = ("fa3" if fa3_ok else "fa2") if want == "auto" else want
+
+    def _wrapper(self, role: str, kind: str, window_left: int, graph_batch: int = 0):
+        key = (role, kind, window_left, graph_batch)
+        w = self._wrappers.get(key)
+        if w is not None:
+            return w
+        d = self._dims
+        assert d is not None and self._workspace is not None
+        backend = self._backend[role]
+        try:
+            w = self._make_wrapper(backend, kind, window_left, graph_batch)
+        except Exception as e:  # a failed fa3 JIT build: fall back to fa2 for good
+            if backend != "fa3":
+                raise
+            log.warning("FlashInfer fa3 build failed (%s); falling back to fa2 for %s", e, role)
+            self._backend[role] = "fa2"
+            w = self._make_wrapper("fa2", kind, window_left, graph_batch)
+        self._wrappers[key] = w
+        return w
+
+    def _make_wrapper(self, backend: str, kind: str, window_left: int, graph_batch: int):
+        fi, d = self._fi, self._dims
+        jit_args = _jit_args(backend, d.dtype, d.head_dim, window_left >= 0)
+        jit_kwargs = {"use_sliding_window": window_left >= 0}
+        if kind == "ragged":
+            return fi.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD", backend=backend,
+                                                           jit_args=jit_args, jit_kwargs=jit_kwargs)
+        if graph_batch:
+            dev, n = d.device, graph_batch
+            return fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "HND", use_cuda_graph=True,
+                qo_indptr_buf=torch.zeros(n + 1, dtype=torch.int32, device=dev),
+                paged_kv_indptr_buf=torch.zeros(n + 1, dtype=torch.int32, device=dev),
+                paged_kv_indices_buf=torch.zeros(n * self._graph_max_pages, dtype=torch.int32, device=dev),
+                paged_kv_last_page_len_buf=torch.zeros(n, dtype=torch.int32, device=dev),
+                backend=backend, jit_args=jit_args, jit_kwargs=jit_kwargs)
+        return fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "HND", backend=backend,
+                                                      jit_args=jit_args, jit_kwargs=jit_kwargs)
+
+    # ---- per step ----------------------------------------------------------------------------------
+    def plan(self, step: StepMeta) -> None:
+        self._step = step
+        self._plans = {}
+        if self._dims is None:
+            return  # shapes unknown until the first forward: planned lazily there
+        for gi, g in enumerate(step.groups):
+            if g is not None and gi in self._windows:
+                self._plans[gi] = self._plan_group(step, g, self._windows[gi])
+
+    def _plan_group(self, step: StepMeta, g: GroupMeta, window_left: int) -> _GroupPlan:
+        d = self._dims
+        assert d is not None
+        cu_q = _host_cu(step)
+        if not g.pages_hold_all:
+            return self._plan_chunk(step, g, window_left, cu_q)
+        p, maxp = d.page_size, g.page_table.shape[1]
+        num_pages = [-(-n // p) for n in g.kv_lens_host]
+        flat = [b * maxp + j for b, n in enumerate(num_pages) for j in range(n)]
+        indices = g.page_table.flatten()[torch.tensor(flat, dtype=torch.long).to(d.device)]
+        indptr = torch.tensor([0] + num_pages, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        last = torch.tensor([n - (k - 1) * p for n, k in zip(g.kv_lens_host, num_pages)], dtype=torch.int32)
+        decode = step.is_decode
+        graph = step.num_seqs if decode and step.num_seqs in self._graph_sizes else 0
+        w = self._wrapper("decode" if decode else "prefill", "paged", window_left, graph)
+        w.plan(cu_q, indptr, indices, last, d.num_q_heads, d.num_kv_heads, d.head_dim, p, causal=True,
+               window_left=window_left, q_data_type=d.dtype, kv_data_type=d.dtype)
+        return _GroupPlan("paged", w)
+
+    def _plan_chunk(self, step: StepMeta, g: GroupMeta, window_left: int, cu_q: torch.Tensor) -> _GroupPlan:
+        """Prefix from pages + new tokens, made dense by one gather per layer (sliding prefixes are
+        at most W + P tokens per sequence)."""
+        d = self._dims
+        p, maxp = d.page_size, g.page_table.shape[1]
+        flat, offs, dst_pre, dst_new, cu_k = [], [], [], [], [0]
+        for b, pre in enumerate(g.prefix_lens_host):
+            new = int(cu_q[b + 1] - cu_q[b])
+            flat += [b * maxp + i // p for i in range(pre)]
+            offs += [i % p for i in range(pre)]
+            dst_pre += range(cu_k[-1], cu_k[-1] + pre)
+            dst_new += range(cu_k[-1] + pre, cu_k[-1] + pre + new)
+            cu_k.append(cu_k[-1] + pre + new)
+        dev = d.device
+        pages = g.page_table.flatten()[torch.tensor(flat, dtype=torch.long).to(dev)].long()
+        gather = (pages, torch.tensor(offs, dtype=torch.long).to(dev), torch.tensor(dst_pre, dtype=torch.long).to(dev),
+                  torch.tensor(dst_new, dtype=torch.long).to(dev))
+        w = self._wrapper("prefill", "ragged", window_left)
+        w.plan(cu_q, torch.tensor(cu_k, dtype=torch.int32), d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True,
+               window_left=window_left, q_data_type=d.dtype, kv_data_type=d.dtype)
+        return _GroupPlan("ragged", w, gather if flat else None, cu_k[-1])
+
+    def _plan_dense(self, step: StepMeta, window_left: int) -> _GroupPlan:
+        d = self._dims
+        cu = _host_cu(step)
+        w = self._wrapper("prefill", "ragged", window_left)
+        w.plan(cu, cu, d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True, window_left=window_left,
+               q_data_type=d.dtype, kv_data_type=d.dtype)
+        return _GroupPlan("ragged", w)
+
+    # ---- per layer ---------------------------------------------------------------------------------
+    def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
+                window: int | None) -> torch.Tensor:
+        step = self._step
+        assert step is not None, "plan() must run before forward()"
+        window_left = -1 if window is None else window - 1
+        if self._dims is None:
+            page = kv[0].shape[2] if kv is not None else 16
+            self._set_dims(AttentionDims(q.shape[1], k.shape[1], q.shape[2], page, q.dtype, q.device))
+        self._windows.setdefault(group, window_left)
+        assert self._windows[group] == window_left, "a page group's window changed"
+        g = step.groups[group]
+        sinks = sinks.float().contiguous()
+        out = torch.empty_like(q)
+        if kv is None or g is None:
+            key = -1 - group  # dense plans live next to the group plans, keyed apart
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = self._plan_dense(step, window_left)
+            return plan.wrapper.run(q, k.contiguous(), v.contiguous(), sinks, sm_scale, out=out)
+        plan = self._plans.get(group)
+        if plan is None:
+            plan = self._plans[group] = self._plan_group(step, g, window_left)
+        k_cache, v_cache = kv
+        if plan.kind == "paged":
+            store_kv(k, v, k_cache, v_cache, g.slot_mapping)
+            return plan.wrapper.run(q, (k_cache, v_cache), sinks, sm_scale, out=out)
+        keys, vals = k.contiguous(), v.contiguous()
+        if plan.gather is not None:  # some sequence has a cached prefix: build [prefix ; new] per sequence
+            pages, offs, dst_pre, dst_new = plan.gather
+            keys = torch.empty(plan.num_keys, *k.shape[1:], dtype=k.dtype, device=k.device)  # [Tk, Hkv, D]
+            vals = torch.empty_like(keys)
+            keys[dst_pre] = k_cache[pages, :, offs]
+            vals[dst_pre] = v_cache[pages, :, offs]
+            keys[dst_new] = k
+            vals[dst_new] = v
+        out = plan.wrapper.run(q, keys, vals, sinks, sm_scale, out=out)
+        store_kv(k, v, k_cache, v_cache, g.slot_mapping)
+        return out

@@ -1,0 +1,241 @@
+"""Attention backends vs TorchAttention on StepMetas built by model/context.py (Triton interpreter).
+
+TritonAttention must behave exactly like the reference backend in every case (no cache, store
+then paged read, prefix + dense then store) and give the same tokens end to end. The FlashInfer
+backend needs a GPU; here its planning (page indices, last-page lengths, window_left, chunk
+gathers, CUDA-graph static buffers) runs against a torch stand-in with FlashInfer's documented
+semantics, and the real thing is covered by tests/kernels/test_attention_gpu.py.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import sys  # noqa: E402
+import types  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from common.errors import ConfigError  # noqa: E402
+from kernels import reference as ref  # noqa: E402
+from kernels.registry import make_attention  # noqa: E402
+from kernels.selftest import AttentionSelfTestFailed, SelfTestShape, self_test_attention  # noqa: E402
+from kernels.torch_backend import TorchAttention  # noqa: E402
+from kernels.triton_attention_backend import TritonAttention  # noqa: E402
+from model.context import SeqStep, build_step_meta  # noqa: E402
+from model.kv_cache import KVCacheSpec, KVManager, KVPool, PageGroup, SeqPages  # noqa: E402
+
+SMALL = SelfTestShape(num_q_heads=8, num_kv_heads=2, head_dim=16, window=8, page_size=4)
+
+
+@pytest.mark.parametrize("shape", [SMALL, SelfTestShape(4, 4, 16, 5, 4), SelfTestShape(16, 2, 32, 16, 8),
+                                   SelfTestShape(4, 2, 16, 3, 2)], ids=["g4", "g1", "g8", "g2-page2"])
+def test_triton_backend_passes_self_test(shape):
+    self_test_attention(TritonAttention(), "cpu", torch.float32, shape=shape)
+
+
+def test_triton_backend_self_test_fp16():
+    self_test_attention(make_attention("triton"), "cpu", torch.float16, shape=SMALL)
+
+
+class _Broken(TorchAttention):
+    def __init__(self, flaw):
+        super().__init__()
+        self.flaw = flaw
+
+    def forward(self, group, q, k, v, kv, sinks, sm_scale, window):
+        if self.flaw == "window+1" and window is not None:
+            window += 1
+        if self.flaw == "no-sink":
+            sinks = torch.full_like(sinks, -1e4)
+        if self.flaw == "scaled-sink":
+            sinks = sinks * sm_scale
+        out = super().forward(group, q, k, v, kv, sinks, sm_scale, window)
+        if self.flaw == "no-store" and kv is not None:
+            kv[0].zero_()
+        return out
+
+
+@pytest.mark.parametrize("flaw", ["window+1", "no-sink", "scaled-sink", "no-store"])
+def test_self_test_catches_broken_backends(flaw):
+    with pytest.raises(AttentionSelfTestFailed, match="self-test"):
+        self_test_attention(_Broken(flaw), "cpu", torch.float32, shape=SMALL)
+
+
+def test_triton_random_schedule_matches_torch():
+    """Sequences arrive, prefill in random chunks (some longer than the sliding ring, so
+    pages_hold_all flips), decode and finish; both backends see the same StepMetas and inputs."""
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, p, w = 8, 2, 16, 4, 6
+    spec = KVCacheSpec(p, hkv, d, torch.float32, w, full_layers=(1,), sliding_layers=(0,), num_pages=(80, 40))
+    mgr = KVManager(spec)
+    pools = [KVPool(spec), KVPool(spec)]
+    impls = [TritonAttention(), TorchAttention()]
+    sinks = torch.randn(hq, generator=g) * 3
+    prompt = {0: 23, 1: 9, 2: 30, 3: 5}
+    done = {s: 0 for s in prompt}
+    pages = {s: SeqPages() for s in prompt}
+    saw_chunk_mode = False
+    for step_i in range(9):
+        steps = []
+        for s, n in prompt.items():
+            if step_i < s:  # staggered arrivals
+                continue
+            left = n - done[s]
+            q_len = 1 if left <= 0 else min(left, int(torch.randint(1, 13, (1,), generator=g)))
+            mgr.grow(pages[s], done[s] + q_len)
+            steps.append(SeqStep(pages[s], done[s], q_len))
+            done[s] += q_len
+        meta = build_step_meta(steps, spec)
+        saw_chunk_mode |= not meta.groups[PageGroup.SLIDING].pages_hold_all
+        t = sum(meta.q_lens_host)
+        for impl in impls:
+            impl.plan(meta)
+        for grp, window in ((PageGroup.SLIDING, w), (PageGroup.FULL, None)):
+            q, k, v = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
+            layer = spec.layers(grp)[0]
+            outs = [impl.forward(grp, q, k, v, pool.layer_kv(layer), sinks, 0.25, window)
+                    for impl, pool in zip(impls, pools)]
+            torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-4)
+            assert torch.equal(pools[0].pools[grp], pools[1].pools[grp])
+    assert saw_chunk_mode
+
+
+@pytest.fixture
+def one_torch_thread():
+    """The interpreter's numpy (OpenBLAS) threads spin against torch's on 2 cores: ~2x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("preset", ["tiny-a", "tiny-b"])
+def test_engine_tokens_triton_equal_torch(ckpt_factory, one_torch_thread, preset):
+    """End to end through the engine (tiny-a: window 4, G 4; tiny-b: window 7, one KV head):
+    chunked prefill (a small token budget mixes prefill chunks with decodes), sliding rings of page
+    size 4, greedy decoding; the tokens must be identical."""
+    from engine.build import EngineConfig
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    from engine.scheduler import SchedulerConfig
+
+    path = ckpt_factory(preset)
+    vocab = 512 if preset == "tiny-a" else 384
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, vocab - 8, (n,), generator=gen).tolist() for n in (19, 1, 6, 27)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(EngineConfig(checkpoint=path, attention_backend=backend, page_size=4, kv_cache_bytes=1 << 20,
+                               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                         max_model_len=256)))
+        outs[backend] = [c.output_ids for c in llm.generate(prompts, params)]
+        llm.kv.assert_all_free()
+    assert outs["triton"] == outs["torch"]
+
+
+def test_flashinfer_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match="CUDA"):
+        make_attention("flashinfer")
+
+
+# ---- FlashInfer planning against a torch stand-in ---------------------------------------------------
+class _FakeWrapper:
+    """FlashInfer's BatchPrefillWith{Paged,Ragged}KVCacheWrapper semantics in torch: causal with
+    queries aligned to the end of each sequence's keys; keys kept when kv_idx >= q_pos - window_left;
+    paged KV = indices[indptr[b]:indptr[b+1]] with the last page holding last_page_len tokens; the
+    jit variant's extra args are (sink fp32 [Hq], sm_scale)."""
+
+    log: list = []
+
+    def __init__(self, ragged, workspace, layout, use_cuda_graph=False, qo_indptr_buf=None, paged_kv_indptr_buf=None,
+                 paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None, backend="auto", jit_args=None,
+                 jit_kwargs=None):
+        assert jit_args[11] == "AttentionSink" and jit_args[7] == ["sink"] and jit_args[9] == ["sm_scale"]
+        assert layout == ("NHD" if ragged else "HND") and backend in ("fa2", "fa3")
+        self.ragged, self.sliding, self.graph = ragged, jit_kwargs["use_sliding_window"], use_cuda_graph
+        self.bufs = (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf)
+        _FakeWrapper.log.append((backend, "ragged" if ragged else "paged", self.sliding, use_cuda_graph))
+
+    def plan(self, qo_indptr, kv_indptr, *args, causal, window_left, q_data_type, kv_data_type):
+        assert causal and (window_left >= 0) == self.sliding and qo_indptr.device.type == "cpu"
+        self.window_left = window_left
+        if self.ragged:
+            self.qo, self.kv = qo_indptr, kv_indptr
+            return
+        indices, last, *_ = args
+        if self.graph:  # FlashInfer copies into the static buffers; run() must read from them
+            for buf, x in zip(self.bufs, (qo_indptr, kv_indptr, indices, last)):
+                buf[:len(x)].copy_(x)
+            self.n_idx = len(indices)
+        else:
+            self.bufs = (qo_indptr, kv_indptr, indices, last)
+            self.n_idx = len(indices)
+
+    def run(self, q, *kv_and_extra, out):
+        window = None if self.window_left < 0 else self.window_left + 1
+        if self.ragged:
+            k, v, sink, sm_scale = kv_and_extra
+            return out.copy_(ref.varlen_attention(q, k, v, self.qo, self.kv, sink, sm_scale, window))
+        (k_cache, v_cache), sink, sm_scale = kv_and_extra
+        qo, kvp, idx, last = self.bufs
+        p = k_cache.shape[2]
+        for b in range(len(qo) - 1):
+            pages = idx[kvp[b]:kvp[b + 1]]
+            n = (len(pages) - 1) * p + int(last[b])
+            ks, vs = ref.gather_pages(k_cache, pages, n), ref.gather_pages(v_cache, pages, n)
+            cq = torch.tensor([0, int(qo[b + 1] - qo[b])], dtype=torch.int32)
+            ck = torch.tensor([0, n], dtype=torch.int32)
+            out[qo[b]:qo[b + 1]] = ref.varlen_attention(q[qo[b]:qo[b + 1]], ks, vs, cq, ck, sink, sm_scale, window)
+        return out
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    fi = types.ModuleType("flashinfer")
+    fi.BatchPrefillWithPagedKVCacheWrapper = lambda *a, **kw: _FakeWrapper(False, *a, **kw)
+    fi.BatchPrefillWithRaggedKVCacheWrapper = lambda *a, **kw: _FakeWrapper(True, *a, **kw)
+    variants = types.ModuleType("flashinfer.jit.attention.variants")
+    variants.attention_sink_decl = {"fa2": "decl-fa2", "fa3": "decl-fa3"}
+    utils = types.ModuleType("flashinfer.utils")
+    utils.is_sm90a_supported = lambda device: True
+    for name, mod in (("flashinfer", fi), ("flashinfer.jit", types.ModuleType("flashinfer.jit")),
+                      ("flashinfer.jit.attention", types.ModuleType("flashinfer.jit.attention")),
+                      ("flashinfer.jit.attention.variants", variants), ("flashinfer.utils", utils)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    import kernels.flashinfer_backend as fb
+    monkeypatch.setattr(fb, "import_flashinfer", lambda cache_dir=None: fi)
+    _FakeWrapper.log = []
+    return fb
+
+
+def test_flashinfer_planning_matches_torch(fake_flashinfer):
+    impl = fake_flashinfer.FlashInferAttention()
+    self_test_attention(impl, "cpu", torch.float32, shape=SMALL)
+    kinds = set(_FakeWrapper.log)
+    # prefill on fa3 (sm90a), decode on fa2; both window kinds; paged and ragged (chunks, no cache)
+    assert {("fa3", "paged", False, False), ("fa3", "ragged", True, False),
+            ("fa2", "paged", True, False), ("fa2", "paged", False, False)} <= kinds
+
+
+def test_flashinfer_decode_graph_buffers(fake_flashinfer):
+    """With CUDA graphs enabled for batch 3, the decode step plans into static buffers (sized for
+    max_pages_per_seq) and still matches the reference."""
+    impl = fake_flashinfer.FlashInferAttention()
+    impl.enable_cuda_graphs([3], max_pages_per_seq=64)
+    self_test_attention(impl, "cpu", torch.float32, shape=SMALL)
+    assert ("fa2", "paged", True, True) in _FakeWrapper.log and ("fa2", "paged", False, True) in _FakeWrapper.log
+
+
+def test_flashinfer_prepare_builds_every_variant_up_front(fake_flashinfer):
+    impl = fake_flashinfer.FlashInferAttention(prefill_backend="fa2")
+    dims = fake_flashinfer.AttentionDims(8, 2, 16, 4, torch.float32, torch.device("cpu"))
+    impl.prepare(dims, {PageGroup.FULL: None, PageGroup.SLIDING: 8})
+    assert set(_FakeWrapper.log) == {("fa2", "paged", True, False), ("fa2", "paged", False, False),
+                                     ("fa2", "ragged", True, False), ("fa2", "ragged", False, False)}
+    with pytest.raises(ConfigError, match="unknown FlashInfer backend"):
+        fake_flashinfer.FlashInferAttention(decode_backend="fa4")
