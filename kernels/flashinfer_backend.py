@@ -17,8 +17,10 @@ Lifecycle:
   * `forward`: no cache -> ragged causal over the step's tokens; pages_hold_all -> store, then
     paged; otherwise -> gather [prefix from pages ; new K/V] densely, ragged, then store.
   * decode CUDA graphs: `enable_cuda_graphs(batch_sizes, max_pages_per_seq)`; a pure-decode step
-    of one of those batch sizes then runs on wrappers with static index buffers. plan() runs
-    outside the graph (host work + copies into those buffers), forward() inside it.
+    of one of those batch sizes then runs on wrappers with static index buffers (page indices,
+    indptrs, last-page lengths, and the slot_mapping the store reads). plan() runs outside the
+    graph (host work + copies into those buffers), forward() inside it; q/k/v/sinks and the caches
+    are the caller's static tensors.
 """
 
 from __future__ import annotations
@@ -83,12 +85,22 @@ def _jit_args(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool) ->
             ["double"], "AttentionSink", attention_sink_decl[backend]]
 
 
+def build_variant(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool) -> None:
+    """Compile (or load from the JIT cache) one AttentionSink variant exactly as the wrappers will
+    ask for it (FlashInfer caches the module by these arguments), so start-up can build several
+    variants in parallel threads: each build is a ninja/nvcc subprocess."""
+    from flashinfer.prefill import get_customize_batch_prefill_module
+    get_customize_batch_prefill_module(backend, *_jit_args(backend, dtype, head_dim, sliding),
+                                       use_sliding_window=sliding)
+
+
 @dataclass(slots=True)
 class _GroupPlan:
     """What one page group needs at forward time in the current step."""
 
     kind: str  # "paged" | "ragged"
     wrapper: object
+    slots: torch.Tensor | None = None  # [T] int64 slot_mapping to store with (static when graphed)
     gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     num_keys: int = 0  # rows of the gathered dense K/V (ragged with a cached prefix)
 
@@ -110,6 +122,7 @@ class FlashInferAttention:
         self._wrappers: dict[tuple, object] = {}
         self._graph_sizes: set[int] = set()
         self._graph_max_pages = 0
+        self._graph_slots: dict[tuple[int, int], torch.Tensor] = {}  # (batch, window_left) -> [B] int64
         self._step: StepMeta | None = None
         self._plans: dict[int, _GroupPlan] = {}
 
@@ -211,7 +224,13 @@ class FlashInferAttention:
         w = self._wrapper("decode" if decode else "prefill", "paged", window_left, graph)
         w.plan(cu_q, indptr, indices, last, d.num_q_heads, d.num_kv_heads, d.head_dim, p, causal=True,
                window_left=window_left, q_data_type=d.dtype, kv_data_type=d.dtype)
-        return _GroupPlan("paged", w)
+        slots = g.slot_mapping
+        if graph:  # the captured store must read this step's slots: copy them into a static buffer
+            slots = self._graph_slots.get((graph, window_left))
+            if slots is None:
+                slots = self._graph_slots[(graph, window_left)] = torch.empty(graph, dtype=torch.int64, device=d.device)
+            slots.copy_(g.slot_mapping)
+        return _GroupPlan("paged", w, slots)
 
     def _plan_chunk(self, step: StepMeta, g: GroupMeta, window_left: int, cu_q: torch.Tensor) -> _GroupPlan:
         """Prefix from pages + new tokens, made dense by one gather per layer (sliding prefixes are
@@ -233,7 +252,7 @@ class FlashInferAttention:
         w = self._wrapper("prefill", "ragged", window_left)
         w.plan(cu_q, torch.tensor(cu_k, dtype=torch.int32), d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True,
                window_left=window_left, q_data_type=d.dtype, kv_data_type=d.dtype)
-        return _GroupPlan("ragged", w, gather if flat else None, cu_k[-1])
+        return _GroupPlan("ragged", w, gather=gather if flat else None, num_keys=cu_k[-1])
 
     def _plan_dense(self, step: StepMeta, window_left: int) -> _GroupPlan:
         d = self._dims
@@ -269,7 +288,7 @@ class FlashInferAttention:
             plan = self._plans[group] = self._plan_group(step, g, window_left)
         k_cache, v_cache = kv
         if plan.kind == "paged":
-            store_kv(k, v, k_cache, v_cache, g.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, plan.slots)
             return plan.wrapper.run(q, (k_cache, v_cache), sinks, sm_scale, out=out)
         keys, vals = k.contiguous(), v.contiguous()
         if plan.gather is not None:  # some sequence has a cached prefix: build [prefix ; new] per sequence

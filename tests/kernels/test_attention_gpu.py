@@ -1,0 +1,179 @@
+"""Attention backends on the GPU at gpt-oss dims (d 64, GQA 8, window 128, page 16): the start-up
+self-test for Triton and FlashInfer (fa3, fa2), bf16 parity at real sizes with forced split-KV,
+exact store-KV/RoPE in bf16, FlashInfer decode captured in a CUDA graph and replayed on a later
+step, and engine tokens Triton == torch. Deselected by default (marker gpu).
+
+  FLASHINFER_WORKSPACE_BASE=/tmp/tandem-flashinfer python -m pytest -m gpu tests/kernels/test_attention_gpu.py
+(the same folder as benchmarks/attention.py, so its JIT builds are reused).
+"""
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels.interface import GroupMeta, StepMeta
+from kernels.selftest import SelfTestShape, self_test_attention
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+DEV = "cuda"
+HQ, HKV, D, P, W = 64, 8, 64, 16, 128
+
+
+def _flashinfer(backend):
+    pytest.importorskip("flashinfer")
+    from kernels.flashinfer_backend import FlashInferAttention
+    return FlashInferAttention(prefill_backend=backend, decode_backend=backend)
+
+
+def _step(q_lens, prefix, window, pages_per_seq=None, seed=0):
+    """A StepMeta with everything in scattered pages (new tokens stored by the backend)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    kv = [a + b for a, b in zip(q_lens, prefix)]
+    need = [-(-n // P) for n in kv]
+    width = pages_per_seq or max(need)
+    num_pages = len(kv) * width + 1
+    perm = torch.randperm(num_pages, generator=g, device=DEV).to(torch.int32)
+    table = perm[:len(kv) * width].view(len(kv), width).contiguous()
+    pos = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, q_lens)]).to(DEV)
+    seq = torch.repeat_interleave(torch.arange(len(kv), device=DEV), torch.tensor(q_lens, device=DEV))
+    slots = table[seq, pos // P].long() * P + pos % P
+    i32 = dict(dtype=torch.int32, device=DEV)
+    gm = GroupMeta(table, torch.tensor(prefix, **i32), torch.tensor(kv, **i32), slots, True, list(prefix), kv)
+    cu = torch.tensor([0] + q_lens).cumsum(0)
+    groups = (gm, None) if window is None else (None, gm)
+    return StepMeta(pos, cu.to(**i32), list(q_lens), (cu[1:] - 1).to(DEV), groups), num_pages
+
+
+def _reference(step, q, k_cache, v_cache, sinks, window):
+    g = step.groups[0] if window is None else step.groups[1]
+    return ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), g.page_table, step.cu_seqlens_q,
+                               g.kv_lens, sinks, D ** -0.5, window)
+
+
+def _run_case(impl, q_lens, prefix, window, seed=0):
+    step, num_pages = _step(q_lens, prefix, window, seed=seed)
+    g = torch.Generator(device=DEV).manual_seed(seed + 1)
+    kc = torch.randn(num_pages, HKV, P, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    t = sum(q_lens)
+    q = torch.randn(t, HQ, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    k, v = torch.randn(t, HKV, D, device=DEV, dtype=torch.bfloat16), torch.randn(t, HKV, D, device=DEV, dtype=torch.bfloat16)
+    sinks = torch.randn(HQ, device=DEV) * 2
+    impl.plan(step)
+    out = impl.forward(0 if window is None else 1, q, k, v, (kc, vc), sinks, D ** -0.5, window)
+    expected = _reference(step, q, kc, vc, sinks, window)  # the backend stored k/v: read them back
+    return out, expected
+
+
+def _rel(out, expected):
+    assert torch.isfinite(out).all()
+    return ((out.float() - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_self_test(dtype):
+    from kernels.triton_attention_backend import TritonAttention
+    self_test_attention(TritonAttention(), DEV, dtype)
+
+
+@pytest.mark.parametrize("window", [None, W])
+@pytest.mark.parametrize("num_splits", [None, 1, 6])
+def test_triton_real_dims(window, num_splits):
+    from kernels.triton_attention_backend import TritonAttention
+    impl = TritonAttention(num_splits=num_splits)
+    assert _rel(*_run_case(impl, [1, 700, 1, 33], [3000, 0, 150, 900], window)) <= 1e-2
+    assert _rel(*_run_case(impl, [1] * 16, [8191] * 16, window, seed=3)) <= 1e-2
+
+
+def test_store_kv_and_rope_exact_bf16():
+    from kernels.triton_store_kv import apply_rope, rope_store_kv, store_kv
+    t = 300
+    k, v = torch.randn(t, HKV, D, device=DEV, dtype=torch.bfloat16), torch.randn(t, HKV, D, device=DEV, dtype=torch.bfloat16)
+    slots = torch.randperm(64 * P, device=DEV)[:t]
+    slots[::7] = -1
+    kc = torch.randn(64, HKV, P, D, device=DEV, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    kc2, vc2 = kc.clone(), vc.clone()
+    store_kv(k, v, kc, vc, slots)
+    ref.store_kv(k, v, kc2, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    ang = torch.randn(t, D // 2, device=DEV) * 10
+    cos, sin = ang.cos() * 1.3466, ang.sin() * 1.3466
+    k_rot = rope_store_kv(k, v, kc, vc, slots, cos, sin)
+    expected = ref.apply_rope(k, cos, sin)
+    ref.store_kv(expected, v, kc2, vc2, slots)
+    assert torch.equal(k_rot, expected) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    q = torch.randn(t, HQ, D, device=DEV, dtype=torch.bfloat16)
+    assert torch.equal(apply_rope(q, cos, sin), ref.apply_rope(q, cos, sin))
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa2"])
+def test_flashinfer_self_test(backend):
+    self_test_attention(_flashinfer(backend), DEV, torch.bfloat16)
+    self_test_attention(_flashinfer(backend), DEV, torch.bfloat16,
+                        shape=SelfTestShape(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, window=W, page_size=P))
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa2"])
+@pytest.mark.parametrize("window", [None, W])
+def test_flashinfer_real_dims(backend, window):
+    impl = _flashinfer(backend)
+    assert _rel(*_run_case(impl, [1, 700, 1, 33], [3000, 0, 150, 900], window)) <= 1e-2
+    assert _rel(*_run_case(impl, [1] * 16, [8191] * 16, window, seed=3)) <= 1e-2
+
+
+def test_flashinfer_decode_cuda_graph_replays_a_later_step():
+    """Capture one decode forward per page group for batch 4; then plan a different step (other
+    lengths, other pages) outside the graph and replay: the output must follow the new step."""
+    impl = _flashinfer("fa2")
+    b, max_pages = 4, 64
+    impl.enable_cuda_graphs([b], max_pages_per_seq=max_pages)
+    num_pages = b * max_pages + 1
+    kc = torch.randn(num_pages, HKV, P, D, device=DEV, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
+    k, v = torch.randn(b, HKV, D, device=DEV, dtype=torch.bfloat16), torch.randn(b, HKV, D, device=DEV, dtype=torch.bfloat16)
+    sinks = torch.randn(HQ, device=DEV) * 2
+    steps = [_step([1] * b, pre, None, pages_per_seq=max_pages, seed=s)[0]
+             for s, pre in enumerate(([100, 5, 700, 1000], [37, 999, 2, 400]))]
+    outs = {}
+    impl.plan(steps[0])
+    impl.forward(0, q, k, v, (kc, vc), sinks, D ** -0.5, None)  # eager warm-up
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        impl.forward(0, q, k, v, (kc, vc), sinks, D ** -0.5, None)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs["o"] = impl.forward(0, q, k, v, (kc, vc), sinks, D ** -0.5, None)
+    for step in steps[::-1]:
+        impl.plan(step)
+        q.copy_(torch.randn_like(q))
+        k.copy_(torch.randn_like(k))
+        graph.replay()
+        torch.cuda.synchronize()
+        slots = step.groups[0].slot_mapping  # the replayed store wrote this step's slots
+        assert torch.equal(kc[slots // P, :, slots % P], k)
+        assert _rel(outs["o"], _reference(step, q, kc, vc, sinks, None)) <= 1e-2
+
+
+def test_engine_tokens_triton_equal_torch_on_gpu(ckpt_factory):
+    from engine.build import EngineConfig
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    from engine.scheduler import SchedulerConfig
+
+    path = ckpt_factory("tiny-a")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (19, 1, 6, 27, 64)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(EngineConfig(checkpoint=path, device=DEV, dtype="float32", attention_backend=backend, page_size=4,
+                               kv_cache_bytes=1 << 22,
+                               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256)))
+        outs[backend] = [c.output_ids for c in llm.generate(prompts, params)]
+    assert outs["triton"] == outs["torch"]
