@@ -299,6 +299,10 @@ class DeepGemmLinear:
             y.add_(bias)
         return y.to(x2.dtype)
 
+    def describe(self, k: int, dtype: torch.dtype) -> str:
+        return (f"K={k} padded to {self._k_pad.get(k)}, bias "
+                f"{'as fp32 c (1x128 weight-scale kernel)' if self.bias_via_c else 'as one add'}")
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
                  bias: torch.Tensor | None) -> torch.Tensor:
         if w_scale is None:

@@ -142,7 +142,12 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, rw_ptr, y_ptr,
     acc = expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, stride_ask, stride_wsk,
                       FP8, BLOCK_K, SCALE_K, DOT_F32)
     wgt = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)  # [BM] routing weight
-    y = acc.to(OUT_ROUND).to(tl.float32) * wgt[:, None]  # reference: bf16 linear, then * weight
+    # Reference rounding points: the linear's output in x.dtype, then times the weight.
+    if OUT_ROUND == 0:
+        acc = acc.to(tl.bfloat16).to(tl.float32)
+    elif OUT_ROUND == 1:
+        acc = acc.to(tl.float16).to(tl.float32)
+    y = acc * wgt[:, None]
     tl.store(y_ptr + pair[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=valid[:, None] & (offs_n < N)[None, :])
 
@@ -161,7 +166,7 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, H, expert_start, num_local, stride_
     tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=hmask)
 
 
-_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_ROUND_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def _launch_cfg(cfg: TileConfig, device: torch.device) -> dict[str, int]:
@@ -212,7 +217,7 @@ def down(act: torch.Tensor, acts: torch.Tensor | None, w: ExpertWeights, g: Expe
         act.stride(0), as_.stride(0), as_.stride(1) if fp8 else 0,
         w.w2.stride(0), w.w2.stride(1), ws.stride(0), ws.stride(1) if fp8 else 0,
         ws.stride(2) if fp8 else 0, b2.stride(0), y.stride(0),
-        FP8=fp8, HAS_BIAS=w.b2 is not None, SCALE_K=BLOCK, OUT_ROUND=_TL_DTYPE[out_dtype],
+        FP8=fp8, HAS_BIAS=w.b2 is not None, SCALE_K=BLOCK, OUT_ROUND=_ROUND_CODE[out_dtype],
         **_launch_cfg(cfg, act.device))
     return y
 

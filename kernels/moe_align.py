@@ -75,7 +75,8 @@ def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, cnt_ptr, start_ptr, rank_ptr,
                   P, expert_start, num_local, max_blocks,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                  TILE_CHUNK: tl.constexpr):
     """Single program. cnt/start [BLOCK_E] and rank [P] int32 are scratch."""
     e_off = tl.arange(0, BLOCK_E)
     c_off = tl.arange(0, CHUNK)
@@ -97,8 +98,8 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, cnt_ptr, 
     tl.store(start_ptr + e_off, ends - padded)
     total = tl.sum(padded, axis=0)
     tl.store(num_rows_ptr, total)
-    for b0 in range(0, max_blocks, CHUNK):
-        b = b0 + c_off
+    for b0 in range(0, max_blocks, TILE_CHUNK):  # [TILE_CHUNK, BLOCK_E] compare: keep it small
+        b = b0 + tl.arange(0, TILE_CHUNK)
         row = b * BLOCK_M
         # expert of tile b = number of experts whose padded segment ends at or before its first row
         owner = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), axis=1)
@@ -150,5 +151,5 @@ def align_by_expert(ids: torch.Tensor, expert_start: int, num_local: int, block_
     cnt, start, rank = scratch[:block_e], scratch[block_e:2 * block_e], scratch[2 * block_e:]
     _align_kernel[(1,)](ids, sorted_pairs, block_expert, num_rows, cnt, start, rank,
                         p, expert_start, num_local, max_blocks,
-                        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, num_warps=8)
+                        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, TILE_CHUNK=64, num_warps=8)
     return ExpertGrouping(sorted_pairs, block_expert, num_rows, block_m, p)

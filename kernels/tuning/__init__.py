@@ -77,8 +77,8 @@ def nearest_bucket(buckets: dict[int, dict], m: int) -> dict:
 
 def default_gemm_config(m: int) -> TileConfig:
     """Untuned dense FP8 tiles: small-M is bandwidth-bound (narrow N tiles, many CTAs)."""
-    if m <= 16:
-        return TileConfig(16, 64, 128, 1, 4, 4)
+    if m <= 16:  # N / 32 column tiles: 160 CTAs for qkv (N = 5120) stream the weights
+        return TileConfig(16, 32, 128, 1, 4, 4)
     if m <= 64:
         return TileConfig(64, 64, 128, 1, 4, 4)
     if m <= 256:
@@ -93,16 +93,18 @@ def gemm_config(m: int, n: int, k: int) -> TileConfig:
 
 def default_moe_config(m: int, fp8: bool) -> MoEConfig:
     """Untuned MoE tiles by routed rows per expert. FP8 gate_up tiles are 256 wide so one tile holds
-    exactly one 1x128 group of SwiGLU outputs and re-quantisation fuses into its epilogue."""
+    exactly one 1x128 group of SwiGLU outputs and re-quantisation fuses into its epilogue. FP8 keeps
+    two fp32 accumulators (the per-block dot and the scaled sum), so large FP8 tiles stay at 64 rows
+    with 8 warps (two warpgroups of 64 x 128 each) to avoid register spills."""
     bk = 128 if fp8 else 64
     if m <= 16:
         bm, n1, n2, w, s, g = 16, 256 if fp8 else 128, 64, 4, 4, 1
     elif m <= 64:
         bm, n1, n2, w, s, g = 32, 256 if fp8 else 128, 128, 4, 4, 1
-    elif m <= 256:
-        bm, n1, n2, w, s, g = 64, 256 if fp8 else 128, 128, 8, 3, 4
+    elif m <= 256 or fp8:
+        bm, n1, n2, w, s, g = 64, 256 if fp8 else 128, 256 if fp8 else 128, 8, 3, 8
     else:
-        bm, n1, n2, w, s, g = 128, 256 if fp8 else 128, 128, 8, 3, 8
+        bm, n1, n2, w, s, g = 128, 128, 128, 8, 3, 8
     return MoEConfig(bm, TileConfig(bm, n1, bk, g, w, s), TileConfig(bm, n2, bk, g, w, s))
 
 

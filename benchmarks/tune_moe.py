@@ -1,0 +1,152 @@
+"""Tune the Triton MoE tiles for gpt-oss (hidden = intermediate = 2880, top-4) on an H200, within a
+time budget (default 165 s, compile time included). Writes $OUT/moe.json in kernels/tuning's
+format: copy it over kernels/tuning/moe.json to use it.
+
+    python -m benchmarks.tune_moe [--budget 165] [--no-bf16]
+
+Per bucket of routed rows per expert (M = T * 4 / E), on 20b-shaped experts (E = 32): for each
+candidate BLOCK_M, gate_up and down are timed separately (CUDA-graph replay, distinct logit sets
+rotating the touched experts out of L2 at decode), the best of each is kept and the BLOCK_M with
+the smallest sum wins. gate_up candidates with 128-wide tiles include the separate activation
+quantisation pass they need. Buckets not reached within the budget keep the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from itertools import product
+
+import torch
+
+from benchmarks.gemm import Report, bench, environment
+from benchmarks.moe import H, I, TOP_K, logit_sets, make_experts
+from kernels.tuning import MoEConfig, TileConfig, default_moe_config
+
+DEVICE = "cuda"  # a module constant so a CPU smoke run can swap it
+E = 32
+BUCKETS = [1, 4, 16, 64, 256, 1024]
+
+
+def tokens_for(bucket: int) -> int:
+    return 1 if bucket == 1 else bucket * E // TOP_K  # bucket 1: batch-1 decode
+
+
+def bm_candidates(bucket: int) -> list[int]:
+    return {1: [16], 4: [16], 16: [16, 32], 64: [32, 64], 256: [64, 128], 1024: [64, 128]}[bucket]
+
+
+def tile_candidates(bm: int, bucket: int, fp8: bool, gemm: int) -> list[TileConfig]:
+    bk = 128 if fp8 else 64
+    if gemm == 1:
+        widths = [256, 128] if fp8 else [128, 256]
+    else:
+        widths = [32, 64, 128] if bucket <= 4 else [64, 128, 256]
+    if fp8 and bm >= 128:  # two fp32 accumulators: a 64 x 256 warpgroup tile would spill
+        widths = [wd for wd in widths if wd <= 128]
+    warps = [4] if bm <= 32 else [8] if bm >= 128 else [4, 8]
+    stages = [3, 4] if bm <= 32 else [3]
+    group = 1 if bucket <= 64 else 8
+    return [TileConfig(bm, bn, bk, group, w, s) for bn, w, s in product(widths, warps, stages)]
+
+
+class Tuner:
+    def __init__(self, budget_s: float, rep: Report) -> None:
+        self.deadline = time.time() + budget_s
+        self.rep = rep
+        self.log: list[dict] = []
+
+    def out_of_time(self) -> bool:
+        return time.time() > self.deadline
+
+    def tune_bucket(self, w, bucket: int, fp8: bool) -> MoEConfig | None:
+        from kernels import moe as m
+        from kernels.fp8_quant import quantize_act_1x128
+        from kernels.moe_align import align_by_expert, route_topk_softmax
+        t = tokens_for(bucket)
+        gen = torch.Generator(device=DEVICE).manual_seed(bucket)
+        x = torch.randn(t, H, device=DEVICE, generator=gen).to(torch.bfloat16)
+        routes = [route_topk_softmax(lg, TOP_K) for lg in logit_sets(t, E, gen)]
+        xq, xs = quantize_act_1x128(x) if fp8 else (x, None)
+        best: tuple[float, MoEConfig] | None = None
+        for bm in bm_candidates(bucket):
+            groups = [align_by_expert(ids, 0, E, bm) for _, ids in routes]
+            t1 = self._best(bm, bucket, fp8, 1, groups,
+                            lambda c, s: self._gate_up(m, quantize_act_1x128, xq, xs, w, groups[s], c, fp8))
+            if t1 is None:
+                continue
+            acts_by_set = []  # down's input per logit set (any gate_up tile gives the same values)
+            for g in groups:
+                act, acts = m.gate_up(xq, xs, w, g, TOP_K, t1[1], torch.bfloat16)
+                if fp8 and acts is None:
+                    act, acts = quantize_act_1x128(act)
+                acts_by_set.append((act, acts))
+            t2 = self._best(bm, bucket, fp8, 2, groups,
+                            lambda c, s: m.down(*acts_by_set[s], w, groups[s], routes[s][0], c, torch.bfloat16))
+            if t2 is None:
+                continue
+            total = t1[0] + t2[0]
+            self.log.append({"fp8": fp8, "bucket": bucket, "T": t, "block_m": bm, "gate_up_ms": t1[0],
+                             "down_ms": t2[0], "gemm1": t1[1].to_json(), "gemm2": t2[1].to_json()})
+            if best is None or total < best[0]:
+                best = (total, MoEConfig(bm, t1[1], t2[1]))
+        return best[1] if best else None
+
+    @staticmethod
+    def _gate_up(m, quant, xq, xs, w, g, cfg: TileConfig, fp8: bool) -> None:
+        act, acts = m.gate_up(xq, xs, w, g, TOP_K, cfg, torch.bfloat16)
+        if fp8 and acts is None:  # 128-wide tiles: the separate re-quantisation belongs to this cost
+            quant(act)
+
+    def _best(self, bm: int, bucket: int, fp8: bool, gemm: int, groups, run) -> tuple[float, TileConfig] | None:
+        """Fastest tile for one GEMM: `run(cfg, s)` launches it on logit set s."""
+        best = None
+        for cfg in tile_candidates(bm, bucket, fp8, gemm):
+            if self.out_of_time():
+                break
+            try:
+                ms = bench([lambda s=s: run(cfg, s) for s in range(len(groups))], trials=3, min_ms=5)
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip this tile
+                self.rep.errors.append(f"{cfg}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, cfg)
+        return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget", type=float, default=165.0, help="seconds, compile time included")
+    ap.add_argument("--no-bf16", action="store_true")
+    args = ap.parse_args()
+    rep = Report("moe_tuning")
+    rep.data["env"] = rep.section("environment", environment)
+    tuner = Tuner(args.budget, rep)
+    fp8_w, bf16_w = make_experts(E, seed=3)
+    table: dict = {"_meta": {"tuned": True, "device": (rep.data["env"] or {}).get("device"),
+                             "date": time.strftime("%Y-%m-%d"), "env": rep.data["env"],
+                             "m": "routed rows per expert = ceil(T * top_k / E)"}}
+    kinds = [(True, fp8_w)] + ([] if args.no_bf16 else [(False, bf16_w)])
+    for fp8, w in kinds:
+        key = f"{'fp8' if fp8 else 'bf16'}_N{2 * I}_K{H}"
+        entries = {}
+        for bucket in BUCKETS:
+            cfg = rep.section(f"{key} bucket {bucket}", lambda: tuner.tune_bucket(w, bucket, fp8))
+            tuned = cfg is not None
+            entries[str(bucket)] = (cfg or default_moe_config(bucket, fp8)).to_json() | {"tuned": tuned}
+        entries["4096"] = dict(entries["1024"])  # beyond 8k tokens (20b) the 1024 tiles carry over
+        table[key] = entries
+    rep.data["table"] = table
+    rep.data["log"] = tuner.log
+    out = rep.write().parent / "moe.json"
+    out.write_text(json.dumps(table, indent=1))
+    print(f"tuned table: {out}")
+    for row in tuner.log:
+        print(row)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""GPU parity of the FP8 GEMM backends and the Triton MoE at real gpt-oss dims (hidden 2880).
+
+Run this file on its own (the CPU kernel tests set TRITON_INTERPRET=1 at import, which would turn
+these kernels into interpreted ones in the same process):
+    python -m pytest -m gpu tests/kernels/test_gemm_moe_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="TRITON_INTERPRET is set (CPU tests imported first): run this file alone"),
+]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def test_quant_bit_exact_on_gpu():
+    from kernels import reference as ref
+    from kernels.fp8_quant import quantize_act_1x128
+    x = torch.randn(4099, 2880, device="cuda", dtype=torch.bfloat16) * 3
+    q, s = quantize_act_1x128(x, m_align=4)
+    rq, rs = ref.quantize_fp8_per_token(x)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(s, rs) and s.stride() == (1, 4100)
+
+
+def _linear_backends():
+    from common.errors import ConfigError
+    from kernels.fp8_gemm import DeepGemmLinear, ScaledMMLinear, TritonFp8Linear
+    out = [("triton", TritonFp8Linear()), ("scaled_mm", ScaledMMLinear())]
+    try:
+        out += [("deepgemm", DeepGemmLinear()), ("deepgemm_c", DeepGemmLinear(bias_via_c=True))]
+    except ConfigError as e:
+        print(f"DeepGEMM skipped: {e}")
+    return out
+
+
+@pytest.mark.parametrize("n,k", [(5120, 2880), (2880, 4096), (1280, 2880)])
+@pytest.mark.parametrize("m", [1, 77, 2048])
+def test_dense_fp8_backends_match_reference(n: int, k: int, m: int):
+    from kernels import reference as ref
+    w, ws = ref.quantize_fp8_blockwise(torch.randn(n, k, device="cuda") * 0.02)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for bias in (torch.randn(n, device="cuda", dtype=torch.bfloat16), None):
+        want = ref.fp8_linear(x.float(), w, ws, bias, quantize_activations=True)  # fp32
+        for name, impl in _linear_backends():
+            y = impl(x, w, ws, bias)
+            assert y.shape == (m, n) and y.dtype == torch.bfloat16, name
+            err = _rel(y, want)
+            assert err < 3e-3, f"{name}: rel err {err:.2e}"
+
+
+def _experts(e: int, h: int, i: int, fp8: bool, b2: bool = True):
+    from kernels import reference as ref
+    from kernels.interface import ExpertWeights
+    w1 = torch.randn(e, 2 * i, h, device="cuda") * 0.02
+    w2 = torch.randn(e, h, i, device="cuda") * 0.02
+    b1 = (torch.randn(e, 2 * i, device="cuda") * 0.1).to(torch.bfloat16)
+    bb2 = (torch.randn(e, h, device="cuda") * 0.1).to(torch.bfloat16) if b2 else None
+    if fp8:
+        (q1, s1), (q2, s2) = ref.quantize_fp8_blockwise(w1), ref.quantize_fp8_blockwise(w2)
+        return ExpertWeights(q1, s1, b1, q2, s2, bb2, 0, e, 1.702, 7.0)
+    return ExpertWeights(w1.to(torch.bfloat16), None, b1, w2.to(torch.bfloat16), None, bb2, 0, e, 1.702, 7.0)
+
+
+def _moe_reference(x, logits, top_k, w, fp8_acts: bool) -> torch.Tensor:
+    """fp32; with fp8_acts, x and the SwiGLU output go through 1x128 e4m3 like the kernels."""
+    from kernels import reference as ref
+    vals, ids = torch.topk(logits, top_k, dim=-1)
+    weights = torch.softmax(vals, dim=-1, dtype=vals.dtype)
+    q = (lambda a: ref.dequantize_fp8_per_token(*ref.quantize_fp8_per_token(a))) if fp8_acts else (lambda a: a)
+    xq = q(x.float())
+    out = torch.zeros(x.shape[0], w.w2.shape[1], device=x.device)
+    local = ids - w.expert_start
+    for e in range(w.num_local):
+        tok, slot = torch.where(local == e)
+        if tok.numel() == 0:
+            continue
+        w1 = w.w1[e].float() if w.w1_scale is None else ref.dequantize_fp8_blockwise(w.w1[e], w.w1_scale[e])
+        w2 = w.w2[e].float() if w.w2_scale is None else ref.dequantize_fp8_blockwise(w.w2[e], w.w2_scale[e])
+        a = ref.swiglu(xq[tok] @ w1.t() + w.b1[e].float(), w.alpha, w.limit)
+        y = q(a) @ w2.t() + (0 if w.b2 is None else w.b2[e].float())
+        out.index_add_(0, tok, y.to(x.dtype).float() * weights[tok, slot, None].float())
+    return out
+
+
+@pytest.mark.parametrize("e,t", [(32, 1), (32, 64), (32, 2048), (128, 512)])
+def test_fp8_moe_real_dims(e: int, t: int):
+    from kernels.moe import TritonMoE
+    w = _experts(e, 2880, 2880, fp8=True)
+    x = torch.randn(t, 2880, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(t, e, device="cuda").to(torch.bfloat16)
+    out = TritonMoE()(x, logits, 4, w)
+    assert _rel(out, _moe_reference(x, logits, 4, w, fp8_acts=True)) < 5e-3
+
+
+def test_bf16_moe_real_dims():
+    from kernels.moe import TritonMoE
+    w = _experts(32, 2880, 2880, fp8=False)
+    x = torch.randn(256, 2880, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(256, 32, device="cuda").to(torch.bfloat16)
+    out = TritonMoE()(x, logits, 4, w)
+    assert _rel(out, _moe_reference(x, logits, 4, w, fp8_acts=False)) < 1e-2
+
+
+def test_expert_parallel_and_tp_shard_on_gpu():
+    """EP4 ranks (8 experts each) sum to the full layer; a TP-style shard (I = 720, b2 None) runs
+    with a partial last 1x128 activation group."""
+    from kernels.interface import ExpertWeights
+    from kernels.moe import TritonMoE
+    w = _experts(32, 2880, 2880, fp8=True)
+    x = torch.randn(300, 2880, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(300, 32, device="cuda").to(torch.bfloat16)
+    moe = TritonMoE()
+    parts = []
+    for r in range(4):
+        sl = slice(8 * r, 8 * r + 8)
+        part = ExpertWeights(w.w1[sl], w.w1_scale[sl], w.b1[sl], w.w2[sl], w.w2_scale[sl], w.b2[sl], 8 * r, 32,
+                             1.702, 7.0)
+        parts.append(moe(x, logits, 4, part).float())
+    assert _rel(sum(parts), _moe_reference(x, logits, 4, w, fp8_acts=True)) < 5e-3
+    tp = _experts(32, 2880, 720, fp8=True, b2=False)
+    assert _rel(moe(x, logits, 4, tp), _moe_reference(x, logits, 4, tp, fp8_acts=True)) < 5e-3
+
+
+def test_moe_decode_cuda_graph():
+    from kernels.moe import TritonMoE
+    w = _experts(32, 2880, 2880, fp8=True)
+    moe = TritonMoE()
+    x = torch.randn(8, 2880, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(8, 32, device="cuda").to(torch.bfloat16)
+    eager = moe(x, logits, 4, w)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        moe(x, logits, 4, w)
+        with torch.cuda.graph(graph, stream=stream):
+            out = moe(x, logits, 4, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    x.copy_(torch.randn_like(x))
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, moe(x, logits, 4, w)) and not torch.equal(out, eager)
