@@ -49,7 +49,7 @@ DEV = torch.device("cpu" if SMOKE else "cuda")
 DT = torch.float32 if SMOKE else torch.bfloat16  # the interpreter's bf16 arithmetic is not exact
 HQ, HKV, D, P = (8, 2, 16, 4) if SMOKE else (64, 8, 64, 16)
 W = 8 if SMOKE else 128
-PREFILL = [1, 37] if SMOKE else [1, 100, 1000, 4096, 8192, 16384, 32768]
+PREFILL = [1, 37] if SMOKE else [1, 100, 1000, 4096, 8192, 32768]
 DECODE_B = [1, 3] if SMOKE else [1, 8, 32, 64, 128]
 DECODE_CTX = [40] if SMOKE else [8192, 32768]
 OUT = os.environ.get("OUT", "out")
@@ -298,25 +298,33 @@ def graph_section() -> None:
     b, ctx = 64, 8192
     case = make_case([1] * b, [ctx - 1] * b, None, seed=5)
     for name, impl in list(FI_IMPLS.items()) + [("triton", TritonAttention())]:
-        if name != "triton":
-            impl.enable_cuda_graphs([b], max_pages_per_seq=ctx // P + 1)
-        impl.plan(case.step)
-        case.run(impl)  # eager warm-up (Triton compiles, lazy tables built)
-        graph = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            case.run(impl)
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(graph):
-            out = case.run(impl)
-        graph.replay()
-        rel, _ = parity(case, out, max_seqs=4)
-        ms = bench_ms(graph.replay)
-        gbs = case.kv_bytes() / ms / 1e6
+        try:
+            ms, gbs, rel = _graph_decode(impl, case, b, ctx)
+        except Exception as e:
+            REC.data["errors"].append({"section": f"graph/{name}", "error": repr(e), "trace": traceback.format_exc()[-2000:]})
+            print(f"!! graph/{name}: {e!r}", flush=True)
+            continue
         REC.data["timing"].append({"kind": "decode-graph", "backend": name, "batch": b, "ctx": ctx, "ms": ms,
                                    "GBps": gbs, "frac_copy": gbs / REC.data["ceilings"]["copy_GBps"], "rel_err": rel})
         print(f"graph    {name:8s} B={b} ctx={ctx}  {ms:.3f} ms  {gbs:.0f} GB/s  rel={rel:.1e}", flush=True)
+
+
+def _graph_decode(impl, case: Case, b: int, ctx: int) -> tuple[float, float, float]:
+    impl.enable_cuda_graphs([b], max_pages_per_seq=ctx // P + 1)  # static tables, re-plannable
+    impl.plan(case.step)
+    case.run(impl)  # eager warm-up (Triton compiles, lazy tables built)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        case.run(impl)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        out = case.run(impl)
+    graph.replay()
+    rel, _ = parity(case, out, max_seqs=4)
+    ms = bench_ms(graph.replay)
+    return ms, case.kv_bytes() / ms / 1e6, rel
 
 
 # ---- FlashInfer: build in the background, cache the JIT output ----------------------------------------

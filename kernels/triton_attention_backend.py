@@ -8,13 +8,21 @@ small host->device copy each); `forward` is then called per layer:
   * otherwise (a sliding layer fed a prefill chunk larger than its ring): attend over the prefix
     from pages plus the new K/V given densely, and only then store (storing first would overwrite
     ring slots the chunk still needs).
+
+Decode CUDA graphs: after `enable_cuda_graphs(batch_sizes, max_pages_per_seq)`, a pure-decode
+step of one of those batch sizes plans into static buffers (sequence table, page table, slots)
+owned per (batch size, group); the split count is fixed from the capacity, so the launch grid
+never changes. plan() runs outside the graph, forward() inside it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-from kernels.interface import StepMeta
+from kernels.interface import GroupMeta, StepMeta
 from kernels.triton_attention import AttnBatch, KernelConfig, sink_attention
 from kernels.triton_store_kv import store_kv
 
@@ -27,6 +35,12 @@ def _target_programs(device: torch.device) -> int:
     return 1
 
 
+@dataclass(slots=True)
+class _GraphBuffers:
+    batch: AttnBatch  # seq_info / page_table are static; host kv_lens = capacity (fixed splits)
+    slots: torch.Tensor  # [B] int64
+
+
 class TritonAttention:
     name = "triton"
 
@@ -37,7 +51,17 @@ class TritonAttention:
         self._step: StepMeta | None = None
         self._dense: AttnBatch | None = None
         self._groups: list[AttnBatch | None] = []
+        self._slots: list[torch.Tensor | None] = []
         self._target_programs: int | None = None
+        self._graph_sizes: set[int] = set()
+        self._graph_max_pages = 0
+        self._graph_page_size = 16
+        self._graph: dict[tuple[int, int], _GraphBuffers] = {}
+
+    def enable_cuda_graphs(self, batch_sizes: Sequence[int], max_pages_per_seq: int, page_size: int = 16) -> None:
+        self._graph_sizes = set(batch_sizes)
+        self._graph_max_pages = max_pages_per_seq
+        self._graph_page_size = page_size
 
     def plan(self, step: StepMeta) -> None:
         self._step = step
@@ -45,15 +69,37 @@ class TritonAttention:
         if self._target_programs is None:
             self._target_programs = _target_programs(device)
         q_lens = step.q_lens_host
+        graphed = step.is_decode and step.num_seqs in self._graph_sizes
         self._dense = None
-        self._groups = []
-        for g in step.groups:
+        self._groups, self._slots = [], []
+        for gi, g in enumerate(step.groups):
             if g is None:
                 self._groups.append(None)
-            elif g.pages_hold_all:
-                self._groups.append(AttnBatch.build(q_lens, g.kv_lens_host, g.kv_lens_host, g.page_table, device))
+                self._slots.append(None)
+            elif graphed and g.pages_hold_all:
+                buf = self._static(gi, g, step, device)
+                self._groups.append(buf.batch)
+                self._slots.append(buf.slots)
             else:
-                self._groups.append(AttnBatch.build(q_lens, g.prefix_lens_host, g.kv_lens_host, g.page_table, device))
+                paged = g.kv_lens_host if g.pages_hold_all else g.prefix_lens_host
+                self._groups.append(AttnBatch.build(q_lens, paged, g.kv_lens_host, g.page_table, device))
+                self._slots.append(g.slot_mapping)
+
+    def _static(self, gi: int, g: GroupMeta, step: StepMeta, device: torch.device) -> _GraphBuffers:
+        b, maxp = step.num_seqs, self._graph_max_pages
+        buf = self._graph.get((b, gi))
+        if buf is None:
+            cap = [maxp * self._graph_page_size] * b  # split count from capacity: a fixed grid
+            batch = AttnBatch(torch.zeros(5, b, dtype=torch.int32, device=device),
+                              torch.zeros(b, maxp, dtype=torch.int32, device=device), [1] * b, cap)
+            buf = self._graph[(b, gi)] = _GraphBuffers(batch, torch.empty(b, dtype=torch.int64, device=device))
+        width = g.page_table.shape[1]
+        assert width <= maxp, f"page table of {width} pages exceeds the graph capacity {maxp}"
+        fresh = AttnBatch.build(step.q_lens_host, g.kv_lens_host, g.kv_lens_host, None, "cpu")
+        buf.batch.seq_info.copy_(fresh.seq_info, non_blocking=True)
+        buf.batch.page_table[:, :width].copy_(g.page_table)
+        buf.slots.copy_(g.slot_mapping)
+        return buf
 
     def _dense_batch(self, device: torch.device) -> AttnBatch:
         if self._dense is None:
@@ -68,15 +114,19 @@ class TritonAttention:
         step = self._step
         assert step is not None, "plan() must run before forward()"
         g = step.groups[group]
-        opts = dict(config=self._config, num_splits=self._num_splits, target_programs=self._target_programs or 1)
+        cfg, splits, target = self._config, self._num_splits, self._target_programs or 1
         if kv is None or g is None:
-            return sink_attention(q, k, v, None, self._dense_batch(q.device), sinks, sm_scale, window, **opts)
-        batch = self._groups[group]
-        assert batch is not None
+            return sink_attention(q, k, v, None, self._dense_batch(q.device), sinks, sm_scale, window,
+                                  config=cfg, num_splits=splits, target_programs=target)
+        batch, slots = self._groups[group], self._slots[group]
+        assert batch is not None and slots is not None
         k_cache, v_cache = kv
         if g.pages_hold_all:
-            store_kv(k, v, k_cache, v_cache, g.slot_mapping)
-            return sink_attention(q, k, v, kv, batch, sinks, sm_scale, window, **opts)
-        out = sink_attention(q, k, v, kv, batch, sinks, sm_scale, window, **opts)
-        store_kv(k, v, k_cache, v_cache, g.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, slots)
+            return sink_attention(q, k, v, kv, batch, sinks, sm_scale, window, config=cfg, num_splits=splits,
+                                  target_programs=target)
+        out = sink_attention(q, k, v, kv, batch, sinks, sm_scale, window, config=cfg, num_splits=splits,
+                             target_programs=target)
+        store_kv(k, v, k_cache, v_cache, slots)
         return out
+

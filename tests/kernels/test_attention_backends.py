@@ -63,6 +63,21 @@ def test_self_test_catches_broken_backends(flaw):
         self_test_attention(_Broken(flaw), "cpu", torch.float32, shape=SMALL)
 
 
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_triton_graph_mode_static_buffers(num_splits):
+    """enable_cuda_graphs: decode steps of batch 3 plan into the same static tables (what a captured
+    graph reads), later steps with other lengths and pages included; results follow each step."""
+    impl = TritonAttention(num_splits=num_splits)
+    impl.enable_cuda_graphs([3], max_pages_per_seq=32, page_size=SMALL.page_size)
+    self_test_attention(impl, "cpu", torch.float32, shape=SMALL)  # its last step: decode of 3 seqs
+    static = {key: (buf.batch.seq_info, buf.batch.page_table, buf.slots) for key, buf in impl._graph.items()}
+    assert sorted(static) == [(3, PageGroup.FULL), (3, PageGroup.SLIDING)]
+    self_test_attention(impl, "cpu", torch.float32, shape=SMALL, seed=5)
+    for key, tensors in static.items():
+        buf = impl._graph[key]
+        assert all(a is b for a, b in zip(tensors, (buf.batch.seq_info, buf.batch.page_table, buf.slots)))
+
+
 def test_triton_random_schedule_matches_torch():
     """Sequences arrive, prefill in random chunks (some longer than the sliding ring, so
     pages_hold_all flips), decode and finish; both backends see the same StepMetas and inputs."""

@@ -124,10 +124,15 @@ def test_flashinfer_real_dims(backend, window):
     assert _rel(*_run_case(impl, [1] * 16, [8191] * 16, window, seed=3)) <= 1e-2
 
 
-def test_flashinfer_decode_cuda_graph_replays_a_later_step():
-    """Capture one decode forward per page group for batch 4; then plan a different step (other
-    lengths, other pages) outside the graph and replay: the output must follow the new step."""
-    impl = _flashinfer("fa2")
+@pytest.mark.parametrize("backend", ["flashinfer-fa2", "triton"])
+def test_decode_cuda_graph_replays_a_later_step(backend):
+    """Capture one decode forward for batch 4; then plan a different step (other lengths, other
+    pages) outside the graph and replay: the store and the output must follow the new step."""
+    if backend == "triton":
+        from kernels.triton_attention_backend import TritonAttention
+        impl = TritonAttention()
+    else:
+        impl = _flashinfer("fa2")
     b, max_pages = 4, 64
     impl.enable_cuda_graphs([b], max_pages_per_seq=max_pages)
     num_pages = b * max_pages + 1
