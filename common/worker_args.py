@@ -38,6 +38,8 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--max-model-len", type=int, default=131072)
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-threads", type=int, default=1,
+                   help="torch intra-op threads when --device cpu (workers share the host's cores)")
 
 
 def engine_config(a: argparse.Namespace, *, tp_rank: int = 0, group=None) -> EngineConfig:

@@ -26,6 +26,10 @@ def model_fingerprint(parts: EngineParts) -> str:
 
 def build_parts(a: argparse.Namespace) -> EngineParts:
     cfg = engine_config(a)
+    if cfg.device == "cpu":
+        import torch
+
+        torch.set_num_threads(a.cpu_threads)
     parts = build_engine_parts(cfg)
     if cfg.attention_backend != "torch":
         from kernels.selftest import self_test_attention

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 from dataclasses import dataclass, field
 
@@ -21,7 +22,8 @@ from router.protocol import WorkerStatus
 from router.worker_client import WorkerClient
 
 log = logging.getLogger("tandem.router.fleet")
-MISSES_TO_DOWN = 2
+MISSES_TO_DOWN = 3
+MIN_STATUS_TIMEOUT_S = 1.0  # a loaded host can be slow to answer; liveness, not latency
 
 
 @dataclass(slots=True)
@@ -106,7 +108,7 @@ class Fleet:
 
     async def _poll_one(self, addr: str, st: WorkerState) -> None:
         try:
-            st.status = await st.client.status(self.interval)
+            st.status = await st.client.status(max(MIN_STATUS_TIMEOUT_S, 2 * self.interval))
             if st.misses >= MISSES_TO_DOWN:
                 log.info("%s worker %s is back (epoch %d)", st.client.role, addr, st.status.epoch)
             st.misses = 0
@@ -139,11 +141,15 @@ class Fleet:
                 page_size=s.page_size if s else 16, max_num_seqs=s.max_num_seqs if s else 0))
         return FleetSnapshot(tuple(views["prefill"]), tuple(views["decode"]))
 
-    def phase_gauges(self) -> dict[str, tuple[int, float, int]]:
-        """phase -> (queue depth, KV usage ratio, running) summed over live workers (for /metrics)."""
-        out = {}
+    def phase_gauges(self) -> dict[str, tuple[float, float, float]]:
+        """phase -> (queue depth, KV usage ratio, running) summed over live workers (for /metrics).
+        A phase with no live worker reports NaN: unknown, not idle (the autoscaler must not shrink it)."""
+        out: dict[str, tuple[float, float, float]] = {}
         for phase in ("prefill", "decode"):
             sts = [st.status for a, st in self.workers.items() if self.roles[a] == phase and st.healthy and st.status]
+            if not sts:
+                out[phase] = (math.nan, math.nan, math.nan)
+                continue
             total = sum(s.kv_total_pages for s in sts)
             free = sum(s.kv_free_pages for s in sts)
             out[phase] = (sum(s.queue_depth for s in sts), (1 - free / total) if total else 0.0,

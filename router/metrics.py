@@ -36,7 +36,7 @@ class RouterMetrics:
             if xfer_s > 0:
                 self.xfer_gbps.set(xfer_bytes / xfer_s / 1e9)
 
-    def render(self, phase_gauges: dict[str, tuple[int, float, int]]) -> bytes:
+    def render(self, phase_gauges: dict[str, tuple[float, float, float]]) -> bytes:
         for phase, (queue, usage, running) in phase_gauges.items():
             self.queue.labels(phase).set(queue)
             self.kv_usage.labels(phase).set(usage)
