@@ -96,8 +96,9 @@ def self_test_attention(impl: AttentionImpl, device: torch.device | str, dtype: 
         impl.plan(step)
         ref_impl.plan(step)
         for g in PageGroup:
-            q, k, v = rand(t, s.num_q_heads, s.head_dim), rand(t, s.num_kv_heads, s.head_dim), rand(t, s.num_kv_heads, s.head_dim)
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            q = rand(t, s.num_q_heads, s.head_dim).to(dtype)  # [T, Hq, D]
+            k = rand(t, s.num_kv_heads, s.head_dim).to(dtype)  # [T, Hkv, D]
+            v = rand(t, s.num_kv_heads, s.head_dim).to(dtype)
             kv = (pool.pools[g][0, 0], pool.pools[g][0, 1]) if cached else None
             ref_kv = (ref_pools[g][0, 0], ref_pools[g][0, 1]) if cached else None
             out = impl.forward(g, q, k, v, kv, sinks, sm_scale, windows[g])

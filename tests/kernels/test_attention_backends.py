@@ -108,7 +108,8 @@ def test_triton_random_schedule_matches_torch():
         for impl in impls:
             impl.plan(meta)
         for grp, window in ((PageGroup.SLIDING, w), (PageGroup.FULL, None)):
-            q, k, v = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
+            q = torch.randn(t, hq, d, generator=g)
+            k, v = torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
             layer = spec.layers(grp)[0]
             outs = [impl.forward(grp, q, k, v, pool.layer_kv(layer), sinks, 0.25, window)
                     for impl, pool in zip(impls, pools)]

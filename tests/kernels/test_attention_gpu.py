@@ -21,6 +21,10 @@ DEV = "cuda"
 HQ, HKV, D, P, W = 64, 8, 64, 16, 128
 
 
+def _bf16(*shape):
+    return torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+
+
 def _flashinfer(backend):
     pytest.importorskip("flashinfer")
     from kernels.flashinfer_backend import FlashInferAttention
@@ -59,7 +63,7 @@ def _run_case(impl, q_lens, prefix, window, seed=0):
     vc = torch.randn_like(kc)
     t = sum(q_lens)
     q = torch.randn(t, HQ, D, generator=g, device=DEV, dtype=torch.bfloat16)
-    k, v = torch.randn(t, HKV, D, device=DEV, dtype=torch.bfloat16), torch.randn(t, HKV, D, device=DEV, dtype=torch.bfloat16)
+    k, v = _bf16(t, HKV, D), _bf16(t, HKV, D)
     sinks = torch.randn(HQ, device=DEV) * 2
     impl.plan(step)
     out = impl.forward(0 if window is None else 1, q, k, v, (kc, vc), sinks, D ** -0.5, window)
@@ -90,7 +94,7 @@ def test_triton_real_dims(window, num_splits):
 def test_store_kv_and_rope_exact_bf16():
     from kernels.triton_store_kv import apply_rope, rope_store_kv, store_kv
     t = 300
-    k, v = torch.randn(t, HKV, D, device=DEV, dtype=torch.bfloat16), torch.randn(t, HKV, D, device=DEV, dtype=torch.bfloat16)
+    k, v = _bf16(t, HKV, D), _bf16(t, HKV, D)
     slots = torch.randperm(64 * P, device=DEV)[:t]
     slots[::7] = -1
     kc = torch.randn(64, HKV, P, D, device=DEV, dtype=torch.bfloat16)
@@ -139,7 +143,7 @@ def test_decode_cuda_graph_replays_a_later_step(backend):
     kc = torch.randn(num_pages, HKV, P, D, device=DEV, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
-    k, v = torch.randn(b, HKV, D, device=DEV, dtype=torch.bfloat16), torch.randn(b, HKV, D, device=DEV, dtype=torch.bfloat16)
+    k, v = _bf16(b, HKV, D), _bf16(b, HKV, D)
     sinks = torch.randn(HQ, device=DEV) * 2
     steps = [_step([1] * b, pre, None, pages_per_seq=max_pages, seed=s)[0]
              for s, pre in enumerate(([100, 5, 700, 1000], [37, 999, 2, 400]))]
