@@ -25,6 +25,7 @@ Lifecycle:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -149,6 +150,9 @@ class FlashInferAttention:
         self._graph_max_pages = max_pages_per_seq
 
     def _set_dims(self, dims: AttentionDims) -> None:
+        dev = torch.device(dims.device)
+        if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" must compare equal
+            dims = dataclasses.replace(dims, device=torch.device("cuda", torch.cuda.current_device()))
         if self._dims is not None and self._dims != dims:
             raise ConfigError(f"attention shapes changed from {self._dims} to {dims}")
         self._dims = dims
