@@ -136,7 +136,7 @@ def main() -> None:
             cfg = rep.section(f"{key} bucket {bucket}", lambda: tuner.tune_bucket(w, bucket, fp8))
             tuned = cfg is not None
             entries[str(bucket)] = (cfg or default_moe_config(bucket, fp8)).to_json() | {"tuned": tuned}
-        entries["4096"] = dict(entries["1024"])  # beyond 8k tokens (20b) the 1024 tiles carry over
+        entries["4096"] = dict(entries[str(BUCKETS[-1])])  # beyond 8k tokens (20b) the largest carries over
         table[key] = entries
     rep.data["table"] = table
     rep.data["log"] = tuner.log

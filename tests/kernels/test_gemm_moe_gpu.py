@@ -39,14 +39,15 @@ def test_quant_bit_exact_on_gpu():
     assert torch.equal(s, rs) and s.stride() == (1, 4100)
 
 
-def _linear_backends():
+def _linear_backends(with_deepgemm: bool):
     from common.errors import ConfigError
     from kernels.fp8_gemm import DeepGemmLinear, ScaledMMLinear, TritonFp8Linear
     out = [("triton", TritonFp8Linear()), ("scaled_mm", ScaledMMLinear())]
-    try:
-        out += [("deepgemm", DeepGemmLinear()), ("deepgemm_c", DeepGemmLinear(bias_via_c=True))]
-    except ConfigError as e:
-        print(f"DeepGEMM skipped: {e}")
+    if with_deepgemm:  # DeepGEMM JIT-compiles per shape: one M is enough here
+        try:
+            out += [("deepgemm", DeepGemmLinear()), ("deepgemm_c", DeepGemmLinear(bias_via_c=True))]
+        except ConfigError as e:
+            print(f"DeepGEMM skipped: {e}")
     return out
 
 
@@ -58,7 +59,7 @@ def test_dense_fp8_backends_match_reference(n: int, k: int, m: int):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     for bias in (torch.randn(n, device="cuda", dtype=torch.bfloat16), None):
         want = ref.fp8_linear(x.float(), w, ws, bias, quantize_activations=True)  # fp32
-        for name, impl in _linear_backends():
+        for name, impl in _linear_backends(with_deepgemm=m == 77):
             y = impl(x, w, ws, bias)
             assert y.shape == (m, n) and y.dtype == torch.bfloat16, name
             err = _rel(y, want)
