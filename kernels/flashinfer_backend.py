@@ -20,7 +20,8 @@ Lifecycle:
     of one of those batch sizes then runs on wrappers with static index buffers (page indices,
     indptrs, last-page lengths, and the slot_mapping the store reads). plan() runs outside the
     graph (host work + copies into those buffers), forward() inside it; q/k/v/sinks and the caches
-    are the caller's static tensors.
+    are the caller's static tensors. Planning the same StepMeta again is a no-op (the model's
+    forward plans too, also while being captured).
 """
 
 from __future__ import annotations
@@ -203,6 +204,8 @@ class FlashInferAttention:
 
     # ---- per step ----------------------------------------------------------------------------------
     def plan(self, step: StepMeta) -> None:
+        if step is self._step:
+            return  # already planned: GptOss.forward re-plans inside a CUDA-graph capture, where host work is illegal
         self._step = step
         self._plans = {}
         if self._dims is None:

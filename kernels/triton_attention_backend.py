@@ -12,7 +12,8 @@ small host->device copy each); `forward` is then called per layer:
 Decode CUDA graphs: after `enable_cuda_graphs(batch_sizes, max_pages_per_seq)`, a pure-decode
 step of one of those batch sizes plans into static buffers (sequence table, page table, slots)
 owned per (batch size, group); the split count is fixed from the capacity, so the launch grid
-never changes. plan() runs outside the graph, forward() inside it.
+never changes. plan() runs outside the graph, forward() inside it; planning the same StepMeta
+again is a no-op (the model's forward plans too, also while being captured).
 """
 
 from __future__ import annotations
@@ -55,15 +56,15 @@ class TritonAttention:
         self._target_programs: int | None = None
         self._graph_sizes: set[int] = set()
         self._graph_max_pages = 0
-        self._graph_page_size = 16
         self._graph: dict[tuple[int, int], _GraphBuffers] = {}
 
-    def enable_cuda_graphs(self, batch_sizes: Sequence[int], max_pages_per_seq: int, page_size: int = 16) -> None:
+    def enable_cuda_graphs(self, batch_sizes: Sequence[int], max_pages_per_seq: int) -> None:
         self._graph_sizes = set(batch_sizes)
         self._graph_max_pages = max_pages_per_seq
-        self._graph_page_size = page_size
 
     def plan(self, step: StepMeta) -> None:
+        if step is self._step:
+            return  # already planned: GptOss.forward re-plans inside a CUDA-graph capture, where host work is illegal
         self._step = step
         device = step.cu_seqlens_q.device
         if self._target_programs is None:
@@ -89,9 +90,10 @@ class TritonAttention:
         b, maxp = step.num_seqs, self._graph_max_pages
         buf = self._graph.get((b, gi))
         if buf is None:
-            cap = [maxp * self._graph_page_size] * b  # split count from capacity: a fixed grid
+            # kv_lens stays empty until forward sees the page size: then the capacity, so the
+            # split count (and the launch grid) is the same for every step
             batch = AttnBatch(torch.zeros(5, b, dtype=torch.int32, device=device),
-                              torch.zeros(b, maxp, dtype=torch.int32, device=device), [1] * b, cap)
+                              torch.zeros(b, maxp, dtype=torch.int32, device=device), [1] * b, [])
             buf = self._graph[(b, gi)] = _GraphBuffers(batch, torch.empty(b, dtype=torch.int64, device=device))
         width = g.page_table.shape[1]
         assert width <= maxp, f"page table of {width} pages exceeds the graph capacity {maxp}"
@@ -121,6 +123,8 @@ class TritonAttention:
         batch, slots = self._groups[group], self._slots[group]
         assert batch is not None and slots is not None
         k_cache, v_cache = kv
+        if not batch.kv_lens:  # a graph table
+            batch.kv_lens = [self._graph_max_pages * k_cache.shape[2]] * batch.num_seqs
         if g.pages_hold_all:
             store_kv(k, v, k_cache, v_cache, slots)
             return sink_attention(q, k, v, kv, batch, sinks, sm_scale, window, config=cfg, num_splits=splits,

@@ -68,7 +68,7 @@ def test_triton_graph_mode_static_buffers(num_splits):
     """enable_cuda_graphs: decode steps of batch 3 plan into the same static tables (what a captured
     graph reads), later steps with other lengths and pages included; results follow each step."""
     impl = TritonAttention(num_splits=num_splits)
-    impl.enable_cuda_graphs([3], max_pages_per_seq=32, page_size=SMALL.page_size)
+    impl.enable_cuda_graphs([3], max_pages_per_seq=32)
     self_test_attention(impl, "cpu", torch.float32, shape=SMALL)  # its last step: decode of 3 seqs
     static = {key: (buf.batch.seq_info, buf.batch.page_table, buf.slots) for key, buf in impl._graph.items()}
     assert sorted(static) == [(3, PageGroup.FULL), (3, PageGroup.SLIDING)]
@@ -76,6 +76,31 @@ def test_triton_graph_mode_static_buffers(num_splits):
     for key, tensors in static.items():
         buf = impl._graph[key]
         assert all(a is b for a, b in zip(tensors, (buf.batch.seq_info, buf.batch.page_table, buf.slots)))
+
+
+def test_replanning_the_same_step_is_a_no_op(fake_flashinfer):
+    """GptOss.forward calls plan(step) itself, also inside a CUDA-graph capture: planning the step
+    already planned must do no host work and keep every table."""
+    spec = KVCacheSpec(4, 2, 16, torch.float32, 8, full_layers=(1,), sliding_layers=(0,), num_pages=(16, 16))
+    mgr = KVManager(spec)
+    seqs = [SeqPages(), SeqPages()]
+    for s in seqs:
+        mgr.grow(s, 10)
+    meta = build_step_meta([SeqStep(seqs[0], 9, 1), SeqStep(seqs[1], 5, 1)], spec)
+    pool = KVPool(spec)
+    q, k, v = torch.randn(2, 8, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    impls = [TritonAttention(), fake_flashinfer.FlashInferAttention(), TritonAttention(),
+             fake_flashinfer.FlashInferAttention()]
+    for i, impl in enumerate(impls):
+        if i >= 2:
+            impl.enable_cuda_graphs([2], max_pages_per_seq=8)
+        impl.plan(meta)
+        out = impl.forward(PageGroup.FULL, q, k, v, pool.layer_kv(1), torch.zeros(8), 0.25, None)
+        tables = (impl._groups + impl._slots) if impl.name == "triton" else list(impl._plans.values())
+        impl.plan(meta)
+        again = (impl._groups + impl._slots) if impl.name == "triton" else list(impl._plans.values())
+        assert len(tables) == len(again) and all(a is b for a, b in zip(tables, again))
+        torch.testing.assert_close(impl.forward(PageGroup.FULL, q, k, v, pool.layer_kv(1), torch.zeros(8), 0.25, None), out)
 
 
 def test_triton_random_schedule_matches_torch():
