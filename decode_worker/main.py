@@ -23,6 +23,12 @@ def main(argv: list[str]) -> int:
 
         rx = create_receiver(TransferBackend(a.kv_backend), parts.pool, transfer_config(a, parts, wid))
         rx.set_rank_endpoints((rx.endpoint,), (rx.epoch,))
+    if a.cuda_graphs and a.device.startswith("cuda"):
+        from decode_worker.runner import CudaGraphDecoder
+
+        graphs = CudaGraphDecoder(parts.model, parts.pool, parts.kv, a.max_num_seqs, a.max_model_len)
+        graphs.capture()
+        parts.runner.graphs = graphs
     server = DecodeServer(DecodeEngine(parts, rx), None, wid, epoch)
     try:
         return serve(a, server, f"tcp://{a.host}:{a.port}")

@@ -22,23 +22,29 @@ class ModelRunner:
     def __init__(self, model: GptOss, pool: KVPool, sampler: Sampler) -> None:
         self.model, self.pool, self.sampler = model, pool, sampler
         self.device = model.device
+        self.graphs = None  # decode_worker.runner.CudaGraphDecoder, set by the decode worker on GPU
 
     @torch.inference_mode()
     def run(self, items: list[ScheduledSeq], on_layer_done: Callable[[int], None] | None = None
             ) -> tuple[list[int | None], list[TokenLogprob | None]]:
         ids = [t for it in items for t in it.seq.all_ids[it.start:it.start + it.q_len]]
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-        meta = build_step_meta([SeqStep(it.seq.pages, it.start, it.q_len) for it in items],
-                               self.pool.spec, self.device)
-        with torch.profiler.record_function("forward"):
-            hidden = self.model(input_ids, meta, self.pool, on_layer_done)  # [T, H]
+        steps = [SeqStep(it.seq.pages, it.start, it.q_len) for it in items]
         rows = [i for i, it in enumerate(items) if it.sample]
         tokens: list[int | None] = [None] * len(items)
         lps: list[TokenLogprob | None] = [None] * len(items)
-        if not rows:
-            return tokens, lps
-        with torch.profiler.record_function("sample"):
+        logits = None
+        if self.graphs is not None and on_layer_done is None and len(rows) == len(items):
+            with torch.profiler.record_function("decode_graph"):
+                logits = self.graphs.run(input_ids, steps)  # [B, V] or None when not graphable
+        if logits is None:
+            meta = build_step_meta(steps, self.pool.spec, self.device)
+            with torch.profiler.record_function("forward"):
+                hidden = self.model(input_ids, meta, self.pool, on_layer_done)  # [T, H]
+            if not rows:
+                return tokens, lps
             logits = self.model.compute_logits(hidden[meta.logits_indices[rows]])  # [B', V]
+        with torch.profiler.record_function("sample"):
             out = self.sampler(logits, [(items[i].seq.request_id, items[i].seq.params) for i in rows])
         sampled = out.token_ids.tolist()  # the step's one host sync
         want_lp = out.logprobs is not None
