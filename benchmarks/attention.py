@@ -269,13 +269,11 @@ def sweep_section() -> None:
     """A few Triton launch shapes on the two headline cases, to pick defaults from data."""
     hpp = HQ // HKV
     cases = {"prefill8k": (make_case([LONG], [0], None, seed=3),
-                           [KernelConfig(128, 64, hpp, 8, 3), KernelConfig(128, 64, hpp, 4, 3),
-                            KernelConfig(128, 128, hpp, 8, 3), KernelConfig(64, 64, hpp, 4, 3),
-                            KernelConfig(256, 64, hpp, 8, 3), KernelConfig(128, 64, 1, 8, 3)]),
+                           [KernelConfig(128, 64, hpp, 8, 3), KernelConfig(128, 128, hpp, 8, 3),
+                            KernelConfig(64, 64, hpp, 4, 3), KernelConfig(128, 64, 1, 8, 3)]),
              "decode64x8k": (make_case([1] * DECODE_B[-2], [CTX8K - 1] * DECODE_B[-2], None, seed=4),
                              [KernelConfig(16, 64, hpp, 4, 3), KernelConfig(16, 128, hpp, 4, 3),
-                              KernelConfig(16, 64, hpp, 4, 4), KernelConfig(16, 128, hpp, 8, 3),
-                              KernelConfig(16, 32, hpp, 2, 4)])}
+                              KernelConfig(16, 64, hpp, 4, 4)])}
     ceil = REC.data["ceilings"]
     for name, (case, cfgs) in cases.items():
         for cfg in cfgs:
