@@ -1,0 +1,144 @@
+"""Model-level GPU benchmark on full-size random weights materialised on the device (HF-layout
+MXFP4 tensors generated in GPU memory, then converted to FP8 128x128 exactly like a checkpoint).
+
+Sections (each saved as it finishes, so a failure keeps the rest):
+  ceilings   copy bandwidth and bf16 / FP8 matmul rates measured in this run
+  prefill    batch-1 prefill latency by prompt length: TFLOP/s vs FP8 peak, $/M input tokens
+  decode     decode step time by (context, batch) with CUDA graphs: ms/token, tokens/s per GPU and
+             per user, $/M output tokens, ratio to the HBM floor (bytes that must be read / bandwidth)
+  hf_peer    HF transformers GptOssForCausalLM (bf16, eager) on the same weights: 8k prefill and
+             batch-1 decode, plus top-1 agreement of our FP8 model with it
+
+    python -m benchmarks.bench_model --preset gpt-oss-20b [--attention flashinfer] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from benchmarks.common import (Results, dollars_per_million, environment, markdown_table, measure_ceilings, out_dir,
+                               time_cuda)
+from benchmarks.model_setup import build, decode_state, fill_random, floor_bytes_decode, prefill_flops
+from model.context import SeqStep, build_step_meta
+from model.kv_cache import KVManager, KVPool, SeqPages
+
+
+def prefill_section(res: Results, model, lens: list[int], ceil: dict, tp: int) -> None:
+    with res.section("prefill") as sec:
+        for n in lens:
+            spec, pool, kv = decode_state(model, n + 16, 1)
+            pages = SeqPages()
+            kv.grow(pages, n)
+            ids = torch.randint(0, model.cfg.vocab_size, (n,), device=model.device)
+            meta = build_step_meta([SeqStep(pages, 0, n)], spec, model.device)
+
+            def run():
+                h = model(ids, meta, pool)
+                return model.compute_logits(h[-1:])
+
+            ms = time_cuda(run, warmup=1, iters=3 if n >= 16384 else 5)
+            fl = prefill_flops(model.cfg, n)
+            tps = n / (ms * 1e-3)
+            row = {"tokens": n, "ms": ms, "TFLOPs": fl / (ms * 1e-3) / 1e12 / tp,
+                   "ratio_fp8_peak": fl / (ms * 1e-3) / 1e12 / tp / ceil["fp8_TFLOPs"],
+                   "tokens_per_s_per_gpu": tps / tp, "usd_per_M_input": dollars_per_million(tps / tp)}
+            sec["rows"].append(row)
+            print(f"prefill {n:>6}: {ms:8.2f} ms  {row['TFLOPs']:6.1f} TFLOP/s/GPU  ${row['usd_per_M_input']:.4f}/M",
+                  flush=True)
+            del pool, kv, meta
+            if model.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def decode_section(res: Results, model, contexts: list[int], batches: list[int], ceil: dict, tp: int,
+                   graphs: bool) -> None:
+    with res.section("decode") as sec:
+        for ctx in contexts:
+            for b in batches:
+                free = torch.cuda.mem_get_info()[0] if model.device.type == "cuda" else 8 << 30
+                need = b * (ctx + 32) * model.cfg.kv_bytes_per_token(2) / 2 / tp
+                if need > 0.85 * free:
+                    sec["rows"].append({"context": ctx, "batch": b, "skipped": f"KV needs {need / 2**30:.0f} GiB"})
+                    continue
+                spec, pool, kv = decode_state(model, ctx + 32, b)
+                seqs = []
+                for _ in range(b):
+                    p = SeqPages()
+                    kv.grow(p, ctx + 1)
+                    seqs.append(p)
+                fill_random(pool)
+                steps = [SeqStep(p, ctx, 1) for p in seqs]
+                ids = torch.randint(0, model.cfg.vocab_size, (b,), device=model.device)
+                runner = None
+                if graphs:
+                    from decode_worker.runner import CudaGraphDecoder
+
+                    runner = CudaGraphDecoder(model, pool, kv, b, ctx + 64, buckets=(b,))
+                    runner.capture()
+                    fn = lambda: runner.run(ids, steps).argmax(-1)  # noqa: E731
+                else:
+                    meta = build_step_meta(steps, spec, model.device)
+                    fn = lambda: model.compute_logits(model(ids, meta, pool)).argmax(-1)  # noqa: E731
+                ms = time_cuda(fn, warmup=3, iters=20)
+                floor_ms = floor_bytes_decode(model.cfg, b, ctx) / tp / (ceil["copy_GBps"] * 1e9) * 1e3
+                row = {"context": ctx, "batch": b, "ms_per_step": ms, "tok_s_per_user": 1e3 / ms,
+                       "tok_s_per_gpu": b * 1e3 / ms / tp, "usd_per_M_output": dollars_per_million(b * 1e3 / ms / tp),
+                       "hbm_floor_ms": floor_ms, "ratio_to_floor": floor_ms / ms, "cuda_graphs": graphs}
+                sec["rows"].append(row)
+                print(f"decode ctx {ctx:>6} batch {b:>4}: {ms:7.3f} ms/step  {row['tok_s_per_gpu']:8.0f} tok/s/GPU "
+                      f"{row['tok_s_per_user']:6.1f} tok/s/user  floor {floor_ms:.3f} ms ({row['ratio_to_floor']:.0%})",
+                      flush=True)
+                del runner, pool, kv, seqs
+                gc.collect()
+                if model.device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="gpt-oss-20b")
+    ap.add_argument("--attention", default="flashinfer")
+    ap.add_argument("--moe", default="triton")
+    ap.add_argument("--linear", default="scaled_mm")
+    ap.add_argument("--prefill-lens", default="1024,2048,4096,8192,16384,32768")
+    ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--hf-peer", action="store_true")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
+    a = ap.parse_args()
+    tag = a.tag or f"{a.preset}-tp1"
+    res = Results(out_dir() / f"model_{tag}.json", {"env": environment(), "args": vars(a)})
+    with res.section("ceilings") as sec:
+        ceil = measure_ceilings(a.device) if a.device == "cuda" else measure_ceilings(a.device, 1 << 24, 256)
+        sec.update(ceil)
+        print("ceilings:", {k: round(v) for k, v in ceil.items()}, flush=True)
+    t0 = time.monotonic()
+    model = build(a.preset, a.attention, a.linear, a.moe, device=a.device)
+    res.data["load_seconds"] = round(time.monotonic() - t0, 1)
+    print(f"loaded {a.preset} FP8 in {res.data['load_seconds']} s; {model.backends.describe()}", flush=True)
+    prefill_section(res, model, [int(x) for x in a.prefill_lens.split(",") if x], ceil, 1)
+    decode_section(res, model, [int(x) for x in a.contexts.split(",") if x], [int(x) for x in a.batches.split(",") if x],
+                   ceil, 1, not a.no_graphs and a.device == "cuda")
+    if a.hf_peer:
+        from benchmarks.hf_peer import hf_peer_section
+
+        hf_peer_section(res, model, a.preset, res.data.get("prefill", {}).get("rows", []),
+                        res.data.get("decode", {}).get("rows", []))
+    res.save()
+    for name, cols in (("prefill", ["tokens", "ms", "TFLOPs", "ratio_fp8_peak", "usd_per_M_input"]),
+                       ("decode", ["context", "batch", "ms_per_step", "tok_s_per_gpu", "tok_s_per_user",
+                                   "usd_per_M_output", "ratio_to_floor"]),
+                       ("hf_peer", ["what", "hf_ms", "tandem_ms", "speedup"])):
+        rows = [r for r in res.data.get(name, {}).get("rows", []) if "skipped" not in r]
+        if rows:
+            print(f"\n## {name}\n" + markdown_table(rows, cols))
+
+
+if __name__ == "__main__":
+    main()
