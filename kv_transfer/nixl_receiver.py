@@ -149,13 +149,14 @@ class NixlReceiver(KVReceiver):
             return ClaimReply(claim.request_id, False, False, FailureReason.HANDSHAKE_MISMATCH,
                               "side-channel identity differs from the claimed agent name")
         self.book.tick(now)  # a claim that arrives after the deadline is refused, never accepted
-        if claim.sender_agent not in self._remote:
-            try:
+        reply = self.book.on_claim(claim, now)
+        if reply.accepted and claim.sender_agent not in self._remote:
+            try:  # so that we can probe whether the claimant is still alive
                 self.nixl.add_remote(claim.sender_metadata)
                 self._remote[claim.sender_agent] = now
             except TransportError as e:
                 log.warning("cannot load metadata of %s (it will not be probed): %s", claim.sender_agent, e)
-        return self.book.on_claim(claim, now)
+        return reply
 
     def _collect_notifications(self, now: float) -> None:
         for agent, msgs in self.nixl.notifs().items():

@@ -73,6 +73,7 @@ def dst_block(pool, pages, layer, js):
 @pytest.mark.parametrize("p,d", [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2)])
 @pytest.mark.parametrize("n_tokens", [1, 31, 96, 100, 250])
 def test_pages_land_byte_exact_across_tp(p, d, n_tokens):
+    before = {role: _bytes(role) for role in ("prefill", "decode")}
     hub = LoopbackHub()
     dst = [KVPool(spec_for(d)) for _ in range(d)]
     dkv = KVManager(spec_for(d))
@@ -113,6 +114,12 @@ def test_pages_land_byte_exact_across_tp(p, d, n_tokens):
                               for x in [expected_block(src, spages, d, s, layer, spec_for(p), n_tokens, p)[0]])
     pkv.release(spages)
     dkv.release(dpages)
+    for role in ("prefill", "decode"):
+        assert _bytes(role) - before[role] == sent
+
+
+def _bytes(role):
+    return REGISTRY.get_sample_value("tandem_kv_transfer_bytes_total", {"role": role}) or 0.0
 
 
 def _pair(hub=None, *, deadline=30.0, n=60, rx_spec=None, tx_spec=None):
