@@ -9,7 +9,8 @@ Lifecycle:
     FLASHINFER_WORKSPACE_BASE before that import: FlashInfer keeps its JIT builds under
     <base>/.cache/flashinfer/<version>/<arch>/cached_ops, so a restart with the same folder loads
     the built .so files instead of compiling again (13 s fa2 / 65 s fa3 per variant on the H200).
-  * `prepare(dims, windows)` (or the first forward) builds the variants: one per (backend, window
+  * `prepare(dims, windows)` (or the first forward) builds the variants (shapes that change later,
+    e.g. after the start-up self-test, just get new wrappers; the compiled modules are shared): one per (backend, window
     kind); sliding layers use window_left = W - 1 = 127, full layers -1. Prefill uses fa3 on sm90a
     (fa2 if fa3 fails to build), decode fa2 (fa3 does not pack GQA heads into a q tile, so q_len 1
     would fill one 192-row tile per head).
@@ -154,8 +155,15 @@ class FlashInferAttention:
         dev = torch.device(dims.device)
         if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" must compare equal
             dims = dataclasses.replace(dims, device=torch.device("cuda", torch.cuda.current_device()))
-        if self._dims is not None and self._dims != dims:
-            raise ConfigError(f"attention shapes changed from {self._dims} to {dims}")
+        if dims == self._dims:
+            return
+        if self._dims is not None:  # e.g. the start-up self-test ran on other shapes than the model
+            log.info("attention shapes changed from %s to %s: new FlashInfer wrappers", self._dims, dims)
+            if dims.device != self._dims.device:
+                self._workspace = None
+            self._wrappers.clear()
+            self._graph_slots.clear()
+            self._plans = {}
         self._dims = dims
         if self._workspace is None:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dims.device)
@@ -276,11 +284,11 @@ class FlashInferAttention:
         step = self._step
         assert step is not None, "plan() must run before forward()"
         window_left = -1 if window is None else window - 1
-        if self._dims is None:
-            page = kv[0].shape[2] if kv is not None else 16
-            self._set_dims(AttentionDims(q.shape[1], k.shape[1], q.shape[2], page, q.dtype, q.device))
-        self._windows.setdefault(group, window_left)
-        assert self._windows[group] == window_left, "a page group's window changed"
+        page = kv[0].shape[2] if kv is not None else (self._dims.page_size if self._dims else 16)
+        self._set_dims(AttentionDims(q.shape[1], k.shape[1], q.shape[2], page, q.dtype, q.device))
+        if self._windows.get(group) != window_left:  # learned from the first layer of the group
+            self._windows[group] = window_left
+            self._plans.pop(group, None)
         g = step.groups[group]
         sinks = sinks.float().contiguous()
         out = torch.empty_like(q)

@@ -272,6 +272,14 @@ def test_flashinfer_decode_graph_buffers(fake_flashinfer):
     assert ("fa2", "paged", True, True) in _FakeWrapper.log and ("fa2", "paged", False, True) in _FakeWrapper.log
 
 
+def test_flashinfer_self_test_then_other_shapes(fake_flashinfer):
+    """Workers self-test the very instance the model then uses, on other head counts / windows."""
+    impl = fake_flashinfer.FlashInferAttention()
+    self_test_attention(impl, "cpu", torch.float32, shape=SMALL)
+    self_test_attention(impl, "cpu", torch.float32, shape=SelfTestShape(16, 2, 32, 16, 8))
+    self_test_attention(impl, "cpu", torch.float32, shape=SMALL, seed=3)
+
+
 def test_flashinfer_prepare_builds_every_variant_up_front(fake_flashinfer):
     impl = fake_flashinfer.FlashInferAttention(prefill_backend="fa2")
     dims = fake_flashinfer.AttentionDims(8, 2, 16, 4, torch.float32, torch.device("cpu"))
