@@ -89,7 +89,11 @@ def build_app(h: Handlers, ready, render_metrics) -> FastAPI:
         usage = {"prompt_tokens": len(job.prompt_ids)}
         events = h.chat_events(job, stops)
         if req.stream:
-            return StreamingResponse(_chat_sse(events, base, usage, req), media_type="text/event-stream")
+            # Wait for the first event before answering: a failure before the first token (no worker,
+            # no KV room, failed transfer) is then a proper HTTP status instead of a 200 stream.
+            first = await _first(events)
+            return StreamingResponse(_chat_sse(_prepend(first, events), base, usage, req),
+                                     media_type="text/event-stream")
         ids: list[int] = []
         logprobs: list[dict] = []
         parsed = None
@@ -117,7 +121,10 @@ def build_app(h: Handlers, ready, render_metrics) -> FastAPI:
             if len(jobs) != 1:
                 raise InvalidRequest("streaming takes a single prompt", param="prompt")
             base = {"id": jobs[0].request_id, "created": created, "model": req.model, "object": "text_completion"}
-            return StreamingResponse(_completion_sse(h, jobs[0], stops, base, req), media_type="text/event-stream")
+            events = h.completion_events(jobs[0], stops, req.skip_special_tokens)
+            first = await _first(events)
+            return StreamingResponse(_completion_sse(h, jobs[0], _prepend(first, events), base, req),
+                                     media_type="text/event-stream")
         choices, n_out = [], 0
         for i, job in enumerate(jobs):
             text, ids, lps, finish = "", [], [], "stop"
@@ -176,13 +183,28 @@ async def _chat_sse(events, base: dict, usage: dict, req: ChatCompletionRequest)
     yield b"data: [DONE]\n\n"
 
 
-async def _completion_sse(h: Handlers, job, stops, base: dict, req: CompletionRequest) -> AsyncIterator[bytes]:
+async def _first(events):
+    """The first item of an async iterator (raising its error here), or None when it is empty."""
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _prepend(first, events):
+    if first is not None:
+        yield first
+        async for ev in events:
+            yield ev
+
+
+async def _completion_sse(h: Handlers, job, events, base: dict, req: CompletionRequest) -> AsyncIterator[bytes]:
     n_out = 0
     try:
         if req.echo:
             yield _sse({**base, "choices": [{"index": 0, "text": h.tok.decode(job.prompt_ids), "finish_reason": None,
                                              "logprobs": None}]})
-        async for ev in h.completion_events(job, stops, req.skip_special_tokens):
+        async for ev in events:
             n_out += len(ev.token_ids)
             if ev.text or ev.token_ids or ev.finish_reason:
                 choice = {"index": 0, "text": ev.text, "finish_reason": ev.finish_reason,
