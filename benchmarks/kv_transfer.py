@@ -166,6 +166,13 @@ def _set_device(dev: str) -> None:
 
 
 def decode_proc(args: argparse.Namespace, cmd_q, req_q, done_q) -> None:
+    try:
+        _decode_loop(args, cmd_q, req_q, done_q)
+    except Exception as e:  # noqa: BLE001 - report to the prefill process instead of hanging it
+        done_q.put(("error", f"decode process: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"))
+
+
+def _decode_loop(args: argparse.Namespace, cmd_q, req_q, done_q) -> None:
     from kv_transfer.nixl_receiver import NixlReceiver
     dev = args.devices[1]
     _set_device(dev)
@@ -194,11 +201,30 @@ def decode_proc(args: argparse.Namespace, cmd_q, req_q, done_q) -> None:
     rx.close()
 
 
+class DecodeDied(RuntimeError):
+    pass
+
+
+def _from_decode(done_q) -> tuple:
+    msg = done_q.get(timeout=WAIT)
+    if msg[0] == "error":
+        raise DecodeDied(msg[1])
+    return msg
+
+
 def prefill_proc(args: argparse.Namespace, cmd_q, req_q, done_q, result_q) -> None:
+    try:
+        result_q.put(_prefill_run(args, cmd_q, req_q, done_q))
+    except Exception as e:  # noqa: BLE001 - the main process records it
+        result_q.put([{"section": "nixl", "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=6)}])
+        cmd_q.put("stop")
+
+
+def _prefill_run(args: argparse.Namespace, cmd_q, req_q, done_q) -> list[dict]:
     from kv_transfer.nixl_sender import NixlSender
     dev = args.devices[0]
     _set_device(dev)
-    _, dnum = done_q.get(timeout=WAIT)
+    _, dnum = _from_decode(done_q)
     nf_max = -(-max(args.tokens) // PAGE)
     pool = KVPool(make_spec(args.layers, nf_max, RING), dev)
     for layer in range(args.layers):
@@ -225,16 +251,19 @@ def prefill_proc(args: argparse.Namespace, cmd_q, req_q, done_q, result_q) -> No
             pass
         t1 = time.perf_counter() - t0
         out = tx.finish(rid)
-        got = done_q.get(timeout=WAIT)
+        got = _from_decode(done_q)
         assert got[0] == rid, got
         return {"status": out.status.name, "detail": out.detail, "bytes": out.num_bytes, "s": t1, "post_s": t_post,
                 "verified": got[2], "decode_status": got[1]}
 
     def section(name: str, fn) -> None:
+        if any(r.get("decode_died") for r in rows):
+            return
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - unattended: record and go on
-            rows.append({"section": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=5)})
+            rows.append({"section": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=5),
+                         "decode_died": isinstance(e, DecodeDied)})
 
     def bandwidth() -> None:
         for n in args.tokens:
@@ -290,7 +319,7 @@ def prefill_proc(args: argparse.Namespace, cmd_q, req_q, done_q, result_q) -> No
     section("overlap", overlap)
     cmd_q.put("stop")
     tx.close()
-    result_q.put(rows)
+    return rows
 
 
 def _descs(n: int, placement: str, dnum: tuple[int, int]) -> int:
