@@ -253,10 +253,15 @@ class ScaledMMLinear:
         if not x.is_cuda:  # cuBLASLt only; on CPU the same function through the reference
             return ref.fp8_linear(x, w, w_scale, bias, quantize_activations=True)
         x2, lead = _flatten(x)
-        k = x2.shape[1]
+        m, k = x2.shape
         if (k, x.dtype) not in self._bias_epilogue:
             self._probe(k, x.dtype, x.device)
-        y = self._gemm(x2, w, w_scale, bias, self._k_pad[k], self._bias_epilogue[(k, x.dtype)])
+        # cuBLASLt's block-scaled FP8 path refuses some small M (M = 1 seen on the H200 with torch
+        # 2.11: CUBLAS_STATUS_NOT_SUPPORTED); M in multiples of 16 worked everywhere measured.
+        mp = _round_up(m, 16)
+        if mp != m:
+            x2 = F.pad(x2, (0, 0, 0, mp - m))
+        y = self._gemm(x2, w, w_scale, bias, self._k_pad[k], self._bias_epilogue[(k, x.dtype)])[:m]
         return y.reshape(*lead, w.shape[0])
 
 
