@@ -72,8 +72,9 @@ class CudaGraphDecoder:
         log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, steps: list[SeqStep]) -> torch.Tensor | None:
-        """Replay the step as a graph; None when it is not a graphable decode step."""
+    def prepare(self, input_ids: torch.Tensor, steps: list[SeqStep]) -> int | None:
+        """Host work of a step: static inputs and the backend's plan. Returns the bucket, or None
+        when the step is not a graphable decode step."""
         n = len(steps)
         b = self.bucket(n)
         if b is None or b not in self.graphs or any(s.q_len != 1 for s in steps):
@@ -81,6 +82,14 @@ class CudaGraphDecoder:
         meta = self._padded_meta(steps, b)
         self.ids[:n].copy_(input_ids)
         self.model.backends.attention.plan(meta)  # host work + copies into the backend's static buffers
+        return b
+
+    def replay(self, b: int, n: int) -> torch.Tensor:
         g, logits = self.graphs[b]
         g.replay()
         return logits[:n]
+
+    def run(self, input_ids: torch.Tensor, steps: list[SeqStep]) -> torch.Tensor | None:
+        """Replay the step as a graph; None when it is not a graphable decode step."""
+        b = self.prepare(input_ids, steps)
+        return None if b is None else self.replay(b, len(steps))

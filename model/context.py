@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.interface import GroupMeta, StepMeta
-from model.kv_cache import KVCacheSpec, PageGroup, SeqPages, full_slot, ring_slot, ring_view
+from model.kv_cache import KVCacheSpec, PageGroup, SeqPages, ring_view
 
 
 @dataclass(slots=True)
@@ -31,22 +32,37 @@ class SeqStep:
     q_len: int
 
 
-def _table(rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
+def _table(rows: list, device: torch.device | str) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0) or 1
-    t = torch.zeros(len(rows), width, dtype=torch.int32)
+    t = np.zeros((len(rows), width), dtype=np.int32)
     for i, r in enumerate(rows):
-        if r:
-            t[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-    return t.to(device)
+        t[i, :len(r)] = r
+    return torch.from_numpy(t).to(device)
+
+
+def _full_slots(pages: np.ndarray, start: int, end: int, p: int) -> np.ndarray:
+    pos = np.arange(start, end)
+    return pages[pos // p].astype(np.int64) * p + pos % p
+
+
+def _ring_slots(ring: list[int], start: int, end: int, keep_from: int, p: int, r: int) -> np.ndarray:
+    """Slot of each position in the ring (logical page j -> ring[j % R]); -1 before keep_from."""
+    pos = np.arange(start, end)
+    if not ring:
+        return np.full(len(pos), -1, dtype=np.int64)
+    arr = np.asarray(ring, dtype=np.int64)
+    slots = arr[(pos // p) % r] * p + pos % p
+    return np.where(pos >= keep_from, slots, -1)
 
 
 def build_step_meta(steps: list[SeqStep], spec: KVCacheSpec | None, device: torch.device | str = "cpu"
                     ) -> StepMeta:
+    """Host-side metadata of one step, vectorised with numpy (O(pages) per step, in C)."""
     q_lens = [s.q_len for s in steps]
-    positions = torch.cat([torch.arange(s.start, s.start + s.q_len) for s in steps])
-    cu = torch.zeros(len(steps) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(q_lens).cumsum(0)
-    logits_idx = (cu[1:] - 1).long()
+    positions = np.concatenate([np.arange(s.start, s.start + s.q_len) for s in steps])
+    cu = np.zeros(len(steps) + 1, dtype=np.int32)
+    cu[1:] = np.cumsum(q_lens)
+    logits_idx = (cu[1:] - 1).astype(np.int64)
     groups: list[GroupMeta | None] = [None, None]
     if spec is not None:
         p = spec.page_size
@@ -54,17 +70,19 @@ def build_step_meta(steps: list[SeqStep], spec: KVCacheSpec | None, device: torc
             rows, slots = [], []
             for s in steps:
                 assert s.pages is not None
-                rows.append(s.pages.full[: -(-(s.start + s.q_len) // p)])
-                slots += [full_slot(s.pages.full, t, p) for t in range(s.start, s.start + s.q_len)]
+                arr = s.pages.full_array()
+                rows.append(arr[: -(-(s.start + s.q_len) // p)])
+                slots.append(_full_slots(arr, s.start, s.start + s.q_len, p))
             starts = [s.start for s in steps]
             ends = [s.start + s.q_len for s in steps]
             groups[PageGroup.FULL] = GroupMeta(
                 _table(rows, device), torch.tensor(starts, dtype=torch.int32, device=device),
                 torch.tensor(ends, dtype=torch.int32, device=device),
-                torch.tensor(slots, dtype=torch.int64, device=device), True, starts, ends)
+                torch.from_numpy(np.concatenate(slots)).to(device), True, starts, ends)
         if spec.sliding_layers:
             groups[PageGroup.SLIDING] = _sliding_meta(steps, spec, device)
-    return StepMeta(positions.to(device), cu.to(device), q_lens, logits_idx.to(device), tuple(groups))
+    return StepMeta(torch.from_numpy(positions).to(device), torch.from_numpy(cu).to(device), q_lens,
+                    torch.from_numpy(logits_idx).to(device), tuple(groups))
 
 
 def _sliding_meta(steps: list[SeqStep], spec: KVCacheSpec, device: torch.device | str) -> GroupMeta:
@@ -82,7 +100,7 @@ def _sliding_meta(steps: list[SeqStep], spec: KVCacheSpec, device: torch.device 
         prefix.append(s.start - vstart)
         kv.append(end - vstart)
         keep_from = s.start if hold_all else max(s.start, end - (w - 1))
-        slots += [ring_slot(s.pages.ring, t, p, r) if t >= keep_from else -1 for t in range(s.start, end)]
+        slots.append(_ring_slots(s.pages.ring, s.start, end, keep_from, p, r))
     return GroupMeta(_table(rows, device), torch.tensor(prefix, dtype=torch.int32, device=device),
                      torch.tensor(kv, dtype=torch.int32, device=device),
-                     torch.tensor(slots, dtype=torch.int64, device=device), hold_all, prefix, kv)
+                     torch.from_numpy(np.concatenate(slots)).to(device), hold_all, prefix, kv)

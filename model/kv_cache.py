@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+import numpy as np
 import torch
 
 from common.errors import ConfigError
@@ -152,6 +153,18 @@ class SeqPages:
 
     full: list[int] = field(default_factory=list)
     ring: list[int] = field(default_factory=list)
+    _full_arr: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32), repr=False)
+
+    def full_array(self) -> np.ndarray:
+        """`full` as int32, kept incrementally: pages are only ever appended (or all released), so
+        building a step's page table costs a memcpy per sequence, not a Python loop per page."""
+        n, have = len(self.full), len(self._full_arr)
+        if n != have:
+            if n > have and (have == 0 or self._full_arr[-1] == self.full[have - 1]):
+                self._full_arr = np.concatenate([self._full_arr, np.asarray(self.full[have:], dtype=np.int32)])
+            else:
+                self._full_arr = np.asarray(self.full, dtype=np.int32)
+        return self._full_arr
 
 
 class KVManager:
