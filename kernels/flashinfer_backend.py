@@ -173,7 +173,8 @@ class FlashInferAttention:
                 self._backend[role] = ("fa3" if fa3_ok else "fa2") if want == "auto" else want
 
     def _wrapper(self, role: str, kind: str, window_left: int, graph_batch: int = 0):
-        key = (role, kind, window_left, graph_batch)
+        # Graph wrappers own index buffers sized by the page capacity: a new capacity needs new ones.
+        key = (role, kind, window_left, graph_batch, self._graph_max_pages if graph_batch else 0)
         w = self._wrappers.get(key)
         if w is not None:
             return w

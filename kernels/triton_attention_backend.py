@@ -56,7 +56,7 @@ class TritonAttention:
         self._target_programs: int | None = None
         self._graph_sizes: set[int] = set()
         self._graph_max_pages = 0
-        self._graph: dict[tuple[int, int], _GraphBuffers] = {}
+        self._graph: dict[tuple[int, int, int], _GraphBuffers] = {}
 
     def enable_cuda_graphs(self, batch_sizes: Sequence[int], max_pages_per_seq: int) -> None:
         self._graph_sizes = set(batch_sizes)
@@ -88,13 +88,13 @@ class TritonAttention:
 
     def _static(self, gi: int, g: GroupMeta, step: StepMeta, device: torch.device) -> _GraphBuffers:
         b, maxp = step.num_seqs, self._graph_max_pages
-        buf = self._graph.get((b, gi))
+        buf = self._graph.get((b, gi, maxp))  # buffers are sized by the page capacity
         if buf is None:
             # kv_lens stays empty until forward sees the page size: then the capacity, so the
             # split count (and the launch grid) is the same for every step
             batch = AttnBatch(torch.zeros(5, b, dtype=torch.int32, device=device),
                               torch.zeros(b, maxp, dtype=torch.int32, device=device), [1] * b, [])
-            buf = self._graph[(b, gi)] = _GraphBuffers(batch, torch.empty(b, dtype=torch.int64, device=device))
+            buf = self._graph[(b, gi, maxp)] = _GraphBuffers(batch, torch.empty(b, dtype=torch.int64, device=device))
         width = g.page_table.shape[1]
         assert width <= maxp, f"page table of {width} pages exceeds the graph capacity {maxp}"
         fresh = AttnBatch.build(step.q_lens_host, g.kv_lens_host, g.kv_lens_host, None, "cpu")
