@@ -60,6 +60,10 @@ def decode_section(res: Results, model, contexts: list[int], batches: list[int],
         for ctx in contexts:
             for b in batches:
                 free = torch.cuda.mem_get_info()[0] if model.device.type == "cuda" else 8 << 30
+                if tp > 1:  # every rank must take the same branch, or the collectives hang
+                    t = torch.tensor([free], dtype=torch.int64, device=model.device)
+                    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+                    free = int(t.item())
                 need = b * (ctx + 32) * model.cfg.kv_bytes_per_token(2) / 2 / tp
                 if need > 0.85 * free:
                     sec["rows"].append({"context": ctx, "batch": b, "skipped": f"KV needs {need / 2**30:.0f} GiB"})

@@ -1,0 +1,100 @@
+"""Multi-GPU model benchmark (one process per GPU, NCCL; NVLink multicast stays off):
+
+  allreduce  latency of decode-sized all-reduces (NCCL, and torch symmetric-memory one-shot)
+  per model  prefill and decode sweeps as in bench_model, with attention TP over all ranks and the
+             MoE either expert-parallel (TP-only dispatch/combine: one all-reduce) or TP-sliced
+
+    torchrun --nproc-per-node 2 -m benchmarks.bench_tp --preset gpt-oss-120b --moe-mode ep
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.bench_model import decode_section, prefill_section
+from benchmarks.common import Results, environment, markdown_table, measure_ceilings, out_dir, time_cuda
+from benchmarks.model_setup import build
+from model.parallel import MoEMode, ParallelConfig
+
+
+def allreduce_section(res: Results, rank: int, world: int) -> None:
+    with res.section("allreduce") as sec:
+        for tokens in (1, 8, 32, 64, 128, 1024, 8192):
+            x = torch.randn(tokens, 2880, dtype=torch.bfloat16, device="cuda")
+            ms = time_cuda(lambda: dist.all_reduce(x), warmup=5, iters=50)
+            row = {"tokens": tokens, "bytes": x.numel() * 2, "nccl_us": ms * 1e3}
+            try:
+                import torch.distributed._symmetric_memory as symm_mem
+
+                buf = symm_mem.empty(x.shape, dtype=x.dtype, device=x.device)
+                hdl = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+                buf.copy_(x)
+                ms2 = time_cuda(lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", dist.group.WORLD.group_name),
+                                warmup=5, iters=50)
+                row["symm_one_shot_us"] = ms2 * 1e3
+                del hdl
+            except Exception as e:  # noqa: BLE001 - optional fast path
+                row["symm_one_shot_error"] = str(e)[:200]
+            sec["rows"].append(row)
+            if rank == 0:
+                print(f"all-reduce {tokens:>5} tokens: NCCL {row['nccl_us']:.1f} us, one-shot "
+                      f"{row.get('symm_one_shot_us', float('nan')):.1f} us", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="gpt-oss-120b")
+    ap.add_argument("--moe-mode", default="ep", choices=["ep", "tp"])
+    ap.add_argument("--attention", default="triton")
+    ap.add_argument("--prefill-lens", default="2048,8192,32768")
+    ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--batches", default="1,8,64,128")
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--skip-allreduce", action="store_true")
+    a = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank), timeout=timedelta(seconds=180))
+    tag = f"{a.preset}-tp{world}-{a.moe_mode}"
+    path = out_dir() / (f"model_{tag}.json" if rank == 0 else f".rank{rank}_{tag}.json")
+    res = Results(path, {"env": environment(), "args": vars(a), "world": world})
+    quiet = contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext()
+    with quiet:
+        if not a.skip_allreduce:
+            allreduce_section(res, rank, world)
+        with res.section("ceilings") as sec:
+            ceil = measure_ceilings()
+            sec.update(ceil)
+        t0 = time.monotonic()
+        par = ParallelConfig(world, rank, MoEMode(a.moe_mode), dist.group.WORLD)
+        model = build(a.preset, a.attention, "scaled_mm", "triton", parallel=par, device=f"cuda:{rank}")
+        res.data["load_seconds"] = round(time.monotonic() - t0, 1)
+        print(f"loaded {a.preset} TP{world} MoE={a.moe_mode} in {res.data['load_seconds']} s", flush=True)
+        prefill_section(res, model, [int(x) for x in a.prefill_lens.split(",") if x], ceil, world)
+        decode_section(res, model, [int(x) for x in a.contexts.split(",") if x],
+                       [int(x) for x in a.batches.split(",") if x], ceil, world, not a.no_graphs)
+        res.save()
+        for name, cols in (("allreduce", ["tokens", "nccl_us", "symm_one_shot_us"]),
+                           ("prefill", ["tokens", "ms", "TFLOPs", "ratio_fp8_peak", "usd_per_M_input"]),
+                           ("decode", ["context", "batch", "ms_per_step", "gpu_ms_graph_replay", "tok_s_per_gpu",
+                                       "tok_s_per_user", "usd_per_M_output", "ratio_to_floor"])):
+            rows = [r for r in res.data.get(name, {}).get("rows", []) if "skipped" not in r]
+            if rows:
+                print(f"\n## {tag} {name}\n" + markdown_table(rows, cols), flush=True)
+    del model
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
