@@ -9,23 +9,24 @@ import gc
 import torch
 
 from benchmarks.common import Results, time_cuda
+from model.config import GptOssConfig
 from model.config import preset as get_preset
 from model.context import SeqStep, build_step_meta
 from model.quant import dequantize_mxfp4
 from model.weights import RandomSource
 
 
-def build_hf(preset: str, seed: int = 0, device: str = "cuda"):
+def build_hf(preset: str | GptOssConfig, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
     from transformers import GptOssConfig as HFConfig
     from transformers import GptOssForCausalLM
 
-    cfg = get_preset(preset)
+    cfg = get_preset(preset) if isinstance(preset, str) else preset
     d = cfg.to_hf_dict()
     d.pop("quantization_config", None)
     d.pop("architectures", None)
     hf_cfg = HFConfig(**d)
     with torch.device(device):
-        hf = GptOssForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16, attn_implementation="eager").eval()
+        hf = GptOssForCausalLM._from_config(hf_cfg, dtype=dtype, attn_implementation="eager").eval()
     src = RandomSource(cfg, seed, fast_mxfp4=True)
     params = dict(hf.named_parameters())
     with torch.no_grad():
@@ -34,7 +35,7 @@ def build_hf(preset: str, seed: int = 0, device: str = "cuda"):
                 continue
             if name.endswith("_blocks"):
                 base = name[: -len("_blocks")]
-                w = dequantize_mxfp4(src.get(name, device), src.get(base + "_scales", device), torch.bfloat16)
+                w = dequantize_mxfp4(src.get(name, device), src.get(base + "_scales", device), dtype)
                 params[base].copy_(w.transpose(1, 2))  # HF keeps experts as [E, in, out]
                 del w
             else:

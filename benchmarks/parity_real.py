@@ -29,9 +29,20 @@ def main() -> None:
     ap.add_argument("--preset", default="gpt-oss-20b")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--attention", default="triton")
+    ap.add_argument("--fp32-layers", type=int, default=2,
+                    help="also check an N-layer model at real widths in fp32 against HF fp32 (0 = skip)")
+    ap.add_argument("--skip-full", action="store_true", help="skip the full-depth bf16 comparison")
     a = ap.parse_args()
     res = Results(out_dir() / f"parity_{a.preset}.json", {"env": environment(), "args": vars(a)})
     ids = torch.randint(0, 201088, (a.tokens,), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    if not a.skip_full:
+        full_section(res, a, ids)
+    if a.fp32_layers:
+        fp32_section(res, a, ids)
+    res.save()
+
+
+def full_section(res: Results, a: argparse.Namespace, ids: torch.Tensor) -> None:
     with res.section("parity") as sec:
         hf = build_hf(a.preset)
         with torch.no_grad():
@@ -58,7 +69,42 @@ def main() -> None:
         for r in sec["rows"]:
             print(f"{r['a']:>12} vs {r['b']:<12} rel err {r['rel_err']:.4f}  top-1 agreement {r['top1_agreement']:.1%}",
                   flush=True)
-    res.save()
+
+
+def fp32_section(res: Results, a: argparse.Namespace, ids: torch.Tensor) -> None:
+    """Real widths, few layers, fp32: the model must match HF to fp32 rounding; then how far each
+    bf16 / FP8 configuration (ours and HF's) lands from that fp32 ground truth."""
+    import dataclasses
+
+    from model.config import preset
+
+    cfg = dataclasses.replace(preset(a.preset), num_hidden_layers=a.fp32_layers, layer_types=())
+    with res.section("fp32_real_widths") as sec:
+        hf = build_hf(cfg, dtype=torch.float32)
+        with torch.no_grad():
+            outs = {"hf_fp32": hf(ids[None]).logits[0].float()}
+            hf.to(torch.bfloat16)
+            outs["hf_bf16"] = hf(ids[None]).logits[0].float()
+        del hf
+        gc.collect()
+        torch.cuda.empty_cache()
+        for name, dtype, fp8, att, lin, moe in (("tandem_fp32_torch", "float32", False, "torch", "torch", "torch"),
+                                                ("tandem_bf16_kernels", "bfloat16", False, a.attention, "torch", "triton"),
+                                                ("tandem_fp8_kernels", "bfloat16", True, a.attention, "scaled_mm", "triton")):
+            m = load_model(EngineConfig(random_preset=a.preset, random_layers=a.fp32_layers, device="cuda", dtype=dtype,
+                                        fp8=fp8, attention_backend=att, linear_backend=lin, moe_backend=moe))
+            outs[name] = logits_of(m, ids)
+            del m
+            gc.collect()
+            torch.cuda.empty_cache()
+        ref = outs["hf_fp32"]
+        for name, v in outs.items():
+            row = {"model": name, "layers": a.fp32_layers, "rel_err_vs_hf_fp32": ((v - ref).norm() / ref.norm()).item(),
+                   "top1_agreement": (v.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                   "max_abs_err": (v - ref).abs().max().item()}
+            sec["rows"].append(row)
+            print(f"[{a.fp32_layers} layers, real widths] {name:>20} vs hf_fp32: rel err {row['rel_err_vs_hf_fp32']:.2e} "
+                  f"top-1 {row['top1_agreement']:.1%}", flush=True)
 
 
 if __name__ == "__main__":

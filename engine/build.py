@@ -3,6 +3,7 @@ backends, size the KV cache (logging the capacity of each page group), wire sche
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ DEFAULT_CACHE = Path.home() / ".cache" / "tandem" / "checkpoints"
 class EngineConfig:
     checkpoint: str | None = None  # a directory in the HF layout; None = the embedded tiny model
     random_preset: str | None = None  # full-size random weights generated on the device (benchmarks)
+    random_layers: int | None = None  # with random_preset: keep the real widths, use this many layers
     dtype: str = "float32"
     fp8: bool = False
     device: str = "cpu"
@@ -62,7 +64,10 @@ def open_source(cfg: EngineConfig) -> TensorSource:
     if cfg.random_preset is not None:
         from model.config import preset
 
-        return RandomSource(preset(cfg.random_preset), cfg.seed, fast_mxfp4=True)
+        pcfg = preset(cfg.random_preset)
+        if cfg.random_layers:
+            pcfg = dataclasses.replace(pcfg, num_hidden_layers=cfg.random_layers, layer_types=())
+        return RandomSource(pcfg, cfg.seed, fast_mxfp4=True)
     path = cfg.checkpoint or str(ensure_checkpoint("tiny", cfg.cache_dir))
     return SafetensorsSource(path)
 
