@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64,128")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--skip-allreduce", action="store_true")
+    ap.add_argument("--bf16-attention", action="store_true")
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
@@ -76,7 +77,8 @@ def main() -> None:
             sec.update(ceil)
         t0 = time.monotonic()
         par = ParallelConfig(world, rank, MoEMode(a.moe_mode), dist.group.WORLD)
-        model = build(a.preset, a.attention, "scaled_mm", "triton", parallel=par, device=f"cuda:{rank}")
+        model = build(a.preset, a.attention, "scaled_mm", "triton", parallel=par, device=f"cuda:{rank}",
+                      fp8_attention=not a.bf16_attention)
         res.data["load_seconds"] = round(time.monotonic() - t0, 1)
         print(f"loaded {a.preset} TP{world} MoE={a.moe_mode} in {res.data['load_seconds']} s", flush=True)
         prefill_section(res, model, [int(x) for x in a.prefill_lens.split(",") if x], ceil, world)

@@ -13,8 +13,9 @@ from model.parallel import ParallelConfig
 
 
 def build(preset: str, attention: str, linear: str, moe: str, parallel: ParallelConfig | None = None,
-          device: str = "cuda") -> GptOss:
-    cfg = EngineConfig(random_preset=preset, device=device, dtype="bfloat16", fp8=True, attention_backend=attention,
+          device: str = "cuda", fp8_attention: bool = True) -> GptOss:
+    cfg = EngineConfig(random_preset=preset, device=device, dtype="bfloat16", fp8=True, fp8_attention=fp8_attention,
+                       attention_backend=attention,
                        linear_backend=linear, moe_backend=moe, parallel=parallel or ParallelConfig())
     return load_model(cfg)
 

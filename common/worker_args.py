@@ -23,7 +23,10 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--worker-id", default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-    p.add_argument("--fp8", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="FP8 128x128 block-scaled experts (and projections, see below)")
+    p.add_argument("--fp8-attention", choices=["auto", "on", "off"], default="auto",
+                   help="QKV/O projections in FP8 too; auto: on for prefill, off for decode (bf16 GEMV is faster "
+                        "at decode sizes, measured)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--moe-mode", choices=["tp", "ep"], default="tp")
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"])
@@ -42,10 +45,11 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                    help="torch intra-op threads when --device cpu (workers share the host's cores)")
 
 
-def engine_config(a: argparse.Namespace, *, tp_rank: int = 0, group=None) -> EngineConfig:
+def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int = 0, group=None) -> EngineConfig:
     gpu = a.device.startswith("cuda")
+    fp8_attn = {"on": True, "off": False}.get(a.fp8_attention, a.fp8 and (role == "prefill" or not gpu))
     return EngineConfig(
-        checkpoint=a.checkpoint, random_preset=a.random_weights, device=a.device, fp8=a.fp8,
+        checkpoint=a.checkpoint, random_preset=a.random_weights, device=a.device, fp8=a.fp8, fp8_attention=fp8_attn,
         dtype=a.dtype or ("bfloat16" if gpu else "float32"),
         attention_backend=a.attention_backend or ("flashinfer" if gpu else "torch"),
         linear_backend=a.linear_backend or ("scaled_mm" if gpu and a.fp8 else "torch"),

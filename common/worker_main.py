@@ -24,8 +24,8 @@ def model_fingerprint(parts: EngineParts) -> str:
     return "gpt-oss-" + hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_parts(a: argparse.Namespace) -> EngineParts:
-    cfg = engine_config(a)
+def build_parts(a: argparse.Namespace, role: str) -> EngineParts:
+    cfg = engine_config(a, role=role)
     if cfg.device == "cpu":
         import torch
 

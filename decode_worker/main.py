@@ -16,7 +16,7 @@ def main(argv: list[str]) -> int:
     add_worker_args(p, port=7200, metrics_port=9200)
     a = p.parse_args(argv)
     wid, epoch = worker_id(a, "decode"), new_epoch()
-    parts = build_parts(a)
+    parts = build_parts(a, "decode")
     rx = None
     if a.kv_backend != "none":
         from kv_transfer.factory import TransferBackend, create_receiver

@@ -35,6 +35,7 @@ class EngineConfig:
     random_layers: int | None = None  # with random_preset: keep the real widths, use this many layers
     dtype: str = "float32"
     fp8: bool = False
+    fp8_attention: bool | None = None  # None: same as fp8 (decode workers on GPU choose bf16)
     device: str = "cpu"
     attention_backend: str = "torch"
     linear_backend: str = "torch"
@@ -78,7 +79,7 @@ def load_model(cfg: EngineConfig) -> GptOss:
     src = open_source(cfg)
     backends = make_backends(cfg.attention_backend, cfg.linear_backend, cfg.moe_backend)
     model = GptOss(src.config, backends, dtype=DTYPES[cfg.dtype], fp8=cfg.fp8, parallel=cfg.parallel,
-                   device=cfg.device)
+                   device=cfg.device, fp8_attention=cfg.fp8_attention)
     stats = load_weights(model, src, progress=cfg.progress)
     log.info("model: %d layers, %d experts, dtype %s, fp8=%s, tp=%d (%s); backends: %s",
              src.config.num_hidden_layers, src.config.num_local_experts, cfg.dtype, cfg.fp8, cfg.parallel.tp_size,

@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
     if a.kv_backend == "none":
         raise ConfigError("a prefill worker needs a KV transfer backend (nixl or loopback)")
     wid, epoch = worker_id(a, "prefill"), new_epoch()
-    parts = build_parts(a)
+    parts = build_parts(a, "prefill")
     from kv_transfer.factory import TransferBackend, create_sender
 
     tx = create_sender(TransferBackend(a.kv_backend), parts.pool, transfer_config(a, parts, wid))

@@ -123,3 +123,22 @@ def test_fp8_mode_is_the_dequantised_model(ckpt_factory, tmp_path):
     for b8, bb in zip(fp8.layers, fp8b.layers, strict=True):
         w1, w2 = (dequantize_fp8_blockwise(b.attn.qkv_w, b.attn.qkv_s) for b in (b8, bb))
         assert ((w1 - w2).norm() / w1.norm()).item() < 0.05
+
+
+def test_fp8_experts_with_bf16_projections_loads_and_runs(ckpt_factory):
+    """The decode-worker layout: FP8 experts, native QKV/O projections."""
+    path = ckpt_factory("tiny-a")
+    src = SafetensorsSource(path)
+    m = GptOss(src.config, make_backends(), dtype=torch.float32, fp8=True, fp8_attention=False)
+    load_weights(m, src, progress=False)
+    assert m.layers[0].attn.qkv_s is None and m.layers[0].mlp.w1_s is not None
+    assert m.layers[0].attn.qkv_w.dtype == torch.float32 and m.layers[0].mlp.w1.dtype == torch.float8_e4m3fn
+    from kernels.reference import dequantize_fp8_blockwise
+
+    native = load(path, torch.float32)
+    for b8, b in zip(m.layers, native.layers, strict=True):
+        assert torch.equal(b8.attn.qkv_w, b.attn.qkv_w)
+        b.mlp.w1.data.copy_(dequantize_fp8_blockwise(b8.mlp.w1, b8.mlp.w1_s))
+        b.mlp.w2.data.copy_(dequantize_fp8_blockwise(b8.mlp.w2, b8.mlp.w2_s))
+    ids = list(range(3, 30))
+    assert rel(full_logits(m, ids), full_logits(native, ids)) <= 1e-5

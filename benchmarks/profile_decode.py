@@ -1,0 +1,52 @@
+"""Where a decode step's time goes: one eager 20b decode step under torch.profiler (CUDA kernels by
+total time, launches per step), at batch 1 and 64 with 8k context.
+
+    python -m benchmarks.profile_decode --preset gpt-oss-20b
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.common import out_dir
+from benchmarks.model_setup import build, decode_state, fill_random
+from model.context import SeqStep, build_step_meta
+from model.kv_cache import SeqPages
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="gpt-oss-20b")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--context", type=int, default=8192)
+    a = ap.parse_args()
+    model = build(a.preset, "flashinfer", "scaled_mm", "triton")
+    for b in [int(x) for x in a.batches.split(",")]:
+        spec, pool, kv = decode_state(model, a.context + 32, b)
+        seqs = []
+        for _ in range(b):
+            p = SeqPages()
+            kv.grow(p, a.context + 1)
+            seqs.append(p)
+        fill_random(pool)
+        meta = build_step_meta([SeqStep(p, a.context, 1) for p in seqs], spec, model.device)
+        ids = torch.randint(0, model.cfg.vocab_size, (b,), device=model.device)
+        step = lambda: model.compute_logits(model(ids, meta, pool)).argmax(-1)  # noqa: E731
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+        print(f"\n### batch {b}, context {a.context} (5 steps)\n{table}", flush=True)
+        (out_dir() / f"profile_decode_b{b}.txt").write_text(table)
+        del pool, kv, seqs
+
+
+if __name__ == "__main__":
+    main()
