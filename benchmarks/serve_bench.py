@@ -1,0 +1,290 @@
+"""`tandem bench serve`: open-loop serving benchmark against an OpenAI-compatible endpoint.
+
+Either points at a running server (`--url`), or launches `tandem serve` itself on this machine
+(`--launch colocated`, `--launch disaggregated`, or both, one after the other, on the same
+resources: disaggregated runs P prefill + D decode workers, colocated runs P + D decode workers
+that prefill themselves), waits for /ready, runs the load, and shuts the service down. Reports
+TTFT / ITL / TPOT / end-to-end percentiles, request and token throughput, and goodput: requests
+per second that met TTFT <= --slo-ttft-ms and mean ITL (TPOT) <= --slo-tpot-ms. JSON to --out,
+a short table to stdout.
+
+    tandem bench serve --url http://127.0.0.1:8000 --request-rate 4 --num-requests 200
+    tandem bench serve --launch both --request-rate 2 --num-requests 40 --input-len 64:256
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from benchmarks.loadgen import LengthRange, LoadSpec, RequestResult, plan_requests, run_load
+from common.errors import ConfigError, WorkerUnavailable
+
+CPU_NOTE = ("service launched on the CPU with the embedded tiny model: these numbers measure the load generator "
+            "and the serving path (HTTP, router, ZMQ, KV transfer, scheduling), not model speed")
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    ttft_s: float
+    tpot_s: float
+
+    def met(self, r: RequestResult) -> bool:
+        # A one-token request has no inter-token latency: only its TTFT counts.
+        return r.ok and r.ttft_s is not None and r.ttft_s <= self.ttft_s and (r.tpot_s or 0.0) <= self.tpot_s
+
+
+def percentiles(values: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
+    """mean and pXX (linear interpolation between order statistics); None on no samples."""
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in ps}}
+    a = np.asarray(values, dtype=float)
+    return {"mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in ps}}
+
+
+def _ms(stats: dict[str, float | None]) -> dict[str, float | None]:
+    return {k: (None if v is None else v * 1e3) for k, v in stats.items()}
+
+
+def summarize(results: list[RequestResult], duration_s: float, slo: SLO) -> dict:
+    ok = [r for r in results if r.ok]
+    failures: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            failures[r.error_kind or "unknown"] = failures.get(r.error_kind or "unknown", 0) + 1
+    n_in = sum(r.prompt_tokens for r in ok)
+    n_out = sum(r.output_tokens for r in ok)
+    good = sum(slo.met(r) for r in ok)
+    dur = max(duration_s, 1e-9)
+    return {
+        "num_requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "failures": dict(sorted(failures.items())),
+        "first_errors": [f"{r.error_kind}: {r.error}" for r in results if not r.ok][:5],
+        "duration_s": duration_s, "input_tokens": n_in, "output_tokens": n_out,
+        "request_throughput": len(ok) / dur, "output_token_throughput": n_out / dur,
+        "total_token_throughput": (n_in + n_out) / dur,
+        "ttft_ms": _ms(percentiles([r.ttft_s for r in ok])),
+        "itl_ms": _ms(percentiles([x for r in ok for x in r.itl_s])),
+        "tpot_ms": _ms(percentiles([r.tpot_s for r in ok if r.tpot_s is not None])),
+        "e2e_ms": _ms(percentiles([r.e2e_s for r in ok])),
+        "goodput": {"slo_ttft_ms": slo.ttft_s * 1e3, "slo_tpot_ms": slo.tpot_s * 1e3, "requests_met": good,
+                    "requests_per_s": good / dur, "fraction": good / len(results)},
+        "output_len_mismatches": sum(r.output_tokens != r.expected_output_tokens for r in ok),
+        # usage (when the server sends it) must agree with what we sent and counted
+        "usage_mismatches": sum((r.usage_completion_tokens is not None and r.usage_completion_tokens != r.output_tokens)
+                                or (r.usage_prompt_tokens is not None and r.usage_prompt_tokens != r.prompt_tokens)
+                                for r in ok),
+        "max_dispatch_lag_ms": max((r.dispatch_s - r.scheduled_s for r in results), default=0.0) * 1e3,
+    }
+
+
+def format_table(run: dict) -> str:
+    s = run["summary"]
+    head = f"{run['label']}: {s['completed']}/{s['num_requests']} ok in {s['duration_s']:.2f} s"
+    if s["failed"]:
+        head += f"  failures {s['failures']}"
+    lines = [head, f"{'metric':10} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}"]
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        vals = [s[key][k] for k in ("mean", "p50", "p90", "p99")]
+        lines.append(f"{key:10} " + " ".join(f"{v:9.1f}" if v is not None else f"{'-':>9}" for v in vals))
+    g = s["goodput"]
+    lines.append(f"throughput {s['request_throughput']:.2f} req/s, {s['output_token_throughput']:.1f} output tok/s, "
+                 f"{s['total_token_throughput']:.1f} total tok/s; goodput {g['requests_per_s']:.2f} req/s "
+                 f"({g['requests_met']}/{s['num_requests']} met TTFT<={g['slo_ttft_ms']:g} ms, "
+                 f"TPOT<={g['slo_tpot_ms']:g} ms)")
+    if run.get("note"):
+        lines.append(f"note: {run['note']}")
+    return "\n".join(lines)
+
+
+def format_comparison(runs: list[dict]) -> str:
+    cols = [("completed", "completed", "{:.0f}"), ("req/s", "request_throughput", "{:.2f}"),
+            ("out tok/s", "output_token_throughput", "{:.1f}"), ("goodput", ("goodput", "requests_per_s"), "{:.2f}"),
+            ("TTFT p50", ("ttft_ms", "p50"), "{:.1f}"), ("TTFT p99", ("ttft_ms", "p99"), "{:.1f}"),
+            ("TPOT p50", ("tpot_ms", "p50"), "{:.1f}"), ("TPOT p99", ("tpot_ms", "p99"), "{:.1f}")]
+    lines = [f"{'':14}" + "".join(f"{c:>11}" for c, _, _ in cols)]
+    for run in runs:
+        cells = []
+        for _, key, fmt in cols:
+            v = run["summary"][key] if isinstance(key, str) else run["summary"][key[0]][key[1]]
+            cells.append(f"{fmt.format(v) if v is not None else '-':>11}")
+        lines.append(f"{run['label']:14}" + "".join(cells))
+    return "\n".join(lines)
+
+
+# ---- launching `tandem serve` ----------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _free_base_port(workers: int) -> int:
+    """A base port whose worker ports (base+100+i, +200+i, +1100+i, +1200+i) are all free now."""
+    for _ in range(100):
+        base = _free_port() % 20000 + 20000
+        ports = [base + off + i for off in (100, 200, 1100, 1200) for i in range(workers)]
+        if all(_port_free(p) for p in ports):
+            return base
+    raise ConfigError("found no free block of worker ports")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+class LaunchedService:
+    """`tandem serve` in its own session (so a stuck shutdown can take its workers down with it)."""
+
+    def __init__(self, mode: str, num_prefill: int, num_decode: int, serve_args: list[str], ready_timeout_s: float):
+        self.mode, self.ready_timeout_s = mode, ready_timeout_s
+        port, base = _free_port(), _free_base_port(num_prefill + num_decode)
+        self.url = f"http://127.0.0.1:{port}"
+        workers = (["--colocated", "--num-decode", str(num_prefill + num_decode)] if mode == "colocated"
+                   else ["--num-prefill", str(num_prefill), "--num-decode", str(num_decode)])
+        self.cmd = [sys.executable, "-m", "launcher.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                    "--base-port", str(base), *workers, *serve_args]
+        self.log = tempfile.NamedTemporaryFile(prefix=f"tandem-bench-{mode}-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> LaunchedService:
+        print(f"launching ({self.mode}): {' '.join(self.cmd[2:])}  [log {self.log.name}]", flush=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        t_end = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < t_end:
+            if self.proc.poll() is not None:
+                raise WorkerUnavailable(f"tandem serve ({self.mode}) exited with code {self.proc.returncode} during "
+                                        f"start-up; log tail:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.__exit__(None, None, None)
+        raise WorkerUnavailable(f"tandem serve ({self.mode}) was not ready within {self.ready_timeout_s:.0f} s; "
+                                f"log tail:\n{self.log_tail()}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)  # tandem serve drains and stops its workers
+        try:
+            self.proc.wait(45)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the group we created at launch, nothing else
+            self.proc.wait()
+
+    def log_tail(self, n: int = 3000) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-n:]
+
+
+def _model_of(url: str, timeout_s: float) -> str:
+    try:
+        r = httpx.get(url + "/v1/models", timeout=timeout_s)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise WorkerUnavailable(f"could not read the model name from {url}/v1/models ({e}); pass --model") from None
+
+
+def run_one(label: str, url: str, a: argparse.Namespace, note: str | None) -> dict:
+    spec = LoadSpec(base_url=url, model=a.model or _model_of(url, a.connect_timeout_s), api=a.api,
+                    num_requests=a.num_requests, request_rate=a.request_rate, burstiness=a.burstiness,
+                    max_concurrency=a.max_concurrency, input_len=LengthRange.parse(a.input_len),
+                    output_len=LengthRange.parse(a.output_len), seed=a.seed, extras=not a.no_extras,
+                    request_timeout_s=a.request_timeout_s, connect_timeout_s=a.connect_timeout_s)
+    if a.warmup:
+        warm = replace(spec, num_requests=a.warmup, request_rate=math.inf, seed=spec.seed + 1)
+        asyncio.run(run_load(warm, plan_requests(warm)))
+    out = asyncio.run(run_load(spec, plan_requests(spec)))
+    load = asdict(spec)
+    load["request_rate"] = None if math.isinf(spec.request_rate) else spec.request_rate  # JSON has no inf
+    run = {"label": label, "url": url, "note": note, "load": load,
+           "summary": summarize(out.results, out.duration_s, SLO(a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3))}
+    if a.save_requests:
+        run["requests"] = [{**{f.name: getattr(r, f.name) for f in fields(r)}, "tpot_s": r.tpot_s} for r in out.results]
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem bench serve", description=__doc__.split("\n\n")[0])
+    t = p.add_mutually_exclusive_group(required=True)
+    t.add_argument("--url", help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    t.add_argument("--launch", choices=["colocated", "disaggregated", "both"], help="start `tandem serve` here")
+    p.add_argument("--model", default=None, help="default: the first id of /v1/models")
+    p.add_argument("--api", choices=["completions", "chat"], default="completions",
+                   help="completions sends token-id prompts; chat sends words (about one token each)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson arrivals (default: inf)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests")
+    p.add_argument("--input-len", default="128", help="N or LO:HI (uniform)")
+    p.add_argument("--output-len", default="64", help="N or LO:HI (uniform)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-extras", action="store_true", help="do not send ignore_eos / return_token_ids")
+    p.add_argument("--warmup", type=int, default=0, help="requests sent (all at once) before the measured run")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--request-timeout-s", type=float, default=120.0)
+    p.add_argument("--connect-timeout-s", type=float, default=10.0)
+    p.add_argument("--num-prefill", type=int, default=1, help="--launch: prefill workers (disaggregated)")
+    p.add_argument("--num-decode", type=int, default=1, help="--launch: decode workers (disaggregated)")
+    p.add_argument("--serve-args", default="", help="--launch: extra flags for tandem serve, one string")
+    p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    p.add_argument("--out", default=None, help="JSON output path")
+    p.add_argument("--save-requests", action="store_true", help="keep every request's timings in the JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    if a.num_prefill < 1 or a.num_decode < 1:
+        raise ConfigError("--num-prefill and --num-decode must be >= 1")
+    runs = []
+    if a.url:
+        runs.append(run_one(a.url, a.url.rstrip("/"), a, None))
+    else:
+        serve_args = a.serve_args.split()
+        note = None if "cuda" in a.serve_args else CPU_NOTE
+        for mode in (["disaggregated", "colocated"] if a.launch == "both" else [a.launch]):
+            with LaunchedService(mode, a.num_prefill, a.num_decode, serve_args, a.ready_timeout_s) as svc:
+                run = run_one(mode, svc.url, a, note)
+                run["launched"] = {"mode": mode, "command": svc.cmd[2:]}
+                runs.append(run)
+    doc = {"kind": "tandem-bench-serve", "version": 1,
+           "env": {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
+                   "cpus": os.cpu_count(), "python": platform.python_version()},
+           "runs": runs}
+    for run in runs:
+        print(format_table(run), flush=True)
+    if len(runs) > 1:
+        print(format_comparison(runs), flush=True)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+        print(f"wrote {a.out}")
+    return 1 if any(r["summary"]["failed"] for r in runs) else 0
