@@ -53,8 +53,10 @@ class LengthRange:
             parts = [int(x) for x in text.split(":")]
         except ValueError:
             raise ConfigError(f"length {text!r}: expected N or LO:HI") from None
-        lo, hi = (parts[0], parts[0]) if len(parts) == 1 else tuple(parts)
-        if len(parts) > 2 or lo < 1 or hi < lo:
+        if len(parts) not in (1, 2):
+            raise ConfigError(f"length {text!r}: expected N or LO:HI")
+        lo, hi = parts[0], parts[-1]
+        if lo < 1 or hi < lo:
             raise ConfigError(f"length {text!r}: expected N or LO:HI with 1 <= LO <= HI")
         return cls(lo, hi)
 
