@@ -159,6 +159,10 @@ class SeqPages:
         """`full` as int32, kept incrementally: pages are only ever appended (or all released), so
         building a step's page table costs a memcpy per sequence, not a Python loop per page."""
         n, have = len(self.full), len(self._full_arr)
+        stale = have and n and (self._full_arr[0] != self.full[0] or self._full_arr[min(n, have) - 1] != self.full[min(n, have) - 1])
+        if stale:
+            self._full_arr = np.empty(0, dtype=np.int32)
+            have = 0
         if n != have:
             if n > have and (have == 0 or self._full_arr[-1] == self.full[have - 1]):
                 self._full_arr = np.concatenate([self._full_arr, np.asarray(self.full[have:], dtype=np.int32)])
@@ -196,6 +200,7 @@ class KVManager:
         self.alloc[PageGroup.FULL].free(pages.full)
         self.alloc[PageGroup.SLIDING].free(pages.ring)
         pages.full, pages.ring = [], []
+        pages._full_arr = np.empty(0, dtype=np.int32)
 
     def assert_all_free(self) -> None:
         for a in self.alloc:

@@ -55,3 +55,24 @@ def test_ring_slots_never_collide_within_the_window():
         pos += q
     kv.release(pages)
     kv.assert_all_free()
+
+
+def test_page_array_cache_follows_release_and_regrow():
+    """Preemption releases pages and regrows to the same length with other ids: the cached int32
+    view must not go stale (it once did, and preempted sequences read the wrong pages)."""
+    cfg = preset("tiny-a")
+    spec = plan_kv_cache(cfg, 1 << 20, page_size=4, max_num_seqs=2, dtype=torch.float32)
+    kv, a, b = KVManager(spec), SeqPages(), SeqPages()
+    kv.grow(a, 12)
+    kv.grow(b, 12)
+    assert a.full_array().tolist() == a.full
+    kv.release(a)
+    kv.release(b)
+    kv.grow(b, 12)  # b takes a's old pages first or not: either way a differs now
+    kv.grow(a, 12)
+    assert a.full_array().tolist() == a.full and b.full_array().tolist() == b.full
+    a.full[0], a.full[-1] = a.full[-1], a.full[0]  # any in-place change is seen too
+    assert a.full_array().tolist() == a.full
+    kv.release(a)
+    kv.release(b)
+    kv.assert_all_free()
