@@ -26,10 +26,12 @@ def model_fingerprint(parts: EngineParts) -> str:
 
 def build_parts(a: argparse.Namespace, role: str) -> EngineParts:
     cfg = engine_config(a, role=role)
-    if cfg.device == "cpu":
-        import torch
+    import torch
 
+    if cfg.device == "cpu":
         torch.set_num_threads(a.cpu_threads)
+    else:  # graphs, streams and libraries use the current device
+        torch.cuda.set_device(torch.device(cfg.device))
     parts = build_engine_parts(cfg)
     if cfg.attention_backend != "torch":
         from kernels.selftest import self_test_attention
