@@ -1,0 +1,424 @@
+"""`tandem bench report`: benchmarks/results/README.md and the PNG plots, from the committed JSON.
+
+Reads one dated results folder (default: the newest under benchmarks/results/) and writes the
+plots into it (plots.py) and the summary to benchmarks/results/README.md. Every number comes from
+those JSON files; derived numbers (percentages, ratios across files) say how they were derived.
+Targets are the ones each benchmark recorded in its JSON (kernels), plus the KV-transfer targets
+below (kv_transfer records none). Re-running on the same files gives the same README and PNGs.
+
+    tandem bench report [--results benchmarks/results/2026-11-30] [--readme PATH] [--no-plots]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.plots import ModelSeries, write_all
+from common.errors import ConfigError
+
+RESULTS = Path(__file__).parent / "results"
+PRICE_PER_GPU_HOUR = 3.00  # the seed's nominal H200 price; benchmarks/common.py computes $/M with it
+# The transfer benchmark sets no targets; ours: contiguous NIXL within 70% of a plain P2P copy_ of
+# the same bytes (raw NIXL WRITE of one 1 GiB buffer reached 74% on this machine kind, GPU.md), and
+# layer-overlapped sending adding at most 10% to the prefill it overlaps.
+KV_MIN_FRACTION_OF_P2P = 0.70
+KV_MAX_OVERLAP_SHARE = 0.10
+
+
+@dataclass(slots=True)
+class Target:
+    area: str
+    what: str
+    value: str
+    target: str
+    met: bool
+    group: str = ""  # alternatives for one goal (e.g. backends): the goal is met when any member is met
+    score: float = 0.0  # higher is closer to the target: picks the member shown for a missed goal
+
+
+def missed_goals(targets: list[Target]) -> list[Target]:
+    """The closest member of each goal that no member met."""
+    groups: dict[str, list[Target]] = {}
+    for t in targets:
+        groups.setdefault(t.group or t.what, []).append(t)
+    return [max(g, key=lambda t: t.score) for g in groups.values() if not any(t.met for t in g)]
+
+
+def fmt(v: object) -> str:
+    if isinstance(v, bool) or v is None:
+        return {True: "yes", False: "no", None: "–"}[v]
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+    return str(v)
+
+
+def table(rows: list[list[object]], head: list[str]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows], ""]
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def last_line(err: str) -> str:
+    lines = [ln.strip() for ln in err.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else err
+
+
+# ---- loading -------------------------------------------------------------------------------------------
+def newest_folder(root: Path = RESULTS) -> Path:
+    dated = sorted(p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"\d{4}-\d{2}-\d{2}", p.name))
+    if not dated:
+        raise ConfigError(f"no dated results folder under {root}")
+    return dated[-1]
+
+
+def load(folder: Path) -> dict[str, dict]:
+    docs = {}
+    for p in sorted(folder.glob("*.json")):
+        try:
+            docs[p.name] = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: not JSON ({e})") from None
+    if not docs:
+        raise ConfigError(f"no JSON results in {folder}")
+    return docs
+
+
+def model_docs(docs: dict[str, dict]) -> list[tuple[str, dict]]:
+    """Model benchmark files, ordered by GPUs then model (a model's reruns stay next to each other)."""
+    runs = [(n, d) for n, d in docs.items() if "preset" in d.get("args", {}) and ("prefill" in d or "decode" in d)]
+    return sorted(runs, key=lambda nd: (nd[1].get("world", 1), nd[1]["args"]["preset"], nd[0]))
+
+
+def label_of(d: dict) -> tuple[str, int]:
+    tp = int(d.get("world", 1))
+    ep = "-EP" if tp > 1 and d["args"].get("moe_mode") == "ep" else ""
+    return f"{d['args']['preset']} TP{tp}{ep} · {d['args'].get('attention', '?')}", tp
+
+
+def build_series(docs: dict[str, dict]) -> list[ModelSeries]:
+    """One series per model/parallelism; rows from several files (e.g. a rerun of one context) merge."""
+    out: dict[str, ModelSeries] = {}
+    for _, d in model_docs(docs):
+        label, tp = label_of(d)
+        s = out.setdefault(label, ModelSeries(label, tp))
+        s.prefill += d.get("prefill", {}).get("rows", [])
+        s.decode += [r for r in d.get("decode", {}).get("rows", []) if "skipped" not in r]
+    return sorted(out.values(), key=lambda s: (s.gpus, s.label))
+
+
+# ---- sections ------------------------------------------------------------------------------------------
+def sec_runs(docs: dict[str, dict], folder: str) -> list[str]:
+    rows = []
+    for n, d in docs.items():
+        env = d.get("env") or d.get("meta") or {}
+        a = d.get("args", {})
+        if "preset" in a and ("fp32_real_widths" in d or "parity" in d):
+            what = f"parity: {a['preset']}"
+            cfg = f"attention={a.get('attention')}, {a.get('tokens')} tokens"
+        elif "preset" in a:
+            what = "model: " + label_of(d)[0]
+            cfg = (f"attention={a.get('attention')} linear={a.get('linear', 'scaled_mm')} moe={a.get('moe', 'triton')}"
+                   f"{' moe_mode=' + a['moe_mode'] if 'moe_mode' in a else ''}"
+                   f"{' no CUDA graphs' if a.get('no_graphs') else ''}")
+        elif "kv_transfer" in n:
+            what, cfg = "KV transfer GPU0→GPU1", f"{a.get('layers')} layers, tokens {a.get('tokens')}, {a.get('iters')} iters"
+        elif n.startswith("kernels_"):
+            what, cfg = "kernels: " + n[len("kernels_"):-5], "full sweep" if not env.get("smoke") else "smoke"
+        else:
+            continue
+        ceil = ", ".join(f"{k} {fmt(v)}" for k, v in d.get("ceilings", {}).items()
+                         if isinstance(v, float) and k != "seconds")
+        gpus = d.get("world") or env.get("gpus") or (2 if "kv_transfer" in n else 1)
+        rows.append([f"`{n}`", what, env.get("gpu") or env.get("device") or "H200 (not recorded)", gpus,
+                     env.get("torch"), env.get("triton"),
+                     env.get("flashinfer") or env.get("flashinfer_build", {}).get("version"), env.get("cuda"),
+                     env.get("date", folder), cfg, ceil])
+    return table(rows, ["file", "what", "GPU", "GPUs", "torch", "triton", "flashinfer", "CUDA", "date", "config",
+                        "ceilings measured in the run"])
+
+
+def sec_prefill(docs: dict[str, dict]) -> list[str]:
+    rows = []
+    for n, d in model_docs(docs):
+        fp8 = d.get("ceilings", {}).get("fp8_TFLOPs")
+        for r in d.get("prefill", {}).get("rows", []):
+            rows.append([label_of(d)[0], r["tokens"], r["ms"], r["TFLOPs"], fp8, pct(r["ratio_fp8_peak"]),
+                         r["tokens_per_s_per_gpu"], f"${r['usd_per_M_input']:.4f}", f"`{n}`"])
+    return table(rows, ["model", "input tokens", "ms", "TFLOP/s per GPU", "FP8 peak (same run)", "of FP8 peak",
+                        "tokens/s per GPU", "$/M input", "file"])
+
+
+def sec_decode(docs: dict[str, dict]) -> list[str]:
+    rows, gaps = [], []
+    for n, d in model_docs(docs):
+        copy = d.get("ceilings", {}).get("copy_GBps")
+        for r in sorted(d.get("decode", {}).get("rows", []), key=lambda r: (r["context"], r["batch"])):
+            if "skipped" in r:
+                gaps.append(f"- {label_of(d)[0]}, context {r['context']} batch {r['batch']}: skipped ({r['skipped']})")
+                continue
+            rows.append([label_of(d)[0], r["context"], r["batch"], r["ms_per_step"], r.get("gpu_ms_graph_replay"),
+                         r["tok_s_per_user"], r["tok_s_per_gpu"], f"${r['usd_per_M_output']:.3f}", r["hbm_floor_ms"],
+                         copy, pct(r["ratio_to_floor"]), f"`{n}`"])
+        if "error" in d.get("decode", {}):
+            gaps.append(f"- `{n}`: the decode sweep stopped after the rows above: "
+                        f"`{last_line(d['decode']['error'])}`")
+    out = table(rows, ["model", "context", "batch", "ms/step", "graph replay ms", "tok/s per user", "tok/s per GPU",
+                       "$/M output", "HBM floor ms", "copy GB/s (same run)", "of floor", "file"])
+    return out + (["Not measured:", "", *gaps, ""] if gaps else [])
+
+
+def sec_allreduce(docs: dict[str, dict]) -> list[str]:
+    out = []
+    for n, d in model_docs(docs):
+        rows = [[r["tokens"], r["bytes"], r["nccl_us"], r.get("symm_one_shot_us"),
+                 r["nccl_us"] / r["symm_one_shot_us"] if r.get("symm_one_shot_us") else None]
+                for r in d.get("allreduce", {}).get("rows", [])]
+        if rows:
+            out += [f"From `{n}` ({d.get('world')} GPUs):", ""]
+            out += table(rows, ["tokens × 2880 bf16", "bytes", "NCCL µs", "symmetric-memory one-shot µs",
+                                "NCCL / one-shot"])
+    return out
+
+
+def sec_hf_peer(docs: dict[str, dict]) -> list[str]:
+    out = []
+    for n, d in model_docs(docs):
+        hp = d.get("hf_peer")
+        if not hp:
+            continue
+        out += [f"HF transformers `GptOssForCausalLM` (bf16, eager) on the same weights, from `{n}`:", ""]
+        out += table([[r["what"], r["hf_ms"], r["tandem_ms"], f"{r['speedup']:.1f}×"] for r in hp.get("rows", [])],
+                     ["what", "HF ms", "tandem ms", "tandem speed-up"])
+        out += ["HF's decode is timed at a 512-token context (benchmarks/hf_peer.py), tandem's at the first batch-1 "
+                "decode row of the same file, so that ratio favours HF.", ""]
+        ag = hp.get("agreement")
+        if ag:
+            out += [f"Top-1 agreement of tandem (FP8) with HF (bf16) over {ag['tokens']} tokens: "
+                    f"{pct(ag['top1_agreement'])}, logits relative error {ag['logits_rel_err']:.3f} "
+                    "(random weights; see Parity).", ""]
+    return out
+
+
+def kernel_targets(docs: dict[str, dict]) -> list[Target]:
+    out = []
+    att = docs.get("kernels_attention.json", {}).get("summary")
+    if att:
+        t = att["targets"]
+        for be, v in att["backends"].items():
+            if "prefill_full_8k_TFLOPs" in v:
+                out.append(Target("attention", f"{be}: prefill, full attention, 8k tokens",
+                                  f"{v['prefill_full_8k_TFLOPs']} TFLOP/s", f">= {t['prefill_full_8k_TFLOPs']} TFLOP/s",
+                                  v["prefill_full_8k_TFLOPs"] >= t["prefill_full_8k_TFLOPs"], "attention prefill",
+                                  v["prefill_full_8k_TFLOPs"]))
+            if "decode_64x8k_frac_copy" in v:
+                out.append(Target("attention", f"{be}: decode, batch 64 × 8k context", pct(v["decode_64x8k_frac_copy"])
+                                  + " of copy bandwidth", f">= {pct(t['decode_64x8k_frac_copy'])}",
+                                  v["decode_64x8k_frac_copy"] >= t["decode_64x8k_frac_copy"], "attention decode",
+                                  v["decode_64x8k_frac_copy"]))
+    # gemm/moe record each target as "<case>_<field>>=<threshold>": true/false; find the row it names
+    for name, match in (("kernels_gemm.json", _gemm_row), ("kernels_moe.json", _moe_row)):
+        d = docs.get(name)
+        for key, met in (d or {}).get("targets", {}).items():
+            m = re.fullmatch(r"(.+)_(TFLOPs|pct_fp8_peak|pct_copy_bw)>=([\d.]+)", key)
+            row = match(d["rows"], m.group(1)) if m else None
+            if row is None:
+                out.append(Target(name[8:-5], key, "row not found", key, bool(met)))
+                continue
+            unit = {"TFLOPs": " TFLOP/s", "pct_fp8_peak": "% of FP8 peak", "pct_copy_bw": "% of copy bandwidth"}
+            val = row[m.group(2)]
+            note = "" if (val >= float(m.group(3))) == bool(met) else f" (JSON verdict {met} disagrees)"
+            goal = re.sub(r"^(dense_fp8_bias_M\d+)_.+$", r"\1", m.group(1))  # gemm: one goal, any backend
+            out.append(Target(name[8:-5], m.group(1), f"{val:.1f}{unit[m.group(2)]}{note}",
+                              f">= {m.group(3)}{unit[m.group(2)]}", bool(met), goal, val))
+    return out
+
+
+def _gemm_row(rows: list[dict], case: str) -> dict | None:
+    m = re.fullmatch(r"dense_fp8_bias_M(\d+)_(.+)", case)
+    return next((r for r in rows if m and r["shape"] == "qkv" and r["M"] == int(m.group(1))
+                 and r["backend"] == m.group(2)), None)
+
+
+def _moe_row(rows: list[dict], case: str) -> dict | None:
+    m = re.fullmatch(r"moe_(\w+?)_T(\d+)", case)
+    return next((r for r in rows if m and r["model"] == m.group(1) and r["T"] == int(m.group(2))
+                 and r["backend"] == "triton_fp8"), None)
+
+
+def sec_kernels(docs: dict[str, dict], targets: list[Target]) -> list[str]:
+    out = ["A goal with several backends is met when one of them meets it.", "",
+           *table([[t.area, t.what, t.value, t.target, "met" if t.met else "missed"] for t in targets],
+                  ["kernel", "case", "measured", "target", ""])]
+    moe = docs.get("kernels_moe.json")
+    runs = [d for _, d in model_docs(docs) if d.get("ceilings", {}).get("copy_GBps")]
+    if moe and runs:
+        over = max((r.get("pct_copy_bw", 0) for r in moe["rows"]), default=0)
+        copy, src = runs[0]["ceilings"]["copy_GBps"], next(n for n, d in model_docs(docs) if d is runs[0])
+        t1 = [r for r in moe["rows"] if r["T"] == 1 and r["backend"] == "triton_fp8"]
+        if over > 100 and t1:
+            out += [f"The kernel benchmarks' copy ceiling ({moe['ceilings']['copy_TBps']} TB/s, a uint8 `copy_`) is "
+                    f"below what the kernels themselves stream (MoE rows reach {over:.0f}% of it), so "
+                    f"percentages of it flatter. Against the bf16 copy ceiling measured in `{src}` "
+                    f"({fmt(copy)} GB/s) the batch-1 MoE streams its weights at " +
+                    ", ".join(f"{r['model']} {pct(r['TBps'] * 1e3 / copy)}" for r in t1) + ".", ""]
+    return out
+
+
+def kv_targets(docs: dict[str, dict]) -> tuple[list[str], list[Target]]:
+    d = next((d for n, d in docs.items() if "kv_transfer" in n), None)
+    if not d:
+        return [], []
+    rows = d["rows"]
+    p2p = {r["tokens"]: r["gbps"] for r in rows if r["section"] == "copy_p2p"}
+    table_rows = [[r["section"], r["tokens"], r.get("placement", "–"), r["bytes"] / 1e6, r.get("descs_per_full_layer"),
+                   r["ms"], r["gbps"], pct(r["gbps"] / p2p[r["tokens"]]) if r["tokens"] in p2p else None,
+                   r.get("verified")] for r in rows if "gbps" in r]
+    out = table(table_rows, ["section", "tokens", "decode page placement", "MB", "descriptors per full layer", "ms",
+                             "GB/s", "of P2P copy_", "byte-exact"])
+    targets = []
+    for r in rows:
+        if r["section"] == "nixl" and r.get("placement") == "contig" and r["tokens"] in p2p:
+            frac = r["gbps"] / p2p[r["tokens"]]
+            targets.append(Target("KV transfer (report's target)", f"NIXL, {r['tokens']} tokens, contiguous pages",
+                                  f"{r['gbps']:.1f} GB/s = {pct(frac)} of P2P {p2p[r['tokens']]:.0f} GB/s",
+                                  f">= {pct(KV_MIN_FRACTION_OF_P2P)} of P2P", frac >= KV_MIN_FRACTION_OF_P2P,
+                                  score=frac))
+        if r["section"] == "overlap":
+            targets.append(Target("KV transfer (report's target)", f"layer-overlapped send during a {r['tokens']}-token prefill",
+                                  f"+{r['added_ms']:.1f} ms = {pct(r['added_share'])} of {r['compute_ms']:.0f} ms "
+                                  f"(serial: {pct(r['serial_share'])})", f"<= {pct(KV_MAX_OVERLAP_SHARE)}",
+                                  r["added_share"] <= KV_MAX_OVERLAP_SHARE, score=-r["added_share"]))
+    out += table([[t.what, t.value, t.target, "met" if t.met else "**MISSED**"] for t in targets],
+                 ["case", "measured", "target", ""])
+    for e in d.get("errors", []):
+        out.append(f"- error: `{last_line(str(e))}`")
+    return out, targets
+
+
+def sec_parity(docs: dict[str, dict]) -> list[str]:
+    out = []
+    for n, d in docs.items():
+        a = d.get("args", {})
+        if "fp32_real_widths" in d:
+            out += [f"`{n}`: {a.get('preset')} widths, first {a.get('fp32_layers')} layers, {a.get('tokens')} tokens, "
+                    f"against HF fp32 ({a.get('attention')} attention):", ""]
+            out += table([[r["model"], r["rel_err_vs_hf_fp32"], pct(r["top1_agreement"]), r["max_abs_err"]]
+                          for r in d["fp32_real_widths"]["rows"]],
+                         ["model", "logits rel. error vs HF fp32", "top-1 agreement", "max abs error"])
+        if "parity" in d and "rows" in d["parity"]:
+            out += [f"`{n}`: full {a.get('preset')} depth, {a.get('tokens')} tokens, random weights "
+                    f"({a.get('attention')} attention):", ""]
+            out += table([[r["a"], r["b"], r["rel_err"], pct(r["top1_agreement"])] for r in d["parity"]["rows"]],
+                         ["a", "b", "logits rel. error", "top-1 agreement"])
+    return out
+
+
+def sec_serve(docs: dict[str, dict]) -> list[str]:
+    rows = []
+    for n, d in docs.items():
+        for run in d.get("runs", []) if d.get("kind") == "tandem-bench-serve" else []:
+            s, ld = run["summary"], run["load"]
+            rows.append([f"`{n}`", run["label"], ld["request_rate"] or "inf", f"{ld['input_len']['lo']}–"
+                         f"{ld['input_len']['hi']}", f"{ld['output_len']['lo']}–{ld['output_len']['hi']}",
+                         f"{s['completed']}/{s['num_requests']}", s["request_throughput"], s["output_token_throughput"],
+                         s["goodput"]["requests_per_s"], s["ttft_ms"]["p50"], s["ttft_ms"]["p99"], s["tpot_ms"]["p50"],
+                         s["tpot_ms"]["p99"], run.get("note") or ""])
+    if not rows:
+        return ["No serving benchmark in this folder yet. `tandem bench serve --launch both --serve-args "
+                "\"--device cuda --checkpoint DIR\" --request-rate R --out serve_<model>.json` compares colocated "
+                "and disaggregated serving on the same GPUs; its JSON is picked up here.", ""]
+    return table(rows, ["file", "run", "req/s offered", "input", "output", "ok", "req/s", "out tok/s", "goodput req/s",
+                        "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "note"])
+
+
+def headline(series: list[ModelSeries], docs: dict[str, dict]) -> list[str]:
+    out = []
+    for s in series:
+        p8 = next((r for r in s.prefill if r["tokens"] == 8192), None)
+        if p8:
+            out.append(f"- **{s.label}** prefill of 8k tokens: {p8['ms']:.1f} ms, {p8['TFLOPs']:.0f} TFLOP/s per GPU "
+                       f"({pct(p8['ratio_fp8_peak'])} of the run's FP8 peak), ${p8['usd_per_M_input']:.4f}/M input tokens")
+        for ctx in sorted({r["context"] for r in s.decode}):
+            rows = sorted((r for r in s.decode if r["context"] == ctx), key=lambda r: r["batch"])
+            b1, best = rows[0], max(rows, key=lambda r: r["tok_s_per_gpu"])
+            out.append(f"- **{s.label}** decode at {ctx} context: batch {b1['batch']} {b1['tok_s_per_user']:.0f} tok/s "
+                       f"per user ({pct(b1['ratio_to_floor'])} of the HBM floor), ${b1['usd_per_M_output']:.2f}/M; "
+                       f"batch {best['batch']} {best['tok_s_per_gpu']:,.0f} tok/s per GPU at {best['tok_s_per_user']:.0f} "
+                       f"per user, ${best['usd_per_M_output']:.3f}/M output tokens")
+    for _, d in model_docs(docs):
+        for r in d.get("hf_peer", {}).get("rows", []):
+            out.append(f"- vs HF transformers ({label_of(d)[0]}): {r['what']}: {r['speedup']:.1f}× faster "
+                       f"({r['hf_ms']:.1f} → {r['tandem_ms']:.1f} ms)")
+    return out + [""]
+
+
+def render(folder: Path, docs: dict[str, dict], plots: list[Path]) -> tuple[str, list[str], list[Target]]:
+    series = build_series(docs)
+    ktargets = kernel_targets(docs)
+    kv_lines, kvt = kv_targets(docs)
+    targets = ktargets + kvt
+    missed = missed_goals(targets)
+    n_goals = len({t.group or t.what for t in targets})
+    rel = folder.name
+    img = {p.name: f"![{p.stem}]({rel}/{p.name})" for p in plots}
+    head = headline(series, docs)
+    lines = [f"# Benchmark results ({rel})", "",
+             f"_Generated by `tandem bench report` from the JSON files in [`{rel}/`]({rel}/); re-run it after adding "
+             "results instead of editing this file. Every number below is read from those files; percentages and "
+             "ratios are computed from numbers in the same file unless a line says otherwise._", "",
+             "Model runs use full-size random weights in the checkpoint layout (HF MXFP4 experts converted to FP8 "
+             "with 128×128 block scales), so speeds are real but outputs are not; routing over random weights is "
+             f"roughly balanced. Cost: ${PRICE_PER_GPU_HOUR:.2f} per H200-hour (the seed's nominal price), "
+             "$/M tokens = price / 3600 / (tokens/s per GPU) × 10⁶. Roofline ratios use the ceilings each run "
+             "measured itself (FP8 matmul peak for prefill; the bytes decode must read over the measured copy "
+             "bandwidth, the *HBM floor*, for decode).", "",
+             "## Headline", "", *head,
+             f"## Targets: {n_goals - len(missed)} of {n_goals} met", "",
+             *(["Missed (the closest backend or case shown):", ""]
+               + [f"- **{t.area}** — {t.what}: {t.value} (target {t.target})" for t in missed] + [""]
+               if missed else ["All met.", ""]),
+             "## Runs", "", *sec_runs(docs, rel),
+             "## Prefill (batch 1)", "", *([img["prefill.png"], ""] if "prefill.png" in img else []),
+             *sec_prefill(docs),
+             "## Decode (CUDA graphs)", "",
+             *[f"{img[k]}\n" for k in sorted((k for k in img if k.startswith("decode_ctx")),
+                                             key=lambda k: int(re.sub(r"\D", "", k)))],
+             *sec_decode(docs),
+             "## All-reduce latency (decode-sized messages)", "", *sec_allreduce(docs),
+             "## HF transformers peer", "", *sec_hf_peer(docs),
+             "## Kernels vs their targets", "", *sec_kernels(docs, ktargets),
+             "## KV transfer (GPU0 → GPU1, gpt-oss-120b-shaped KV)", "",
+             f"Targets set here (the benchmark records none): contiguous NIXL >= {pct(KV_MIN_FRACTION_OF_P2P)} of a "
+             "plain P2P `copy_` of the same bytes in the same run; layer-overlapped sending adds <= "
+             f"{pct(KV_MAX_OVERLAP_SHARE)} to the prefill it overlaps.", "", *kv_lines,
+             "## Parity", "", *sec_parity(docs),
+             "## Serving (`tandem bench serve`)", "", *sec_serve(docs)]
+    return "\n".join(lines).rstrip() + "\n", head, missed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tandem bench report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", type=Path, default=None, help="dated results folder (default: the newest)")
+    p.add_argument("--readme", type=Path, default=RESULTS / "README.md")
+    p.add_argument("--no-plots", action="store_true")
+    a = p.parse_args(argv)
+    folder = a.results or newest_folder()
+    docs = load(folder)
+    plots = [] if a.no_plots else write_all(build_series(docs), folder, PRICE_PER_GPU_HOUR)
+    if a.no_plots:  # keep the links to plots made earlier
+        plots = sorted(folder.glob("*.png"))
+    text, head, missed = render(folder, docs, plots)
+    a.readme.write_text(text)
+    print("\n".join(head))
+    print(f"{len(missed)} goal(s) missed (closest case shown):" if missed else "all targets met")
+    for t in missed:
+        print(f"  {t.area}: {t.what}: {t.value} (target {t.target})")
+    print(f"wrote {a.readme}" + (f" and {len(plots)} plot(s) in {folder}" if plots and not a.no_plots else ""))
+    return 0
