@@ -128,7 +128,8 @@ def sec_runs(docs: dict[str, dict], folder: str) -> list[str]:
                    f"{' moe_mode=' + a['moe_mode'] if 'moe_mode' in a else ''}"
                    f"{' no CUDA graphs' if a.get('no_graphs') else ''}")
         elif "kv_transfer" in n:
-            what, cfg = "KV transfer GPU0→GPU1", f"{a.get('layers')} layers, tokens {a.get('tokens')}, {a.get('iters')} iters"
+            what = "KV transfer GPU0→GPU1"
+            cfg = f"{a.get('layers')} layers, tokens {a.get('tokens')}, {a.get('iters')} iters"
         elif n.startswith("kernels_"):
             what, cfg = "kernels: " + n[len("kernels_"):-5], "full sweep" if not env.get("smoke") else "smoke"
         else:
@@ -291,7 +292,8 @@ def kv_targets(docs: dict[str, dict]) -> tuple[list[str], list[Target]]:
                                   f">= {pct(KV_MIN_FRACTION_OF_P2P)} of P2P", frac >= KV_MIN_FRACTION_OF_P2P,
                                   score=frac))
         if r["section"] == "overlap":
-            targets.append(Target("KV transfer (report's target)", f"layer-overlapped send during a {r['tokens']}-token prefill",
+            targets.append(Target("KV transfer (report's target)",
+                                  f"layer-overlapped send during a {r['tokens']}-token prefill",
                                   f"+{r['added_ms']:.1f} ms = {pct(r['added_share'])} of {r['compute_ms']:.0f} ms "
                                   f"(serial: {pct(r['serial_share'])})", f"<= {pct(KV_MAX_OVERLAP_SHARE)}",
                                   r["added_share"] <= KV_MAX_OVERLAP_SHARE, score=-r["added_share"]))
@@ -344,13 +346,15 @@ def headline(series: list[ModelSeries], docs: dict[str, dict]) -> list[str]:
         p8 = next((r for r in s.prefill if r["tokens"] == 8192), None)
         if p8:
             out.append(f"- **{s.label}** prefill of 8k tokens: {p8['ms']:.1f} ms, {p8['TFLOPs']:.0f} TFLOP/s per GPU "
-                       f"({pct(p8['ratio_fp8_peak'])} of the run's FP8 peak), ${p8['usd_per_M_input']:.4f}/M input tokens")
+                       f"({pct(p8['ratio_fp8_peak'])} of the run's FP8 peak), "
+                       f"${p8['usd_per_M_input']:.4f}/M input tokens")
         for ctx in sorted({r["context"] for r in s.decode}):
             rows = sorted((r for r in s.decode if r["context"] == ctx), key=lambda r: r["batch"])
             b1, best = rows[0], max(rows, key=lambda r: r["tok_s_per_gpu"])
             out.append(f"- **{s.label}** decode at {ctx} context: batch {b1['batch']} {b1['tok_s_per_user']:.0f} tok/s "
                        f"per user ({pct(b1['ratio_to_floor'])} of the HBM floor), ${b1['usd_per_M_output']:.2f}/M; "
-                       f"batch {best['batch']} {best['tok_s_per_gpu']:,.0f} tok/s per GPU at {best['tok_s_per_user']:.0f} "
+                       f"batch {best['batch']} {best['tok_s_per_gpu']:,.0f} tok/s per GPU at "
+                       f"{best['tok_s_per_user']:.0f} "
                        f"per user, ${best['usd_per_M_output']:.3f}/M output tokens")
     for _, d in model_docs(docs):
         for r in d.get("hf_peer", {}).get("rows", []):

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
@@ -38,6 +39,7 @@ from common.errors import ConfigError, WorkerUnavailable
 
 CPU_NOTE = ("service launched on the CPU with the embedded tiny model: these numbers measure the load generator "
             "and the serving path (HTTP, router, ZMQ, KV transfer, scheduling), not model speed")
+TINY_NOTE = "the server reports a tiny model: these numbers measure the harness and the serving path, not model speed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,14 +190,19 @@ class LaunchedService:
                                 f"log tail:\n{self.log_tail()}")
 
     def __exit__(self, *exc) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        self.proc.send_signal(signal.SIGTERM)  # tandem serve drains and stops its workers
-        try:
-            self.proc.wait(45)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the group we created at launch, nothing else
-            self.proc.wait()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # tandem serve drains and stops its workers
+            try:
+                self.proc.wait(45)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever is left of the session we created at launch (nothing else is in it)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
     def log_tail(self, n: int = 3000) -> str:
         return Path(self.log.name).read_text(errors="replace")[-n:]
@@ -218,7 +225,9 @@ def run_one(label: str, url: str, a: argparse.Namespace, note: str | None) -> di
                     request_timeout_s=a.request_timeout_s, connect_timeout_s=a.connect_timeout_s)
     if a.warmup:
         warm = replace(spec, num_requests=a.warmup, request_rate=math.inf, seed=spec.seed + 1)
-        asyncio.run(run_load(warm, plan_requests(warm)))
+        bad = [r for r in asyncio.run(run_load(warm, plan_requests(warm))).results if not r.ok]
+        if bad:
+            print(f"warm-up: {len(bad)}/{a.warmup} failed, first: {bad[0].error_kind}: {bad[0].error}", flush=True)
     out = asyncio.run(run_load(spec, plan_requests(spec)))
     load = asdict(spec)
     load["request_rate"] = None if math.isinf(spec.request_rate) else spec.request_rate  # JSON has no inf
@@ -266,9 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("--num-prefill and --num-decode must be >= 1")
     runs = []
     if a.url:
-        runs.append(run_one(a.url, a.url.rstrip("/"), a, None))
+        url = a.url.rstrip("/")
+        tiny = "tiny" in (a.model or _model_of(url, a.connect_timeout_s))
+        runs.append(run_one(url, url, a, TINY_NOTE if tiny else None))
     else:
-        serve_args = a.serve_args.split()
+        serve_args = shlex.split(a.serve_args)
         note = None if "cuda" in a.serve_args else CPU_NOTE
         for mode in (["disaggregated", "colocated"] if a.launch == "both" else [a.launch]):
             with LaunchedService(mode, a.num_prefill, a.num_decode, serve_args, a.ready_timeout_s) as svc:
