@@ -9,6 +9,7 @@ import uuid
 
 from engine.build import EngineConfig
 from engine.scheduler import SchedulerConfig
+from engine.tp.group import rank_device
 from model.parallel import MoEMode, ParallelConfig
 
 
@@ -25,9 +26,12 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--fp8", action="store_true", help="FP8 128x128 block-scaled experts (and projections, see below)")
     p.add_argument("--fp8-attention", choices=["auto", "on", "off"], default="auto",
-                   help="QKV/O projections in FP8 too; auto: on for prefill, off for decode (bf16 GEMV is faster "
-                        "at decode sizes, measured)")
-    p.add_argument("--tp", type=int, default=1)
+                   help="QKV/O projections in FP8 too; auto = off: bf16 projections are faster at decode sizes "
+                        "(measured), and prefill and decode workers must agree so disaggregated output equals "
+                        "single-process output")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: this many processes, rank r on cuda:r")
+    p.add_argument("--tp-timeout-s", type=float, default=60.0,
+                   help="deadline of one collective between TP ranks (a stuck rank ends the worker)")
     p.add_argument("--moe-mode", choices=["tp", "ep"], default="tp")
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"])
     p.add_argument("--linear-backend", default=None, choices=["torch", "scaled_mm", "triton", "deepgemm"])
@@ -47,9 +51,11 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
 
 def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int = 0, group=None) -> EngineConfig:
     gpu = a.device.startswith("cuda")
-    fp8_attn = {"on": True, "off": False}.get(a.fp8_attention, a.fp8 and (role == "prefill" or not gpu))
+    # One choice for both roles: KV computed by a prefill worker must be the KV the decode worker
+    # would have computed itself, or greedy outputs diverge from the single-process engine.
+    fp8_attn = a.fp8_attention == "on"
     return EngineConfig(
-        checkpoint=a.checkpoint, random_preset=a.random_weights, device=a.device, fp8=a.fp8, fp8_attention=fp8_attn,
+        checkpoint=a.checkpoint, random_preset=a.random_weights, device=rank_device(a.device, tp_rank), fp8=a.fp8, fp8_attention=fp8_attn,
         dtype=a.dtype or ("bfloat16" if gpu else "float32"),
         attention_backend=a.attention_backend or ("flashinfer" if gpu else "torch"),
         linear_backend=a.linear_backend or ("scaled_mm" if gpu and a.fp8 else "torch"),

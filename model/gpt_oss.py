@@ -126,8 +126,9 @@ class GptOss(nn.Module):
                  device: torch.device | str = "cpu", fp8_attention: bool | None = None) -> None:
         """fp8: experts in FP8 128x128. fp8_attention (default: = fp8): the QKV and O projections too.
         Measured on the H200 (benchmarks/results/2026-11-30): at decode sizes (M <= 128) cuBLASLt's
-        block-scaled FP8 GEMM streams weights at ~0.9 TB/s against ~2.9 TB/s for a bf16 GEMV, so a
-        decode worker keeps these projections (10 % of the weights) in bf16; prefill keeps FP8."""
+        block-scaled FP8 GEMM streams weights at ~0.9 TB/s against ~2.9 TB/s for a bf16 GEMV, so the
+        workers keep these projections (10 % of the weights) in bf16 by default. Prefill and decode
+        workers must use the same choice, or their KV differs from single-process KV."""
         super().__init__()
         self.cfg, self.dtype, self.fp8, self.backends = cfg, dtype, fp8, backends
         self.fp8_attention = fp8 if fp8_attention is None else fp8_attention
