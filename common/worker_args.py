@@ -55,7 +55,8 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
     # would have computed itself, or greedy outputs diverge from the single-process engine.
     fp8_attn = a.fp8_attention == "on"
     return EngineConfig(
-        checkpoint=a.checkpoint, random_preset=a.random_weights, device=rank_device(a.device, tp_rank), fp8=a.fp8, fp8_attention=fp8_attn,
+        checkpoint=a.checkpoint, random_preset=a.random_weights, device=rank_device(a.device, tp_rank), fp8=a.fp8,
+        fp8_attention=fp8_attn,
         dtype=a.dtype or ("bfloat16" if gpu else "float32"),
         attention_backend=a.attention_backend or ("flashinfer" if gpu else "torch"),
         linear_backend=a.linear_backend or ("scaled_mm" if gpu and a.fp8 else "torch"),

@@ -4,6 +4,7 @@ network thread and the health server, then run the role's loop until it drains."
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -11,7 +12,8 @@ import logging
 from common.http_health import HealthServer
 from common.worker_args import engine_config
 from common.worker_io import WorkerIO
-from engine.build import EngineParts, build_engine_parts
+from engine.build import EngineParts, build_engine_parts, kv_budget, load_model
+from engine.tp.group import RankGroup
 from kv_transfer.interface import TransferConfig
 
 log = logging.getLogger("tandem.worker")
@@ -24,15 +26,19 @@ def model_fingerprint(parts: EngineParts) -> str:
     return "gpt-oss-" + hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_parts(a: argparse.Namespace, role: str) -> EngineParts:
-    cfg = engine_config(a, role=role)
+def build_parts(a: argparse.Namespace, role: str, group: RankGroup) -> EngineParts:
+    """This rank's shard of the model and its KV pool. Every TP rank's pool must hold the same page
+    ids (rank 0 allocates for all), so the ranks agree on the smallest KV budget."""
+    cfg = engine_config(a, role=role, tp_rank=group.rank, group=group.model_group)
     import torch
 
     if cfg.device == "cpu":
         torch.set_num_threads(a.cpu_threads)
     else:  # graphs, streams and libraries use the current device
         torch.cuda.set_device(torch.device(cfg.device))
-    parts = build_engine_parts(cfg)
+    model = load_model(cfg)
+    parts = build_engine_parts(dataclasses.replace(cfg, kv_cache_bytes=group.min_int(kv_budget(cfg))), model)
+    group.check_same("KV pages per page group", list(parts.spec.num_pages))
     if cfg.attention_backend != "torch":
         from kernels.selftest import self_test_attention
 
@@ -41,8 +47,8 @@ def build_parts(a: argparse.Namespace, role: str) -> EngineParts:
     return parts
 
 
-def transfer_config(a: argparse.Namespace, parts: EngineParts, wid: str) -> TransferConfig:
-    return TransferConfig(engine_id=wid, model_name=model_fingerprint(parts), tp_rank=0, tp_size=a.tp,
+def transfer_config(a: argparse.Namespace, parts: EngineParts, wid: str, tp_rank: int = 0) -> TransferConfig:
+    return TransferConfig(engine_id=wid, model_name=model_fingerprint(parts), tp_rank=tp_rank, tp_size=a.tp,
                           host=a.advertise_host or a.host, port=0)
 
 

@@ -1,4 +1,5 @@
-"""`tandem decode-worker`: flags -> engine parts + KV receiver -> DecodeServer loop."""
+"""`tandem decode-worker`: flags -> (every TP rank) engine parts + KV receiver + CUDA graphs ->
+rank 0 runs the DecodeServer loop; with --tp N, ranks 1..N-1 follow it (engine.tp)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,30 @@ from common.worker_args import add_worker_args, worker_id
 from common.worker_main import build_parts, serve, transfer_config
 from decode_worker.engine import DecodeEngine
 from decode_worker.server import DecodeServer
+from engine.tp.group import RankGroup
+from engine.tp.proxies import RankParts, lead
 from kv_transfer.interface import new_epoch
+
+
+def setup_rank(a: argparse.Namespace, wid: str, group: RankGroup) -> RankParts:
+    """Runs on every TP rank, in the same order (the agreements are collectives)."""
+    parts = build_parts(a, "decode", group)
+    rx = None
+    if a.kv_backend != "none":
+        from kv_transfer.factory import TransferBackend, create_receiver
+
+        rx = create_receiver(TransferBackend(a.kv_backend), parts.pool, transfer_config(a, parts, wid, group.rank))
+        rx.set_rank_endpoints(*group.gather_endpoints(rx.endpoint, rx.epoch))
+    if a.cuda_graphs and a.device.startswith("cuda"):
+        from decode_worker.runner import CudaGraphDecoder
+
+        # Each rank captures its own graphs (their all-reduces included); replays stay in lockstep
+        # because every rank runs the same steps. Padding pages must be the same ids everywhere.
+        graphs = CudaGraphDecoder(parts.model, parts.pool, parts.kv, a.max_num_seqs, a.max_model_len)
+        group.check_same("CUDA-graph padding pages", graphs.dummy.full + graphs.dummy.ring)
+        graphs.capture()
+        parts.runner.graphs = graphs
+    return RankParts(parts, receiver=rx)
 
 
 def main(argv: list[str]) -> int:
@@ -16,22 +40,11 @@ def main(argv: list[str]) -> int:
     add_worker_args(p, port=7200, metrics_port=9200)
     a = p.parse_args(argv)
     wid, epoch = worker_id(a, "decode"), new_epoch()
-    parts = build_parts(a, "decode")
-    rx = None
-    if a.kv_backend != "none":
-        from kv_transfer.factory import TransferBackend, create_receiver
-
-        rx = create_receiver(TransferBackend(a.kv_backend), parts.pool, transfer_config(a, parts, wid))
-        rx.set_rank_endpoints((rx.endpoint,), (rx.epoch,))
-    if a.cuda_graphs and a.device.startswith("cuda"):
-        from decode_worker.runner import CudaGraphDecoder
-
-        graphs = CudaGraphDecoder(parts.model, parts.pool, parts.kv, a.max_num_seqs, a.max_model_len)
-        graphs.capture()
-        parts.runner.graphs = graphs
-    server = DecodeServer(DecodeEngine(parts, rx), None, wid, epoch)
-    try:
-        return serve(a, server, f"tcp://{a.host}:{a.port}")
-    finally:
-        if rx is not None:
-            rx.close()
+    with RankGroup.launch(a, "decode", wid, setup_rank) as group:
+        rp = lead(group, setup_rank(a, wid, group))
+        server = DecodeServer(DecodeEngine(rp.parts, rp.receiver), None, wid, epoch)
+        try:
+            return serve(a, server, f"tcp://{a.host}:{a.port}")
+        finally:
+            if rp.receiver is not None:
+                rp.receiver.close()

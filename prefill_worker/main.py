@@ -1,4 +1,5 @@
-"""`tandem prefill-worker`: flags -> engine parts + KV sender -> PrefillServer loop."""
+"""`tandem prefill-worker`: flags -> (every TP rank) engine parts + KV sender -> rank 0 runs the
+PrefillServer loop; with --tp N, ranks 1..N-1 follow it (engine.tp)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,20 @@ import argparse
 from common.errors import ConfigError
 from common.worker_args import add_worker_args, worker_id
 from common.worker_main import build_parts, serve, transfer_config
+from engine.tp.group import RankGroup
+from engine.tp.proxies import RankParts, lead
 from kv_transfer.interface import new_epoch
 from prefill_worker.engine import PrefillEngine
 from prefill_worker.server import PrefillServer
+
+
+def setup_rank(a: argparse.Namespace, wid: str, group: RankGroup) -> RankParts:
+    """Runs on every TP rank, in the same order (the agreements are collectives)."""
+    from kv_transfer.factory import TransferBackend, create_sender
+
+    parts = build_parts(a, "prefill", group)
+    return RankParts(parts, sender=create_sender(TransferBackend(a.kv_backend), parts.pool,
+                                                 transfer_config(a, parts, wid, group.rank)))
 
 
 def main(argv: list[str]) -> int:
@@ -19,12 +31,11 @@ def main(argv: list[str]) -> int:
     if a.kv_backend == "none":
         raise ConfigError("a prefill worker needs a KV transfer backend (nixl or loopback)")
     wid, epoch = worker_id(a, "prefill"), new_epoch()
-    parts = build_parts(a, "prefill")
-    from kv_transfer.factory import TransferBackend, create_sender
-
-    tx = create_sender(TransferBackend(a.kv_backend), parts.pool, transfer_config(a, parts, wid))
-    server = PrefillServer(PrefillEngine(parts, tx), None, wid, epoch)
-    try:
-        return serve(a, server, f"tcp://{a.host}:{a.port}")
-    finally:
-        tx.close()
+    with RankGroup.launch(a, "prefill", wid, setup_rank) as group:
+        rp = lead(group, setup_rank(a, wid, group))
+        assert rp.sender is not None
+        server = PrefillServer(PrefillEngine(rp.parts, rp.sender), None, wid, epoch)
+        try:
+            return serve(a, server, f"tcp://{a.host}:{a.port}")
+        finally:
+            rp.sender.close()
