@@ -22,11 +22,13 @@ from common.errors import ConfigError
 
 RESULTS = Path(__file__).parent / "results"
 PRICE_PER_GPU_HOUR = 3.00  # the seed's nominal H200 price; benchmarks/common.py computes $/M with it
-# The transfer benchmark sets no targets; ours: contiguous NIXL within 70% of a plain P2P copy_ of
-# the same bytes (raw NIXL WRITE of one 1 GiB buffer reached 74% on this machine kind, GPU.md), and
-# layer-overlapped sending adding at most 10% to the prefill it overlaps.
-KV_MIN_FRACTION_OF_P2P = 0.70
-KV_MAX_OVERLAP_SHARE = 0.10
+# Targets the benchmark JSON does not record, as the project README states them: NIXL KV transfer
+# GPU0 -> GPU1 into contiguous decode pages, layer-overlapped sending's cost to the prefill it
+# overlaps, and decode-sized (1-128 token) all-reduce latency on two GPUs.
+KV_MIN_GBPS = 300.0
+KV_MAX_OVERLAP_SHARE = 0.05
+ALLREDUCE_MAX_US = 12.0
+ALLREDUCE_DECODE_TOKENS = 128
 
 
 @dataclass(slots=True)
@@ -98,8 +100,8 @@ def model_docs(docs: dict[str, dict]) -> list[tuple[str, dict]]:
 
 def label_of(d: dict) -> tuple[str, int]:
     tp = int(d.get("world", 1))
-    ep = "-EP" if tp > 1 and d["args"].get("moe_mode") == "ep" else ""
-    return f"{d['args']['preset']} TP{tp}{ep} · {d['args'].get('attention', '?')}", tp
+    moe = f" MoE-{d['args']['moe_mode'].upper()}" if tp > 1 and d["args"].get("moe_mode") else ""
+    return f"{d['args']['preset']} TP{tp}{moe} · {d['args'].get('attention', '?')}", tp
 
 
 def build_series(docs: dict[str, dict]) -> list[ModelSeries]:
@@ -175,8 +177,23 @@ def sec_decode(docs: dict[str, dict]) -> list[str]:
     return out + (["Not measured:", "", *gaps, ""] if gaps else [])
 
 
-def sec_allreduce(docs: dict[str, dict]) -> list[str]:
+def allreduce_targets(docs: dict[str, dict]) -> list[Target]:
+    """Per run: the slowest decode-sized message, each at its fastest implementation."""
     out = []
+    for n, d in model_docs(docs):
+        rows = [r for r in d.get("allreduce", {}).get("rows", []) if r["tokens"] <= ALLREDUCE_DECODE_TOKENS]
+        if rows:
+            best = [min(r["nccl_us"], r.get("symm_one_shot_us") or r["nccl_us"]) for r in rows]
+            worst = max(best)
+            out.append(Target("all-reduce", f"{d.get('world')} GPUs, 1–{ALLREDUCE_DECODE_TOKENS} tokens × 2880 bf16, "
+                              f"fastest of NCCL / one-shot (`{n}`)", f"{min(best):.1f}–{worst:.1f} µs",
+                              f"<= {ALLREDUCE_MAX_US:g} µs", worst <= ALLREDUCE_MAX_US, score=-worst))
+    return out
+
+
+def sec_allreduce(docs: dict[str, dict], targets: list[Target]) -> list[str]:
+    out = [f"- {t.what}: {t.value} (target {t.target}: {'met' if t.met else '**missed**'})" for t in targets]
+    out += [""] if out else []
     for n, d in model_docs(docs):
         rows = [[r["tokens"], r["bytes"], r["nccl_us"], r.get("symm_one_shot_us"),
                  r["nccl_us"] / r["symm_one_shot_us"] if r.get("symm_one_shot_us") else None]
@@ -287,12 +304,11 @@ def kv_targets(docs: dict[str, dict]) -> tuple[list[str], list[Target]]:
     for r in rows:
         if r["section"] == "nixl" and r.get("placement") == "contig" and r["tokens"] in p2p:
             frac = r["gbps"] / p2p[r["tokens"]]
-            targets.append(Target("KV transfer (report's target)", f"NIXL, {r['tokens']} tokens, contiguous pages",
-                                  f"{r['gbps']:.1f} GB/s = {pct(frac)} of P2P {p2p[r['tokens']]:.0f} GB/s",
-                                  f">= {pct(KV_MIN_FRACTION_OF_P2P)} of P2P", frac >= KV_MIN_FRACTION_OF_P2P,
-                                  score=frac))
+            targets.append(Target("KV transfer", f"NIXL, {r['tokens']} tokens, contiguous pages",
+                                  f"{r['gbps']:.1f} GB/s ({pct(frac)} of a P2P copy_, {p2p[r['tokens']]:.0f} GB/s)",
+                                  f">= {KV_MIN_GBPS:g} GB/s", r["gbps"] >= KV_MIN_GBPS, score=r["gbps"]))
         if r["section"] == "overlap":
-            targets.append(Target("KV transfer (report's target)",
+            targets.append(Target("KV transfer",
                                   f"layer-overlapped send during a {r['tokens']}-token prefill",
                                   f"+{r['added_ms']:.1f} ms = {pct(r['added_share'])} of {r['compute_ms']:.0f} ms "
                                   f"(serial: {pct(r['serial_share'])})", f"<= {pct(KV_MAX_OVERLAP_SHARE)}",
@@ -320,6 +336,25 @@ def sec_parity(docs: dict[str, dict]) -> list[str]:
             out += table([[r["a"], r["b"], r["rel_err"], pct(r["top1_agreement"])] for r in d["parity"]["rows"]],
                          ["a", "b", "logits rel. error", "top-1 agreement"])
     return out
+
+
+def sec_disagg(docs: dict[str, dict]) -> list[str]:
+    out = []
+    for n, d in docs.items():
+        if "all_identical" not in d or "rows" not in d:
+            continue
+        out += [f"From `{n}` (benchmarks/disagg_smoke.py: each prompt runs colocated and disaggregated; "
+                "transfer GB/s is bytes over the transfer's own duration, which starts before the last prefill "
+                "chunk and overlaps it, so it is not link bandwidth):", ""]
+        out += table([[r["prompt_tokens"], r["identical"], r["ttft_s"] * 1e3, r["prefill_s"] * 1e3, r["transfer_MB"],
+                       r["transfer_GBps"], r["itl_ms"]] for r in d["rows"]],
+                     ["prompt tokens", "tokens identical to colocated", "TTFT ms", "prefill ms", "KV MB",
+                      "transfer GB/s", "decode ms/token"])
+        b = d.get("burst", {})
+        out += [f"Burst of {b.get('requests')} concurrent requests: {fmt(b.get('tokens_per_s'))} output tokens/s; "
+                f"every decode page returned: {fmt(d.get('decode_pages_all_returned'))}; all outputs identical to "
+                f"colocated: {fmt(d.get('all_identical'))}.", ""]
+    return out or ["No disaggregated GPU run in this folder.", ""]
 
 
 def sec_serve(docs: dict[str, dict]) -> list[str]:
@@ -363,11 +398,19 @@ def headline(series: list[ModelSeries], docs: dict[str, dict]) -> list[str]:
     return out + [""]
 
 
+def summarised(docs: dict[str, dict]) -> set[str]:
+    """The files some section above reads."""
+    names = {n for n, _ in model_docs(docs)} | {f"kernels_{k}.json" for k in ("attention", "gemm", "moe")}
+    return names | {n for n, d in docs.items() if "kv_transfer" in n or "fp32_real_widths" in d or "all_identical" in d
+                    or "rows" in d.get("parity", {}) or d.get("kind") == "tandem-bench-serve"}
+
+
 def render(folder: Path, docs: dict[str, dict], plots: list[Path]) -> tuple[str, list[str], list[Target]]:
     series = build_series(docs)
     ktargets = kernel_targets(docs)
     kv_lines, kvt = kv_targets(docs)
-    targets = ktargets + kvt
+    art = allreduce_targets(docs)
+    targets = ktargets + kvt + art
     missed = missed_goals(targets)
     n_goals = len({t.group or t.what for t in targets})
     rel = folder.name
@@ -395,15 +438,20 @@ def render(folder: Path, docs: dict[str, dict], plots: list[Path]) -> tuple[str,
              *[f"{img[k]}\n" for k in sorted((k for k in img if k.startswith("decode_ctx")),
                                              key=lambda k: int(re.sub(r"\D", "", k)))],
              *sec_decode(docs),
-             "## All-reduce latency (decode-sized messages)", "", *sec_allreduce(docs),
+             "## All-reduce latency (decode-sized messages)", "", *sec_allreduce(docs, art),
              "## HF transformers peer", "", *sec_hf_peer(docs),
              "## Kernels vs their targets", "", *sec_kernels(docs, ktargets),
              "## KV transfer (GPU0 → GPU1, gpt-oss-120b-shaped KV)", "",
-             f"Targets set here (the benchmark records none): contiguous NIXL >= {pct(KV_MIN_FRACTION_OF_P2P)} of a "
-             "plain P2P `copy_` of the same bytes in the same run; layer-overlapped sending adds <= "
-             f"{pct(KV_MAX_OVERLAP_SHARE)} to the prefill it overlaps.", "", *kv_lines,
+             f"Targets as the project README states them (the benchmark records none): NIXL into contiguous decode "
+             f"pages >= {KV_MIN_GBPS:g} GB/s; layer-overlapped sending adds <= {pct(KV_MAX_OVERLAP_SHARE)} to the "
+             "prefill it overlaps.", "", *kv_lines,
+             "## Disaggregated path on GPUs (wire protocol, no HTTP)", "", *sec_disagg(docs),
              "## Parity", "", *sec_parity(docs),
              "## Serving (`tandem bench serve`)", "", *sec_serve(docs)]
+    others = sorted(set(docs) - summarised(docs))
+    if others:
+        lines += ["## Other files in the folder (not summarised here)", "",
+                  *[f"- `{n}`: keys {', '.join(sorted(docs[n]))[:200]}" for n in others]]
     return "\n".join(lines).rstrip() + "\n", head, missed
 
 
