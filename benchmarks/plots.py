@@ -47,7 +47,7 @@ def _short(n: int) -> str:
 
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Software": None})  # no version stamp: reproducible bytes
+    fig.savefig(path, dpi=120, bbox_inches="tight", metadata={"Software": None})  # no version stamp: reproducible bytes
 
 
 def prefill_plot(series: list[ModelSeries], path: Path, price: float) -> Path | None:
@@ -56,12 +56,13 @@ def prefill_plot(series: list[ModelSeries], path: Path, price: float) -> Path | 
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 5))
-    for s in rows:
+    for i, s in enumerate(rows):
         pts = sorted(s.prefill, key=lambda r: r["tokens"])
         xs, ys = [r["ms"] for r in pts], [r["usd_per_M_input"] for r in pts]
         ax.plot(xs, ys, "o-", label=f"{s.label} ({s.gpus} GPU{'s' if s.gpus > 1 else ''})")
         for r, x, y in zip(pts, xs, ys):
-            ax.annotate(_short(r["tokens"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            ax.annotate(_short(r["tokens"]), (x, y), textcoords="offset points", xytext=(4, 4 if i % 2 else -11),
+                        fontsize=8)  # alternate above/below so close series keep readable labels
     ax.set_xscale("log")
     ax.set_xlabel("prefill latency, batch 1 (ms, log)")
     ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
@@ -69,7 +70,7 @@ def prefill_plot(series: list[ModelSeries], path: Path, price: float) -> Path | 
     ax.set_ylabel(f"\\$ per M input tokens (at \\${price:.2f}/GPU-hour)")  # escaped: $ starts mathtext
     ax.set_title("Prefill: latency vs cost by input length (H200, FP8)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=9)  # below: no point hidden
     _save(fig, path)
     plt.close(fig)
     return path
@@ -98,7 +99,7 @@ def decode_plot(series: list[ModelSeries], context: int, path: Path, price: floa
     for ax in (cost, tput):
         ax.set_xlabel("output tokens/s per user")
         ax.grid(True, which="both", alpha=0.3)
-    cost.legend()
+    fig.legend(*cost.get_legend_handles_labels(), loc="lower center", bbox_to_anchor=(0.5, -0.06), ncol=3, fontsize=9)
     fig.suptitle(f"Decode at context {_short(context)}: speed vs cost over batch sizes (H200, CUDA graphs)")
     _save(fig, path)
     plt.close(fig)
