@@ -127,7 +127,8 @@ class TandemWorker:
         if code is not None:
             return WorkerProbe(code, False)
         try:
-            with urllib.request.urlopen(self._endpoint.health_url + "/ready", timeout=1) as r:
+            # 2 s: a worker loading its model answers slowly (GIL); a drain() waits behind this.
+            with urllib.request.urlopen(self._endpoint.health_url + "/ready", timeout=2) as r:
                 return WorkerProbe(None, r.status == 200)
         except OSError:  # not listening yet, 503 while loading or draining, slow answer
             return WorkerProbe(None, False)

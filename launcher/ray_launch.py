@@ -158,10 +158,9 @@ class Reconciler:
                 raise WorkerUnavailable(f"{m.key} failed during start-up: {m.exit_note}")
             log.error("%s: died (%s); removing it, a replacement follows", m.key, m.exit_note)
             self._remove(m, kill=False)
-        elif m.state is MemberState.DRAINING and (m.endpoint is None or now >= m.drain_deadline_s):
-            if m.endpoint is not None:
-                log.warning("%s: still running %.0f s after SIGTERM; killing it", m.key,
-                            self.timing.drain_grace_s)
+        elif m.state is MemberState.DRAINING and now >= m.drain_deadline_s:
+            log.warning("%s: still running %.0f s after SIGTERM; killing it", m.key,
+                        self.timing.drain_grace_s)
             self._remove(m, kill=True)
         elif (m.state is MemberState.STARTING and m.started_s is not None
               and now - m.started_s > self.timing.ready_timeout_s):
@@ -172,10 +171,13 @@ class Reconciler:
             self._remove(m, kill=True)
 
     def _drain(self, m: Member, now: float) -> None:
+        if m.endpoint is None:  # still waiting for its placement group: no process, no work
+            log.info("%s: not started yet; removing it", m.key)
+            self._remove(m, kill=True)
+            return
         log.info("%s: draining (SIGTERM; in-flight requests finish)", m.key)
         m.state, m.drain_deadline_s = MemberState.DRAINING, now + self.timing.drain_grace_s
-        if m.endpoint is not None:
-            self.platform.drain(m.key)
+        self.platform.drain(m.key)
 
     def _remove(self, m: Member, *, kill: bool) -> None:
         del self.members[m.key]
@@ -196,9 +198,8 @@ class Reconciler:
             self.platform.set_router_workers(*lists)
             self._pushed = lists
 
-    def all_started(self, desired: dict[Phase, int]) -> bool:
-        return all(sum(1 for m in self.members.values() if m.key.phase is phase and m.endpoint)
-                   >= desired[phase] for phase in Phase)
+    def all_ready(self, desired: dict[Phase, int]) -> bool:
+        return all(self.ready_counts()[phase] >= desired[phase] for phase in Phase)
 
     def ready_counts(self) -> dict[Phase, int]:
         return {phase: sum(1 for m in self.members.values()
@@ -319,7 +320,8 @@ def _router_ready(url: str) -> bool:
 
 def bring_up(a: argparse.Namespace, rec: Reconciler, platform, desired: dict[Phase, int],
              stop: threading.Event) -> str | None:
-    """Workers, then the router, then its /ready; None when stopped first."""
+    """Workers ready, then the router with their addresses, then its /ready; None when stopped
+    first. The router starts last so it never sees workers that are still loading as down."""
     deadline = time.monotonic() + a.ready_timeout_s
 
     def keep_going(what: str) -> bool:
@@ -330,8 +332,8 @@ def bring_up(a: argparse.Namespace, rec: Reconciler, platform, desired: dict[Pha
                                     "whether the cluster has room for every worker's bundle)")
         return True
 
-    while not rec.all_started(desired):
-        if not keep_going("the workers did not start"):
+    while not rec.all_ready(desired):
+        if not keep_going("the workers were not ready"):
             return None
         rec.step(desired)
     prefill, decode = rec.addresses()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,7 +35,7 @@ ray = pytest.importorskip("ray")
 import ray.util.state  # noqa: E402
 from openai import OpenAI  # noqa: E402
 
-from autoscaler.connector import ScaleOutcome  # noqa: E402
+from autoscaler.connector import ScaleOutcome, ScalingError  # noqa: E402
 from autoscaler.core import Phase, ReplicaCounts  # noqa: E402
 from autoscaler.ray_connector import RayConnector  # noqa: E402
 from launcher.ray_actors import ROUTER_ACTOR  # noqa: E402
@@ -126,6 +127,7 @@ def cluster() -> Iterator[Cluster]:
         if ray.is_initialized():
             ray.shutdown()
         _kill_marked()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _kill_marked() -> None:
@@ -207,6 +209,8 @@ def test_prefill_scales_up_and_down_through_the_connector(job: Job) -> None:
     assert conn.set_replicas(Phase.PREFILL, 1, expected=1) is ScaleOutcome.UNCHANGED
     # A decision made from a stale count changes nothing.
     assert conn.set_replicas(Phase.PREFILL, 3, expected=2) is ScaleOutcome.SUPERSEDED
+    with pytest.raises(ScalingError, match="at least 1"):  # refused inside the registry actor
+        conn.set_replicas(Phase.DECODE, 0, expected=1)
     assert conn.set_replicas(Phase.PREFILL, 2, expected=1) is ScaleOutcome.APPLIED
     assert conn.get_replicas(Phase.PREFILL).desired == 2
 
