@@ -1,223 +1,56 @@
 """`tandem ray-launch`: a tandem fleet on a running Ray cluster; the entrypoint of
 `ray job submit -- tandem ray-launch ...`.
 
-Lifecycle (this process is the Ray driver; one loop, `Reconciler.step`, paced by its polls):
-    ray.init(address="auto") -> fleet registry actor (named, autoscaler/ray_connector.py) holding
-      the replicas asked for per phase
-    bring-up: step() until every worker has started -> router actor on this node with their
-      addresses -> step() until the router's /ready answers (deadline) -> print the URL
-    serve:    every ~0.5 s: read the asked-for counts -> step(): observe workers (started, ready,
-      exited), start missing ones, drain surplus ones, remove drained ones, push the address
-      lists to the router -> publish the ready counts. With --autoscale, the autoscaler loop
-      (autoscaler/main.py) runs in a thread and changes the asked-for counts.
-    stop (SIGTERM from `ray job stop`, or SIGINT): the router stops taking requests, every
-      worker drains (SIGTERM; in-flight requests finish), then actors and placement groups are
-      removed. `ray job stop` waits RAY_JOB_STOP_WAIT_TIME_S (default 3 s) before SIGKILL, so
-      raise it in the job's runtime env to the drain grace you want. If this process dies
-      anyway, Ray removes the job's actors and placement groups, and each worker process dies
-      with its actor (PR_SET_PDEATHSIG).
+    ray job submit --address http://HEAD:8265 \
+        --runtime-env-json '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}}' \
+        -- tandem ray-launch --device cuda --checkpoint /shared/gpt-oss-120b \
+           --num-prefill 2 --prefill-tp 2 --num-decode 1 --decode-tp 4 --decode-moe-mode ep --autoscale
+    ray job stop --address http://HEAD:8265 JOB_ID
 
-Scale-down never kills in-flight work: a surplus worker gets SIGTERM, keeps its place in the
-router's lists while it drains (the router sees it `draining` and sends it nothing new), and its
-actor and placement group are removed only after its process exited (or after --drain-grace-s).
+Lifecycle (this process is the Ray driver; its loop is `Reconciler.step`, launcher/ray_fleet.py):
+    ray.init(address="auto") -> fleet registry actor (named, autoscaler/ray_connector.py): the
+      replicas asked for per phase
+    bring-up: step() until every worker is ready (each in its own placement group) -> router
+      actor on this node with their addresses -> until its /ready answers (deadline) -> URL
+    serve:    read the asked-for counts -> step() (~0.5 s) -> publish the ready counts. With
+      --autoscale, the autoscaler loop (autoscaler/main.py) runs in a thread of this process
+      and changes the asked-for counts; `tandem autoscaler --connector ray` can do it from
+      elsewhere in the cluster.
+    stop (SIGTERM from `ray job stop`, or SIGINT): the router stops taking requests, every
+      worker drains at once (SIGTERM; in-flight requests finish), then actors and placement
+      groups are removed. `ray job stop` SIGKILLs after RAY_JOB_STOP_WAIT_TIME_S (default 3 s):
+      set it in the job's runtime env to cover --drain-grace-s. If this process is killed
+      anyway, Ray removes the job's actors and placement groups, and every worker process dies
+      with its actor (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import shlex
 import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from autoscaler.connector import ScalingError
 from autoscaler.core import Phase
 from common.errors import ConfigError, WorkerUnavailable
-from launcher.ray_actors import Observation, RouterLaunch, WorkerEndpoint, WorkerLaunch
+from launcher.ray_actors import RouterLaunch, WorkerLaunch
+from launcher.ray_fleet import MemberKey, Reconciler, Timing
+
+if TYPE_CHECKING:  # ray is imported only once the command runs
+    from ray.actor import ActorHandle
+
+    from autoscaler.config import AutoscalerConfig
+    from autoscaler.ray_connector import RayConnector
+    from launcher.ray_actors import RayPlatform
 
 log = logging.getLogger("tandem.ray_launch")
 
-
-class MemberState(str, Enum):
-    STARTING = "starting"   # placement group pending, or process started and not ready yet
-    READY = "ready"         # its /ready answered once; serving
-    DRAINING = "draining"   # told to finish its work and exit
-
-
-@dataclass(frozen=True, slots=True)
-class MemberKey:
-    phase: Phase
-    slot: int
-
-    def __str__(self) -> str:
-        return f"{self.phase.value} worker {self.slot}"
-
-
-@dataclass(slots=True)
-class Member:
-    key: MemberKey
-    state: MemberState = MemberState.STARTING
-    endpoint: WorkerEndpoint | None = None
-    started_s: float | None = None       # when its process was spawned
-    drain_deadline_s: float | None = None
-    exit_note: str | None = None         # set once its process exited or its actor failed
-
-
-@dataclass(frozen=True, slots=True)
-class PhasePlan:
-    start: tuple[int, ...]  # slots to launch
-    drain: tuple[int, ...]  # slots to drain
-
-
-def plan_phase(desired: int, members: Sequence[Member]) -> PhasePlan:
-    """Pure policy for one phase: launch into the lowest free slots, or drain the surplus,
-    choosing workers that are not serving yet first (nothing in flight), then the highest slots.
-    Draining workers do not count: they are on their way out."""
-    active = [m for m in members if m.state is not MemberState.DRAINING]
-    if len(active) < desired:
-        used = {m.key.slot for m in members}
-        free = (s for s in itertools.count() if s not in used)
-        return PhasePlan(tuple(itertools.islice(free, desired - len(active))), ())
-    order = sorted(active, key=lambda m: (m.state is MemberState.READY, -m.key.slot))
-    return PhasePlan((), tuple(m.key.slot for m in order[:len(active) - desired]))
-
-
-class Platform(Protocol):
-    """What the loop needs from Ray (launcher/ray_actors.py: RayPlatform); tests use a fake."""
-
-    def launch(self, key: MemberKey, spec: WorkerLaunch) -> None: ...
-    def poll(self, keys: list[MemberKey], timeout_s: float) -> dict[MemberKey, Observation]: ...
-    def drain(self, key: MemberKey) -> None: ...
-    def remove(self, key: MemberKey, *, kill: bool) -> None: ...
-    def set_router_workers(self, prefill: tuple[str, ...], decode: tuple[str, ...]) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Timing:
-    poll_s: float = 0.5           # one loop iteration waits this long for worker answers
-    ready_timeout_s: float = 300  # a started process must report ready within this
-    drain_grace_s: float = 30     # a draining worker is killed after this
-
-
-class Reconciler:
-    """Brings the workers of each phase to the asked-for count. `strict` (during bring-up): a
-    worker that dies or misses its start deadline fails the launch instead of being replaced."""
-
-    def __init__(self, platform: Platform, launch_spec: Callable[[MemberKey], WorkerLaunch],
-                 timing: Timing, clock: Callable[[], float] = time.monotonic) -> None:
-        self.platform, self.launch_spec, self.timing, self.clock = platform, launch_spec, timing, clock
-        self.members: dict[MemberKey, Member] = {}
-        self.strict = True
-        self.router_live = False  # push address lists only once the router runs
-        self._pushed: tuple[tuple[str, ...], tuple[str, ...]] | None = None
-
-    def step(self, desired: dict[Phase, int]) -> None:
-        now = self.clock()
-        for key, obs in self.platform.poll(list(self.members), self.timing.poll_s).items():
-            self._observe(self.members[key], obs, now)
-        for m in list(self.members.values()):
-            self._reap(m, now)
-        for phase in Phase:
-            plan = plan_phase(desired[phase], [m for m in self.members.values() if m.key.phase is phase])
-            for slot in plan.start:
-                key = MemberKey(phase, slot)
-                log.info("%s: launching", key)
-                self.members[key] = Member(key)
-                self.platform.launch(key, self.launch_spec(key))
-            for slot in plan.drain:
-                self._drain(self.members[MemberKey(phase, slot)], now)
-        self._sync_router()
-
-    def _observe(self, m: Member, obs: Observation, now: float) -> None:
-        if obs.endpoint is not None and m.endpoint is None:
-            m.endpoint, m.started_s = obs.endpoint, now
-            log.info("%s: process %d started on %s (%s)", m.key, obs.endpoint.pid,
-                     obs.endpoint.node_ip, obs.endpoint.address)
-        if obs.failed is not None:
-            m.exit_note = obs.failed
-        elif obs.probe is not None and obs.probe.exit_code is not None:
-            m.exit_note = f"exit code {obs.probe.exit_code}"
-        elif obs.probe is not None and obs.probe.ready and m.state is MemberState.STARTING:
-            m.state = MemberState.READY
-            log.info("%s: ready", m.key)
-
-    def _reap(self, m: Member, now: float) -> None:
-        if m.exit_note is not None:
-            if m.state is MemberState.DRAINING:
-                log.info("%s: drained (%s); removing", m.key, m.exit_note)
-                self._remove(m, kill=False)
-                return
-            if self.strict:
-                raise WorkerUnavailable(f"{m.key} failed during start-up: {m.exit_note}")
-            log.error("%s: died (%s); removing it, a replacement follows", m.key, m.exit_note)
-            self._remove(m, kill=False)
-        elif m.state is MemberState.DRAINING and now >= m.drain_deadline_s:
-            log.warning("%s: still running %.0f s after SIGTERM; killing it", m.key,
-                        self.timing.drain_grace_s)
-            self._remove(m, kill=True)
-        elif (m.state is MemberState.STARTING and m.started_s is not None
-              and now - m.started_s > self.timing.ready_timeout_s):
-            if self.strict:
-                raise WorkerUnavailable(f"{m.key} was not ready within "
-                                        f"{self.timing.ready_timeout_s:.0f} s")
-            log.error("%s: not ready within %.0f s; removing it", m.key, self.timing.ready_timeout_s)
-            self._remove(m, kill=True)
-
-    def _drain(self, m: Member, now: float) -> None:
-        if m.endpoint is None:  # still waiting for its placement group: no process, no work
-            log.info("%s: not started yet; removing it", m.key)
-            self._remove(m, kill=True)
-            return
-        log.info("%s: draining (SIGTERM; in-flight requests finish)", m.key)
-        m.state, m.drain_deadline_s = MemberState.DRAINING, now + self.timing.drain_grace_s
-        self.platform.drain(m.key)
-
-    def _remove(self, m: Member, *, kill: bool) -> None:
-        del self.members[m.key]
-        self.platform.remove(m.key, kill=kill)
-
-    def addresses(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(prefill, decode) addresses the router should know: every worker that has a process,
-        draining ones included (they finish their streams; the router sends them nothing new)."""
-        by_phase = {phase: tuple(m.endpoint.address for m in sorted(self.members.values(),
-                                                                   key=lambda m: m.key.slot)
-                                 if m.key.phase is phase and m.endpoint is not None)
-                    for phase in Phase}
-        return by_phase[Phase.PREFILL], by_phase[Phase.DECODE]
-
-    def _sync_router(self) -> None:
-        lists = self.addresses()
-        if self.router_live and lists != self._pushed:
-            self.platform.set_router_workers(*lists)
-            self._pushed = lists
-
-    def all_ready(self, desired: dict[Phase, int]) -> bool:
-        return all(self.ready_counts()[phase] >= desired[phase] for phase in Phase)
-
-    def ready_counts(self) -> dict[Phase, int]:
-        return {phase: sum(1 for m in self.members.values()
-                           if m.key.phase is phase and m.state is MemberState.READY)
-                for phase in Phase}
-
-    def drain_all(self, deadline_s: float) -> None:
-        """Shutdown: drain every worker, wait for them (until the deadline), kill the rest."""
-        zero = {phase: 0 for phase in Phase}
-        self.strict = False
-        while self.members and self.clock() < deadline_s:
-            self.step(zero)
-        for m in list(self.members.values()):
-            log.warning("%s: not drained by the shutdown deadline; killing it", m.key)
-            self._remove(m, kill=True)
-
-
-# ---- the command ---------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
 class FleetSpec:
@@ -318,7 +151,7 @@ def _router_ready(url: str) -> bool:
         return False
 
 
-def bring_up(a: argparse.Namespace, rec: Reconciler, platform, desired: dict[Phase, int],
+def bring_up(a: argparse.Namespace, rec: Reconciler, platform: RayPlatform, desired: dict[Phase, int],
              stop: threading.Event) -> str | None:
     """Workers ready, then the router with their addresses, then its /ready; None when stopped
     first. The router starts last so it never sees workers that are still loading as down."""
@@ -349,7 +182,7 @@ def bring_up(a: argparse.Namespace, rec: Reconciler, platform, desired: dict[Pha
     return url
 
 
-def autoscaler_config(a: argparse.Namespace, router_url: str):
+def autoscaler_config(a: argparse.Namespace, router_url: str) -> AutoscalerConfig:
     from autoscaler.config import build_parser as autoscaler_parser
     from autoscaler.config import config_from_args
 
@@ -360,7 +193,8 @@ def autoscaler_config(a: argparse.Namespace, router_url: str):
     return config_from_args(ns)
 
 
-def start_autoscaler(a: argparse.Namespace, registry, url: str, stop: threading.Event) -> threading.Thread:
+def start_autoscaler(a: argparse.Namespace, registry: ActorHandle, url: str,
+                     stop: threading.Event) -> threading.Thread:
     from autoscaler.main import Autoscaler, fetch_router_metrics
     from autoscaler.ray_connector import RayConnector
 
@@ -388,7 +222,11 @@ def main(argv: list[str]) -> int:
     from autoscaler.ray_connector import FLEET_ACTOR, FleetRegistry, RayConnector
     from launcher.ray_actors import RayPlatform
 
-    ray.init(address="auto", namespace=a.namespace)
+    try:
+        ray.init(address="auto", namespace=a.namespace)
+    except ConnectionError as exc:
+        raise ConfigError(f"no Ray cluster to join (run it as `ray job submit -- tandem "
+                          f"ray-launch ...`, or on a node of a running cluster): {exc}") from exc
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -399,12 +237,11 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, on_signal)
     desired = {Phase.PREFILL: 0 if a.colocated else a.num_prefill, Phase.DECODE: a.num_decode}
     try:
-        registry = ray.remote(FleetRegistry).options(name=FLEET_ACTOR, num_cpus=0, max_restarts=0).remote(
-            desired, colocated=a.colocated)
+        registry = ray.remote(FleetRegistry).options(
+            name=FLEET_ACTOR, num_cpus=0, max_restarts=0).remote(desired, colocated=a.colocated)
     except ValueError as exc:
         raise ConfigError(f"a tandem fleet is already running in Ray namespace {a.namespace!r}; "
                           "stop it or pass another --namespace") from exc
-    connector = RayConnector(registry, timeout_s=10)
     platform = RayPlatform()
     rec = Reconciler(platform, fleet_spec(a, a.checkpoint).launch,
                      Timing(ready_timeout_s=a.ready_timeout_s, drain_grace_s=a.drain_grace_s))
@@ -413,25 +250,13 @@ def main(argv: list[str]) -> int:
         url = bring_up(a, rec, platform, desired, stop)
         if url is None:
             return 0
-        rec.strict = False
-        connector.publish(rec.ready_counts(), url)
+        rec.strict = False  # from now on a dead worker is replaced, not fatal
         print(f"tandem is serving {a.model_name} at {url}/v1  ({desired[Phase.PREFILL]} prefill + "
-              f"{desired[Phase.DECODE]} decode workers on {a.device}; `ray job stop` stops it)", flush=True)
+              f"{desired[Phase.DECODE]} decode workers on {a.device}; `ray job stop` stops it)",
+              flush=True)
         if a.autoscale:
             scaler = start_autoscaler(a, registry, url, stop)
-        while not stop.is_set():
-            why = platform.router_exit()
-            if why is not None:
-                raise WorkerUnavailable(f"the router ended ({why}); stopping the fleet")
-            try:
-                desired = connector.desired()
-            except ScalingError as exc:  # holding the current counts is always safe
-                log.warning("fleet registry: %s", exc)
-            rec.step(desired)
-            try:
-                connector.publish(rec.ready_counts(), url)
-            except ScalingError as exc:
-                log.warning("fleet registry: %s", exc)
+        serve(rec, platform, RayConnector(registry, timeout_s=10), desired, url, stop)
     finally:
         stop.set()
         shutdown(rec, platform, scaler, a.drain_grace_s)
@@ -439,7 +264,26 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def shutdown(rec: Reconciler, platform, scaler: threading.Thread | None, grace_s: float) -> None:
+def serve(rec: Reconciler, platform: RayPlatform, registry: RayConnector, desired: dict[Phase, int],
+          url: str, stop: threading.Event) -> None:
+    """Until stopped: follow the asked-for counts, report the ready ones. A registry call that
+    fails keeps the last counts (holding the fleet as it is is always safe)."""
+    while not stop.is_set():
+        why = platform.router_exit()
+        if why is not None:
+            raise WorkerUnavailable(f"the router ended ({why}); stopping the fleet")
+        try:
+            desired = registry.desired()
+        except ScalingError as exc:
+            log.warning("fleet registry: %s", exc)
+        rec.step(desired)
+        try:
+            registry.publish(rec.ready_counts(), url)
+        except ScalingError as exc:
+            log.warning("fleet registry: %s", exc)
+
+
+def shutdown(rec: Reconciler, platform: RayPlatform, scaler: threading.Thread | None, grace_s: float) -> None:
     """Router first (no new requests), every worker drains at the same time, then the actors
     and placement groups go. Kills only what outlives the grace."""
     if scaler is not None:

@@ -1,5 +1,6 @@
 """The Ray path end to end, on a real local Ray cluster (head with dashboard, its own temp dir and
-ports): `ray job submit -- tandem ray-launch --device cpu` with the tiny checkpoint, a chat request
+ports): `ray job submit -- tandem ray-launch --device cpu --autoscale` (dry run) with the tiny
+checkpoint, a chat request
 through the unmodified `openai` client, prefill scaled 1 -> 2 -> 1 through the Ray connector (the
 router adopts the new worker; the surplus one drains and its actor goes), then `ray job stop`:
 the launcher drains and removes everything, and no tandem process, actor or placement group is
@@ -167,7 +168,10 @@ def job(cluster: Cluster, ckpt_factory) -> Job:
                  "--port", "0", "--namespace", NAMESPACE, "--cpus-per-worker", "0.5",
                  "--kv-cache-gib", "0.0625", "--max-num-seqs", "8", "--model-name", "m",
                  "--router-poll-interval-s", "0.25", "--ready-timeout-s", "240",
-                 "--drain-grace-s", "20")
+                 "--drain-grace-s", "20", "--autoscale",
+                 # Dry run: the autoscaler reads the router and the registry every second but
+                 # leaves the counts to the scaling test.
+                 "--autoscale-args", "--interval-s 1 --window-s 2 --dry-run")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     client = JobSubmissionClient(cluster.dashboard)
 
@@ -242,6 +246,7 @@ def test_job_stop_drains_and_leaves_nothing(cluster: Cluster, job: Job) -> None:
     # The launcher's own shutdown ran to the end (no SIGKILL from the job supervisor).
     assert "stopped: every worker drained or killed" in logs, logs[-3000:]
     assert "killing it" not in logs, logs[-3000:]
+    assert "autoscaler running" in logs and "tick skipped" not in logs, logs[-3000:]
     _wait_for("no tandem process left", lambda: not _tandem_processes(), 30)
     alive = [a.class_name for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
              if a.class_name in ("TandemWorker", "TandemRouter", "FleetRegistry")]

@@ -16,8 +16,8 @@ from autoscaler.core import Phase, ReplicaCounts
 from autoscaler.ray_connector import FleetRegistry, RayConnector
 from common.errors import ConfigError, WorkerUnavailable
 from launcher.ray_actors import Observation, WorkerEndpoint, WorkerLaunch, WorkerProbe
-from launcher.ray_launch import (FleetSpec, Member, MemberKey, MemberState, Reconciler, Timing,
-                                 build_parser, fleet_spec, plan_phase)
+from launcher.ray_fleet import Member, MemberKey, MemberState, Reconciler, Timing, plan_phase
+from launcher.ray_launch import FleetSpec, autoscaler_config, build_parser, check_args, fleet_spec
 
 P, D = Phase.PREFILL, Phase.DECODE
 
@@ -209,7 +209,9 @@ def test_scale_up_launches_and_reports_ready() -> None:
     rec.router_live = True
     rec.step({P: 1, D: 1})
     assert fake.names() == [("launch", MemberKey(P, 0)), ("launch", MemberKey(D, 0))]
+    rec.step({P: 1, D: 1})
     assert rec.ready_counts() == {P: 0, D: 0}
+    assert fake.router == ((), ())  # started, not ready: the router does not see them yet
     _all_ready(fake)
     rec.step({P: 1, D: 1})
     rec.step({P: 1, D: 1})
@@ -218,6 +220,8 @@ def test_scale_up_launches_and_reports_ready() -> None:
     rec.step({P: 2, D: 1})
     launched = [c[2] for c in fake.calls if c[0] == "launch"]
     assert launched[-1].role == "prefill" and launched[-1].slot == 1 and launched[-1].port == 0
+    rec.step({P: 2, D: 1})
+    assert fake.router[0] == ("tcp://10.0.0.1:7100",)
     _all_ready(fake)
     rec.step({P: 2, D: 1})
     rec.step({P: 2, D: 1})
@@ -318,6 +322,21 @@ def test_drain_all_waits_for_exits_then_kills_the_rest() -> None:
 
 
 # ---- flags -> launch specs ---------------------------------------------------------------------
+
+def test_autoscaler_flags_pass_through() -> None:
+    from autoscaler.config import ConnectorKind
+
+    a = build_parser().parse_args(["--autoscale", "--namespace", "prod", "--autoscale-args",
+                                   "--interval-s 2 --prefill-max-replicas 3 --dry-run"])
+    cfg = autoscaler_config(a, "http://10.0.0.1:8000")
+    assert cfg.connector is ConnectorKind.RAY and cfg.namespace == "prod" and cfg.dry_run
+    assert cfg.router_metrics_url == "http://10.0.0.1:8000/metrics" and cfg.interval_s == 2
+    assert cfg.policy.prefill.max_replicas == 3
+    with pytest.raises(ConfigError, match="colocated"):
+        check_args(build_parser().parse_args(["--autoscale", "--colocated"]))
+    with pytest.raises(ConfigError):
+        check_args(build_parser().parse_args(["--num-prefill", "0"]))
+
 
 def test_fleet_spec_from_flags() -> None:
     a = build_parser().parse_args(["--device", "cuda", "--prefill-tp", "2", "--decode-tp", "4",
