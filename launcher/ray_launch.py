@@ -242,6 +242,7 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         raise ConfigError(f"a tandem fleet is already running in Ray namespace {a.namespace!r}; "
                           "stop it or pass another --namespace") from exc
+    connector = RayConnector(registry, timeout_s=10)
     platform = RayPlatform()
     rec = Reconciler(platform, fleet_spec(a, a.checkpoint).launch,
                      Timing(ready_timeout_s=a.ready_timeout_s, drain_grace_s=a.drain_grace_s))
@@ -251,12 +252,13 @@ def main(argv: list[str]) -> int:
         if url is None:
             return 0
         rec.strict = False  # from now on a dead worker is replaced, not fatal
+        connector.publish(rec.ready_counts(), url)  # consistent before the URL is announced
         print(f"tandem is serving {a.model_name} at {url}/v1  ({desired[Phase.PREFILL]} prefill + "
               f"{desired[Phase.DECODE]} decode workers on {a.device}; `ray job stop` stops it)",
               flush=True)
         if a.autoscale:
             scaler = start_autoscaler(a, registry, url, stop)
-        serve(rec, platform, RayConnector(registry, timeout_s=10), desired, url, stop)
+        serve(rec, platform, connector, desired, url, stop)
     finally:
         stop.set()
         shutdown(rec, platform, scaler, a.drain_grace_s)
