@@ -71,7 +71,7 @@ def test_triton_graph_mode_static_buffers(num_splits):
     impl.enable_cuda_graphs([3], max_pages_per_seq=32)
     self_test_attention(impl, "cpu", torch.float32, shape=SMALL)  # its last step: decode of 3 seqs
     static = {key: (buf.batch.seq_info, buf.batch.page_table, buf.slots) for key, buf in impl._graph.items()}
-    assert sorted(static) == [(3, PageGroup.FULL), (3, PageGroup.SLIDING)]
+    assert sorted(static) == [(3, PageGroup.FULL, 32), (3, PageGroup.SLIDING, 32)]  # (batch, group, page capacity)
     self_test_attention(impl, "cpu", torch.float32, shape=SMALL, seed=5)
     for key, tensors in static.items():
         buf = impl._graph[key]
