@@ -1,10 +1,9 @@
 """The Ray path end to end, on a real local Ray cluster (head with dashboard, its own temp dir and
 ports): `ray job submit -- tandem ray-launch --device cpu --autoscale` (dry run) with the tiny
-checkpoint, a chat request
-through the unmodified `openai` client, prefill scaled 1 -> 2 -> 1 through the Ray connector (the
-router adopts the new worker; the surplus one drains and its actor goes), then `ray job stop`:
-the launcher drains and removes everything, and no tandem process, actor or placement group is
-left.
+checkpoint, a chat request through the unmodified `openai` client, prefill scaled 1 -> 2 -> 1
+through the Ray connector (the router adopts the new worker; the surplus one drains and its
+actor goes), then `ray job stop` in the middle of a stream: the stream completes, the launcher
+drains and removes everything, and no tandem process, actor or placement group is left.
 
 The tests share one cluster and one job and run in file order (the last one stops the job).
 Every process of the cluster carries a marker in its environment, so the checks and the
@@ -23,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -45,6 +45,7 @@ MARKER_VAR = "TANDEM_RAY_TEST_MARKER"
 NAMESPACE = "tandem-test"
 TANDEM_TITLES = ("ray::TandemWorker", "ray::TandemRouter", "ray::FleetRegistry")
 MARKER = f"{MARKER_VAR}={uuid.uuid4().hex}"
+STREAM_TOKENS = 600  # long enough to be mid-stream when the job is stopped
 
 
 @dataclass(frozen=True)
@@ -237,9 +238,29 @@ def test_job_stop_drains_and_leaves_nothing(cluster: Cluster, job: Job) -> None:
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     assert _tandem_processes(), "the fleet should be running before the stop"
+    # A stream in flight when the job is stopped finishes: the fleet drains, it is not killed.
+    client = OpenAI(base_url=job.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    streaming, got = threading.Event(), {}
+
+    def stream() -> None:
+        chunks = client.completions.create(
+            model="m", prompt=[200006, 17360, 200008, 3, 99, 1234, 200007], max_tokens=STREAM_TOKENS,
+            temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        for c in chunks:
+            streaming.set()
+            if c.usage is not None:
+                got["tokens"] = c.usage.completion_tokens
+        got["end"] = time.monotonic()
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    assert streaming.wait(60), "the stream did not start"
     t0 = time.monotonic()
     r = _ray_cli(cluster, "job", "stop", "--address", cluster.dashboard, job.id)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    reader.join(60)
+    assert got.get("tokens") == STREAM_TOKENS, got
     client = JobSubmissionClient(cluster.dashboard)
     _wait_for("the job to stop", lambda: client.get_job_status(job.id) == JobStatus.STOPPED, 90)
     logs = client.get_job_logs(job.id)
@@ -247,6 +268,8 @@ def test_job_stop_drains_and_leaves_nothing(cluster: Cluster, job: Job) -> None:
     assert "stopped: every worker drained or killed" in logs, logs[-3000:]
     assert "killing it" not in logs, logs[-3000:]
     assert "autoscaler running" in logs and "tick skipped" not in logs, logs[-3000:]
+    # The decode worker got SIGTERM with the stream still running, and finished it.
+    assert re.search(r"draining: refusing new requests, finishing [1-9]\d* in flight", logs), logs[-3000:]
     _wait_for("no tandem process left", lambda: not _tandem_processes(), 30)
     alive = [a.class_name for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
              if a.class_name in ("TandemWorker", "TandemRouter", "FleetRegistry")]
