@@ -1,11 +1,17 @@
 """The Ray connector and the launcher's reconciling loop, without a cluster: the fleet registry's
 compare-and-set rules, the connector's deadlines and error mapping (Ray calls through an
 injected `get`), the pure scaling plan, and the loop against a fake platform (drain before
-remove, the router keeps a draining worker until it exited, kills only after the grace)."""
+remove, the router keeps a draining worker until it exited, kills only after the grace), and the
+tie between a worker process and its actor."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +26,7 @@ from launcher.ray_fleet import Member, MemberKey, MemberState, Reconciler, Timin
 from launcher.ray_launch import FleetSpec, autoscaler_config, build_parser, check_args, fleet_spec
 
 P, D = Phase.PREFILL, Phase.DECODE
+REPO = str(Path(__file__).resolve().parents[2])
 
 
 # ---- fleet registry: the compare-and-set rules -------------------------------------------------
@@ -354,3 +361,35 @@ def test_fleet_spec_from_flags() -> None:
     dc = cpu.launch(MemberKey(D, 0))
     assert dc.port == 0 and dc.bundle == {"CPU": 0.5}
     assert dc.flags[dc.flags.index("--kv-backend") + 1] == "none"
+
+
+# ---- a worker process never outlives its actor --------------------------------------------------
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_worker_process_dies_with_the_process_that_spawned_it() -> None:
+    # The middle process plays the TandemWorker actor; SIGKILL is what ray.kill does to it.
+    actor = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         "from launcher.ray_actors import _die_with_parent\n"
+         "p = subprocess.Popen(['sleep', '120'], preexec_fn=_die_with_parent)\n"
+         "print(p.pid, flush=True)\ntime.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+    try:
+        worker = int(actor.stdout.readline())
+        assert _alive(worker)
+        actor.kill()
+        actor.wait(10)
+        t_end = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < t_end:
+            time.sleep(0.05)
+        assert not _alive(worker)
+    finally:
+        actor.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"  # a zombie has exited
+    except OSError:
+        return False
