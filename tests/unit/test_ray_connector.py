@@ -7,6 +7,7 @@ tie between a worker process and its actor."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -374,8 +375,8 @@ def test_worker_process_dies_with_the_process_that_spawned_it() -> None:
          "p = subprocess.Popen(['sleep', '120'], preexec_fn=_die_with_parent)\n"
          "print(p.pid, flush=True)\ntime.sleep(120)\n"],
         stdout=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+    worker = int(actor.stdout.readline())
     try:
-        worker = int(actor.stdout.readline())
         assert _alive(worker)
         actor.kill()
         actor.wait(10)
@@ -385,6 +386,8 @@ def test_worker_process_dies_with_the_process_that_spawned_it() -> None:
         assert not _alive(worker)
     finally:
         actor.kill()
+        if _alive(worker):  # only when the test failed: leave nothing behind
+            os.kill(worker, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
