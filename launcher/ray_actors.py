@@ -255,7 +255,10 @@ class RayPlatform:
         self._workers[key] = _RayWorker(actor, pg, actor.start.remote(spec))
 
     def poll(self, keys: list[Any], timeout_s: float) -> dict[Any, Observation]:
+        """Whatever answers arrive within `timeout_s`; always takes `timeout_s` (it paces the
+        loop: at most one probe per worker per poll)."""
         ray = self._ray
+        t_end = time.monotonic() + timeout_s
         pending: dict[Any, Any] = {}
         for key in keys:
             w = self._workers[key]
@@ -265,10 +268,7 @@ class RayPlatform:
                 if w.probe_ref is None:
                     w.probe_ref = w.actor.probe.remote()
                 pending[w.probe_ref] = key
-        if not pending:
-            time.sleep(timeout_s)
-            return {}
-        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
+        done = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)[0] if pending else []
         out: dict[Any, Observation] = {}
         for ref in done:
             key = pending[ref]
@@ -284,6 +284,7 @@ class RayPlatform:
             else:
                 w.probe_ref = None
                 out[key] = Observation(w.endpoint, value, None)
+        time.sleep(max(0.0, t_end - time.monotonic()))
         return out
 
     def drain(self, key: Any) -> None:
