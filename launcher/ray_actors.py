@@ -12,7 +12,7 @@ Actors (shown by `ray list actors` under these class names):
   the launcher's node, with `LiveDiscovery`: the launcher replaces the worker lists as the fleet
   changes and the router adopts them at its next discovery refresh.
 
-Lifecycle of one worker (driven by launcher/ray_launch.py):
+Lifecycle of one worker (driven by the loop in launcher/ray_fleet.py):
     launch: placement group -> TandemWorker in bundle 0 -> start() returns its endpoint
     poll:   probe() -> (exit code, ready)            drain: SIGTERM, the worker finishes and exits
     remove: kill() if told to -> ray.kill(actor) -> remove_placement_group
@@ -30,11 +30,14 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.errors import WorkerUnavailable
 from launcher.cmd_serve import _env as worker_env
 from router.fleet import Discovery
+
+if TYPE_CHECKING:
+    from launcher.ray_fleet import MemberKey
 
 log = logging.getLogger("tandem.ray")
 
@@ -235,12 +238,12 @@ class RayPlatform:
         self._ray = ray
         self._worker_cls = ray.remote(TandemWorker)
         self._router_cls = ray.remote(TandemRouter)
-        self._workers: dict[Any, _RayWorker] = {}
+        self._workers: dict[MemberKey, _RayWorker] = {}
         self._router: Any = None
         self._router_closed: Any = None  # ObjectRef of TandemRouter.closed()
         self._router_stop: Any = None
 
-    def launch(self, key: Any, spec: WorkerLaunch) -> None:
+    def launch(self, key: MemberKey, spec: WorkerLaunch) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -254,12 +257,12 @@ class RayPlatform:
         # Pending until the placement group is placed: waiting for capacity is not a failure.
         self._workers[key] = _RayWorker(actor, pg, actor.start.remote(spec))
 
-    def poll(self, keys: list[Any], timeout_s: float) -> dict[Any, Observation]:
+    def poll(self, keys: list[MemberKey], timeout_s: float) -> dict[MemberKey, Observation]:
         """Whatever answers arrive within `timeout_s`; always takes `timeout_s` (it paces the
         loop: at most one probe per worker per poll)."""
         ray = self._ray
         t_end = time.monotonic() + timeout_s
-        pending: dict[Any, Any] = {}
+        pending: dict[Any, MemberKey] = {}  # ObjectRef -> worker
         for key in keys:
             w = self._workers[key]
             if w.endpoint is None:
@@ -269,7 +272,7 @@ class RayPlatform:
                     w.probe_ref = w.actor.probe.remote()
                 pending[w.probe_ref] = key
         done = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)[0] if pending else []
-        out: dict[Any, Observation] = {}
+        out: dict[MemberKey, Observation] = {}
         for ref in done:
             key = pending[ref]
             w = self._workers[key]
@@ -287,10 +290,10 @@ class RayPlatform:
         time.sleep(max(0.0, t_end - time.monotonic()))
         return out
 
-    def drain(self, key: Any) -> None:
+    def drain(self, key: MemberKey) -> None:
         self._workers[key].actor.drain.remote()
 
-    def remove(self, key: Any, *, kill: bool) -> None:
+    def remove(self, key: MemberKey, *, kill: bool) -> None:
         from ray.util.placement_group import remove_placement_group
 
         w = self._workers.pop(key)
