@@ -65,8 +65,10 @@ class FleetSpec:
 
     def launch(self, key: MemberKey) -> WorkerLaunch:
         prefill = key.phase is Phase.PREFILL
-        # The same port layout as `tandem serve`: base+100+i prefill, base+200+i decode, +1000 metrics.
-        port = self.base_port + (100 if prefill else 200) + key.slot if self.base_port else 0
+        # The same layout as `tandem serve`: base+100+i prefill, base+200+i decode, +1000 metrics;
+        # slots past 99 would run into the other phase's range: they take free ports.
+        fixed = self.base_port and key.slot < 100
+        port = self.base_port + (100 if prefill else 200) + key.slot if fixed else 0
         return WorkerLaunch(role=key.phase.value, slot=key.slot,
                             flags=self.prefill_flags if prefill else self.decode_flags,
                             device=self.device, port=port, metrics_port=port + 1000 if port else 0,
@@ -85,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0", help="router bind address (on the launcher's node)")
     p.add_argument("--port", type=int, default=8000, help="router port; 0 = a free port")
     p.add_argument("--base-port", type=int, default=0,
-                   help="worker i uses base+100+i (prefill) / base+200+i (decode), metrics +1000; "
-                        "0 = free ports on each node")
+                   help="worker i < 100 uses base+100+i (prefill) / base+200+i (decode), metrics "
+                        "+1000; 0 = free ports on each node")
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--colocated", action="store_true", help="no prefill workers: decode workers prefill")
