@@ -355,6 +355,7 @@ def test_fleet_spec_from_flags() -> None:
     assert (pf.port, pf.metrics_port, pf.bundle) == (9101, 10101, {"CPU": 4.0, "GPU": 2.0})
     dc = spec.launch(MemberKey(D, 0))
     assert (dc.port, dc.bundle) == (9200, {"CPU": 4.0, "GPU": 4.0})
+    assert spec.launch(MemberKey(P, 100)).port == 0  # would collide with decode's range
     assert dc.flags[-3:] == ("--cuda-graphs", "--max-num-seqs", "128")  # user flags last: they win
     assert "--moe-mode" in dc.flags and dc.flags[dc.flags.index("--moe-mode") + 1] == "ep"
     assert "--cpu-threads" not in dc.flags
