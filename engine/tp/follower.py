@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -85,6 +86,10 @@ def _watch_parent(parent_pid: int) -> None:
 def follower_main(spec: FollowerSpec) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s [tp{spec.rank}]: %(message)s")
+    # Rank 0 alone answers signals (drain on SIGTERM, Ctrl-C to the process group included) and
+    # stops its followers with SHUTDOWN once drained.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), name="parent-watch", daemon=True).start()
     group = RankGroup.join(spec.rank, spec.world, spec.store_port, spec.args)
     follower = Follower(group, spec.setup(spec.args, spec.worker_id, group))

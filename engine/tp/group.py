@@ -176,7 +176,8 @@ class RankGroup:
             if now - last_idle >= idle_every_s:
                 idle()
                 last_idle = time.monotonic()
-            time.sleep(5e-5 if now - t0 < 0.002 else 5e-4)  # commands come in bursts
+            waited = now - t0  # commands come in bursts: poll fast right after one, back off when idle
+            time.sleep(5e-5 if waited < 0.002 else 5e-4 if waited < 0.1 else 2e-3)
         work.wait()
         return msgs.decode(self._rest(head, self._cmd))
 
@@ -215,8 +216,8 @@ class RankGroup:
         mp.connection.wait([p.sentinel for p in self.procs])
         if self._closing.is_set():
             return
-        err = self.lost()
-        log.error("%s", err)
+        err = self.lost(wait_s=1.0)  # the sentinel may fire just before the exit code can be read
+        log.error("%s", err.message if err else "a tensor-parallel rank exited")
         if self._closing.wait(exit_grace_s):
             return
         log.error("ending the worker now (exit code %d)", RANK_LOST_EXIT)
@@ -273,9 +274,9 @@ class RankGroup:
                 log.warning("stopping the followers: %s", e.message)
                 graceful = False
         end = time.monotonic() + deadline_s
-        for p in self.procs:
+        for p in self.procs:  # followers ignore SIGTERM (rank 0 drains for them): a broken group is killed
             if not graceful and p.exitcode is None:
-                p.terminate()
+                p.kill()
             p.join(max(0.1, end - time.monotonic()))
             if p.exitcode is None:
                 p.kill()
