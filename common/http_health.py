@@ -27,11 +27,14 @@ class HealthServer:
                     self._reply(404, b"not found", "text/plain")
 
             def _reply(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", ctype)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the prober gave up (its timeout): nothing to answer
 
             def log_message(self, *args) -> None:  # quiet
                 pass
