@@ -13,7 +13,7 @@ torch.distributed):
 
 Process groups:
   model    WORLD: gloo on CPU, NCCL on GPU (rank r on cuda:base+r, NCCL_NVLS_ENABLE=0): the
-           layers' all-reduces, timeout --tp-timeout-s
+           layers' all-reduces, timeout max(10 min, --tp-timeout-s) (ranks may skew while one JITs)
   command  gloo, no practical timeout: rank 0 broadcasts each command; an idle follower waits in it
   reply    gloo, --tp-timeout-s: every rank's answer, all-gathered
 Payloads are typed messages (engine.tp.messages) in a fixed-size uint8 buffer (length + body),
@@ -49,6 +49,7 @@ log = logging.getLogger("tandem.tp")
 
 CAPACITY = 32 << 10  # bytes per message buffer; a decode STEP of ~300 sequences fits
 FOREVER = timedelta(days=3650)
+MODEL_TIMEOUT_S = 600.0
 RANK_LOST_EXIT = 75  # EX_TEMPFAIL: the supervisor should restart the worker
 
 
@@ -73,8 +74,11 @@ class RankGroup:
     # ---- construction ------------------------------------------------------------------------------
     @classmethod
     def launch(cls, a: argparse.Namespace, role: str, worker_id: str,
-               setup: Callable[[argparse.Namespace, str, RankGroup], Any]) -> RankGroup:
-        """Rank 0: spawn the followers and join the process groups (a group of one for --tp 1)."""
+               setup: Callable[[argparse.Namespace, str, RankGroup], Any],
+               target: Callable[[Any], None] | None = None) -> RankGroup:
+        """Rank 0: spawn the followers and join the process groups (a group of one for --tp 1).
+        `target` is the followers' entry point (default engine.tp.follower.follower_main; tests
+        pass a stand-in), called with a FollowerSpec."""
         if a.tp < 1:
             raise ConfigError("--tp must be >= 1")
         group = cls(0, a.tp, a.tp_timeout_s)
@@ -92,18 +96,21 @@ class RankGroup:
         from engine.tp.follower import FollowerSpec, follower_main
 
         ctx = mp.get_context("spawn")
-        for r in range(1, a.tp):
-            spec = FollowerSpec(r, a.tp, store.port, a, role, worker_id, setup, os.getpid())
-            p = ctx.Process(target=follower_main, args=(spec,), name=f"{role}-tp{r}", daemon=True)
-            p.start()
-            log.info("tensor-parallel rank %d started (pid %d)", r, p.pid)
-            group.procs.append(p)
         group._store = store  # keep the rendezvous alive while the others connect
-        threading.Thread(target=group._monitor, name="tp-monitor", daemon=True).start()
         try:
+            for r in range(1, a.tp):
+                spec = FollowerSpec(r, a.tp, store.port, a, role, worker_id, setup, os.getpid())
+                p = ctx.Process(target=target or follower_main, args=(spec,), name=f"{role}-tp{r}", daemon=True)
+                p.start()
+                log.info("tensor-parallel rank %d started (pid %d)", r, p.pid)
+                group.procs.append(p)
+            threading.Thread(target=group._monitor, name="tp-monitor", daemon=True).start()
             group._init(a.device, store)
-        except RuntimeError as e:
-            raise group.failure(e) from e
+        except BaseException as e:
+            group.close()  # not serving yet: kills what was started
+            if isinstance(e, RuntimeError):
+                raise group.failure(e) from e
+            raise
         return group
 
     @classmethod
@@ -116,17 +123,19 @@ class RankGroup:
         return group
 
     def _init(self, device: str, store: Any) -> None:
-        timeout = timedelta(seconds=self.timeout_s)
+        # The model group waits out rank skew (a kernel JIT-compiled on one rank first, up to a minute
+        # for FlashInfer); a DEAD rank is caught at once by gloo or by the monitor, not by this timeout.
+        model_timeout = timedelta(seconds=max(MODEL_TIMEOUT_S, self.timeout_s))
         if device.startswith("cuda"):
             dev = torch.device(rank_device(device, self.rank))
             torch.cuda.set_device(dev)
-            dist.init_process_group("nccl", store=store, rank=self.rank, world_size=self.world, timeout=timeout,
-                                    device_id=dev)
+            dist.init_process_group("nccl", store=store, rank=self.rank, world_size=self.world,
+                                    timeout=model_timeout, device_id=dev)
         else:
-            dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world, timeout=timeout)
+            dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world, timeout=model_timeout)
         self.model_group = dist.group.WORLD
         self._cmd = dist.new_group(backend="gloo", timeout=FOREVER)
-        self._reply = dist.new_group(backend="gloo", timeout=timeout)
+        self._reply = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
 
     # ---- start-up agreements (every rank, same order) ------------------------------------------------
     def min_int(self, value: int) -> int:

@@ -122,11 +122,12 @@ class GroupReceiver(KVReceiver):
         return self.kv.last_request
 
     def progress(self) -> None:
-        """One RX_POLL for every tracked request. Nothing tracked: nothing to learn, no collective
-        (followers keep their own receivers moving between commands)."""
+        """One RX_POLL for every tracked request. Nothing tracked: nothing to learn from the group,
+        so no collective; rank 0 moves its own receiver as followers do between commands."""
         rids = list(self._tracked)
         if not rids:
             self._status, self._failures, self._fresh = {}, {}, set()
+            self.rx.progress()
             return
         cmd = m.RxPoll(rids)
         replies: list[m.Polled] = self.group.call(cmd, lambda: self.kv.handle(cmd))

@@ -5,8 +5,9 @@ Shown, greedy outputs always equal to the single-process engine:
   - the router with a TP-2 prefill worker and a TP-2 decode worker serves the unmodified openai
     client (chat, stream, completions with logprobs, concurrent streams);
   - the prefill/decode TP mixes (1,2), (2,1), (2,2) over the router's wire protocol (the test plays the
-    router: Admit -> Prefill -> StartDecode), short and longer-than-the-window prompts, plus a
-    colocated request that prefills on the TP-2 decode worker;
+    router: Admit -> Prefill -> StartDecode), short and longer-than-the-window prompts (prefilled in
+    two chunks by the TP-2 workers), plus a colocated request that prefills on the TP-2 decode worker;
+  - the STEP page protocol (deltas, preemption) and control-plane messages larger than the buffer;
   - afterwards every page is back (rank 0 owns allocation for all ranks) and, on a graceful stop,
     every rank reports no open transfer and no quarantined page;
   - a follower killed mid-generation, or while its worker is idle, ends the worker with a clear
@@ -15,6 +16,7 @@ Shown, greedy outputs always equal to the single-process engine:
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures as cf
 import os
 import re
@@ -28,12 +30,20 @@ import urllib.request
 from dataclasses import dataclass
 
 import pytest
+import torch
 import zmq
 from openai import OpenAI
 
 from engine.build import EngineConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+from engine.tp import messages as tm
+from engine.tp.group import RankGroup
+from engine.tp.step import StepEncoder, StepMirror
+from model.config import preset
+from model.kv_cache import KVManager, plan_kv_cache
 from router.chat_types import ChatMessage, ChatPrompt
 from router.harmony import HarmonyFormat
 from router.protocol import (AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult, SamplingSpec,
@@ -71,11 +81,11 @@ def _spawn(name: str, argv: list[str]) -> Proc:
                                        stdout=subprocess.DEVNULL, stderr=log), log.name)
 
 
-def _worker(name: str, role: str, tp: int, ckpt: str, kv_backend: str = "nixl") -> Proc:
+def _worker(name: str, role: str, tp: int, ckpt: str, kv_backend: str = "nixl", extra: tuple[str, ...] = ()) -> Proc:
     port = _port()
     p = _spawn(name, [f"{role}-worker", "--checkpoint", ckpt, "--device", "cpu", "--host", "127.0.0.1",
                       "--kv-backend", kv_backend, "--max-num-seqs", "32", "--kv-cache-gib", "0.0625",
-                      "--port", str(port), "--metrics-port", "0", "--tp", str(tp), "--tp-timeout-s", "30"])
+                      "--port", str(port), "--metrics-port", "0", "--tp", str(tp), "--tp-timeout-s", "30", *extra])
     p.addr = f"tcp://127.0.0.1:{port}"
     return p
 
@@ -172,8 +182,9 @@ def tiny(ckpt_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tiny):
-    workers = {"P1": _worker("P1", "prefill", 1, tiny), "P2": _worker("P2", "prefill", 2, tiny),
-               "D1": _worker("D1", "decode", 1, tiny), "D2": _worker("D2", "decode", 2, tiny)}
+    chunked = ("--max-num-batched-tokens", "256")  # LONG prompts prefill in two chunks on the TP-2 workers
+    workers = {"P1": _worker("P1", "prefill", 1, tiny), "P2": _worker("P2", "prefill", 2, tiny, extra=chunked),
+               "D1": _worker("D1", "decode", 1, tiny), "D2": _worker("D2", "decode", 2, tiny, extra=chunked)}
     port = _port()
     router = _spawn("router", ["router", "--host", "127.0.0.1", "--port", str(port), "--model-name", "m",
                                "--prefill", workers["P2"].addr, "--decode", workers["D2"].addr,
@@ -322,3 +333,64 @@ def test_follower_killed_ends_the_worker(tiny):
         peer.close()
     finally:
         _stop([busy, idle], grace_s=5)
+
+
+# ---- the control plane on its own ---------------------------------------------------------------------
+def test_step_page_mirror_follows_rank0():
+    """Deltas while pages only grow; the whole list again after release + regrow (preemption) and
+    after a step the sequence sat out."""
+    spec = plan_kv_cache(preset("tiny"), 4 << 20, page_size=4, max_num_seqs=4, tp_size=1, dtype=torch.float32)
+    kv, enc, mirror = KVManager(spec), StepEncoder(), StepMirror()
+    a = Sequence("a", list(range(10, 30)), SamplingParams(max_tokens=50))
+    b = Sequence("b", list(range(40, 45)), SamplingParams(max_tokens=50))
+
+    def step(*items: tuple[Sequence, int, int]) -> list[tm.StepSeq]:
+        sched = []
+        for seq, start, q in items:
+            kv.grow(seq.pages, start + q)
+            sched.append(ScheduledSeq(seq, start, q, start + q == seq.num_tokens))
+        msg = tm.decode(tm.encode(enc.encode(sched, False)), tm.Step)
+        ids, steps, rows = mirror.apply(msg)
+        assert ids == [t for seq, start, q in items for t in seq.all_ids[start:start + q]]
+        assert [(s.pages.full, s.pages.ring, s.start, s.q_len) for s in steps] == \
+            [(seq.pages.full, seq.pages.ring, start, q) for seq, start, q in items]
+        assert rows == [i for i, it in enumerate(sched) if it.sample]
+        return msg.seqs
+
+    assert step((a, 0, 12))[0].full_from == 0
+    sa, sb = step((a, 12, 8), (b, 0, 5))
+    assert (sa.full_from, len(sa.new_full), sb.full_from) == (3, 2, 0)  # a: delta of 2 pages
+    a.output_ids.append(7)
+    assert step((a, 20, 1), (b, 0, 5))[0].full_from == 5
+    n = len(a.pages.full)
+    kv.release(a.pages)  # preempted and regrown to the same length: other page ids
+    kv.grow(a.pages, n * 4)
+    assert step((a, 0, 21))[0].full_from == 0
+    assert step((b, 0, 5))[0].full_from == 0  # b sat out the last step
+
+
+def _no_setup(*_: object) -> None:  # the stand-in follower below builds nothing
+    raise AssertionError("not called")
+
+
+def _echo_rank(spec) -> None:
+    """A stand-in follower: answers each RX_POLL with the polled ids (as `released`)."""
+    group = RankGroup.join(spec.rank, spec.world, spec.store_port, spec.args)
+    while True:
+        cmd = group.next_command(idle=lambda: None)
+        if isinstance(cmd, tm.Shutdown):
+            group.reply(tm.Bye(0, 0, 7))
+            break
+        group.reply(tm.Polled([len(cmd.request_ids)], [], cmd.request_ids))
+    torch.distributed.destroy_process_group()
+
+
+def test_control_plane_messages_larger_than_the_buffer():
+    a = argparse.Namespace(tp=2, kv_backend="none", device="cpu", tp_timeout_s=30.0)
+    with RankGroup.launch(a, "decode", "echo", setup=_no_setup, target=_echo_rank) as group:
+        group.serving()
+        for n in (3, 20000, 5):  # 20000 ids ~ 250 KB: both collectives take their overflow path
+            ids = [f"request-{i:07d}" for i in range(n)]
+            replies = group.call(tm.RxPoll(ids), lambda: tm.Polled([], [], []))
+            assert replies[0] == tm.Polled([], [], []) and replies[1] == tm.Polled([n], [], ids)
+    assert group.procs[0].exitcode == 0
