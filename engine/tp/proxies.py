@@ -63,9 +63,11 @@ def _raise_errors(replies: list[m.Done]) -> None:
             raise ProtocolError(d.error if r == 0 else f"tensor-parallel rank {r}: {d.error}")
 
 
-def _combine(rid: str, outs: list[m.Outcome]) -> TransferOutcome:
+def _combine(rid: str, outs: list[m.Outcome], cause: int | None = None) -> TransferOutcome:
+    """`cause`: the rank that failed first (the others were aborted because of it)."""
     status = min(TransferStatus(o.status) for o in outs)
-    failed = next(((r, o) for r, o in enumerate(outs) if o.known and o.status == TransferStatus.FAILED), None)
+    ranks = ([cause] if cause is not None else []) + list(range(len(outs)))
+    failed = next(((r, outs[r]) for r in ranks if outs[r].known and outs[r].status == TransferStatus.FAILED), None)
     reason, detail = None, ""
     if status == TransferStatus.FAILED:
         r, o = failed if failed is not None else (0, outs[0])
@@ -208,6 +210,7 @@ class GroupReceiver(KVReceiver):
 class GroupSender(KVSender):
     def __init__(self, group: RankGroup, kv: LocalKV) -> None:
         self.group, self.kv, self.tx = group, kv, kv.tx
+        self._cause: dict[str, int] = {}  # request -> the rank that failed it first
 
     def start(self, request: TransferRequest, pages: SeqPages) -> None:
         cmd = m.TxStart(encode_kv(request), list(pages.full), list(pages.ring))
@@ -237,13 +240,14 @@ class GroupSender(KVSender):
             out.append(min(per_rank))
             if out[-1] == TransferStatus.FAILED and max(per_rank) != TransferStatus.FAILED:
                 partial.append(rid)
+                self._cause.setdefault(rid, per_rank.index(TransferStatus.FAILED))
         if partial:  # stop the other ranks' writes now, not at finish()
             self.abort_many(partial, FailureReason.ABORTED, "another tensor-parallel rank failed the transfer")
         return out
 
     def outcome(self, request_id: str) -> TransferOutcome:
         cmd = m.TxOutcome(request_id)
-        return _combine(request_id, self.group.call(cmd, lambda: self.kv.handle(cmd)))
+        return _combine(request_id, self.group.call(cmd, lambda: self.kv.handle(cmd)), self._cause.get(request_id))
 
     def abort(self, request_id: str, reason: FailureReason = FailureReason.ABORTED, detail: str = "") -> None:
         self.abort_many([request_id], reason, detail)
@@ -254,7 +258,8 @@ class GroupSender(KVSender):
 
     def finish(self, request_id: str) -> TransferOutcome:
         cmd = m.TxFinish(request_id)
-        return _combine(request_id, self.group.call(cmd, lambda: self.kv.handle(cmd)))
+        outs = self.group.call(cmd, lambda: self.kv.handle(cmd))
+        return _combine(request_id, outs, self._cause.pop(request_id, None))
 
     def close(self) -> None:
         """Rank 0's sender; the followers close theirs when the group shuts down."""

@@ -7,7 +7,8 @@ Shown, greedy outputs always equal to the single-process engine:
   - the prefill/decode TP mixes (1,2), (2,1), (2,2) over the router's wire protocol (the test plays the
     router: Admit -> Prefill -> StartDecode), short and longer-than-the-window prompts (prefilled in
     two chunks by the TP-2 workers), plus a colocated request that prefills on the TP-2 decode worker;
-  - the STEP page protocol (deltas, preemption) and control-plane messages larger than the buffer;
+  - control-plane messages larger than the buffer (tests/unit/test_tp_control.py has the rest of
+    the control plane in one process: STEP page deltas, combining the ranks' transfer answers);
   - afterwards every page is back (rank 0 owns allocation for all ranks) and, on a graceful stop,
     every rank reports no open transfer and no quarantined page;
   - a follower killed mid-generation, or while its worker is idle, ends the worker with a clear
@@ -37,17 +38,12 @@ from openai import OpenAI
 from engine.build import EngineConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
 from engine.tp import messages as tm
 from engine.tp.group import RankGroup
-from engine.tp.step import StepEncoder, StepMirror
-from model.config import preset
-from model.kv_cache import KVManager, plan_kv_cache
 from router.chat_types import ChatMessage, ChatPrompt
 from router.harmony import HarmonyFormat
-from router.protocol import (AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult, SamplingSpec,
-                             StartDecode, StatusRequest, TokenChunk, WorkerStatus, decode, encode)
+from router.protocol import (Abort, AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult,
+                             SamplingSpec, StartDecode, StatusRequest, TokenChunk, WorkerStatus, decode, encode)
 from router.tokenizer import CALL, RETURN
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
@@ -273,6 +269,26 @@ def test_colocated_request_on_tp2_decode_worker(cluster, reference):
         d.close()
 
 
+def test_failed_transfers_fail_on_every_rank(cluster):
+    """A reservation whose KV never comes (its deadline passes) and one the client abandons before
+    prefill: both fail on both decode ranks, the TP-2 prefill is refused by both, and the pages
+    come back (checked by the next test, with every rank's state at shutdown)."""
+    p, d = Peer(cluster.workers["P2"].addr), Peer(cluster.workers["D2"].addr)
+    try:
+        assert isinstance(d.ask(AdmitRequest("late", len(SHORT), 4, 1, 1.0)), Admitted)
+        gone = d.ask(AdmitRequest("gone", len(LONG), 4, 1, 30.0))
+        assert isinstance(gone, Admitted)
+        d.sock.send(encode(Abort("gone", "client went away")))
+        res = p.ask(PrefillRequest("gone", LONG, SPEC, gone.kv_target, 30.0), 60.0)
+        assert isinstance(res, PrefillResult) and not res.ok and "kv transfer" in res.error, res
+        chunk = d.recv(30.0)
+        assert isinstance(chunk, TokenChunk) and chunk.request_id == "late" and chunk.finished
+        assert "kv transfer failed" in chunk.error
+    finally:
+        p.close()
+        d.close()
+
+
 def test_no_page_leaks_on_any_rank_and_clean_shutdown(cluster):
     for name, w in cluster.workers.items():
         peer = Peer(w.addr)
@@ -336,39 +352,6 @@ def test_follower_killed_ends_the_worker(tiny):
 
 
 # ---- the control plane on its own ---------------------------------------------------------------------
-def test_step_page_mirror_follows_rank0():
-    """Deltas while pages only grow; the whole list again after release + regrow (preemption) and
-    after a step the sequence sat out."""
-    spec = plan_kv_cache(preset("tiny"), 4 << 20, page_size=4, max_num_seqs=4, tp_size=1, dtype=torch.float32)
-    kv, enc, mirror = KVManager(spec), StepEncoder(), StepMirror()
-    a = Sequence("a", list(range(10, 30)), SamplingParams(max_tokens=50))
-    b = Sequence("b", list(range(40, 45)), SamplingParams(max_tokens=50))
-
-    def step(*items: tuple[Sequence, int, int]) -> list[tm.StepSeq]:
-        sched = []
-        for seq, start, q in items:
-            kv.grow(seq.pages, start + q)
-            sched.append(ScheduledSeq(seq, start, q, start + q == seq.num_tokens))
-        msg = tm.decode(tm.encode(enc.encode(sched, False)), tm.Step)
-        ids, steps, rows = mirror.apply(msg)
-        assert ids == [t for seq, start, q in items for t in seq.all_ids[start:start + q]]
-        assert [(s.pages.full, s.pages.ring, s.start, s.q_len) for s in steps] == \
-            [(seq.pages.full, seq.pages.ring, start, q) for seq, start, q in items]
-        assert rows == [i for i, it in enumerate(sched) if it.sample]
-        return msg.seqs
-
-    assert step((a, 0, 12))[0].full_from == 0
-    sa, sb = step((a, 12, 8), (b, 0, 5))
-    assert (sa.full_from, len(sa.new_full), sb.full_from) == (3, 2, 0)  # a: delta of 2 pages
-    a.output_ids.append(7)
-    assert step((a, 20, 1), (b, 0, 5))[0].full_from == 5
-    n = len(a.pages.full)
-    kv.release(a.pages)  # preempted and regrown to the same length: other page ids
-    kv.grow(a.pages, n * 4)
-    assert step((a, 0, 21))[0].full_from == 0
-    assert step((b, 0, 5))[0].full_from == 0  # b sat out the last step
-
-
 def _no_setup(*_: object) -> None:  # the stand-in follower below builds nothing
     raise AssertionError("not called")
 
