@@ -62,9 +62,9 @@ def rank_device(device: str, rank: int) -> str:
 
 
 class RankGroup:
-    def __init__(self, rank: int, world: int, timeout_s: float, procs: list[Any] | None = None) -> None:
+    def __init__(self, rank: int, world: int, timeout_s: float) -> None:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
-        self.procs = procs or []  # rank 0: followers' mp.Process, index r-1 for rank r
+        self.procs: list[Any] = []  # rank 0: the followers' multiprocessing.Process, rank r at r-1
         self.model_group = None  # ParallelConfig.group
         self._cmd = self._reply = self._store = None
         self._closing = threading.Event()
@@ -107,9 +107,10 @@ class RankGroup:
             threading.Thread(target=group._monitor, name="tp-monitor", daemon=True).start()
             group._init(a.device, store)
         except BaseException as e:
+            err = group.failure(e) if isinstance(e, RuntimeError) else None  # before close() kills the rest
             group.close()  # not serving yet: kills what was started
-            if isinstance(e, RuntimeError):
-                raise group.failure(e) from e
+            if err is not None:
+                raise err from e
             raise
         return group
 
@@ -147,13 +148,14 @@ class RankGroup:
 
     def check_same(self, what: str, values: list[int]) -> None:
         """Raise ConfigError unless every rank has the same `values` (page ids, pool sizes...)."""
-        got = [m.values for m in self._gather(msgs.Agree(what, list(values)), self._cmd, msgs.Agree)]
+        got = [m.values for m in self._collective(lambda: self._gather(msgs.Agree(what, list(values)), self._cmd,
+                                                                        msgs.Agree))]
         if any(g != got[0] for g in got):
             raise ConfigError(f"tensor-parallel ranks disagree on {what}: {got}")
 
     def gather_endpoints(self, endpoint: str, epoch: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """Every decode rank's KV side channel and epoch, in rank order (for set_rank_endpoints)."""
-        got = self._gather(msgs.Endpoint(endpoint, epoch), self._cmd, msgs.Endpoint)
+        got = self._collective(lambda: self._gather(msgs.Endpoint(endpoint, epoch), self._cmd, msgs.Endpoint))
         return tuple(m.endpoint for m in got), tuple(m.epoch for m in got)
 
     # ---- commands ------------------------------------------------------------------------------------
@@ -258,9 +260,9 @@ class RankGroup:
         bodies = [h[8:8 + min(n, CAPACITY - 8)].numpy().tobytes() for h, n in zip(heads, sizes)]
         over = max(n - (CAPACITY - 8) for n in sizes)
         if over > 0:
-            tail = torch.zeros(over, dtype=torch.uint8)
-            mine = data[CAPACITY - 8:]
-            tail[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else tail[:0]
+            tail, mine = torch.zeros(over, dtype=torch.uint8), data[CAPACITY - 8:]
+            if mine:
+                tail[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
             tails = [torch.empty(over, dtype=torch.uint8) for _ in range(self.world)]
             dist.all_gather(tails, tail, group=group)
             bodies = [b + t[:max(0, n - (CAPACITY - 8))].numpy().tobytes() for b, t, n in zip(bodies, tails, sizes)]
