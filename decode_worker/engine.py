@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from common.errors import InvalidRequest
+from common.errors import InvalidRequest, TandemError
 from engine.build import EngineParts
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason, Sequence, SeqStatus, TokenLogprob
@@ -87,7 +87,11 @@ class DecodeEngine:
             return Rejected(m.request_id, f"no KV room for {m.prompt_len} tokens right now", True)
         self.kv.grow(pages, m.prompt_len)
         deadline = time.time() + m.deadline_s
-        req = self.rx.expect(m.request_id, pages, m.prompt_len, deadline)
+        try:
+            req = self.rx.expect(m.request_id, pages, m.prompt_len, deadline)
+        except TandemError as e:  # nothing was promised to a peer: the pages go straight back
+            self.kv.release(pages)
+            return Rejected(m.request_id, f"KV receiver refused the request: {e.message}", True)
         self.pending[m.request_id] = Pending(m.request_id, peer, pages, m.prompt_len, deadline)
         self.peers[m.request_id] = peer
         return Admitted(m.request_id, self.rx.epoch, encode_kv(req))
