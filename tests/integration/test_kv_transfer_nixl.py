@@ -287,7 +287,9 @@ def test_sender_killed_mid_transfer():
         c.expect("checked")  # two layers have landed: the sender is mid-transfer
         os.kill(c.pre[0].pid, signal.SIGKILL)
         (_, _, r), = c.expect("result")
-    assert r.partial_ok and r.num_bytes > 0, r
+    # The layers written before the kill landed byte-exact (partial_ok). Whether their LayerDone
+    # notifications were processed before the kill (num_bytes) is a race without a progress thread.
+    assert r.partial_ok, r
     assert r.status == "FAILED" and r.reason == FailureReason.PEER_DEAD.name, r
     assert r.seconds_to_terminal < sc.deadline_s / 2 and r.seconds_to_pages_free < sc.deadline_s / 2, r
     assert r.all_free
