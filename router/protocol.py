@@ -17,14 +17,11 @@ Colocated: router -> decode GenerateRequest, then TokenChunks.
 
 from __future__ import annotations
 
-import dataclasses
-import types
 import typing
 from dataclasses import dataclass, field
 
-import msgpack
-
 from common.errors import ProtocolError
+from common.typed_msgpack import build, pack, to_wire, unpack
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
@@ -160,73 +157,22 @@ class Ack:
 MESSAGES: tuple[type, ...] = (SamplingSpec, TopLogprob, StatusRequest, WorkerStatus, AdmitRequest, Admitted, Rejected,
                               PrefillRequest, PrefillResult, StartDecode, GenerateRequest, TokenChunk, Abort, Ack)
 _TAGS = {cls: i for i, cls in enumerate(MESSAGES)}
-_HINTS = {cls: typing.get_type_hints(cls) for cls in MESSAGES}
-
-
-def _to_wire(obj: typing.Any) -> typing.Any:
-    if dataclasses.is_dataclass(obj):
-        return [_to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-    if isinstance(obj, list | tuple):
-        return [_to_wire(x) for x in obj]
-    return obj
 
 
 def encode(msg: typing.Any) -> bytes:
     cls = type(msg)
     if cls not in _TAGS:
         raise TypeError(f"{cls.__name__} is not a protocol message")
-    data = msgpack.packb([PROTOCOL_VERSION, _TAGS[cls], _to_wire(msg)], use_bin_type=True)
+    data = pack([PROTOCOL_VERSION, _TAGS[cls], to_wire(msg)])
     if len(data) > MAX_FRAME_BYTES:
         raise ProtocolError(f"{cls.__name__} frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
     return data
 
 
-def _check(value: typing.Any, tp: typing.Any, where: str) -> typing.Any:
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        for alt in typing.get_args(tp):
-            try:
-                return _check(value, alt, where)
-            except ProtocolError:
-                continue
-        raise ProtocolError(f"{where}: {type(value).__name__} matches none of {tp}")
-    if tp is type(None):
-        if value is not None:
-            raise ProtocolError(f"{where}: expected None")
-        return None
-    if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        (inner,) = typing.get_args(tp)
-        return [_check(v, inner, f"{where}[]") for v in value]
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
-        return float(value)
-    if tp is int and isinstance(value, bool):
-        raise ProtocolError(f"{where}: expected int, got bool")
-    if not isinstance(value, tp):
-        raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-    return value
-
-
-def _build(cls: type, values: typing.Any, where: str) -> typing.Any:
-    fields = dataclasses.fields(cls)
-    if not isinstance(values, list) or len(values) != len(fields):
-        raise ProtocolError(f"{where}: {cls.__name__} needs {len(fields)} fields")
-    hints = _HINTS[cls]
-    return cls(**{f.name: _check(v, hints[f.name], f"{cls.__name__}.{f.name}") for f, v in zip(fields, values)})
-
-
 def decode(data: bytes) -> typing.Any:
     if len(data) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
-    try:
-        frame = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
-        raise ProtocolError(f"not a msgpack frame: {e}") from None
+    frame = unpack(data, "router protocol")
     if not isinstance(frame, list) or len(frame) != 3:
         raise ProtocolError("frame is not [version, tag, fields]")
     version, tag, values = frame
@@ -234,4 +180,4 @@ def decode(data: bytes) -> typing.Any:
         raise ProtocolError(f"protocol version {version} != ours {PROTOCOL_VERSION}; upgrade the older side")
     if not isinstance(tag, int) or not 0 <= tag < len(MESSAGES):
         raise ProtocolError(f"unknown message tag {tag!r}")
-    return _build(MESSAGES[tag], values, "frame")
+    return build(MESSAGES[tag], values, "frame")

@@ -31,16 +31,13 @@ there is no version field; the typing keeps dicts and pickles off the control pl
 
 from __future__ import annotations
 
-import dataclasses
-import types
 import typing
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar
 
-import msgpack
-
 from common.errors import ProtocolError
+from common.typed_msgpack import build, pack, to_wire, unpack
 
 
 class Command(IntEnum):
@@ -265,64 +262,20 @@ _KINDS: dict[int, type] = {c.KIND: c for c in (
     Step, RxExpect, RxPoll, RxOutcome, RxAbort, RxFinish, RxQuarantined, RxPeerDead, TxStart, TxPoll, TxOutcome,
     TxAbort, TxFinish, Shutdown, Done, Polled, Statuses, Outcome, Quarantine, Bye, Agree, Endpoint)}
 assert set(_KINDS) == set(Command) | set(Reply), "every command and answer kind has one message class"
-_HINTS: dict[type, dict[str, typing.Any]] = {}
-
-
-# ---- codec -------------------------------------------------------------------------------------------
-def _to_wire(obj: typing.Any) -> typing.Any:
-    if dataclasses.is_dataclass(obj):
-        return [_to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-    if isinstance(obj, list | tuple):
-        return [_to_wire(x) for x in obj]
-    return obj
 
 
 def encode(msg: typing.Any) -> bytes:
     if type(msg) not in _KINDS.values():
         raise TypeError(f"{type(msg).__name__} is not a rank-group message")
-    return msgpack.packb([msg.KIND, _to_wire(msg)], use_bin_type=True)
-
-
-def _check(value: typing.Any, tp: typing.Any, where: str) -> typing.Any:
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        for alt in typing.get_args(tp):
-            try:
-                return _check(value, alt, where)
-            except ProtocolError:
-                continue
-        raise ProtocolError(f"{where}: {type(value).__name__} matches none of {tp}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        (inner,) = typing.get_args(tp)
-        return [_check(v, inner, f"{where}[]") for v in value]
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if (tp is int and isinstance(value, bool)) or not isinstance(value, tp):
-        raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-    return value
-
-
-def _build(cls: type, values: typing.Any, where: str) -> typing.Any:
-    fields = dataclasses.fields(cls)
-    if not isinstance(values, list) or len(values) != len(fields):
-        raise ProtocolError(f"{where}: {cls.__name__} needs {len(fields)} fields")
-    hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
-    return cls(**{f.name: _check(v, hints[f.name], f"{cls.__name__}.{f.name}") for f, v in zip(fields, values)})
+    return pack([msg.KIND, to_wire(msg)])
 
 
 def decode(data: bytes, *expected: type) -> typing.Any:
     """Bytes -> a checked message; with `expected`, anything else is a ProtocolError."""
-    try:
-        frame = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
-        raise ProtocolError(f"rank group: not a msgpack frame: {e}") from None
+    frame = unpack(data, "rank group")
     if not isinstance(frame, list) or len(frame) != 2 or frame[0] not in _KINDS:
         raise ProtocolError("rank group: frame is not [known kind, fields]")
     cls = _KINDS[frame[0]]
     if expected and cls not in expected:
         raise ProtocolError(f"rank group: got {cls.__name__}, expected {' or '.join(c.__name__ for c in expected)}")
-    return _build(cls, frame[1], cls.__name__)
+    return build(cls, frame[1], cls.__name__)
