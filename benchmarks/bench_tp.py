@@ -61,11 +61,13 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--skip-allreduce", action="store_true")
     ap.add_argument("--bf16-attention", action="store_true")
+    ap.add_argument("--fast-allreduce-kib", type=int, default=0,
+                    help="symmetric-memory one-shot all-reduce up to this many KiB (0 = NCCL only)")
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank), timeout=timedelta(seconds=180))
-    tag = f"{a.preset}-tp{world}-{a.moe_mode}"
+    tag = f"{a.preset}-tp{world}-{a.moe_mode}" + (f"-oneshot{a.fast_allreduce_kib}k" if a.fast_allreduce_kib else "")
     path = out_dir() / (f"model_{tag}.json" if rank == 0 else f".rank{rank}_{tag}.json")
     res = Results(path, {"env": environment(), "args": vars(a), "world": world})
     quiet = contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext()
@@ -76,7 +78,7 @@ def main() -> None:
             ceil = measure_ceilings()
             sec.update(ceil)
         t0 = time.monotonic()
-        par = ParallelConfig(world, rank, MoEMode(a.moe_mode), dist.group.WORLD)
+        par = ParallelConfig(world, rank, MoEMode(a.moe_mode), dist.group.WORLD, a.fast_allreduce_kib << 10)
         model = build(a.preset, a.attention, "scaled_mm", "triton", parallel=par, device=f"cuda:{rank}",
                       fp8_attention=not a.bf16_attention)
         res.data["load_seconds"] = round(time.monotonic() - t0, 1)
