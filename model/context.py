@@ -72,7 +72,10 @@ def build_step_meta(steps: list[SeqStep], spec: KVCacheSpec | None, device: torc
                 assert s.pages is not None
                 arr = s.pages.full_array()
                 rows.append(arr[: -(-(s.start + s.q_len) // p)])
-                slots.append(_full_slots(arr, s.start, s.start + s.q_len, p))
+                if s.q_len == 1:  # decode: scalar arithmetic beats a numpy call per sequence
+                    slots.append(np.array([int(arr[s.start // p]) * p + s.start % p], dtype=np.int64))
+                else:
+                    slots.append(_full_slots(arr, s.start, s.start + s.q_len, p))
             starts = [s.start for s in steps]
             ends = [s.start + s.q_len for s in steps]
             groups[PageGroup.FULL] = GroupMeta(
@@ -100,7 +103,11 @@ def _sliding_meta(steps: list[SeqStep], spec: KVCacheSpec, device: torch.device 
         prefix.append(s.start - vstart)
         kv.append(end - vstart)
         keep_from = s.start if hold_all else max(s.start, end - (w - 1))
-        slots.append(_ring_slots(s.pages.ring, s.start, end, keep_from, p, r))
+        if s.q_len == 1 and s.pages.ring:
+            slot = s.pages.ring[(s.start // p) % r] * p + s.start % p if s.start >= keep_from else -1
+            slots.append(np.array([slot], dtype=np.int64))
+        else:
+            slots.append(_ring_slots(s.pages.ring, s.start, end, keep_from, p, r))
     return GroupMeta(_table(rows, device), torch.tensor(prefix, dtype=torch.int32, device=device),
                      torch.tensor(kv, dtype=torch.int32, device=device),
                      torch.from_numpy(np.concatenate(slots)).to(device), hold_all, prefix, kv)
