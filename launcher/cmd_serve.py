@@ -21,7 +21,7 @@ from common.errors import ConfigError, WorkerUnavailable
 DEFAULT_CACHE = Path.home() / ".cache" / "tandem" / "checkpoints"
 
 
-def _env(device: str) -> dict[str, str]:
+def worker_env(device: str) -> dict[str, str]:
     env = dict(os.environ)
     if not device.startswith("cuda"):
         # UCX over TCP on loopback: shared-memory-only transports fail to create the backend here.
@@ -47,25 +47,44 @@ def _wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float) -> No
     raise WorkerUnavailable(f"the service was not ready within {timeout_s:.0f} s")
 
 
+def worker_flags(a: argparse.Namespace, checkpoint: str, *, device: str, kv_backend: str, tp: int,
+                 moe_mode: str) -> list[str]:
+    """The flags every worker of a local deployment shares (tandem serve, tandem ray-launch)."""
+    flags = ["--checkpoint", checkpoint, "--device", device, "--host", a.host, "--kv-backend", kv_backend,
+             "--max-num-seqs", str(a.max_num_seqs), "--tp", str(tp), "--moe-mode", moe_mode]
+    if a.fp8:
+        flags.append("--fp8")
+    if a.kv_cache_gib:
+        flags += ["--kv-cache-gib", str(a.kv_cache_gib)]
+    return flags
+
+
 def build_commands(a: argparse.Namespace, checkpoint: str) -> list[list[str]]:
     exe = [sys.executable, "-m", "launcher.cli"]
-    common = ["--checkpoint", checkpoint, "--device", a.device, "--host", a.host, "--kv-backend", a.kv_backend,
-              "--max-num-seqs", str(a.max_num_seqs)]
-    if a.fp8:
-        common.append("--fp8")
-    if a.kv_cache_gib:
-        common += ["--kv-cache-gib", str(a.kv_cache_gib)]
+    gpu = a.device.startswith("cuda")
+    next_gpu = 0
+
+    def device(tp: int) -> str:  # on GPUs each worker takes the next tp devices (rank r on base + r)
+        nonlocal next_gpu
+        if not gpu:
+            return a.device
+        base, next_gpu = next_gpu, next_gpu + tp
+        return f"cuda:{base}"
+
     cmds = []
     prefill, decode = [], []
     for i in range(a.num_prefill):
         port = a.base_port + 100 + i
         prefill.append(f"tcp://{a.host}:{port}")
-        cmds.append(exe + ["prefill-worker", *common, "--port", str(port), "--metrics-port", str(a.base_port + 1100 + i)])
+        flags = worker_flags(a, checkpoint, device=device(a.prefill_tp), kv_backend=a.kv_backend, tp=a.prefill_tp,
+                             moe_mode="tp")
+        cmds.append(exe + ["prefill-worker", *flags, "--port", str(port), "--metrics-port", str(a.base_port + 1100 + i)])
     for i in range(a.num_decode):
         port = a.base_port + 200 + i
         decode.append(f"tcp://{a.host}:{port}")
-        dcommon = [*common[:-4], "--kv-backend", "none", *common[-2:]] if a.colocated else common
-        cmds.append(exe + ["decode-worker", *dcommon, "--port", str(port), "--metrics-port", str(a.base_port + 1200 + i)])
+        flags = worker_flags(a, checkpoint, device=device(a.decode_tp), kv_backend="none" if a.colocated else a.kv_backend,
+                             tp=a.decode_tp, moe_mode=a.decode_moe_mode)
+        cmds.append(exe + ["decode-worker", *flags, "--port", str(port), "--metrics-port", str(a.base_port + 1200 + i)])
     router = exe + ["router", "--host", a.host, "--port", str(a.port), "--model-name", a.model_name]
     for addr in prefill:
         router += ["--prefill", addr]
@@ -91,6 +110,10 @@ def serve(argv: list[str]) -> int:
     p.add_argument("--kv-backend", default="nixl", choices=["nixl", "loopback"])
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--prefill-tp", type=int, default=1, help="GPUs (processes) per prefill worker")
+    p.add_argument("--decode-tp", type=int, default=1, help="GPUs (processes) per decode worker")
+    p.add_argument("--decode-moe-mode", choices=["tp", "ep"], default="tp",
+                   help="ep: whole experts per rank, one all-reduce as combine (the seed's EP4-TP4)")
     p.add_argument("--ready-timeout-s", type=float, default=300)
     a = p.parse_args(argv)
     if a.num_decode < 1:
@@ -101,7 +124,7 @@ def serve(argv: list[str]) -> int:
         from model.checkpoint_io import ensure_checkpoint
 
         a.checkpoint = str(ensure_checkpoint("tiny", DEFAULT_CACHE))
-    env = _env(a.device)
+    env = worker_env(a.device)
     procs = [subprocess.Popen(cmd, env=env) for cmd in build_commands(a, a.checkpoint)]
     stop = {"now": False}
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from common.errors import WorkerUnavailable
-from launcher.cmd_serve import _env as worker_env
+from launcher.cmd_serve import worker_env
 from router.fleet import Discovery
 
 if TYPE_CHECKING:

@@ -82,7 +82,8 @@ def start_service(checkpoint: str, *, num_prefill: int = 1, num_decode: int = 1,
         port = s.getsockname()[1]
     a = argparse.Namespace(device="cpu", host="127.0.0.1", kv_backend="nixl", max_num_seqs=32, fp8=False,
                            kv_cache_gib=0.0625, num_prefill=0 if colocated else num_prefill, num_decode=num_decode,
-                           base_port=base, port=port, model_name=model_name, colocated=colocated)
+                           base_port=base, port=port, model_name=model_name, colocated=colocated,
+                           prefill_tp=1, decode_tp=1, decode_moe_mode="tp")
     cmds = build_commands(a, checkpoint)
     cmds[-1] += (extra_router or []) + ["--poll-interval-s", "0.25"]
     env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1")
