@@ -33,9 +33,11 @@ class Backends:
     attention: AttentionImpl
     linear: LinearImpl
     moe: MoEImpl
+    fused_norm: bool = False  # Triton RMSNorm / residual-add + RMSNorm (kernels.norm) instead of torch ops
 
     def describe(self) -> str:
-        return f"attention={self.attention.name} linear={self.linear.name} moe={self.moe.name}"
+        return (f"attention={self.attention.name} linear={self.linear.name} moe={self.moe.name} "
+                f"norm={'triton' if self.fused_norm else 'torch'}")
 
 
 def make_attention(kind: AttentionBackend | str) -> AttentionImpl:
@@ -82,6 +84,8 @@ def make_moe(kind: MoEBackend | str) -> MoEImpl:
 
 def make_backends(attention: str = "torch", linear: str = "torch", moe: str = "torch") -> Backends:
     try:
-        return Backends(make_attention(attention), make_linear(linear), make_moe(moe))
+        # The GPU attention backends imply a GPU (or the Triton interpreter): fuse the norms there too.
+        return Backends(make_attention(attention), make_linear(linear), make_moe(moe),
+                        fused_norm=AttentionBackend(attention) != AttentionBackend.TORCH)
     except ValueError as e:
         raise ConfigError(str(e)) from None

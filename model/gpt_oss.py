@@ -116,8 +116,14 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, be: Backends,
                 kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.attn(ref.rms_norm(x, self.attn_norm, self.eps), cos, sin, be, kv)
-        return x + self.mlp(ref.rms_norm(x, self.mlp_norm, self.eps), be)
+        if not be.fused_norm:
+            x = x + self.attn(ref.rms_norm(x, self.attn_norm, self.eps), cos, sin, be, kv)
+            return x + self.mlp(ref.rms_norm(x, self.mlp_norm, self.eps), be)
+        from kernels.norm import add_rms_norm, rms_norm
+
+        a = self.attn(rms_norm(x, self.attn_norm, self.eps), cos, sin, be, kv)
+        x, h = add_rms_norm(x, a, self.mlp_norm, self.eps)  # residual add and the next norm, one pass
+        return x + self.mlp(h, be)
 
 
 class GptOss(nn.Module):
@@ -155,6 +161,10 @@ class GptOss(nn.Module):
                 x = block(x, cos, sin, self.backends, kv.layer_kv(i) if kv is not None else None)
             if on_layer_done is not None:
                 on_layer_done(i)
+        if self.backends.fused_norm:
+            from kernels.norm import rms_norm
+
+            return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         return ref.rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
