@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from common.worker_args import add_worker_args, worker_id
-from common.worker_main import build_parts, serve, transfer_config
+from engine.worker_args import add_worker_args, worker_id
+from engine.worker_main import build_parts, serve, transfer_config
 from decode_worker.engine import DecodeEngine
 from decode_worker.server import DecodeServer
 from engine.tp.group import RankGroup

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 
 from common.errors import ConfigError
-from common.worker_args import add_worker_args, worker_id
-from common.worker_main import build_parts, serve, transfer_config
+from engine.worker_args import add_worker_args, worker_id
+from engine.worker_main import build_parts, serve, transfer_config
 from engine.tp.group import RankGroup
 from engine.tp.proxies import RankParts, lead
 from kv_transfer.interface import new_epoch

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.registry import make_attention  # noqa: E402
-from kernels.selftest import AttentionSelfTestFailed, SelfTestShape, self_test_attention  # noqa: E402
+from engine.selftest import AttentionSelfTestFailed, SelfTestShape, self_test_attention  # noqa: E402
 from kernels.torch_backend import TorchAttention  # noqa: E402
 from kernels.triton_attention_backend import TritonAttention  # noqa: E402
 from model.context import SeqStep, build_step_meta  # noqa: E402

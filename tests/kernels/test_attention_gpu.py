@@ -12,7 +12,7 @@ import torch
 
 from kernels import reference as ref
 from kernels.interface import GroupMeta, StepMeta
-from kernels.selftest import SelfTestShape, self_test_attention
+from engine.selftest import SelfTestShape, self_test_attention
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]

@@ -213,7 +213,7 @@ def test_rendered_commands_parse_with_the_real_clis(values: list[str]) -> None:
     parser of the program it starts (kubelet expands $(POD_IP) before the program sees it)."""
     import argparse
 
-    from common.worker_args import add_worker_args
+    from engine.worker_args import add_worker_args
     from router.main import parse_args as router_parse_args
 
     docs = render(*values)

@@ -10,7 +10,7 @@ import json
 import logging
 
 from common.http_health import HealthServer
-from common.worker_args import engine_config
+from engine.worker_args import engine_config
 from common.worker_io import WorkerIO
 from engine.build import EngineParts, build_engine_parts, kv_budget, load_model
 from engine.tp.group import RankGroup
@@ -40,7 +40,7 @@ def build_parts(a: argparse.Namespace, role: str, group: RankGroup) -> EnginePar
     parts = build_engine_parts(dataclasses.replace(cfg, kv_cache_bytes=group.min_int(kv_budget(cfg))), model)
     group.check_same("KV pages per page group", list(parts.spec.num_pages))
     if cfg.attention_backend != "torch":
-        from kernels.selftest import self_test_attention
+        from engine.selftest import self_test_attention
 
         self_test_attention(parts.model.backends.attention, cfg.device, parts.model.dtype)
         log.info("attention self-test passed (%s)", cfg.attention_backend)
