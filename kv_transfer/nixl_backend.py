@@ -52,10 +52,9 @@ class NixlAgent:
         api, self._b = _nixl()
         self._errors = tuple(getattr(self._b, n) for n in dir(self._b) if n.startswith("nixl") and n.endswith("Error"))
         self.name = name
-        # NIXL's progress thread spins (~0.8 of a core per agent, measured on the CPU machine). With
-        # DRAM pools (CPU runs) the worker loops drive progress themselves through poll/progress;
-        # with VRAM pools the GPU copy engines do the work and the thread keeps latency low.
-        prog_thread = pool.pools[0].device.type == "cuda"
+        # NIXL's progress thread spins (~0.8 of a core per agent on the CPU machine), but without it a
+        # sender whose peer died was seen to block in the full suite: keep it on everywhere.
+        prog_thread = True
         try:
             self._agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=prog_thread,
                                                                      backends=list(backends)))
