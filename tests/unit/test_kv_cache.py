@@ -76,3 +76,42 @@ def test_page_array_cache_follows_release_and_regrow():
     kv.release(a)
     kv.release(b)
     kv.assert_all_free()
+
+
+def test_allocator_prefers_contiguous_runs_after_churn():
+    a = PageAllocator(64)
+    seqs = [a.allocate(4) for _ in range(16)]
+    assert all(s == list(range(s[0], s[0] + 4)) for s in seqs)  # fresh pool: contiguous
+    for s in seqs[::2]:
+        a.free(s)  # 8 holes of 4 pages
+    a.free(seqs[5])
+    a.free(seqs[7])  # pages 20..23 and 28..31 join holes 16..19 and 24..27: one run 16..31
+    got = a.allocate(12)
+    assert got == list(range(16, 28))  # first run long enough, not the first free pages
+    pieces = a.allocate(6)  # no run of 6 left: longest runs first
+    assert len(set(pieces)) == 6 and all(a._ref[p] == 1 for p in pieces)
+    one = a.allocate(1)
+    assert a._ref[one[0]] == 1
+    for p in (got, pieces, one, *[s for i, s in enumerate(seqs) if i % 2 and i not in (5, 7)]):
+        a.free(p)
+    a.assert_all_free()
+
+
+def test_allocator_never_hands_out_a_page_twice():
+    import random
+
+    rng = random.Random(0)
+    a = PageAllocator(97)
+    held: list[list[int]] = []
+    for _ in range(2000):
+        if held and (rng.random() < 0.45 or a.num_free == 0):
+            a.free(held.pop(rng.randrange(len(held))))
+        else:
+            n = min(a.num_free, rng.choice([1, 1, 1, 2, 5, 9]))
+            if n:
+                held.append(a.allocate(n))
+        flat = [p for h in held for p in h]
+        assert len(flat) == len(set(flat)) and a.num_free == 97 - len(flat)
+    for h in held:
+        a.free(h)
+    a.assert_all_free()
