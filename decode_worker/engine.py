@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from common.errors import InvalidRequest, TandemError
 from engine.build import EngineParts
 from engine.sampling import SamplingParams
-from engine.sequence import FinishReason, Sequence, SeqStatus, TokenLogprob
+from engine.sequence import FinishReason, Sequence, TokenLogprob
 from kv_transfer.interface import KVReceiver, TransferStatus
 from kv_transfer.messages import encode as encode_kv
 from model.kv_cache import SeqPages
@@ -160,12 +160,10 @@ class DecodeEngine:
         if m.first_logprob is not None:
             seq.logprobs.append(TokenLogprob(m.first_token, m.first_logprob, [(t.token_id, t.logprob) for t in m.first_top]))
         reason = self.scheduler.stop_reason(seq, m.first_token)
-        self.seqs[seq.request_id] = seq
         if reason is not None:  # the first token already ends it (stop token or max_tokens == 1)
-            self.scheduler.running.append(seq)
-            seq.status = SeqStatus.RUNNING
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq, reason)  # releases the pages; the sequence never runs here
             return [(self.peers.pop(seq.request_id), TokenChunk(seq.request_id, [], [], [], True, reason.value, ""))]
+        self.seqs[seq.request_id] = seq
         self.scheduler.add_running(seq)
         return []
 
