@@ -23,7 +23,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import numpy as np
 
 from benchmarks.loadgen import LengthRange, LoadSpec, RequestResult, plan_requests, run_load
 from common.errors import ConfigError, WorkerUnavailable
+from launcher.cmd_serve import free_base_port, free_port
 
 CPU_NOTE = ("service launched on the CPU with the embedded tiny model: these numbers measure the load generator "
             "and the serving path (HTTP, router, ZMQ, KV transfer, scheduling), not model speed")
@@ -131,37 +131,12 @@ def format_comparison(runs: list[dict]) -> str:
 
 
 # ---- launching `tandem serve` ----------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _free_base_port(workers: int) -> int:
-    """A base port whose worker ports (base+100+i, +200+i, +1100+i, +1200+i) are all free now."""
-    for _ in range(100):
-        base = _free_port() % 20000 + 20000
-        ports = [base + off + i for off in (100, 200, 1100, 1200) for i in range(workers)]
-        if all(_port_free(p) for p in ports):
-            return base
-    raise ConfigError("found no free block of worker ports")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 class LaunchedService:
     """`tandem serve` in its own session (so a stuck shutdown can take its workers down with it)."""
 
     def __init__(self, mode: str, num_prefill: int, num_decode: int, serve_args: list[str], ready_timeout_s: float):
         self.mode, self.ready_timeout_s = mode, ready_timeout_s
-        port, base = _free_port(), _free_base_port(num_prefill + num_decode)
+        port, base = free_port(), free_base_port(num_prefill + num_decode)
         self.url = f"http://127.0.0.1:{port}"
         workers = (["--colocated", "--num-decode", str(num_prefill + num_decode)] if mode == "colocated"
                    else ["--num-prefill", str(num_prefill), "--num-decode", str(num_decode)])

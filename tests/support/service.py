@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -13,29 +12,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from launcher.cmd_serve import build_commands, shutdown
+from launcher.cmd_serve import build_commands, free_base_port, free_port, shutdown
 from router.protocol import StatusRequest, WorkerStatus, decode, encode
-
-
-def free_port_block(n: int) -> int:
-    """A base port with base+100..base+1300 region likely free (checked for the ports we use)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1] % 20000 + 20000
-        ports = [base + d for d in (100, 101, 200, 201, 1100, 1101, 1200, 1201)]
-        if all(_free(p) for p in ports):
-            return base
-    raise RuntimeError("no free port block")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 @dataclass
@@ -76,10 +54,7 @@ class Service:
 
 def start_service(checkpoint: str, *, num_prefill: int = 1, num_decode: int = 1, colocated: bool = False,
                   model_name: str = "m", extra_router: list[str] | None = None, timeout_s: float = 120) -> Service:
-    base = free_port_block(8)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    base, port = free_base_port(max(num_prefill, num_decode)), free_port()
     a = argparse.Namespace(device="cpu", host="127.0.0.1", kv_backend="nixl", max_num_seqs=32, fp8=False,
                            kv_cache_gib=0.0625, num_prefill=0 if colocated else num_prefill, num_decode=num_decode,
                            base_port=base, port=port, model_name=model_name, colocated=colocated,
