@@ -28,8 +28,9 @@ import abc
 import time
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Protocol
 
-from common.errors import ConfigError
+from common.errors import ConfigError, ProtocolError
 from kv_transfer.messages import FailureReason, TransferRequest
 from model.kv_cache import SeqPages
 
@@ -86,6 +87,32 @@ class TransferOutcome:
     detail: str
     num_bytes: int  # payload bytes written (sender) / confirmed landed (receiver)
     seconds: float  # start to terminal (or to now while running)
+
+
+class SendState(Protocol):
+    """What every sender keeps per transfer (the loopback and NIXL senders' records)."""
+
+    status: TransferStatus
+    reason: FailureReason | None
+    detail: str
+    num_bytes: int
+    started: float
+    ended_at: float | None
+
+
+def sender_outcome(request_id: str, t: SendState) -> TransferOutcome:
+    end = t.ended_at if t.ended_at is not None else time.monotonic()
+    return TransferOutcome(request_id, t.status, t.reason, t.detail, t.num_bytes, end - t.started)
+
+
+def check_rank_endpoints(config: TransferConfig, endpoint: str, epoch: int, endpoints: tuple[str, ...],
+                         epochs: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A decode rank's view of its worker's ranks must contain itself at its own rank."""
+    if len(endpoints) != config.tp_size or endpoints[config.tp_rank] != endpoint:
+        raise ProtocolError(f"rank endpoints {endpoints} do not fit rank {config.tp_rank} at {endpoint}")
+    if len(epochs) != len(endpoints) or epochs[config.tp_rank] != epoch:
+        raise ProtocolError(f"rank epochs {epochs} do not fit rank {config.tp_rank} at epoch {epoch}")
+    return tuple(endpoints), tuple(epochs)
 
 
 @dataclass(frozen=True, slots=True)

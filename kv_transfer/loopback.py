@@ -17,7 +17,8 @@ import torch
 from common.errors import ProtocolError
 from kv_transfer import metrics
 from kv_transfer.interface import (FailureReason, KVReceiver, KVSender, QuarantinedPages, ReleasedPages,
-                                   TransferConfig, TransferOutcome, TransferStatus, new_epoch)
+                                   TransferConfig, TransferOutcome, TransferStatus, check_rank_endpoints,
+                                   new_epoch, sender_outcome)
 from kv_transfer.messages import Cancel, Claim, ClaimReply, Ended, KVCompat, LayerDone, TransferRequest
 from kv_transfer.plan import HeadRun, check_source_pages, head_runs, page_pairs
 from kv_transfer.receiver_state import ReceiverBook
@@ -80,11 +81,7 @@ class LoopbackReceiver(KVReceiver):
         return self._epoch
 
     def set_rank_endpoints(self, endpoints: tuple[str, ...], epochs: tuple[int, ...]) -> None:
-        if len(endpoints) != self.config.tp_size or endpoints[self.config.tp_rank] != self._endpoint:
-            raise ProtocolError(f"rank endpoints {endpoints} do not fit rank {self.config.tp_rank} at {self._endpoint}")
-        if len(epochs) != len(endpoints) or epochs[self.config.tp_rank] != self._epoch:
-            raise ProtocolError(f"rank epochs {epochs} do not fit rank {self.config.tp_rank} at epoch {self._epoch}")
-        self._endpoints, self._epochs = tuple(endpoints), tuple(epochs)
+        self._endpoints, self._epochs = check_rank_endpoints(self.config, self._endpoint, self._epoch, endpoints, epochs)
 
     def expect(self, request_id: str, pages: SeqPages, num_tokens: int, deadline_unix: float) -> TransferRequest:
         assert self._endpoints, "set_rank_endpoints() first (TP > 1)"
@@ -211,9 +208,7 @@ class LoopbackSender(KVSender):
         return self._txs[request_id].status
 
     def outcome(self, request_id: str) -> TransferOutcome:
-        t = self._txs[request_id]
-        end = t.ended_at if t.ended_at is not None else time.monotonic()
-        return TransferOutcome(request_id, t.status, t.reason, t.detail, t.num_bytes, end - t.started)
+        return sender_outcome(request_id, self._txs[request_id])
 
     def abort(self, request_id: str, reason: FailureReason = FailureReason.ABORTED, detail: str = "") -> None:
         tx = self._txs[request_id]

@@ -26,7 +26,7 @@ import zmq
 from common.errors import ProtocolError
 from kv_transfer import metrics
 from kv_transfer.interface import (FailureReason, KVReceiver, QuarantinedPages, ReleasedPages, TransferConfig,
-                                   TransferOutcome, TransferStatus, new_epoch)
+                                   TransferOutcome, TransferStatus, check_rank_endpoints, new_epoch)
 from kv_transfer.messages import (Claim, ClaimReply, Ended, Handshake, HandshakeRequest, KVCompat, LayerDone, Probe,
                                   TransferRequest, decode, encode)
 from kv_transfer.nixl_backend import NixlAgent, PeerGone, SideChannelServer, TransportError
@@ -66,11 +66,7 @@ class NixlReceiver(KVReceiver):
         return self._epoch
 
     def set_rank_endpoints(self, endpoints: tuple[str, ...], epochs: tuple[int, ...]) -> None:
-        if len(endpoints) != self.config.tp_size or endpoints[self.config.tp_rank] != self.endpoint:
-            raise ProtocolError(f"rank endpoints {endpoints} do not fit rank {self.config.tp_rank} at {self.endpoint}")
-        if len(epochs) != len(endpoints) or epochs[self.config.tp_rank] != self._epoch:
-            raise ProtocolError(f"rank epochs {epochs} do not fit rank {self.config.tp_rank} at epoch {self._epoch}")
-        self._endpoints, self._epochs = tuple(endpoints), tuple(epochs)
+        self._endpoints, self._epochs = check_rank_endpoints(self.config, self.endpoint, self._epoch, endpoints, epochs)
 
     def expect(self, request_id: str, pages: SeqPages, num_tokens: int, deadline_unix: float) -> TransferRequest:
         assert self._endpoints, "set_rank_endpoints() first (TP > 1)"

@@ -38,7 +38,8 @@ import zmq
 
 from common.errors import ProtocolError
 from kv_transfer import metrics
-from kv_transfer.interface import FailureReason, KVSender, TransferConfig, TransferOutcome, TransferStatus, new_epoch
+from kv_transfer.interface import (FailureReason, KVSender, TransferConfig, TransferOutcome, TransferStatus, new_epoch,
+                                   sender_outcome)
 from kv_transfer.messages import (Cancel, Claim, ClaimReply, Ended, Handshake, HandshakeRequest, KVCompat, LayerDone,
                                   TransferRequest, decode, encode)
 from kv_transfer.nixl_backend import NixlAgent, PeerGone, SideChannelClient, TransportError, descriptors
@@ -152,9 +153,7 @@ class NixlSender(KVSender):
         return self._txs[request_id].status
 
     def outcome(self, request_id: str) -> TransferOutcome:
-        t = self._txs[request_id]
-        end = t.ended_at if t.ended_at is not None else time.monotonic()
-        return TransferOutcome(request_id, t.status, t.reason, t.detail, t.num_bytes, end - t.started)
+        return sender_outcome(request_id, self._txs[request_id])
 
     def abort(self, request_id: str, reason: FailureReason = FailureReason.ABORTED, detail: str = "") -> None:
         tx = self._txs[request_id]
