@@ -3,12 +3,10 @@ step must read (the HBM floor), KV state with random contents."""
 
 from __future__ import annotations
 
-import torch
-
 from engine.build import EngineConfig, load_model
 from model.config import GptOssConfig
 from model.gpt_oss import GptOss
-from model.kv_cache import KVManager, KVPool, plan_kv_cache
+from model.kv_cache import KVManager, KVPool, PageGroup, plan_kv_cache
 from model.parallel import ParallelConfig
 
 
@@ -25,8 +23,6 @@ def decode_state(model: GptOss, tokens_per_seq: int, num_seqs: int) -> tuple:
     cfg = model.cfg
     probe = plan_kv_cache(cfg, 1 << 40, page_size=16, max_num_seqs=num_seqs + 1, tp_size=model.par.tp_size,
                           dtype=model.dtype)
-    from model.kv_cache import PageGroup
-
     full_pages = num_seqs * (-(-tokens_per_seq // 16)) + 2
     budget = (full_pages * probe.page_bytes(PageGroup.FULL)
               + (num_seqs + 1) * probe.ring_pages * probe.page_bytes(PageGroup.SLIDING))
@@ -78,5 +74,3 @@ def floor_bytes_decode(cfg: GptOssConfig, batch: int, context: int, kv_bytes: in
     kv = batch * kv_tok * (len(cfg.full_layers) * context + len(cfg.sliding_layers) * min(context, cfg.sliding_window))
     return attn + router + experts + unembed + kv
 
-
-__all__ = ["build", "decode_state", "fill_random", "prefill_flops", "floor_bytes_decode", "torch"]
