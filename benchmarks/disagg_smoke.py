@@ -18,6 +18,7 @@ import time
 
 import zmq
 
+from benchmarks.common import environment
 from router.protocol import (AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult, SamplingSpec,
                              StartDecode, StatusRequest, TokenChunk, WorkerStatus, decode, encode)
 
@@ -130,7 +131,7 @@ def main() -> None:
     d.send(StatusRequest())
     st = d.recv(5)
     leak_free = st.kv_free_pages == st0.kv_free_pages and st.kv_free_sliding_pages == st0.kv_free_sliding_pages
-    summary = {"rows": rows, "burst": {"requests": a.burst, "seconds": burst_s,
+    summary = {"env": environment(), "config": vars(a), "rows": rows, "burst": {"requests": a.burst, "seconds": burst_s,
                                        "tokens_per_s": a.burst * a.max_tokens / burst_s},
                "decode_pages_all_returned": leak_free, "all_identical": all(r["identical"] for r in rows)}
     print(json.dumps(summary["burst"]), "pages returned:", leak_free, "all identical:", summary["all_identical"])
