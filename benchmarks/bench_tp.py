@@ -26,28 +26,51 @@ from benchmarks.model_setup import build
 from model.parallel import MoEMode, ParallelConfig
 
 
-def allreduce_section(res: Results, rank: int, world: int) -> None:
-    with res.section("allreduce") as sec:
-        for tokens in (1, 8, 32, 64, 128, 1024, 8192):
-            x = torch.randn(tokens, 2880, dtype=torch.bfloat16, device="cuda")
-            ms = time_cuda(lambda: dist.all_reduce(x), warmup=5, iters=50)
-            row = {"tokens": tokens, "bytes": x.numel() * 2, "nccl_us": ms * 1e3}
-            try:
-                import torch.distributed._symmetric_memory as symm_mem
+def graph_us(fn, calls: int = 32, trials: int = 10) -> float:
+    """Microseconds per call of `fn` inside a CUDA graph of `calls` back-to-back calls (how decode
+    runs them: no launch gaps), median over replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return time_cuda(g.replay, warmup=3, iters=trials) * 1e3 / calls
 
-                buf = symm_mem.empty(x.shape, dtype=x.dtype, device=x.device)
-                hdl = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
-                buf.copy_(x)
-                ms2 = time_cuda(lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", dist.group.WORLD.group_name),
-                                warmup=5, iters=50)
-                row["symm_one_shot_us"] = ms2 * 1e3
-                del hdl
+
+def allreduce_section(res: Results, rank: int, world: int) -> None:
+    """Decode-sized all-reduces: NCCL and the symmetric-memory one-shot path the model uses
+    (model/parallel.py), each eager (one launch, event-timed) and inside a CUDA graph."""
+    from model.parallel import _one_shot_all_reduce
+
+    with res.section("allreduce") as sec:
+        for tokens in (1, 8, 32, 64, 128, 256, 1024, 8192):
+            torch.manual_seed(tokens)  # the same x on every rank: the sum is world * x
+            x = torch.randn(tokens, 2880, dtype=torch.bfloat16, device="cuda")
+            row = {"tokens": tokens, "bytes": x.numel() * 2}
+            row["nccl_us"] = time_cuda(lambda: dist.all_reduce(x), warmup=5, iters=50) * 1e3
+            try:
+                row["nccl_graph_us"] = graph_us(lambda: dist.all_reduce(x))
+            except Exception as e:  # noqa: BLE001 - record and go on
+                row["nccl_graph_error"] = str(e)[:200]
+            try:
+                want = x.float() * world  # every rank holds the same x (same seed)
+                got = _one_shot_all_reduce(x, None)
+                row["symm_ok"] = bool(torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2))
+                row["symm_one_shot_us"] = time_cuda(lambda: _one_shot_all_reduce(x, None), warmup=5, iters=50) * 1e3
+                row["symm_one_shot_graph_us"] = graph_us(lambda: _one_shot_all_reduce(x, None))
             except Exception as e:  # noqa: BLE001 - optional fast path
                 row["symm_one_shot_error"] = str(e)[:200]
             sec["rows"].append(row)
             if rank == 0:
-                print(f"all-reduce {tokens:>5} tokens: NCCL {row['nccl_us']:.1f} us, one-shot "
-                      f"{row.get('symm_one_shot_us', float('nan')):.1f} us", flush=True)
+                print(f"all-reduce {tokens:>5} tokens: NCCL {row['nccl_us']:.1f} us (graph "
+                      f"{row.get('nccl_graph_us', float('nan')):.1f}), one-shot "
+                      f"{row.get('symm_one_shot_us', float('nan')):.1f} us (graph "
+                      f"{row.get('symm_one_shot_graph_us', float('nan')):.1f}) ok={row.get('symm_ok')}", flush=True)
 
 
 def main() -> None:
@@ -87,7 +110,8 @@ def main() -> None:
         decode_section(res, model, [int(x) for x in a.contexts.split(",") if x],
                        [int(x) for x in a.batches.split(",") if x], ceil, world, not a.no_graphs)
         res.save()
-        for name, cols in (("allreduce", ["tokens", "nccl_us", "symm_one_shot_us"]),
+        for name, cols in (("allreduce", ["tokens", "nccl_us", "nccl_graph_us", "symm_one_shot_us",
+                                         "symm_one_shot_graph_us", "symm_ok"]),
                            ("prefill", ["tokens", "ms", "TFLOPs", "ratio_fp8_peak", "usd_per_M_input"]),
                            ("decode", ["context", "batch", "ms_per_step", "gpu_ms_graph_replay", "tok_s_per_gpu",
                                        "tok_s_per_user", "usd_per_M_output", "ratio_to_floor"])):

@@ -33,6 +33,9 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--tp-timeout-s", type=float, default=60.0,
                    help="deadline of one collective between TP ranks (a stuck rank ends the worker)")
     p.add_argument("--moe-mode", choices=["tp", "ep"], default="tp")
+    p.add_argument("--fast-allreduce-kib", type=int, default=1024,
+                   help="with --tp > 1 on GPUs: all-reduces up to this size use the symmetric-memory "
+                        "one-shot kernel (decode-sized), larger ones NCCL; 0 = NCCL only")
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"])
     p.add_argument("--linear-backend", default=None, choices=["torch", "scaled_mm", "triton", "deepgemm"])
     p.add_argument("--moe-backend", default=None, choices=["torch", "triton"])
@@ -64,7 +67,9 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         page_size=a.page_size, kv_cache_bytes=int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None,
         kv_cache_fraction=a.kv_cache_fraction,
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),
-        seed=a.seed, parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group), progress=tp_rank == 0)
+        seed=a.seed, progress=tp_rank == 0,
+        parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group,
+                                max(0, a.fast_allreduce_kib) << 10 if gpu else 0))
 
 
 def worker_id(a: argparse.Namespace, role: str) -> str:

@@ -33,9 +33,9 @@ class ParallelConfig:
     tp_rank: int = 0
     moe_mode: MoEMode = MoEMode.TP
     group: Any = None  # torch.distributed ProcessGroup; None when tp_size == 1
-    # Decode-sized all-reduces through torch symmetric memory's one-shot kernel (measured on two
-    # H200s: 20-24 us against NCCL's 41-65 us for 1-128 tokens x 2880 bf16); NCCL above the limit.
-    # Off by default until measured inside the model; multicast is never used.
+    # Decode-sized all-reduces (<= this many bytes, CUDA only) through torch symmetric memory's
+    # one-shot kernel: every rank reads its peers' buffers over NVLink and sums, one launch, no
+    # NCCL protocol; NCCL above the limit. 0 = NCCL only. Multicast is never used.
     fast_allreduce_max_bytes: int = 0
 
     def validate(self, cfg: GptOssConfig) -> None:
@@ -95,7 +95,7 @@ def _one_shot_all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum over the group with symmetric memory's one-shot kernel. One symmetric buffer per
     (group, shape, dtype), created on first use by every rank together (a collective); a CUDA-graph
     capture is always preceded by eager warm-up steps of the same shapes, so capture never creates
-    one."""
+    one. `one_shot_all_reduce_copy` (torch >= 2.8) stages x into the buffer inside the same kernel."""
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -106,5 +106,7 @@ def _one_shot_all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
         buf = symm_mem.empty(x.shape, dtype=x.dtype, device=x.device)
         symm_mem.rendezvous(buf, name)
         _SYMM[key] = buf
+    if hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(buf, x.contiguous(), "sum", name)
     buf.copy_(x)
     return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name)
