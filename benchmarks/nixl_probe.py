@@ -40,7 +40,7 @@ def _setup(dev: str) -> tuple[str, int]:
     """(NIXL memory type, device id); GPU processes also bind their device."""
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
-        return mem, torch.device(dev).index
+        return "VRAM", torch.device(dev).index
     return "DRAM", 0
 
 
