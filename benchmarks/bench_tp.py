@@ -63,6 +63,18 @@ def allreduce_section(res: Results, rank: int, world: int) -> None:
                 row["symm_ok"] = bool(torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2))
                 row["symm_one_shot_us"] = time_cuda(lambda: _one_shot_all_reduce(x, None), warmup=5, iters=50) * 1e3
                 row["symm_one_shot_graph_us"] = graph_us(lambda: _one_shot_all_reduce(x, None))
+                # the kernels alone, on a buffer already holding x (what a producer writing straight
+                # into the symmetric buffer would pay): one-shot, and two-shot (reduce-scatter +
+                # all-gather, in place)
+                import torch.distributed._symmetric_memory as symm_mem
+                name = dist.group.WORLD.group_name
+                buf = symm_mem.empty(x.shape, dtype=x.dtype, device=x.device)
+                symm_mem.rendezvous(buf, name)
+                buf.copy_(x)
+                row["symm_one_shot_nocopy_graph_us"] = graph_us(
+                    lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name))
+                row["symm_two_shot_graph_us"] = graph_us(
+                    lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", name))
             except Exception as e:  # noqa: BLE001 - optional fast path
                 row["symm_one_shot_error"] = str(e)[:200]
             sec["rows"].append(row)
@@ -70,7 +82,9 @@ def allreduce_section(res: Results, rank: int, world: int) -> None:
                 print(f"all-reduce {tokens:>5} tokens: NCCL {row['nccl_us']:.1f} us (graph "
                       f"{row.get('nccl_graph_us', float('nan')):.1f}), one-shot "
                       f"{row.get('symm_one_shot_us', float('nan')):.1f} us (graph "
-                      f"{row.get('symm_one_shot_graph_us', float('nan')):.1f}) ok={row.get('symm_ok')}", flush=True)
+                      f"{row.get('symm_one_shot_graph_us', float('nan')):.1f}, kernel alone "
+                      f"{row.get('symm_one_shot_nocopy_graph_us', float('nan')):.1f}; two-shot "
+                      f"{row.get('symm_two_shot_graph_us', float('nan')):.1f}) ok={row.get('symm_ok')}", flush=True)
 
 
 def main() -> None:
@@ -111,7 +125,8 @@ def main() -> None:
                        [int(x) for x in a.batches.split(",") if x], ceil, world, not a.no_graphs)
         res.save()
         for name, cols in (("allreduce", ["tokens", "nccl_us", "nccl_graph_us", "symm_one_shot_us",
-                                         "symm_one_shot_graph_us", "symm_ok"]),
+                                         "symm_one_shot_graph_us", "symm_one_shot_nocopy_graph_us",
+                                         "symm_two_shot_graph_us", "symm_ok"]),
                            ("prefill", ["tokens", "ms", "TFLOPs", "ratio_fp8_peak", "usd_per_M_input"]),
                            ("decode", ["context", "batch", "ms_per_step", "gpu_ms_graph_replay", "tok_s_per_gpu",
                                        "tok_s_per_user", "usd_per_M_output", "ratio_to_floor"])):

@@ -106,8 +106,9 @@ def main() -> None:
         d.send(GenerateRequest(f"colo-{n}", prompt, spec))
         colo = collect(d, {f"colo-{n}"})[f"colo-{n}"][0]
         dis, stats = disagg(p, d, f"dis-{n}", prompt, spec)
-        rows.append({"prompt_tokens": n, "identical": dis == colo, **stats})
-        print(f"prompt {n:>6}: identical={dis == colo}  TTFT {stats['ttft_s'] * 1e3:.1f} ms (prefill "
+        agree = next((i for i, (a, b) in enumerate(zip(dis, colo)) if a != b), min(len(dis), len(colo)))
+        rows.append({"prompt_tokens": n, "identical": dis == colo, "agree_prefix": agree, "tokens": len(colo), **stats})
+        print(f"prompt {n:>6}: identical={dis == colo} (first {agree}/{len(colo)} agree)  TTFT {stats['ttft_s'] * 1e3:.1f} ms (prefill "
               f"{stats['prefill_s'] * 1e3:.1f} ms, KV {stats['transfer_MB']:.1f} MB at {stats['transfer_GBps']:.1f} "
               f"GB/s)  decode {stats['itl_ms']:.2f} ms/token", flush=True)
     # A burst: admissions first, prefills queue on the (batch-1) prefill worker, decodes batch together.

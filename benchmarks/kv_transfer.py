@@ -305,15 +305,17 @@ def _prefill_run(args: argparse.Namespace, cmd_q, req_q, done_q) -> list[dict]:
                     run(layer)
                 sync([dev])
                 compute.append(time.perf_counter() - t0)
-            both = [one(n, dst_pages(n, "scattered", dnum[0], dnum[1], seed=7 + s), s, True, layer_compute(s))
-                    for s in (4, 5, 6)]
-            tc, to = statistics.median(compute), statistics.median(r["s"] for r in both)
-            bw = [r for r in rows if r.get("section") == "nixl" and r["tokens"] == n and r["placement"] == "scattered"]
-            rows.append({"section": "overlap", "tokens": n, "gemm_reps_per_layer": reps, "compute_ms": tc * 1e3,
-                         "overlapped_ms": to * 1e3, "added_ms": (to - tc) * 1e3, "added_share": (to - tc) / tc,
-                         "serial_share": (bw[0]["ms"] / 1e3 / tc) if bw else None,
-                         "standin_tflops": args.prefill_gflop_per_token * 1e9 * n / tc / 1e12,
-                         "verified": all(r["verified"] for r in both), "status": sorted({r["status"] for r in both})})
+            tc = statistics.median(compute)
+            for placement in args.placements:
+                both = [one(n, dst_pages(n, placement, dnum[0], dnum[1], seed=7 + s), s, True, layer_compute(s))
+                        for s in (4, 5, 6)]
+                to = statistics.median(r["s"] for r in both)
+                bw = [r for r in rows if r.get("section") == "nixl" and r["tokens"] == n and r["placement"] == placement]
+                rows.append({"section": "overlap", "tokens": n, "placement": placement, "gemm_reps_per_layer": reps,
+                             "compute_ms": tc * 1e3, "overlapped_ms": to * 1e3, "added_ms": (to - tc) * 1e3,
+                             "added_share": (to - tc) / tc, "serial_share": (bw[0]["ms"] / 1e3 / tc) if bw else None,
+                             "standin_tflops": args.prefill_gflop_per_token * 1e9 * n / tc / 1e12,
+                             "verified": all(r["verified"] for r in both), "status": sorted({r["status"] for r in both})})
 
     section("nixl", bandwidth)
     section("overlap", overlap)
@@ -398,7 +400,7 @@ def _print_table(rows: list[dict]) -> None:
     print(f"{'section':9} {'tokens':>6} {'placement':9} {'MB':>8} {'descs/L':>7} {'ms':>8} {'GB/s':>7} {'post ms':>7} ok")
     for r in rows:
         if r["section"] == "overlap":
-            print(f"{'overlap':9} {r['tokens']:6d} compute {r['compute_ms']:.1f} ms, overlapped {r['overlapped_ms']:.1f} ms: "
+            print(f"{'overlap':9} {r['tokens']:6d} {r.get('placement', '-'):9} compute {r['compute_ms']:.1f} ms, overlapped {r['overlapped_ms']:.1f} ms: "
                   f"+{r['added_ms']:.2f} ms = {100 * r['added_share']:.2f}% (serial would be "
                   f"{100 * (r['serial_share'] or float('nan')):.2f}%), stand-in {r['standin_tflops']:.0f} TFLOP/s, "
                   f"verified={r['verified']}")

@@ -299,7 +299,7 @@ class LoopbackSender(KVSender):
         t.written.add(layer)
         tx.num_bytes += nbytes
         metrics.BYTES.labels(role="prefill").inc(nbytes)
-        rx.handle_layer_done(LayerDone(tx.request.request_id, t.epoch, self.config.tp_rank, layer,
+        rx.handle_layer_done(LayerDone(tx.request.request_id, t.epoch, self.config.tp_rank, (layer,),
                                        nbytes), self.agent_name)
 
     def _fail(self, tx: _Tx, reason: FailureReason, detail: str) -> None:

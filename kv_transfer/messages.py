@@ -8,7 +8,7 @@ own `validate()`, so nothing untyped crosses a process boundary.
 Who sends what (D = decode rank's side channel, P = a prefill rank, N = NIXL notification):
   P -> D  HandshakeRequest        D -> P  Handshake      (once per decode epoch; cached by P)
   P -> D  Claim                   D -> P  ClaimReply     (before P writes anything for a request)
-  P -> D  (N, attached to each layer's WRITE) LayerDone  (delivered after that layer's data)
+  P -> D  (N, attached to each WRITE) LayerDone     (delivered after the data of the layers it names)
   P -> D  Ended                                          (P will write no more for the request)
   D -> P  Cancel                                         (decode failed/aborted the request)
   D -> P  (N) Probe                                      (is a claimant's process still there?)
@@ -31,7 +31,7 @@ import torch
 from common.errors import ProtocolError
 from model.kv_cache import KVCacheSpec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: LayerDone names the layers one WRITE carried (one WRITE may carry several)
 MAX_MESSAGE_BYTES = 4 << 20  # a 128k-token request names ~8k pages (~40 KB); metadata is KBs
 MAX_ID_CHARS = 256
 # The pool layout both sides must share: per group [layers, K/V, pages, KV heads, page tokens, head dim].
@@ -219,13 +219,21 @@ class ClaimReply(Message):
 @_register(7)
 @dataclass(frozen=True, slots=True)
 class LayerDone(Message):
-    """Attached to one layer's WRITE as its NIXL notification, so it arrives after the data."""
+    """Attached to one WRITE as its NIXL notification, so it arrives after the data. A WRITE
+    carries every layer that was computed and not yet written when it was posted (one layer while
+    prefill runs ahead of the transfer; several when the claim or the transport lagged)."""
 
     request_id: str
     decode_epoch: int
     sender_rank: int
-    layer: int
+    layers: tuple[int, ...]  # ascending, no repeats
     num_bytes: int
+
+    def validate(self) -> None:
+        if not self.layers or any(b <= a for a, b in zip(self.layers, self.layers[1:])) or self.layers[0] < 0:
+            raise ProtocolError(f"LayerDone layers must be ascending, distinct and >= 0: {self.layers}")
+        if self.num_bytes < 0:
+            raise ProtocolError("LayerDone num_bytes < 0")
 
 
 @_register(8)

@@ -10,8 +10,10 @@ Per decode rank this rank writes to (a target), an ordered state machine:
              metadata, pool addresses, compatibility. A different epoch than the request's is an
              epoch mismatch (decode restarted); a different layout a handshake mismatch.
   CLAIM:     send Claim, wait for ClaimReply (retry while decode has not registered the request).
-  READY:     post each computed layer as one WRITE (K and V, every page pair, the head run this
-             rank shares with the target), with LayerDone as its NIXL notification.
+  READY:     post the computed, unwritten layers as one WRITE (K and V, every page pair, the head
+             run this rank shares with the target), with LayerDone naming them as its NIXL
+             notification: one layer per WRITE while prefill runs ahead of the transfer, several at
+             once when the claim or the transport lagged (fewer posts, each ~50 us of host time).
 The request is DONE when every target completed every layer; then Ended(ok) goes out.
 On failure (deadline, Cancel from decode, peer gone, abort) no new WRITE is posted, in-flight ones
 are cancelled or waited out, and only then Ended(ok=False) tells decode its pages are free of us.
@@ -76,9 +78,32 @@ class _Target:
     next_claim: float = 0.0
     geo: dict[int, tuple[GroupGeometry, int, int]] = field(default_factory=dict)  # group -> (dst geo, base, dev)
     pairs: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    plan: dict[int, _GroupPlan] = field(default_factory=dict)
     written: set[int] = field(default_factory=set)
     completed: set[int] = field(default_factory=set)
-    inflight: list[tuple[int, Any]] = field(default_factory=list)  # (layer, NIXL handle)
+    inflight: list[tuple[tuple[int, ...], Any]] = field(default_factory=list)  # (layers, NIXL handle), posting order
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupPlan:
+    """One page group's WRITE plan towards one target, made once per request: the NIXL descriptors
+    of the group's first layer; layer i of the group is the same list shifted by i * stride on each
+    side (pool offsets are linear in the layer index, so coalescing is the same for every layer)."""
+
+    src: np.ndarray  # [N, 3] uint64 (address, bytes, device)
+    dst: np.ndarray  # [N, 3] uint64
+    src_stride: int
+    dst_stride: int
+    layer_bytes: int
+
+    def layer(self, li: int) -> tuple[np.ndarray, np.ndarray]:
+        src, dst = self.src.copy(), self.dst.copy()
+        src[:, 0] += np.uint64(li * self.src_stride)
+        dst[:, 0] += np.uint64(li * self.dst_stride)
+        return src, dst
+
+
+MAX_DESCS_PER_WRITE = 4096  # a backlog is split so one post never blocks the loop for long
 
 
 @dataclass(slots=True)
@@ -304,6 +329,12 @@ class NixlSender(KVSender):
                 t.geo[g] = (geo, pool.base_addr, pool.device_id)
                 t.pairs[g] = page_pairs(g, tx.pages, dst, tx.request.num_tokens, self.spec.page_size,
                                         self.spec.sliding_window, self.spec.num_pages[g], pool.num_pages)
+                sg, src = self._src_geo[g], self._src[g]
+                cp = layer_copies(sg, geo, 0, t.pairs[g], t.run)
+                t.plan[g] = _GroupPlan(descriptors(src.base_addr, cp.src, cp.nbytes, src.device_id),
+                                       descriptors(pool.base_addr, cp.dst, cp.nbytes, pool.device_id),
+                                       2 * sg.num_pages * sg.page_bytes, 2 * geo.num_pages * geo.page_bytes,
+                                       cp.total_bytes)
         except ProtocolError as e:
             return f"request does not fit decode rank {hs.tp_rank}: {e}"
         return ""
@@ -319,28 +350,33 @@ class NixlSender(KVSender):
         hs = self._peers[t.endpoint].handshake
         assert hs is not None
         try:
-            for layer in tx.computed:
-                if layer not in t.written:
-                    g, li = self.spec.group_of(layer)
-                    geo, base, dev = t.geo[g]
-                    cp = layer_copies(self._src_geo[g], geo, li, t.pairs[g], t.run)
-                    src = self._src[g]
-                    notif = encode(LayerDone(tx.request.request_id, t.epoch, self.config.tp_rank,
-                                             layer, cp.total_bytes))
-                    h = self.nixl.write(hs.agent_name, hs.mem_type, descriptors(src.base_addr, cp.src, cp.nbytes,
-                                        src.device_id), descriptors(base, cp.dst, cp.nbytes, dev), notif)
-                    t.written.add(layer)
-                    t.inflight.append((layer, h))
-                    tx.num_bytes += cp.total_bytes
-                    metrics.BYTES.labels(role="prefill").inc(cp.total_bytes)
-            still = []
-            for layer, h in t.inflight:
-                if self.nixl.done(h):
-                    self.nixl.release(h)
-                    t.completed.add(layer)
-                else:
-                    still.append((layer, h))
-            t.inflight = still
+            pending = [layer for layer in tx.computed if layer not in t.written]
+            while pending:
+                layers, srcs, dsts, num_descs, nbytes = [], [], [], 0, 0
+                while pending:
+                    g, li = self.spec.group_of(pending[0])
+                    plan = t.plan[g]
+                    if layers and num_descs + len(plan.src) > MAX_DESCS_PER_WRITE:
+                        break
+                    src, dst = plan.layer(li)
+                    layers.append(pending.pop(0))
+                    srcs.append(src)
+                    dsts.append(dst)
+                    num_descs += len(src)
+                    nbytes += plan.layer_bytes
+                notif = encode(LayerDone(tx.request.request_id, t.epoch, self.config.tp_rank, tuple(sorted(layers)),
+                                         nbytes))
+                h = self.nixl.write(hs.agent_name, hs.mem_type, np.concatenate(srcs), np.concatenate(dsts), notif)
+                t.written.update(layers)
+                t.inflight.append((tuple(layers), h))
+                tx.num_bytes += nbytes
+                metrics.BYTES.labels(role="prefill").inc(nbytes)
+            # Completion is checked in posting order and stops at the first WRITE still running: a
+            # later one that already finished is collected on a later call (cheap polls, no O(n^2)).
+            while t.inflight and self.nixl.done(t.inflight[0][1]):
+                layers, h = t.inflight.pop(0)
+                self.nixl.release(h)
+                t.completed.update(layers)
         except PeerGone as e:
             self._fail(tx, FailureReason.PEER_DEAD, str(e))
         except TransportError as e:
@@ -357,11 +393,11 @@ class NixlSender(KVSender):
         """Cancel or wait out in-flight WRITEs; once none is left, tell decode we are done."""
         for t in tx.targets:
             still = []
-            for layer, h in t.inflight:
+            for layers, h in t.inflight:
                 # Releasing an active WRITE cancels it if the backend can; a refusal means it is
                 # still running, so we keep it and try again on the next progress().
                 if not self.nixl.release(h):
-                    still.append((layer, h))
+                    still.append((layers, h))
             t.inflight = still
         if not tx.draining():
             self._send_ended(tx, ok=False)

@@ -173,11 +173,11 @@ class ReceiverBook:
         r = self._reqs.get(msg.request_id)
         claim = r.claims.get(msg.sender_rank) if r is not None else None
         if (msg.decode_epoch != self.epoch or r is None or claim is None or claim.agent != agent
-                or r.status.terminal or msg.layer not in self.layers):
+                or r.status.terminal or not self.layers.issuperset(msg.layers)):
             self.num_stale += 1
             return False
-        if msg.layer not in claim.layers:
-            claim.layers.add(msg.layer)
+        if not claim.layers.issuperset(msg.layers):
+            claim.layers.update(msg.layers)
             r.num_bytes += msg.num_bytes
         expected = src_ranks_for(self.compat.total_num_kv_heads, self.tp_rank, self.tp_size, r.sender_tp)
         if all(s in r.claims and r.claims[s].layers == self.layers for s in expected):

@@ -34,7 +34,7 @@ def _release_all(book, kv):
 
 
 def _layers(book, rank, agent, now=1.0, layers=(0, 1, 2, 3), epoch=EPOCH):
-    return [book.on_layer_done(LayerDone("r", epoch, rank, layer, 100), agent, now) for layer in layers]
+    return [book.on_layer_done(LayerDone("r", epoch, rank, (layer,), 100), agent, now) for layer in layers]
 
 
 def test_happy_path_single_sender():
@@ -128,8 +128,8 @@ def test_stale_notifications_are_dropped():
     before = book.num_stale
     assert _layers(book, 0, c.sender_agent, epoch=EPOCH - 1) == [False] * 4  # another decode epoch
     assert _layers(book, 0, "someone-else") == [False] * 4  # not the claimant
-    assert not book.on_layer_done(LayerDone("other", EPOCH, 0, 0, 1), c.sender_agent, 1.0)  # unknown request
-    assert not book.on_layer_done(LayerDone("r", EPOCH, 0, 17, 1), c.sender_agent, 1.0)  # unknown layer
+    assert not book.on_layer_done(LayerDone("other", EPOCH, 0, (0,), 1), c.sender_agent, 1.0)  # unknown request
+    assert not book.on_layer_done(LayerDone("r", EPOCH, 0, (16, 17), 1), c.sender_agent, 1.0)  # unknown layer
     assert book.num_stale == before + 10
     assert book.status("r") == TransferStatus.TRANSFERRING and book.outcome("r", 1).num_bytes == 0
 

@@ -32,7 +32,7 @@ SAMPLES = [
     Claim("req-1", 7, "pre/prefill/1/5", "pre", 5, 1, 2, b"meta", COMPAT),
     ClaimReply("req-1", False, False, FailureReason.DEADLINE, "late"),
     ClaimReply("req-1", True, False, None, ""),
-    LayerDone("req-1", 7, 1, 35, 1 << 33),
+    LayerDone("req-1", 7, 1, (3, 35), 1 << 33),
     Ended("req-1", 7, "pre/prefill/1/5", 1, False, FailureReason.PEER_DEAD, "gone"),
     Cancel("req-1", 7, FailureReason.ABORTED, "client left"),
     Probe(7),
@@ -115,3 +115,9 @@ def test_oversized_message_is_not_sent():
     huge = TransferRequest("r", "d", ("e",), (1,), tuple(range(1 << 20, 2 << 20)), (), 1, 1.0)
     with pytest.raises(ProtocolError, match="bytes >"):
         encode(huge)
+
+
+@pytest.mark.parametrize("layers", [[], [3, 3], [5, 2], [-1, 2]])
+def test_layer_done_names_ascending_distinct_layers(layers):
+    with pytest.raises(ProtocolError, match="ascending"):
+        decode(_raw(["r", 1, 0, layers, 10], kind=LayerDone.KIND))

@@ -180,3 +180,27 @@ def test_coalesce_merges_runs_contiguous_on_both_sides():
     c = coalesce(np.array([0, 10, 20, 40]), np.array([5, 15, 25, 50]), np.array([10, 10, 10, 10]))
     assert c.src.tolist() == [0, 40] and c.dst.tolist() == [5, 50] and c.nbytes.tolist() == [30, 10]
     assert len(coalesce(np.array([], dtype=np.int64), np.array([], dtype=np.int64), np.array([], dtype=np.int64))) == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_group_plan_shift_equals_per_layer_plan(seed):
+    """The sender plans a group's first layer once and shifts it per layer: the same descriptors
+    as planning every layer from scratch (coalescing included)."""
+    from kv_transfer.nixl_backend import descriptors
+    from kv_transfer.nixl_sender import _GroupPlan
+
+    rng = random.Random(seed)
+    src_geo, dst_geo = GroupGeometry(5, 64, 4, 16, 8, 2), GroupGeometry(5, 80, 2, 16, 8, 2)
+    run = head_runs(4, 0, 1, 2)[1]  # source heads 2..3 -> destination rank 1
+    n = rng.randint(1, 40)
+    sp = np.array(sorted(rng.sample(range(64), n)), dtype=np.int64)
+    dp = np.array(rng.sample(range(80), n), dtype=np.int64)
+    cp0 = layer_copies(src_geo, dst_geo, 0, (sp, dp), run)
+    plan = _GroupPlan(descriptors(1 << 30, cp0.src, cp0.nbytes, 0), descriptors(1 << 31, cp0.dst, cp0.nbytes, 1),
+                      2 * 64 * src_geo.page_bytes, 2 * 80 * dst_geo.page_bytes, cp0.total_bytes)
+    for li in range(5):
+        cp = layer_copies(src_geo, dst_geo, li, (sp, dp), run)
+        src, dst = plan.layer(li)
+        assert np.array_equal(src, descriptors(1 << 30, cp.src, cp.nbytes, 0))
+        assert np.array_equal(dst, descriptors(1 << 31, cp.dst, cp.nbytes, 1))
+        assert cp.total_bytes == plan.layer_bytes
