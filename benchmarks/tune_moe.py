@@ -40,14 +40,15 @@ def bm_candidates(bucket: int) -> list[int]:
 
 def tile_candidates(bm: int, bucket: int, fp8: bool, gemm: int) -> list[TileConfig]:
     bk = 128 if fp8 else 64
+    decode = bucket <= 4  # bandwidth-bound: narrow tiles give more CTAs, deeper pipelines more bytes in flight
     if gemm == 1:
-        widths = [256, 128] if fp8 else [128, 256]
+        widths = ([256, 128, 64] if decode else [256, 128]) if fp8 else [128, 256]
     else:
-        widths = [32, 64, 128] if bucket <= 4 else [64, 128, 256]
+        widths = [32, 64, 128] if decode else [64, 128, 256]
     if fp8 and bm >= 128:  # two fp32 accumulators: a 64 x 256 warpgroup tile would spill
         widths = [wd for wd in widths if wd <= 128]
     warps = [4] if bm <= 32 else [8] if bm >= 128 else [4, 8]
-    stages = [3, 4] if bm <= 32 else [3]
+    stages = [3, 4, 5, 6] if decode else [3, 4] if bm <= 32 else [3]
     group = 1 if bucket <= 64 else 8
     return [TileConfig(bm, bn, bk, group, w, s) for bn, w, s in product(widths, warps, stages)]
 
@@ -120,23 +121,30 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=165.0, help="seconds, compile time included")
     ap.add_argument("--no-bf16", action="store_true")
+    ap.add_argument("--buckets", default=",".join(map(str, BUCKETS)),
+                    help="tune only these; the others keep their entries from --base")
+    ap.add_argument("--base", default=None, help="a tuned table (e.g. kernels/tuning/moe.json) to start from")
     args = ap.parse_args()
+    buckets = [int(b) for b in args.buckets.split(",")]
+    base = json.loads(open(args.base).read()) if args.base else {}
     rep = Report("moe_tuning")
     rep.data["env"] = rep.section("environment", environment)
     tuner = Tuner(args.budget, rep)
     fp8_w, bf16_w = make_experts(E, seed=3)
     table: dict = {"_meta": {"tuned": True, "device": (rep.data["env"] or {}).get("device"),
                              "date": time.strftime("%Y-%m-%d"), "env": rep.data["env"],
-                             "m": "routed rows per expert = ceil(T * top_k / E)"}}
+                             "m": "routed rows per expert = ceil(T * top_k / E)",
+                             "buckets_tuned_this_run": buckets, "other_buckets_from": args.base}}
     kinds = [(True, fp8_w)] + ([] if args.no_bf16 else [(False, bf16_w)])
     for fp8, w in kinds:
         key = f"{'fp8' if fp8 else 'bf16'}_N{2 * I}_K{H}"
-        entries = {}
-        for bucket in BUCKETS:
+        entries = dict(base.get(key, {}))
+        for bucket in buckets:
             cfg = rep.section(f"{key} bucket {bucket}", lambda: tuner.tune_bucket(w, bucket, fp8))
             tuned = cfg is not None
             entries[str(bucket)] = (cfg or default_moe_config(bucket, fp8)).to_json() | {"tuned": tuned}
-        entries["4096"] = dict(entries[str(BUCKETS[-1])])  # beyond 8k tokens (20b) the largest carries over
+        if str(BUCKETS[-1]) in entries:
+            entries["4096"] = dict(entries[str(BUCKETS[-1])])  # beyond 8k tokens (20b) the largest carries over
         table[key] = entries
     rep.data["table"] = table
     rep.data["log"] = tuner.log
