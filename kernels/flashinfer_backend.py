@@ -231,8 +231,13 @@ class FlashInferAttention:
             return self._plan_chunk(step, g, window_left, cu_q)
         p, maxp = d.page_size, g.page_table.shape[1]
         num_pages = [-(-n // p) for n in g.kv_lens_host]
-        flat = [b * maxp + j for b, n in enumerate(num_pages) for j in range(n)]
-        indices = g.page_table.flatten()[torch.tensor(flat, dtype=torch.long).to(d.device)]
+        if g.page_ids_host is not None and len(g.page_ids_host) == sum(num_pages):
+            # one host -> device copy of the rows back to back (a per-page gather cost ~10 ms per
+            # step at batch 128 x 8k on the H200's host)
+            indices = torch.from_numpy(g.page_ids_host).to(d.device, non_blocking=True)
+        else:
+            flat = [b * maxp + j for b, n in enumerate(num_pages) for j in range(n)]
+            indices = g.page_table.flatten()[torch.tensor(flat, dtype=torch.long).to(d.device)]
         indptr = torch.tensor([0] + num_pages, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         last = torch.tensor([n - (k - 1) * p for n, k in zip(g.kv_lens_host, num_pages)], dtype=torch.int32)
         decode = step.is_decode

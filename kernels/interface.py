@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -22,6 +23,10 @@ class GroupMeta:
     pages_hold_all: bool
     prefix_lens_host: list[int]
     kv_lens_host: list[int]
+    # The page table's rows back to back on the host ([sum of row lengths] int32; row b holds the
+    # ceil(kv_lens[b] / P) pages of its view): backends that want flat page lists (FlashInfer) take
+    # them from here in one copy instead of gathering per page. None: not built (tests, benchmarks).
+    page_ids_host: np.ndarray | None = None
 
 
 @dataclass(slots=True)

@@ -40,6 +40,10 @@ def _table(rows: list, device: torch.device | str) -> torch.Tensor:
     return torch.from_numpy(t).to(device)
 
 
+def _flat(rows: list) -> np.ndarray:
+    return np.concatenate([np.asarray(r, dtype=np.int32) for r in rows]) if rows else np.zeros(0, np.int32)
+
+
 def _full_slots(pages: np.ndarray, start: int, end: int, p: int) -> np.ndarray:
     pos = np.arange(start, end)
     return pages[pos // p].astype(np.int64) * p + pos % p
@@ -81,7 +85,7 @@ def build_step_meta(steps: list[SeqStep], spec: KVCacheSpec | None, device: torc
             groups[PageGroup.FULL] = GroupMeta(
                 _table(rows, device), torch.tensor(starts, dtype=torch.int32, device=device),
                 torch.tensor(ends, dtype=torch.int32, device=device),
-                torch.from_numpy(np.concatenate(slots)).to(device), True, starts, ends)
+                torch.from_numpy(np.concatenate(slots)).to(device), True, starts, ends, _flat(rows))
         if spec.sliding_layers:
             groups[PageGroup.SLIDING] = _sliding_meta(steps, spec, device)
     return StepMeta(torch.from_numpy(positions).to(device), torch.from_numpy(cu).to(device), q_lens,
@@ -110,4 +114,4 @@ def _sliding_meta(steps: list[SeqStep], spec: KVCacheSpec, device: torch.device 
             slots.append(_ring_slots(s.pages.ring, s.start, end, keep_from, p, r))
     return GroupMeta(_table(rows, device), torch.tensor(prefix, dtype=torch.int32, device=device),
                      torch.tensor(kv, dtype=torch.int32, device=device),
-                     torch.from_numpy(np.concatenate(slots)).to(device), hold_all, prefix, kv)
+                     torch.from_numpy(np.concatenate(slots)).to(device), hold_all, prefix, kv, _flat(rows))

@@ -115,3 +115,32 @@ def test_allocator_never_hands_out_a_page_twice():
     for h in held:
         a.free(h)
     a.assert_all_free()
+
+
+def test_flat_page_ids_are_each_rows_view_pages():
+    """GroupMeta.page_ids_host (what FlashInfer's plan copies in one piece) is, row after row, the
+    ceil(kv_len / P) pages each row's view attends over, for full and sliding groups."""
+    import random
+
+    cfg = preset("tiny-a")
+    spec = plan_kv_cache(cfg, 4 << 20, page_size=4, max_num_seqs=6, dtype=torch.float32)
+    kv, rng = KVManager(spec), random.Random(0)
+    seqs = [SeqPages() for _ in range(5)]
+    starts = [rng.randint(0, 60) for _ in seqs]
+    for _ in range(3):
+        steps = []
+        for i, p in enumerate(seqs):
+            q = rng.choice([1, 1, 3, 9])
+            kv.grow(p, starts[i] + q)
+            steps.append(SeqStep(p, starts[i], q))
+        meta = build_step_meta(steps, spec)
+        for g in meta.groups:
+            if g is None or not g.pages_hold_all:
+                continue
+            want = [pid for b, n in enumerate(g.kv_lens_host)
+                    for pid in g.page_table[b, : -(-n // spec.page_size)].tolist()]
+            assert g.page_ids_host.tolist() == want
+        starts = [s.start + s.q_len for s in steps]
+    for p in seqs:
+        kv.release(p)
+    kv.assert_all_free()
