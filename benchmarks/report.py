@@ -177,17 +177,30 @@ def sec_decode(docs: dict[str, dict]) -> list[str]:
     return out + (["Not measured:", "", *gaps, ""] if gaps else [])
 
 
+_AR_PATHS = ("nccl", "symm_one_shot")  # what model/parallel.py runs (two-shot is measured, not used)
+
+
+def _ar_best(r: dict) -> tuple[float, str]:
+    """The fastest path the model can take for one message: in a CUDA graph (how decode runs)
+    when the run measured that, else eager."""
+    graph = [(r[f"{p}_graph_us"], f"{p} in a CUDA graph") for p in _AR_PATHS if r.get(f"{p}_graph_us")]
+    eager = [(r[f"{p}_us"], f"{p} eager") for p in _AR_PATHS if r.get(f"{p}_us")]
+    return min(graph or eager)
+
+
 def allreduce_targets(docs: dict[str, dict]) -> list[Target]:
     """Per run: the slowest decode-sized message, each at its fastest implementation."""
     out = []
     for n, d in model_docs(docs):
         rows = [r for r in d.get("allreduce", {}).get("rows", []) if r["tokens"] <= ALLREDUCE_DECODE_TOKENS]
         if rows:
-            best = [min(r["nccl_us"], r.get("symm_one_shot_us") or r["nccl_us"]) for r in rows]
+            best = [_ar_best(r) for r in rows]
             worst = max(best)
+            how = "in CUDA graphs" if "graph" in worst[1] else "eager"
             out.append(Target("all-reduce", f"{d.get('world')} GPUs, 1–{ALLREDUCE_DECODE_TOKENS} tokens × 2880 bf16, "
-                              f"fastest of NCCL / one-shot (`{n}`)", f"{min(best):.1f}–{worst:.1f} µs",
-                              f"<= {ALLREDUCE_MAX_US:g} µs", worst <= ALLREDUCE_MAX_US, score=-worst))
+                              f"fastest of NCCL / one-shot {how} (`{n}`)",
+                              f"{min(b[0] for b in best):.1f}–{worst[0]:.1f} µs (slowest: {worst[1]})",
+                              f"<= {ALLREDUCE_MAX_US:g} µs", worst[0] <= ALLREDUCE_MAX_US, score=-worst[0]))
     return out
 
 
@@ -195,13 +208,13 @@ def sec_allreduce(docs: dict[str, dict], targets: list[Target]) -> list[str]:
     out = [f"- {t.what}: {t.value} (target {t.target}: {'met' if t.met else '**missed**'})" for t in targets]
     out += [""] if out else []
     for n, d in model_docs(docs):
-        rows = [[r["tokens"], r["bytes"], r["nccl_us"], r.get("symm_one_shot_us"),
-                 r["nccl_us"] / r["symm_one_shot_us"] if r.get("symm_one_shot_us") else None]
+        rows = [[r["tokens"], r["bytes"], r["nccl_us"], r.get("nccl_graph_us"), r.get("symm_one_shot_us"),
+                 r.get("symm_one_shot_graph_us"), r.get("symm_one_shot_nocopy_graph_us"), r.get("symm_two_shot_graph_us")]
                 for r in d.get("allreduce", {}).get("rows", [])]
         if rows:
-            out += [f"From `{n}` ({d.get('world')} GPUs):", ""]
-            out += table(rows, ["tokens × 2880 bf16", "bytes", "NCCL µs", "symmetric-memory one-shot µs",
-                                "NCCL / one-shot"])
+            out += [f"From `{n}` ({d.get('world')} GPUs; graph = per call inside a CUDA graph of 32 calls):", ""]
+            out += table(rows, ["tokens × 2880 bf16", "bytes", "NCCL µs", "NCCL graph µs", "one-shot µs",
+                                "one-shot graph µs", "one-shot kernel alone, graph µs", "two-shot graph µs"])
     return out
 
 

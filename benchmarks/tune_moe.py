@@ -135,6 +135,7 @@ def main() -> None:
                              "date": time.strftime("%Y-%m-%d"), "env": rep.data["env"],
                              "m": "routed rows per expert = ceil(T * top_k / E)",
                              "buckets_tuned_this_run": buckets, "other_buckets_from": args.base}}
+    table.update({k: v for k, v in base.items() if k != "_meta"})  # kinds not tuned now stay as they were
     kinds = [(True, fp8_w)] + ([] if args.no_bf16 else [(False, bf16_w)])
     for fp8, w in kinds:
         key = f"{'fp8' if fp8 else 'bf16'}_N{2 * I}_K{H}"
