@@ -22,8 +22,9 @@ def main() -> None:
     ap.add_argument("--preset", default="gpt-oss-20b")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--fp8-attention", action="store_true", help="FP8 QKV/O projections (workers default: bf16)")
     a = ap.parse_args()
-    model = build(a.preset, "flashinfer", "scaled_mm", "triton")
+    model = build(a.preset, "flashinfer", "scaled_mm", "triton", fp8_attention=a.fp8_attention)
     for b in [int(x) for x in a.batches.split(",")]:
         spec, pool, kv = decode_state(model, a.context + 32, b)
         seqs = []
@@ -38,11 +39,14 @@ def main() -> None:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 step()
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+        # kernels and the torch ops that launched them (aten::* rows: which op the elementwise kernels are)
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=70)
+        kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+        table += f"\nCUDA kernels per step: {kernels / 5:.0f}\n"
         print(f"\n### batch {b}, context {a.context} (5 steps)\n{table}", flush=True)
         (out_dir() / f"profile_decode_b{b}.txt").write_text(table)
         del pool, kv, seqs
