@@ -67,7 +67,12 @@ class Attention(nn.Module):
         q = qkv[:, :q_sz].view(t, self.num_heads, self.head_dim)
         k = qkv[:, q_sz:q_sz + kv_sz].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_sz + kv_sz:].reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
+        if qkv.is_cuda:  # one Triton launch each instead of ~9 elementwise kernels; the same bits
+            from kernels.triton_store_kv import apply_rope
+
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            q, k = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
         o = be.attention.forward(self.group, q, k, v.contiguous(), kv, self.sinks, self.sm_scale, self.window)
         out = be.linear(o.reshape(t, q_sz), self.o_w, self.o_s, self.o_b)  # [T, H]
         return self.par.all_reduce(out)
