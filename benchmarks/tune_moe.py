@@ -8,7 +8,8 @@ Per bucket of routed rows per expert (M = T * 4 / E), on 20b-shaped experts (E =
 candidate BLOCK_M, gate_up and down are timed separately (CUDA-graph replay, distinct logit sets
 rotating the touched experts out of L2 at decode), the best of each is kept and the BLOCK_M with
 the smallest sum wins. gate_up candidates with 128-wide tiles include the separate activation
-quantisation pass they need. Buckets not reached within the budget keep the defaults.
+quantisation pass they need; decode buckets also try split-K (2, 4). Buckets not reached within
+the budget keep the defaults.
 """
 
 from __future__ import annotations
@@ -40,17 +41,18 @@ def bm_candidates(bucket: int) -> list[int]:
 
 def tile_candidates(bm: int, bucket: int, fp8: bool, gemm: int) -> list[TileConfig]:
     bk = 128 if fp8 else 64
-    decode = bucket <= 4  # bandwidth-bound: narrow tiles give more CTAs, deeper pipelines more bytes in flight
+    decode = bucket <= 4  # bandwidth-bound, few tiles: split K over more CTAs (kernels/moe.py)
     if gemm == 1:
-        widths = ([256, 128, 64] if decode else [256, 128]) if fp8 else [128, 256]
+        widths = [256, 128] if fp8 else [128, 256]
     else:
         widths = [32, 64, 128] if decode else [64, 128, 256]
     if fp8 and bm >= 128:  # two fp32 accumulators: a 64 x 256 warpgroup tile would spill
         widths = [wd for wd in widths if wd <= 128]
     warps = [4] if bm <= 32 else [8] if bm >= 128 else [4, 8]
-    stages = [3, 4, 5, 6] if decode else [3, 4] if bm <= 32 else [3]
+    stages = [3, 4] if bm <= 32 else [3]
+    splits = [1, 2, 4] if decode else [1]
     group = 1 if bucket <= 64 else 8
-    return [TileConfig(bm, bn, bk, group, w, s) for bn, w, s in product(widths, warps, stages)]
+    return [TileConfig(bm, bn, bk, group, w, s, sk) for bn, w, s, sk in product(widths, warps, stages, splits)]
 
 
 class Tuner:

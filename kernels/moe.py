@@ -44,24 +44,25 @@ def native_dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, stride_ask, stride_bsk,
+def expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, stride_ask, stride_bsk,
                 FP8: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc [BM, BN] += A [BM, K] . B [K, BN], FP8 with per-block scales or native."""
-    k_full = (K // BLOCK_K) * BLOCK_K
-    for k0 in range(0, k_full, BLOCK_K):
+    """acc [BM, BN] += A [BM, k_lo:k_hi] . B [k_lo:k_hi, BN] (pointers at k_lo; k_lo a multiple of
+    BLOCK_K), FP8 with per-block scales or native."""
+    k_full = k_lo + ((k_hi - k_lo) // BLOCK_K) * BLOCK_K
+    for k0 in range(k_lo, k_full, BLOCK_K):
         if FP8:
-            acc = scaled_dot_step(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k0, K, stride_ask, stride_bsk,
+            acc = scaled_dot_step(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k0, k_hi, stride_ask, stride_bsk,
                                   BLOCK_K, False, SCALE_K)
         else:
             acc = native_dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, DOT_F32)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if k_full < K:  # 2880 = 22.5 x 128
+    if k_full < k_hi:  # 2880 = 22.5 x 128
         if FP8:
-            acc = scaled_dot_step(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_full, K, stride_ask,
+            acc = scaled_dot_step(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_full, k_hi, stride_ask,
                                   stride_bsk, BLOCK_K, True, SCALE_K)
         else:
-            kmask = tl.arange(0, BLOCK_K) < K - k_full
+            kmask = tl.arange(0, BLOCK_K) < k_hi - k_full
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
             acc = native_dot(a, b, acc, DOT_F32)
@@ -69,16 +70,48 @@ def expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, stride_ask, stride_bsk
 
 
 @triton.jit
+def split_range(ks, K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K range [k_lo, k_hi) of split ks: whole BLOCK_K blocks, the last split takes the tail."""
+    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = ks * per
+    return k_lo, tl.maximum(tl.minimum(K, k_lo + per), k_lo)
+
+
+@triton.jit
+def split_partials(ws_ptr, rows, valid, rn, owned, stride_ws_s, stride_ws_r, acc,
+                   PHASE: tl.constexpr, SPLIT_K: tl.constexpr, ks):
+    """PHASE 1 stores this split's fp32 partial [BM, BN] (the columns this tile owns: a last tile's
+    wrapped columns belong to the first); PHASE 2 returns acc + every split's partial, summed in
+    split order (deterministic, whatever order the CTAs ran in)."""
+    ptrs = ws_ptr + rows[:, None].to(tl.int64) * stride_ws_r + rn[None, :]
+    if PHASE == 1:
+        tl.store(ptrs + ks * stride_ws_s, acc, mask=valid[:, None] & owned[None, :])
+    else:
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(ptrs + s * stride_ws_s, mask=valid[:, None], other=0.0)
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, acts_ptr,
-                    sorted_ptr, block_expert_ptr, num_rows_ptr,
+                    sorted_ptr, block_expert_ptr, num_rows_ptr, part_ptr,
                     N, K, I, num_pairs, max_blocks, alpha, limit,
                     stride_xt, stride_xst, stride_xsk, stride_we, stride_wn, stride_wse, stride_wsn,
-                    stride_wsk, stride_be, stride_am, stride_ask,
+                    stride_wsk, stride_be, stride_am, stride_ask, stride_ps, stride_pr,
                     TOP_K: tl.constexpr, FP8: tl.constexpr, QUANT_OUT: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, SCALE_K: tl.constexpr, FP8_MAX_C: tl.constexpr,
-                    DOT_F32: tl.constexpr):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), max_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+                    DOT_F32: tl.constexpr, PHASE: tl.constexpr, SPLIT_K: tl.constexpr):
+    """PHASE 0: the whole tile. Split-K: PHASE 1 (grid x SPLIT_K) writes fp32 partials of one K
+    range, PHASE 2 sums them and runs the epilogue."""
+    pid = tl.program_id(0)
+    if PHASE == 1:
+        ks = pid % SPLIT_K
+        tile = pid // SPLIT_K
+    else:
+        ks = 0
+        tile = pid
+    pid_m, pid_n = grouped_tile(tile, max_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return  # beyond the rows in use: experts without tokens cost nothing
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -88,15 +121,27 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, acts_ptr,
     tok = tl.where(valid, pair // TOP_K, 0)  # padding rows read token 0, never stored
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = offs_n % N  # N = 2I is even, so wrapped columns keep (gate, up) pairs together
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # [BM, BK] gathered tokens
-    b_ptrs = w_ptr + e * stride_we + rn[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
-    as_ptrs = xs_ptr + tok * stride_xst
-    bs_ptrs = ws_ptr + e * stride_wse + (rn // SCALE_K) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc += tl.load(b_ptr + e * stride_be + rn).to(tl.float32)[None, :]  # start at b1
-    acc = expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, stride_xsk, stride_wsk,
-                      FP8, BLOCK_K, SCALE_K, DOT_F32)
+    if PHASE != 1:
+        acc += tl.load(b_ptr + e * stride_be + rn).to(tl.float32)[None, :]  # start at b1
+    if PHASE == 2:
+        acc = split_partials(part_ptr, rows, valid, rn, offs_n < N, stride_ps, stride_pr, acc, PHASE, SPLIT_K, ks)
+    else:
+        if PHASE == 1:
+            k_lo, k_hi = split_range(ks, K, SPLIT_K, BLOCK_K)
+        else:
+            k_lo = 0
+            k_hi = K
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # [BM, BK] gathered tokens
+        b_ptrs = w_ptr + e * stride_we + rn[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+        as_ptrs = xs_ptr + tok * stride_xst
+        bs_ptrs = ws_ptr + e * stride_wse + (rn // SCALE_K) * stride_wsn
+        acc = expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, stride_xsk, stride_wsk,
+                          FP8, BLOCK_K, SCALE_K, DOT_F32)
+        if PHASE == 1:
+            split_partials(part_ptr, rows, valid, rn, offs_n < N, stride_ps, stride_pr, acc, PHASE, SPLIT_K, ks)
+            return
     # Clamped SwiGLU on interleaved columns: 2i = gate_i, 2i+1 = up_i.
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))  # [BM, BN/2] each
     gate = tl.minimum(gate, limit)  # from above only
@@ -116,13 +161,21 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, acts_ptr,
 
 @triton.jit
 def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, rw_ptr, y_ptr,
-                 sorted_ptr, block_expert_ptr, num_rows_ptr, N, K, num_pairs, max_blocks,
+                 sorted_ptr, block_expert_ptr, num_rows_ptr, part_ptr, N, K, num_pairs, max_blocks,
                  stride_am, stride_asm, stride_ask, stride_we, stride_wn, stride_wse, stride_wsn,
-                 stride_wsk, stride_be, stride_ym,
+                 stride_wsk, stride_be, stride_ym, stride_ps, stride_pr,
                  FP8: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 SCALE_K: tl.constexpr, OUT_ROUND: tl.constexpr, DOT_F32: tl.constexpr):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), max_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+                 SCALE_K: tl.constexpr, OUT_ROUND: tl.constexpr, DOT_F32: tl.constexpr,
+                 PHASE: tl.constexpr, SPLIT_K: tl.constexpr):
+    pid = tl.program_id(0)
+    if PHASE == 1:
+        ks = pid % SPLIT_K
+        tile = pid // SPLIT_K
+    else:
+        ks = 0
+        tile = pid
+    pid_m, pid_n = grouped_tile(tile, max_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -131,16 +184,27 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, rw_ptr, y_ptr,
     valid = pair < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = offs_n % N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]  # act rows are already grouped
-    b_ptrs = w_ptr + e * stride_we + rn[None, :] * stride_wn + offs_k[:, None]
-    as_ptrs = as_ptr + rows * stride_asm
-    bs_ptrs = ws_ptr + e * stride_wse + (rn // SCALE_K) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if HAS_BIAS:  # b2: one EP rank (or TP rank 0) adds it, inside the routing weight
+    if HAS_BIAS and PHASE != 1:  # b2: one EP rank (or TP rank 0) adds it, inside the routing weight
         acc += tl.load(b_ptr + e * stride_be + rn).to(tl.float32)[None, :]
-    acc = expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, stride_ask, stride_wsk,
-                      FP8, BLOCK_K, SCALE_K, DOT_F32)
+    if PHASE == 2:
+        acc = split_partials(part_ptr, rows, valid, rn, offs_n < N, stride_ps, stride_pr, acc, PHASE, SPLIT_K, ks)
+    else:
+        if PHASE == 1:
+            k_lo, k_hi = split_range(ks, K, SPLIT_K, BLOCK_K)
+        else:
+            k_lo = 0
+            k_hi = K
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]  # act rows are already grouped
+        b_ptrs = w_ptr + e * stride_we + rn[None, :] * stride_wn + offs_k[:, None]
+        as_ptrs = as_ptr + rows * stride_asm
+        bs_ptrs = ws_ptr + e * stride_wse + (rn // SCALE_K) * stride_wsn
+        acc = expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, stride_ask, stride_wsk,
+                          FP8, BLOCK_K, SCALE_K, DOT_F32)
+        if PHASE == 1:
+            split_partials(part_ptr, rows, valid, rn, offs_n < N, stride_ps, stride_pr, acc, PHASE, SPLIT_K, ks)
+            return
     wgt = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)  # [BM] routing weight
     # Reference rounding points: the linear's output in x.dtype, then times the weight.
     if OUT_ROUND == 0:
@@ -189,15 +253,28 @@ def gate_up(x: torch.Tensor, xs: torch.Tensor | None, w: ExpertWeights, g: Exper
     xs_ = xs if xs is not None else x  # unused pointer when not FP8
     ws = w.w1_scale if fp8 else w.w1
     acts_arg = acts_buf if acts_buf is not None else act
-    grid = (g.max_blocks * triton.cdiv(n, cfg.block_n),)
-    _gate_up_kernel[grid](
-        x, xs_, w.w1, ws, w.b1, act, acts_arg, g.sorted_pairs, g.block_expert, g.num_rows,
-        n, k, i, g.num_pairs, g.max_blocks, float(w.alpha), float(w.limit),
-        x.stride(0), xs_.stride(0), xs_.stride(1) if xs is not None else 0,
-        w.w1.stride(0), w.w1.stride(1), ws.stride(0), ws.stride(1) if fp8 else 0,
-        ws.stride(2) if fp8 else 0, w.b1.stride(0), act.stride(0), acts_arg.stride(0),
-        TOP_K=top_k, FP8=fp8, QUANT_OUT=quant_out, SCALE_K=BLOCK, FP8_MAX_C=FP8_MAX, **_launch_cfg(cfg, x.device))
+    tiles = g.max_blocks * triton.cdiv(n, cfg.block_n)
+    for phase, grid, part in _phases(cfg, tiles, rows, n, x.device):
+        _gate_up_kernel[(grid,)](
+            x, xs_, w.w1, ws, w.b1, act, acts_arg, g.sorted_pairs, g.block_expert, g.num_rows, part,
+            n, k, i, g.num_pairs, g.max_blocks, float(w.alpha), float(w.limit),
+            x.stride(0), xs_.stride(0), xs_.stride(1) if xs is not None else 0,
+            w.w1.stride(0), w.w1.stride(1), ws.stride(0), ws.stride(1) if fp8 else 0,
+            ws.stride(2) if fp8 else 0, w.b1.stride(0), act.stride(0), acts_arg.stride(0),
+            part.stride(0), part.stride(1),
+            TOP_K=top_k, FP8=fp8, QUANT_OUT=quant_out, SCALE_K=BLOCK, FP8_MAX_C=FP8_MAX, PHASE=phase,
+            SPLIT_K=cfg.split_k, **_launch_cfg(cfg, x.device))
     return act, (acts_buf.t() if acts_buf is not None else None)
+
+
+def _phases(cfg: TileConfig, tiles: int, rows: int, n: int, device: torch.device
+            ) -> list[tuple[int, int, torch.Tensor]]:
+    """(phase, grid, partials) launches of one GEMM: phase 0 alone, or split-K partials (phase 1,
+    tiles x split_k CTAs into fp32 [split_k, R, N]) then their fix-up (phase 2)."""
+    if cfg.split_k <= 1:
+        return [(0, tiles, torch.empty(1, 1, dtype=torch.float32, device=device))]
+    part = torch.empty(cfg.split_k, rows, n, dtype=torch.float32, device=device)  # only used rows are touched
+    return [(1, tiles * cfg.split_k, part), (2, tiles, part)]
 
 
 def down(act: torch.Tensor, acts: torch.Tensor | None, w: ExpertWeights, g: ExpertGrouping,
@@ -210,15 +287,16 @@ def down(act: torch.Tensor, acts: torch.Tensor | None, w: ExpertWeights, g: Expe
     ws = w.w2_scale if fp8 else w.w2
     as_ = acts if acts is not None else act
     b2 = w.b2 if w.b2 is not None else w.w2
-    grid = (g.max_blocks * triton.cdiv(n, cfg.block_n),)
-    _down_kernel[grid](
-        act, as_, w.w2, ws, b2, weights, y, g.sorted_pairs, g.block_expert, g.num_rows,
-        n, k, g.num_pairs, g.max_blocks,
-        act.stride(0), as_.stride(0), as_.stride(1) if fp8 else 0,
-        w.w2.stride(0), w.w2.stride(1), ws.stride(0), ws.stride(1) if fp8 else 0,
-        ws.stride(2) if fp8 else 0, b2.stride(0), y.stride(0),
-        FP8=fp8, HAS_BIAS=w.b2 is not None, SCALE_K=BLOCK, OUT_ROUND=_ROUND_CODE[out_dtype],
-        **_launch_cfg(cfg, act.device))
+    tiles = g.max_blocks * triton.cdiv(n, cfg.block_n)
+    for phase, grid, part in _phases(cfg, tiles, act.shape[0], n, act.device):
+        _down_kernel[(grid,)](
+            act, as_, w.w2, ws, b2, weights, y, g.sorted_pairs, g.block_expert, g.num_rows, part,
+            n, k, g.num_pairs, g.max_blocks,
+            act.stride(0), as_.stride(0), as_.stride(1) if fp8 else 0,
+            w.w2.stride(0), w.w2.stride(1), ws.stride(0), ws.stride(1) if fp8 else 0,
+            ws.stride(2) if fp8 else 0, b2.stride(0), y.stride(0), part.stride(0), part.stride(1),
+            FP8=fp8, HAS_BIAS=w.b2 is not None, SCALE_K=BLOCK, OUT_ROUND=_ROUND_CODE[out_dtype],
+            PHASE=phase, SPLIT_K=cfg.split_k, **_launch_cfg(cfg, act.device))
     return y
 
 

@@ -31,6 +31,9 @@ class TileConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    # MoE decode: K split over this many CTAs per tile (fp32 partials, then a fix-up kernel that sums
+    # them in split order: deterministic). More CTAs in flight when few tiles exist (batch 1: 4 experts).
+    split_k: int = 1
 
     def to_json(self) -> dict[str, int]:
         return asdict(self)
@@ -38,7 +41,7 @@ class TileConfig:
     @staticmethod
     def from_json(d: dict[str, int]) -> TileConfig:
         return TileConfig(int(d["block_m"]), int(d["block_n"]), int(d["block_k"]), int(d.get("group_m", 1)),
-                          int(d["num_warps"]), int(d["num_stages"]))
+                          int(d["num_warps"]), int(d["num_stages"]), int(d.get("split_k", 1)))
 
 
 @dataclass(frozen=True, slots=True)

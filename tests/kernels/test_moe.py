@@ -142,9 +142,14 @@ def test_grouping_all_tokens_one_expert_and_none_local():
 # ---- the whole layer ------------------------------------------------------------------------------
 FUSED = MoEConfig(16, TileConfig(16, 256, 128, 1, 4, 2), TileConfig(16, 64, 128, 2, 4, 2))
 UNFUSED = MoEConfig(32, TileConfig(32, 128, 128, 2, 4, 2), TileConfig(32, 128, 64, 1, 4, 2))
+# Decode-style split-K: K ranges over CTAs, fp32 partials summed in split order by a fix-up launch
+# (3 does not divide the K blocks evenly; 4 > K blocks at h = 256 leaves an empty split).
+SPLIT3 = MoEConfig(16, TileConfig(16, 256, 128, 1, 4, 2, 3), TileConfig(16, 64, 128, 1, 4, 2, 3))
+SPLIT4 = MoEConfig(16, TileConfig(16, 128, 128, 1, 4, 2, 4), TileConfig(16, 32, 64, 1, 4, 2, 4))
 
 
-@pytest.mark.parametrize("cfg", [FUSED, UNFUSED], ids=["fused_requant", "separate_requant"])
+@pytest.mark.parametrize("cfg", [FUSED, UNFUSED, SPLIT3, SPLIT4],
+                         ids=["fused_requant", "separate_requant", "split_k3", "split_k4"])
 @pytest.mark.parametrize("h,i", [(160, 128), (256, 96)])
 def test_fp8_moe_fp32_tight(cfg: MoEConfig, h: int, i: int):
     t, e = 11, 8
@@ -171,7 +176,7 @@ def test_fp8_moe_bf16_hidden_2880():
     assert _rel(out, _fp8_act_reference(x, logits, 2, w)) < 2e-2
 
 
-@pytest.mark.parametrize("cfg", [None, UNFUSED], ids=["default", "bm32"])
+@pytest.mark.parametrize("cfg", [None, UNFUSED, SPLIT4], ids=["default", "bm32", "split_k4"])
 def test_native_fp32_matches_torch_moe(cfg: MoEConfig | None):
     t, e, h, i = 9, 8, 160, 64
     w = _experts(e, e, h, i, torch.float32, fp8=False)
