@@ -189,7 +189,10 @@ def quantize_fp8_per_token(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.T
     kb = -(-k // group)
     pad = F.pad(x.float(), (0, kb * group - k)).reshape(m, kb, group)
     amax = pad.abs().amax(-1).clamp(min=1e-12)
-    scale = amax / FP8_MAX
+    # Divide by a tensor, not the Python float: CUDA torch turns division by a scalar into a
+    # multiplication by its reciprocal, 1 ulp off for some amax (seen on the H200), while the kernels
+    # (and torch on CPU) divide exactly; then codes on a rounding boundary flip.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (pad / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.reshape(m, kb * group)[:, :k].contiguous(), scale
 

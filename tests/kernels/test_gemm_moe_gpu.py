@@ -82,8 +82,10 @@ def _experts(e: int, h: int, i: int, fp8: bool, b2: bool = True):
 def _moe_reference(x, logits, top_k, w, fp8_acts: bool) -> torch.Tensor:
     """fp32; with fp8_acts, x and the SwiGLU output go through 1x128 e4m3 like the kernels."""
     from kernels import reference as ref
-    vals, ids = torch.topk(logits, top_k, dim=-1)
-    weights = torch.softmax(vals, dim=-1, dtype=vals.dtype)
+    from kernels.moe_align import route_topk_softmax
+    # The kernels' routing (tested on its own against torch.topk + softmax, ties to the lowest
+    # expert): bf16 logits tie often, and torch.topk on CUDA breaks ties its own way.
+    weights, ids = route_topk_softmax(logits, top_k)
     q = (lambda a: ref.dequantize_fp8_per_token(*ref.quantize_fp8_per_token(a))) if fp8_acts else (lambda a: a)
     xq = q(x.float())
     out = torch.zeros(x.shape[0], w.w2.shape[1], device=x.device)

@@ -99,3 +99,15 @@ def test_convert_cli_refuses_bad_input(ckpt_factory, tmp_path):
     # Not a checkpoint at all.
     r = _tandem("convert", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "o4"))
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_activation_scale_is_an_exact_division():
+    """scale = amax / 448 correctly rounded (what the Triton quantiser's div_rn computes), not amax
+    times a rounded 1/448: on CUDA torch does the latter for a Python-scalar divisor, which flipped
+    codes on rounding boundaries against the kernel."""
+    from kernels.reference import FP8_MAX, quantize_fp8_per_token
+
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)) * 3
+    _, scale = quantize_fp8_per_token(x)
+    amax = x.abs().reshape(64, 2, 128).amax(-1).double()
+    assert torch.equal(scale, (amax / FP8_MAX).float())
