@@ -41,7 +41,9 @@ def round_e4m3(v):
     r = tl.floor(t + 0.5)
     tie_to_odd = ((r - t) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) == 1.0)
     r = tl.where(tie_to_odd, r - 1.0, r)
-    return tl.where(v < 0, -r, r) * ulp
+    # the sign from v's bits, so that tiny negatives round to -0 like a cast does (-r would give +0)
+    sign = (bits >> 31) << 31
+    return ((r * ulp).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

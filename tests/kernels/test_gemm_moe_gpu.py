@@ -54,13 +54,18 @@ def _linear_backends(with_deepgemm: bool):
 @pytest.mark.parametrize("n,k", [(5120, 2880), (2880, 4096), (1280, 2880)])
 @pytest.mark.parametrize("m", [1, 77, 2048])
 def test_dense_fp8_backends_match_reference(n: int, k: int, m: int):
+    from common.errors import ConfigError
     from kernels import reference as ref
     w, ws = ref.quantize_fp8_blockwise(torch.randn(n, k, device="cuda") * 0.02)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     for bias in (torch.randn(n, device="cuda", dtype=torch.bfloat16), None):
         want = ref.fp8_linear(x.float(), w, ws, bias, quantize_activations=True)  # fp32
         for name, impl in _linear_backends(with_deepgemm=m == 77):
-            y = impl(x, w, ws, bias)
+            try:
+                y = impl(x, w, ws, bias)
+            except ConfigError as e:  # DeepGEMM 0.2.0 loads but refuses these K (kernels/fp8_gemm.py)
+                assert name.startswith("deepgemm"), e
+                continue
             assert y.shape == (m, n) and y.dtype == torch.bfloat16, name
             err = _rel(y, want)
             assert err < 3e-3, f"{name}: rel err {err:.2e}"
@@ -79,8 +84,9 @@ def _experts(e: int, h: int, i: int, fp8: bool, b2: bool = True):
     return ExpertWeights(w1.to(torch.bfloat16), None, b1, w2.to(torch.bfloat16), None, bb2, 0, e, 1.702, 7.0)
 
 
-def _moe_reference(x, logits, top_k, w, fp8_acts: bool) -> torch.Tensor:
-    """fp32; with fp8_acts, x and the SwiGLU output go through 1x128 e4m3 like the kernels."""
+def _moe_reference(x, logits, top_k, w, fp8_acts: bool, act_dtype=torch.float32) -> torch.Tensor:
+    """fp32; with fp8_acts, x and the SwiGLU output go through 1x128 e4m3 like the kernels (after
+    rounding to act_dtype: tiles without fused re-quantisation store the activation in x.dtype)."""
     from kernels import reference as ref
     from kernels.moe_align import route_topk_softmax
     # The kernels' routing (tested on its own against torch.topk + softmax, ties to the lowest
@@ -97,7 +103,7 @@ def _moe_reference(x, logits, top_k, w, fp8_acts: bool) -> torch.Tensor:
         w1 = w.w1[e].float() if w.w1_scale is None else ref.dequantize_fp8_blockwise(w.w1[e], w.w1_scale[e])
         w2 = w.w2[e].float() if w.w2_scale is None else ref.dequantize_fp8_blockwise(w.w2[e], w.w2_scale[e])
         a = ref.swiglu(xq[tok] @ w1.t() + w.b1[e].float(), w.alpha, w.limit)
-        y = q(a) @ w2.t() + (0 if w.b2 is None else w.b2[e].float())
+        y = q(a.to(act_dtype).float()) @ w2.t() + (0 if w.b2 is None else w.b2[e].float())
         out.index_add_(0, tok, y.to(x.dtype).float() * weights[tok, slot, None].float())
     return out
 
@@ -108,8 +114,11 @@ def test_fp8_moe_real_dims(e: int, t: int):
     w = _experts(e, 2880, 2880, fp8=True)
     x = torch.randn(t, 2880, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(t, e, device="cuda").to(torch.bfloat16)
-    out = TritonMoE()(x, logits, 4, w)
-    assert _rel(out, _moe_reference(x, logits, 4, w, fp8_acts=True)) < 5e-3
+    moe = TritonMoE()
+    out = moe(x, logits, 4, w)
+    fused = moe.config_for(t, 4, w, True).gemm1.block_n == 256  # re-quantisation in the epilogue
+    act_dtype = torch.float32 if fused else x.dtype
+    assert _rel(out, _moe_reference(x, logits, 4, w, fp8_acts=True, act_dtype=act_dtype)) < 5e-3
 
 
 def test_bf16_moe_real_dims():
