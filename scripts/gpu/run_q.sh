@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run Q (one H200, 2026-12-01): test_gemm_moe_gpu.py after the signed-zero fix of the e4m3
+# GPU run Q (one H200, 2026-12-01; again as Q2 with the split-K decode table): test_gemm_moe_gpu.py after the signed-zero fix of the e4m3
 # rounding, DeepGEMM refusals skipped, and the unfused-requantisation reference.
 source scripts/gpu/env.sh
 mkdir -p $OUT/q
