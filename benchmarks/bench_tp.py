@@ -98,8 +98,9 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--skip-allreduce", action="store_true")
     ap.add_argument("--bf16-attention", action="store_true")
-    ap.add_argument("--fast-allreduce-kib", type=int, default=0,
-                    help="symmetric-memory one-shot all-reduce up to this many KiB (0 = NCCL only)")
+    ap.add_argument("--fast-allreduce-kib", type=int, default=1024,
+                    help="symmetric-memory one-shot all-reduce up to this many KiB (0 = NCCL only); "
+                         "the workers' default is 1024")
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)

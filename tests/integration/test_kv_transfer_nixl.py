@@ -198,13 +198,15 @@ class Cluster:
     def __init__(self, sc: Scenario) -> None:
         self.sc = sc
         self.ctx = mp.get_context("spawn")
-        self.out = self.ctx.Queue()
+        # One output queue per process: a queue's writers share a lock, and a writer SIGKILLed while
+        # holding it (the fault tests kill processes) would block every other writer forever.
+        self.outs = [self.ctx.Queue() for _ in range(sc.d + sc.p)]
         self.dctl = [self.ctx.Queue() for _ in range(sc.d)]
         self.pctl = [self.ctx.Queue() for _ in range(sc.p)]
-        self.dec = [self.ctx.Process(target=decode_main, args=(s, sc, self.dctl[s], self.out), daemon=True)
+        self.dec = [self.ctx.Process(target=decode_main, args=(s, sc, self.dctl[s], self.outs[s]), daemon=True)
                     for s in range(sc.d)]
-        self.pre = [self.ctx.Process(target=prefill_main, args=(r, sc, self.pctl[r], self.out), daemon=True)
-                    for r in range(sc.p)]
+        self.pre = [self.ctx.Process(target=prefill_main, args=(r, sc, self.pctl[r], self.outs[sc.d + r]),
+                                     daemon=True) for r in range(sc.p)]
         self.msgs: list[tuple] = []
 
     def __enter__(self) -> Cluster:
@@ -226,8 +228,23 @@ class Cluster:
                 self.msgs.remove(pending[0])
                 got.append(pending[0])
                 continue
-            self.msgs.append(self.out.get(timeout=max(0.01, end - time.monotonic())))
+            self.msgs += self._poll(end)
         return got
+
+    def _poll(self, end: float) -> list[tuple]:
+        """Whatever any process has sent; raises queue.Empty at `end`."""
+        while True:
+            got = []
+            for q in self.outs:
+                try:
+                    got.append(q.get_nowait())
+                except queue.Empty:
+                    pass
+            if got:
+                return got
+            if time.monotonic() > end:
+                raise queue.Empty
+            time.sleep(0.005)
 
     def wire(self) -> None:
         addrs = sorted(self.expect("addr", self.sc.d))
