@@ -76,9 +76,7 @@ class _Target:
     phase: _Phase = _Phase.HANDSHAKE
     claim_at: float | None = None
     next_claim: float = 0.0
-    geo: dict[int, tuple[GroupGeometry, int, int]] = field(default_factory=dict)  # group -> (dst geo, base, dev)
-    pairs: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    plan: dict[int, _GroupPlan] = field(default_factory=dict)
+    plan: dict[int, _GroupPlan] = field(default_factory=dict)  # page group -> WRITE plan
     written: set[int] = field(default_factory=set)
     completed: set[int] = field(default_factory=set)
     inflight: list[tuple[tuple[int, ...], Any]] = field(default_factory=list)  # (layers, NIXL handle), posting order
@@ -326,11 +324,10 @@ class NixlSender(KVSender):
                                     self.spec.head_dim, self._src_geo[g].elt_size)
                 if geo.nbytes != pool.nbytes:
                     return f"decode pool of group {g.name} is {pool.nbytes} bytes, its layout says {geo.nbytes}"
-                t.geo[g] = (geo, pool.base_addr, pool.device_id)
-                t.pairs[g] = page_pairs(g, tx.pages, dst, tx.request.num_tokens, self.spec.page_size,
-                                        self.spec.sliding_window, self.spec.num_pages[g], pool.num_pages)
+                pairs = page_pairs(g, tx.pages, dst, tx.request.num_tokens, self.spec.page_size,
+                                   self.spec.sliding_window, self.spec.num_pages[g], pool.num_pages)
                 sg, src = self._src_geo[g], self._src[g]
-                cp = layer_copies(sg, geo, 0, t.pairs[g], t.run)
+                cp = layer_copies(sg, geo, 0, pairs, t.run)
                 t.plan[g] = _GroupPlan(descriptors(src.base_addr, cp.src, cp.nbytes, src.device_id),
                                        descriptors(pool.base_addr, cp.dst, cp.nbytes, pool.device_id),
                                        2 * sg.num_pages * sg.page_bytes, 2 * geo.num_pages * geo.page_bytes,
