@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # GPU run J (two H200s, 2026-12-01): KV transfer with the batched-WRITE sender (overlap per page
 # placement); all-reduce paths incl. two-shot; multi-rank disaggregated serving with the same MoE
-# layout on both roles (tokens must equal colocated) and with prefill TP-sliced / decode EP.
+# layout on both roles (tokens must equal colocated) and with prefill TP-sliced / decode EP; the
+# same-node SM-driven alternative to NIXL (benchmarks/ipc_copy.py).
 WHL=.whl-nixl source scripts/gpu/env.sh
 mkdir -p $OUT/j
 timeout ${T_KV:-200} python3 -m benchmarks.kv_transfer --iters 3 > $OUT/j/kv_transfer.log 2>&1; echo "kv rc=$?"
 grep -v "NIXL INFO" $OUT/j/kv_transfer.log | tail -22
+timeout ${T_IPC:-150} python3 -m benchmarks.ipc_copy --iters 3 > $OUT/j/ipc_copy.log 2>&1; echo "ipc rc=$?"
+grep -E "^(kernel|staged|ERROR)|method" $OUT/j/ipc_copy.log | tail -14
 timeout ${T_AR:-120} torchrun --nproc-per-node 2 -m benchmarks.bench_tp --bf16-attention --preset gpt-oss-20b --moe-mode ep --prefill-lens "" --contexts "" > $OUT/j/allreduce.log 2>&1; echo "ar rc=$?"
 grep -E "^all-reduce" $OUT/j/allreduce.log
 smoke() {  # $1 = tag, $2 = prefill MoE mode
