@@ -120,15 +120,23 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, par, dtype, fp8, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, be: Backends,
-                kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor] | None, pending: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (residual stream, pending). With fused norms the MoE output is returned as `pending`
+        and added by the next layer's (or the final) residual-add + RMSNorm kernel: one pass fewer
+        per layer, the same bits as adding it here."""
         if not be.fused_norm:
             x = x + self.attn(ref.rms_norm(x, self.attn_norm, self.eps), cos, sin, be, kv)
-            return x + self.mlp(ref.rms_norm(x, self.mlp_norm, self.eps), be)
+            return x + self.mlp(ref.rms_norm(x, self.mlp_norm, self.eps), be), None
         from kernels.norm import add_rms_norm, rms_norm
 
-        a = self.attn(rms_norm(x, self.attn_norm, self.eps), cos, sin, be, kv)
+        if pending is None:
+            h = rms_norm(x, self.attn_norm, self.eps)
+        else:
+            x, h = add_rms_norm(x, pending, self.attn_norm, self.eps)
+        a = self.attn(h, cos, sin, be, kv)
         x, h = add_rms_norm(x, a, self.mlp_norm, self.eps)  # residual add and the next norm, one pass
-        return x + self.mlp(h, be)
+        return x, self.mlp(h, be)
 
 
 class GptOss(nn.Module):
@@ -161,15 +169,18 @@ class GptOss(nn.Module):
         x = self.embed[input_ids]  # [T, H]
         cos, sin = self.rotary.cos_sin(step.positions)  # [T, D/2] each
         self.backends.attention.plan(step)
+        pending = None  # the last MoE output, not yet added to x (fused norms only)
         for i, block in enumerate(self.layers):
             with torch.profiler.record_function(f"layer{i}"):
-                x = block(x, cos, sin, self.backends, kv.layer_kv(i) if kv is not None else None)
+                x, pending = block(x, cos, sin, self.backends, kv.layer_kv(i) if kv is not None else None, pending)
             if on_layer_done is not None:
                 on_layer_done(i)
         if self.backends.fused_norm:
-            from kernels.norm import rms_norm
+            from kernels.norm import add_rms_norm, rms_norm
 
-            return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+            if pending is None:
+                return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+            return add_rms_norm(x, pending, self.norm, self.cfg.rms_norm_eps)[1]
         return ref.rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
