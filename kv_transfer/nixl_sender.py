@@ -45,7 +45,8 @@ from kv_transfer.interface import (FailureReason, KVSender, TransferConfig, Tran
 from kv_transfer.messages import (Cancel, Claim, ClaimReply, Ended, Handshake, HandshakeRequest, KVCompat, LayerDone,
                                   TransferRequest, decode, encode)
 from kv_transfer.nixl_backend import NixlAgent, PeerGone, SideChannelClient, TransportError, descriptors
-from kv_transfer.plan import GroupGeometry, HeadRun, check_source_pages, head_runs, layer_copies, page_pairs
+from kv_transfer.plan import (GroupGeometry, HeadRun, WritePlan, check_source_pages, head_runs, layer_copies,
+                              page_pairs)
 from model.kv_cache import KVPool, PageGroup, SeqPages
 
 log = logging.getLogger(__name__)
@@ -76,29 +77,10 @@ class _Target:
     phase: _Phase = _Phase.HANDSHAKE
     claim_at: float | None = None
     next_claim: float = 0.0
-    plan: dict[int, _GroupPlan] = field(default_factory=dict)  # page group -> WRITE plan
+    plan: dict[int, WritePlan] = field(default_factory=dict)  # page group -> WRITE plan
     written: set[int] = field(default_factory=set)
     completed: set[int] = field(default_factory=set)
     inflight: list[tuple[tuple[int, ...], Any]] = field(default_factory=list)  # (layers, NIXL handle), posting order
-
-
-@dataclass(frozen=True, slots=True)
-class _GroupPlan:
-    """One page group's WRITE plan towards one target, made once per request: the NIXL descriptors
-    of the group's first layer; layer i of the group is the same list shifted by i * stride on each
-    side (pool offsets are linear in the layer index, so coalescing is the same for every layer)."""
-
-    src: np.ndarray  # [N, 3] uint64 (address, bytes, device)
-    dst: np.ndarray  # [N, 3] uint64
-    src_stride: int
-    dst_stride: int
-    layer_bytes: int
-
-    def layer(self, li: int) -> tuple[np.ndarray, np.ndarray]:
-        src, dst = self.src.copy(), self.dst.copy()
-        src[:, 0] += np.uint64(li * self.src_stride)
-        dst[:, 0] += np.uint64(li * self.dst_stride)
-        return src, dst
 
 
 MAX_DESCS_PER_WRITE = 4096  # a backlog is split so one post never blocks the loop for long
@@ -328,7 +310,7 @@ class NixlSender(KVSender):
                                    self.spec.sliding_window, self.spec.num_pages[g], pool.num_pages)
                 sg, src = self._src_geo[g], self._src[g]
                 cp = layer_copies(sg, geo, 0, pairs, t.run)
-                t.plan[g] = _GroupPlan(descriptors(src.base_addr, cp.src, cp.nbytes, src.device_id),
+                t.plan[g] = WritePlan(descriptors(src.base_addr, cp.src, cp.nbytes, src.device_id),
                                        descriptors(pool.base_addr, cp.dst, cp.nbytes, pool.device_id),
                                        2 * sg.num_pages * sg.page_bytes, 2 * geo.num_pages * geo.page_bytes,
                                        cp.total_bytes)

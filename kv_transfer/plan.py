@@ -176,3 +176,23 @@ def coalesce(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> Copies:
     starts[1:] = (src[1:] != src[:-1] + nbytes[:-1]) | (dst[1:] != dst[:-1] + nbytes[:-1])
     first = np.flatnonzero(starts)
     return Copies(src[first], dst[first], np.add.reduceat(nbytes, first))
+
+
+@dataclass(frozen=True, slots=True)
+class WritePlan:
+    """One page group's WRITE plan towards one destination rank, made once per request: the
+    descriptors ([N, 3] uint64: address, bytes, device) of the group's first layer; layer i of the
+    group is the same list shifted by i * stride on each side (pool offsets are linear in the layer
+    index, so coalescing is the same for every layer)."""
+
+    src: np.ndarray  # [N, 3] uint64 (address, bytes, device)
+    dst: np.ndarray  # [N, 3] uint64
+    src_stride: int
+    dst_stride: int
+    layer_bytes: int
+
+    def layer(self, li: int) -> tuple[np.ndarray, np.ndarray]:
+        src, dst = self.src.copy(), self.dst.copy()
+        src[:, 0] += np.uint64(li * self.src_stride)
+        dst[:, 0] += np.uint64(li * self.dst_stride)
+        return src, dst

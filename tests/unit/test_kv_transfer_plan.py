@@ -187,7 +187,7 @@ def test_group_plan_shift_equals_per_layer_plan(seed):
     """The sender plans a group's first layer once and shifts it per layer: the same descriptors
     as planning every layer from scratch (coalescing included)."""
     from kv_transfer.nixl_backend import descriptors
-    from kv_transfer.nixl_sender import _GroupPlan
+    from kv_transfer.plan import WritePlan
 
     rng = random.Random(seed)
     src_geo, dst_geo = GroupGeometry(5, 64, 4, 16, 8, 2), GroupGeometry(5, 80, 2, 16, 8, 2)
@@ -196,7 +196,7 @@ def test_group_plan_shift_equals_per_layer_plan(seed):
     sp = np.array(sorted(rng.sample(range(64), n)), dtype=np.int64)
     dp = np.array(rng.sample(range(80), n), dtype=np.int64)
     cp0 = layer_copies(src_geo, dst_geo, 0, (sp, dp), run)
-    plan = _GroupPlan(descriptors(1 << 30, cp0.src, cp0.nbytes, 0), descriptors(1 << 31, cp0.dst, cp0.nbytes, 1),
+    plan = WritePlan(descriptors(1 << 30, cp0.src, cp0.nbytes, 0), descriptors(1 << 31, cp0.dst, cp0.nbytes, 1),
                       2 * 64 * src_geo.page_bytes, 2 * 80 * dst_geo.page_bytes, cp0.total_bytes)
     for li in range(5):
         cp = layer_copies(src_geo, dst_geo, li, (sp, dp), run)
