@@ -57,6 +57,25 @@ def test_happy_path_single_sender():
     kv.assert_all_free()
 
 
+def test_one_notification_may_name_several_layers():
+    """Protocol v2: a WRITE that carried a backlog of layers announces them in one LayerDone; its
+    bytes count once, a repeat counts nothing, and a layer outside the model makes it stale."""
+    book, kv, compat = _setup()
+    c = _claim(compat)
+    assert book.on_claim(c, 0.5).accepted
+    assert book.on_layer_done(LayerDone("r", EPOCH, 0, (0, 1, 2), 300), c.sender_agent, 1.0)
+    assert book.status("r") == TransferStatus.TRANSFERRING
+    assert book.on_layer_done(LayerDone("r", EPOCH, 0, (0, 1, 2), 300), c.sender_agent, 1.1)  # repeat
+    assert not book.on_layer_done(LayerDone("r", EPOCH, 0, (3, 4), 200), c.sender_agent, 1.2)  # no layer 4
+    assert book.status("r") == TransferStatus.TRANSFERRING
+    assert book.on_layer_done(LayerDone("r", EPOCH, 0, (3,), 100), c.sender_agent, 1.3)
+    assert book.status("r") == TransferStatus.DONE and book.outcome("r", 2.0).num_bytes == 400
+    pages = book._reqs["r"].pages
+    book.finish("r")
+    kv.release(pages)
+    kv.assert_all_free()
+
+
 def test_done_needs_every_overlapping_prefill_rank():
     # decode TP 1 <- prefill TP 2: two senders, each must deliver every layer.
     book, kv, compat = _setup()
