@@ -73,7 +73,9 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:
             q, k = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
-        o = be.attention.forward(self.group, q, k, v.contiguous(), kv, self.sinks, self.sm_scale, self.window)
+        # v stays a strided view of qkv (no copy kernel): the store kernels and the Triton attention
+        # take row/head strides, FlashInfer's dense paths make their own contiguous copies
+        o = be.attention.forward(self.group, q, k, v, kv, self.sinks, self.sm_scale, self.window)
         out = be.linear(o.reshape(t, q_sz), self.o_w, self.o_s, self.o_b)  # [T, H]
         return self.par.all_reduce(out)
 
