@@ -70,11 +70,30 @@ def expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, stride_ask, s
 
 
 @triton.jit
-def split_range(ks, K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """K range [k_lo, k_hi) of split ks: whole BLOCK_K blocks, the last split takes the tail."""
-    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_lo = ks * per
-    return k_lo, tl.maximum(tl.minimum(K, k_lo + per), k_lo)
+def split_tile(PHASE: tl.constexpr, SPLIT_K: tl.constexpr):
+    """(split index, tile index) of this program: phase 1 runs SPLIT_K programs per tile."""
+    pid = tl.program_id(0)
+    if PHASE == 1:
+        ks = pid % SPLIT_K
+        tile = pid // SPLIT_K
+    else:
+        ks = 0
+        tile = pid
+    return ks, tile
+
+
+@triton.jit
+def split_range(ks, K, PHASE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K range [k_lo, k_hi) of split ks in phase 1 (whole BLOCK_K blocks, the last split takes the
+    tail); the whole K otherwise."""
+    if PHASE == 1:
+        per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_lo = ks * per
+        k_hi = tl.maximum(tl.minimum(K, k_lo + per), k_lo)
+    else:
+        k_lo = 0
+        k_hi = K
+    return k_lo, k_hi
 
 
 @triton.jit
@@ -93,6 +112,30 @@ def split_partials(ws_ptr, rows, valid, rn, owned, stride_ws_s, stride_ws_r, acc
 
 
 @triton.jit
+def expert_tile(acc, a_ptr, as_ptr, a_rows, stride_a, stride_as_row, stride_as_k, w_ptr, ws_ptr, e, rn,
+                stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, K, part_ptr, rows, valid, owned,
+                stride_ps, stride_pr, ks, FP8: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr,
+                DOT_F32: tl.constexpr, PHASE: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The tile's A . W[e]^T part for both expert GEMMs: the whole K (phase 0), one split's K range
+    stored as a partial (phase 1), or acc plus the stored partials (phase 2). A row r of the tile
+    reads row a_rows[r] of A (gathered tokens for gate_up, grouped rows for down)."""
+    if PHASE == 2:
+        acc = split_partials(part_ptr, rows, valid, rn, owned, stride_ps, stride_pr, acc, PHASE, SPLIT_K, ks)
+    else:
+        k_lo, k_hi = split_range(ks, K, PHASE, SPLIT_K, BLOCK_K)
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_a + offs_k[None, :]  # [BM, BK]
+        b_ptrs = w_ptr + e * stride_we + rn[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+        as_ptrs = as_ptr + a_rows * stride_as_row
+        bs_ptrs = ws_ptr + e * stride_wse + (rn // SCALE_K) * stride_wsn
+        acc = expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, stride_as_k, stride_wsk,
+                          FP8, BLOCK_K, SCALE_K, DOT_F32)
+        if PHASE == 1:
+            split_partials(part_ptr, rows, valid, rn, owned, stride_ps, stride_pr, acc, PHASE, SPLIT_K, ks)
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, acts_ptr,
                     sorted_ptr, block_expert_ptr, num_rows_ptr, part_ptr,
                     N, K, I, num_pairs, max_blocks, alpha, limit,
@@ -104,13 +147,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, acts_ptr,
                     DOT_F32: tl.constexpr, PHASE: tl.constexpr, SPLIT_K: tl.constexpr):
     """PHASE 0: the whole tile. Split-K: PHASE 1 (grid x SPLIT_K) writes fp32 partials of one K
     range, PHASE 2 sums them and runs the epilogue."""
-    pid = tl.program_id(0)
-    if PHASE == 1:
-        ks = pid % SPLIT_K
-        tile = pid // SPLIT_K
-    else:
-        ks = 0
-        tile = pid
+    ks, tile = split_tile(PHASE, SPLIT_K)
     pid_m, pid_n = grouped_tile(tile, max_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return  # beyond the rows in use: experts without tokens cost nothing
@@ -124,24 +161,11 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, acts_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PHASE != 1:
         acc += tl.load(b_ptr + e * stride_be + rn).to(tl.float32)[None, :]  # start at b1
-    if PHASE == 2:
-        acc = split_partials(part_ptr, rows, valid, rn, offs_n < N, stride_ps, stride_pr, acc, PHASE, SPLIT_K, ks)
-    else:
-        if PHASE == 1:
-            k_lo, k_hi = split_range(ks, K, SPLIT_K, BLOCK_K)
-        else:
-            k_lo = 0
-            k_hi = K
-        offs_k = k_lo + tl.arange(0, BLOCK_K)
-        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # [BM, BK] gathered tokens
-        b_ptrs = w_ptr + e * stride_we + rn[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
-        as_ptrs = xs_ptr + tok * stride_xst
-        bs_ptrs = ws_ptr + e * stride_wse + (rn // SCALE_K) * stride_wsn
-        acc = expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, stride_xsk, stride_wsk,
-                          FP8, BLOCK_K, SCALE_K, DOT_F32)
-        if PHASE == 1:
-            split_partials(part_ptr, rows, valid, rn, offs_n < N, stride_ps, stride_pr, acc, PHASE, SPLIT_K, ks)
-            return
+    acc = expert_tile(acc, x_ptr, xs_ptr, tok, stride_xt, stride_xst, stride_xsk, w_ptr, ws_ptr, e, rn,
+                      stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, K, part_ptr, rows, valid,
+                      offs_n < N, stride_ps, stride_pr, ks, FP8, BLOCK_K, SCALE_K, DOT_F32, PHASE, SPLIT_K)
+    if PHASE == 1:
+        return
     # Clamped SwiGLU on interleaved columns: 2i = gate_i, 2i+1 = up_i.
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))  # [BM, BN/2] each
     gate = tl.minimum(gate, limit)  # from above only
@@ -168,13 +192,7 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, rw_ptr, y_ptr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  SCALE_K: tl.constexpr, OUT_ROUND: tl.constexpr, DOT_F32: tl.constexpr,
                  PHASE: tl.constexpr, SPLIT_K: tl.constexpr):
-    pid = tl.program_id(0)
-    if PHASE == 1:
-        ks = pid % SPLIT_K
-        tile = pid // SPLIT_K
-    else:
-        ks = 0
-        tile = pid
+    ks, tile = split_tile(PHASE, SPLIT_K)
     pid_m, pid_n = grouped_tile(tile, max_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
@@ -187,24 +205,12 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, rw_ptr, y_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_BIAS and PHASE != 1:  # b2: one EP rank (or TP rank 0) adds it, inside the routing weight
         acc += tl.load(b_ptr + e * stride_be + rn).to(tl.float32)[None, :]
-    if PHASE == 2:
-        acc = split_partials(part_ptr, rows, valid, rn, offs_n < N, stride_ps, stride_pr, acc, PHASE, SPLIT_K, ks)
-    else:
-        if PHASE == 1:
-            k_lo, k_hi = split_range(ks, K, SPLIT_K, BLOCK_K)
-        else:
-            k_lo = 0
-            k_hi = K
-        offs_k = k_lo + tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]  # act rows are already grouped
-        b_ptrs = w_ptr + e * stride_we + rn[None, :] * stride_wn + offs_k[:, None]
-        as_ptrs = as_ptr + rows * stride_asm
-        bs_ptrs = ws_ptr + e * stride_wse + (rn // SCALE_K) * stride_wsn
-        acc = expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, stride_ask, stride_wsk,
-                          FP8, BLOCK_K, SCALE_K, DOT_F32)
-        if PHASE == 1:
-            split_partials(part_ptr, rows, valid, rn, offs_n < N, stride_ps, stride_pr, acc, PHASE, SPLIT_K, ks)
-            return
+    # act rows are already grouped: tile row r reads act row rows[r]
+    acc = expert_tile(acc, a_ptr, as_ptr, rows, stride_am, stride_asm, stride_ask, w_ptr, ws_ptr, e, rn,
+                      stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, K, part_ptr, rows, valid,
+                      offs_n < N, stride_ps, stride_pr, ks, FP8, BLOCK_K, SCALE_K, DOT_F32, PHASE, SPLIT_K)
+    if PHASE == 1:
+        return
     wgt = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)  # [BM] routing weight
     # Reference rounding points: the linear's output in x.dtype, then times the weight.
     if OUT_ROUND == 0:
