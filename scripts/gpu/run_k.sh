@@ -3,14 +3,6 @@
 # FP8 MoE with narrower gate_up tiles and deeper pipelines (other buckets kept from the committed
 # table), then the MoE kernel benchmark and the 20b model's decode with the new table.
 source scripts/gpu/env.sh
-python3 - <<'PY'
-import tarfile
-from flashinfer.jit import env
-with tarfile.open(".cache/fi/flashinfer-cache.tar.xz") as t:
-    so = [m for m in t.getmembers() if m.name.endswith(".so")]
-    t.extractall(env.FLASHINFER_AOT_DIR, members=so, filter="data")
-print("restored", len(so), "FlashInfer modules")
-PY
 mkdir -p $OUT/k
 timeout 200 python3 -m benchmarks.tune_moe --budget ${TUNE_BUDGET:-140} --no-bf16 --buckets 1,4 --base kernels/tuning/moe.json > $OUT/k/tune.log 2>&1; echo "tune rc=$?"
 grep -E "bucket|'bucket'" $OUT/k/tune.log | tail -30

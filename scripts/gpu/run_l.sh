@@ -2,14 +2,6 @@
 # GPU run L (one H200, 2026-12-01): 20b decode step time after FlashInfer's plan takes the flat page
 # list from the step metadata (one copy) instead of a per-page Python gather; compare run K.
 source scripts/gpu/env.sh
-python3 - <<'PY'
-import tarfile
-from flashinfer.jit import env
-with tarfile.open(".cache/fi/flashinfer-cache.tar.xz") as t:
-    so = [m for m in t.getmembers() if m.name.endswith(".so")]
-    t.extractall(env.FLASHINFER_AOT_DIR, members=so, filter="data")
-print("restored", len(so), "FlashInfer modules")
-PY
 mkdir -p $OUT/l
 timeout 300 python3 -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention --prefill-lens 8192 --contexts 8192,32768 --batches 1,32,128 --tag l > $OUT/l/model.log 2>&1; echo "model rc=$?"
 grep -E "^decode|^prefill|Error|error" $OUT/l/model.log | head -20

@@ -3,14 +3,6 @@
 # benchmark (prefill, decode with CUDA graphs, HF transformers peer). FlashInfer modules built by
 # run A come back as AOT modules from .cache/fi (no JIT rebuild).
 source scripts/gpu/env.sh
-python3 - <<'PY'
-import tarfile
-from flashinfer.jit import env
-with tarfile.open(".cache/fi/flashinfer-cache.tar.xz") as t:
-    so = [m for m in t.getmembers() if m.name.endswith(".so")]
-    t.extractall(env.FLASHINFER_AOT_DIR, members=so, filter="data")
-print("restored", len(so), "FlashInfer modules")
-PY
 mkdir -p $OUT/m
 if [ "${TUNE:-1}" = 1 ]; then
   timeout 200 python3 -m benchmarks.tune_moe --budget ${TUNE_BUDGET:-150} > $OUT/m/tune.log 2>&1; echo "tune rc=$?"

@@ -3,13 +3,6 @@
 # (1, 4 routed rows per expert) with split_k in {1, 2, 4}, then GPU MoE parity at real dims with the
 # new table, the MoE kernel benchmark, and the 20b decode step (compare runs L/N).
 source scripts/gpu/env.sh
-python3 - <<'PY'
-import tarfile
-from flashinfer.jit import env
-with tarfile.open(".cache/fi/flashinfer-cache.tar.xz") as t:
-    so = [m for m in t.getmembers() if m.name.endswith(".so")]
-    t.extractall(env.FLASHINFER_AOT_DIR, members=so, filter="data")
-PY
 mkdir -p $OUT/o
 timeout 210 python3 -m benchmarks.tune_moe --budget ${TUNE_BUDGET:-170} --no-bf16 --buckets 1,4 --base kernels/tuning/moe.json > $OUT/o/tune.log 2>&1; echo "tune rc=$?"
 grep -E "^\{" $OUT/o/tune.log | tail -8
