@@ -113,12 +113,18 @@ def test_receiver_proxy_min_status_first_cause_and_release_by_every_rank():
     assert len(group.sent) == n
 
 
-def test_sender_proxy_aborts_other_ranks_and_reports_the_first_cause():
+def _sender_proxy():
+    """Rank 0's GroupSender over a loopback sender (prefill TP 2 -> decode TP 1), with a scripted
+    group standing for the other rank; and the decode side's TransferRequest."""
     group, hub = ScriptedGroup(), LoopbackHub()
     dec = LoopbackReceiver(KVPool(_spec(1)), TransferConfig("dec", "m", 0, 1), hub)
     req = dec.expect("r", SeqPages([5, 6, 7], [1, 2, 3]), 10, time.time() + 30)
     tx = LoopbackSender(KVPool(_spec(2)), TransferConfig("pre", "m", 0, 2), hub)
-    proxy = GroupSender(group, LocalKV(tx, None))
+    return group, req, tx, GroupSender(group, LocalKV(tx, None))
+
+
+def test_sender_proxy_aborts_other_ranks_and_reports_the_first_cause():
+    group, req, tx, proxy = _sender_proxy()
     src = SeqPages([1, 2, 3], [0, 1, 2])
     group.answers.append(tm.Done(""))
     proxy.start(req, src)
@@ -133,11 +139,7 @@ def test_sender_proxy_aborts_other_ranks_and_reports_the_first_cause():
 
 
 def test_sender_proxy_start_errors_name_the_rank():
-    group, hub = ScriptedGroup(), LoopbackHub()
-    dec = LoopbackReceiver(KVPool(_spec(1)), TransferConfig("dec", "m", 0, 1), hub)
-    req = dec.expect("r", SeqPages([5, 6, 7], [1, 2, 3]), 10, time.time() + 30)
-    tx = LoopbackSender(KVPool(_spec(2)), TransferConfig("pre", "m", 0, 2), hub)
-    proxy = GroupSender(group, LocalKV(tx, None))
+    group, req, tx, proxy = _sender_proxy()
     group.answers.append(tm.Done("bad pages"))
     with pytest.raises(WorkerUnavailable, match="disagree"):  # rank 0 accepted what rank 1 refused
         proxy.start(req, SeqPages([1, 2, 3], [0, 1, 2]))
