@@ -260,7 +260,7 @@ def gate_up(x: torch.Tensor, xs: torch.Tensor | None, w: ExpertWeights, g: Exper
     ws = w.w1_scale if fp8 else w.w1
     acts_arg = acts_buf if acts_buf is not None else act
     tiles = g.max_blocks * triton.cdiv(n, cfg.block_n)
-    for phase, grid, part in _phases(cfg, tiles, rows, n, x.device):
+    for phase, grid, part in _phases(cfg, tiles, rows, n, act):
         _gate_up_kernel[(grid,)](
             x, xs_, w.w1, ws, w.b1, act, acts_arg, g.sorted_pairs, g.block_expert, g.num_rows, part,
             n, k, i, g.num_pairs, g.max_blocks, float(w.alpha), float(w.limit),
@@ -273,13 +273,14 @@ def gate_up(x: torch.Tensor, xs: torch.Tensor | None, w: ExpertWeights, g: Exper
     return act, (acts_buf.t() if acts_buf is not None else None)
 
 
-def _phases(cfg: TileConfig, tiles: int, rows: int, n: int, device: torch.device
+def _phases(cfg: TileConfig, tiles: int, rows: int, n: int, unused: torch.Tensor
             ) -> list[tuple[int, int, torch.Tensor]]:
-    """(phase, grid, partials) launches of one GEMM: phase 0 alone, or split-K partials (phase 1,
-    tiles x split_k CTAs into fp32 [split_k, R, N]) then their fix-up (phase 2)."""
+    """(phase, grid, partials) launches of one GEMM: phase 0 alone (its partials argument is never
+    read: `unused`, any 2-d tensor, stands in), or split-K partials (phase 1, tiles x split_k CTAs
+    into fp32 [split_k, R, N]) then their fix-up (phase 2)."""
     if cfg.split_k <= 1:
-        return [(0, tiles, torch.empty(1, 1, dtype=torch.float32, device=device))]
-    part = torch.empty(cfg.split_k, rows, n, dtype=torch.float32, device=device)  # only used rows are touched
+        return [(0, tiles, unused)]
+    part = torch.empty(cfg.split_k, rows, n, dtype=torch.float32, device=unused.device)  # only used rows are touched
     return [(1, tiles * cfg.split_k, part), (2, tiles, part)]
 
 
@@ -294,7 +295,7 @@ def down(act: torch.Tensor, acts: torch.Tensor | None, w: ExpertWeights, g: Expe
     as_ = acts if acts is not None else act
     b2 = w.b2 if w.b2 is not None else w.w2
     tiles = g.max_blocks * triton.cdiv(n, cfg.block_n)
-    for phase, grid, part in _phases(cfg, tiles, act.shape[0], n, act.device):
+    for phase, grid, part in _phases(cfg, tiles, act.shape[0], n, y):
         _down_kernel[(grid,)](
             act, as_, w.w2, ws, b2, weights, y, g.sorted_pairs, g.block_expert, g.num_rows, part,
             n, k, g.num_pairs, g.max_blocks,
