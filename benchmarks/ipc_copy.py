@@ -36,10 +36,11 @@ import triton.language as tl
 
 from benchmarks.kv_transfer import (HEADS, HEAD_DIM, PAGE, RING, WINDOW, dst_pages, fill_layer, make_spec, src_pages,
                                     transfer_bytes, verify)
-from kv_transfer.plan import page_pairs
-from model.kv_cache import KVPool, PageGroup
+from kv_transfer.plan import GroupGeometry, page_pairs
+from model.kv_cache import KVPool, PageGroup, SeqPages
 
 BLOCK_ELEMS = HEADS * PAGE * HEAD_DIM  # one (layer, K/V, page) block: H * P * D elements
+ELT = 2  # bf16 bytes
 CHUNK = 2048
 
 
@@ -56,19 +57,17 @@ def _page_copy_kernel(src_ptr, dst_ptr, src_off, dst_off, BLOCK: tl.constexpr, C
 
 def block_offsets(spec, src_np: tuple[int, int], dst_np: tuple[int, int], n: int, src, dst
                   ) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], int]:
-    """Per page group: element offsets (within the group's pool tensor) of every block to copy,
-    over all layers, K and V; pools are [L, 2, NP, H, P, D]."""
+    """Per page group: element offsets (within the group's pool tensor) of every (layer, K/V, page)
+    block to copy, from the transfer plan's own pool geometry (kv_transfer.plan)."""
     out, blocks = {}, 0
     for g in PageGroup:
         if not spec.layers(g):
             continue
         sp, dp = page_pairs(g, src, dst, n, PAGE, WINDOW, src_np[g], dst_np[g])
         nl = len(spec.layers(g))
-        li = np.arange(nl).repeat(2 * len(sp))
-        kv = np.tile(np.arange(2).repeat(len(sp)), nl)
-        s_pages, d_pages = np.tile(sp, 2 * nl), np.tile(dp, 2 * nl)
-        so = ((li * 2 + kv) * src_np[g] + s_pages) * BLOCK_ELEMS
-        do = ((li * 2 + kv) * dst_np[g] + d_pages) * BLOCK_ELEMS
+        geo_s, geo_d = (GroupGeometry(nl, npages[g], HEADS, PAGE, HEAD_DIM, ELT) for npages in (src_np, dst_np))
+        so = np.concatenate([geo_s.offsets(li, kv, sp, 0) for li in range(nl) for kv in (0, 1)]) // ELT
+        do = np.concatenate([geo_d.offsets(li, kv, dp, 0) for li in range(nl) for kv in (0, 1)]) // ELT
         out[g] = (so.astype(np.int64), do.astype(np.int64))
         blocks += len(so)
     return out, blocks
@@ -88,12 +87,11 @@ def decode_main(dev: str, layers: int, nf: int, q_to, q_from) -> None:
             if cmd[0] == "stop":
                 break
             _, full, ring, n, salt = cmd
-            from model.kv_cache import SeqPages
             for t in pool.pools:
                 t.zero_()
             q_from.put(("zeroed",))
-            q_to_ok = q_to.get()  # "check" once the prefill side finished writing
-            assert q_to_ok == ("check",)
+            cmd = q_to.get()  # ("check",) once the prefill side finished writing
+            assert cmd == ("check",), cmd
             if dev.startswith("cuda"):
                 torch.cuda.synchronize(dev)
             q_from.put(("verified", verify(pool, SeqPages(list(full), list(ring)), n, salt)))
