@@ -25,15 +25,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kv_transfer.nixl_backend import descriptors
+
 BUF = 1 << 30
 
 
 def _descs(base: int, n: int, size: int, dev: int, stride: int) -> np.ndarray:
-    d = np.empty((n, 3), dtype=np.uint64)
-    d[:, 0] = base + np.arange(n, dtype=np.uint64) * np.uint64(stride)
-    d[:, 1] = size
-    d[:, 2] = dev
-    return d
+    """n descriptors of `size` bytes, `stride` apart from `base` (the sender's descriptor format)."""
+    return descriptors(base, np.arange(n, dtype=np.int64) * stride, np.full(n, size, dtype=np.int64), dev)
 
 
 def _setup(dev: str) -> tuple[str, int]:
