@@ -144,7 +144,8 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, acts_ptr,
                     TOP_K: tl.constexpr, FP8: tl.constexpr, QUANT_OUT: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, SCALE_K: tl.constexpr, FP8_MAX_C: tl.constexpr,
-                    DOT_F32: tl.constexpr, PHASE: tl.constexpr, SPLIT_K: tl.constexpr):
+                    DOT_F32: tl.constexpr, PHASE: tl.constexpr, SPLIT_K: tl.constexpr,
+                    HW_CVT: tl.constexpr):
     """PHASE 0: the whole tile. Split-K: PHASE 1 (grid x SPLIT_K) writes fp32 partials of one K
     range, PHASE 2 sums them and runs the epilogue."""
     ks, tile = split_tile(PHASE, SPLIT_K)
@@ -176,7 +177,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, acts_ptr,
     out_ptrs = act_ptr + rows[:, None] * stride_am + offs_i[None, :]
     smask = valid[:, None] & imask[None, :]
     if QUANT_OUT:  # BLOCK_N // 2 == 128: this tile is exactly 1x128 group pid_n of each row
-        q, scale = quantize_tile(tl.where(imask[None, :], act, 0.0), imask[None, :], FP8_MAX_C)
+        q, scale = quantize_tile(tl.where(imask[None, :], act, 0.0), imask[None, :], FP8_MAX_C, HW_CVT)
         tl.store(out_ptrs, q.to(act_ptr.dtype.element_ty), mask=smask)
         tl.store(acts_ptr + pid_n * stride_ask + rows, scale, mask=valid)
     else:
@@ -269,7 +270,7 @@ def gate_up(x: torch.Tensor, xs: torch.Tensor | None, w: ExpertWeights, g: Exper
             ws.stride(2) if fp8 else 0, w.b1.stride(0), act.stride(0), acts_arg.stride(0),
             part.stride(0), part.stride(1),
             TOP_K=top_k, FP8=fp8, QUANT_OUT=quant_out, SCALE_K=BLOCK, FP8_MAX_C=FP8_MAX, PHASE=phase,
-            SPLIT_K=cfg.split_k, **_launch_cfg(cfg, x.device))
+            SPLIT_K=cfg.split_k, HW_CVT=x.is_cuda, **_launch_cfg(cfg, x.device))
     return act, (acts_buf.t() if acts_buf is not None else None)
 
 
