@@ -23,7 +23,14 @@ import sys
 
 import torch
 
-from benchmarks.gemm import Report, bench, environment, measure_ceilings, print_table, rel_err
+from benchmarks.gemm import (
+    Report,
+    bench,
+    environment,
+    measure_ceilings,
+    print_table,
+    rel_err,
+)
 from kernels import reference as ref
 from kernels.interface import ExpertWeights
 
@@ -104,23 +111,27 @@ def run_model(rep: Report, model: str, e: int, t_values: list[int], torch_t: tup
     ceil = rep.data["ceilings"]
     fp8_w, bf16_w = make_experts(e, seed=e)
     moe = TritonMoE()
+    grouped = TritonMoE(small_max_pairs=0)
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     rows = []
     for t in t_values:
         x = torch.randn(t, H, device=DEVICE, generator=gen).to(torch.bfloat16)
         lsets = logit_sets(t, e, gen)
         flops = 2 * t * TOP_K * (H * 2 * I + I * H)
-        for name, w in (("triton_fp8", fp8_w), ("triton_bf16", bf16_w)):
+        impls = [("triton_fp8", fp8_w, moe), ("triton_bf16", bf16_w, moe)]
+        if t * TOP_K <= moe.small_max_pairs:  # the few-token path is the default there: grouped beside it
+            impls.insert(1, ("triton_fp8_grouped", fp8_w, grouped))
+        for name, w, impl in impls:
             def one() -> dict:
-                ms = bench([lambda lg=lg: moe(x, lg, TOP_K, w) for lg in lsets])
+                ms = bench([lambda lg=lg: impl(x, lg, TOP_K, w) for lg in lsets])
                 nbytes = weight_bytes_read(w, lsets)
-                cfg = moe.config_for(t, TOP_K, w, w.w1_scale is not None)
+                cfg = impl.config_for(t, TOP_K, w, w.w1_scale is not None)
                 row = {"model": model, "T": t, "backend": name, "ms": ms, "TFLOPs": flops / ms / 1e9,
                        "pct_fp8_peak": 100 * flops / ms / 1e9 / ceil["fp8_blockscaled_TFLOPs"],
                        "weight_GB": nbytes / 1e9, "TBps": nbytes / ms / 1e9,
                        "pct_copy_bw": 100 * nbytes / ms / 1e9 / ceil["copy_TBps"], "block_m": cfg.block_m}
                 if t in CHECK_T:
-                    y = moe(x, lsets[0], TOP_K, w)
+                    y = impl(x, lsets[0], TOP_K, w)
                     row["err_vs_fp32"] = rel_err(y, reference(x, lsets[0], bf16_w, fp8_acts=False))
                     if w.w1_scale is not None:
                         row["err_vs_ref"] = rel_err(y, reference(x, lsets[0], w, fp8_acts=True))
@@ -146,7 +157,8 @@ def run_model(rep: Report, model: str, e: int, t_values: list[int], torch_t: tup
 
 
 def breakdown(rep: Report, t: int) -> dict[str, float]:
-    """Per-stage ms of the FP8 layer (20b), each stage timed alone in a graph."""
+    """Per-stage ms of the grouped FP8 layer (20b), each stage timed alone in a graph; at few tokens
+    also the whole few-token path (kernels/moe_small.py)."""
     from kernels import moe as m
     from kernels.fp8_quant import quantize_act_1x128
     from kernels.moe_align import align_by_expert, route_topk_softmax
@@ -155,7 +167,7 @@ def breakdown(rep: Report, t: int) -> dict[str, float]:
     gen = torch.Generator(device=DEVICE).manual_seed(2)
     x = torch.randn(t, H, device=DEVICE, generator=gen).to(torch.bfloat16)
     logits = logit_sets(t, e, gen)[0]
-    impl = m.TritonMoE()
+    impl = m.TritonMoE(small_max_pairs=0)  # the grouped path's stages
     cfg = impl.config_for(t, TOP_K, fp8_w, True)
     weights, ids = route_topk_softmax(logits, TOP_K)
     g = align_by_expert(ids, 0, e, cfg.block_m)
@@ -174,19 +186,55 @@ def breakdown(rep: Report, t: int) -> dict[str, float]:
         **({} if fused_quant else {"quantise_act": lambda: quantize_act_1x128(act_bf16)}),
         "layer": lambda: impl(x, logits, TOP_K, fp8_w),
     }
+    if t * TOP_K <= m.TritonMoE().small_max_pairs:
+        stages["layer_few_token_path"] = lambda: m.TritonMoE()(x, logits, TOP_K, fp8_w)
     return {k: round(bench([f], trials=3), 4) for k, f in stages.items()} | {"config": str(cfg)}
+
+
+def sweep_small(rep: Report) -> list[dict]:
+    """The few-token path at T = 1 (20b and 120b weights, 8 disjoint expert sets per graph) over
+    tile configurations; prints them fastest first."""
+    import itertools
+
+    from kernels.moe_small import SmallBatchMoE, SmallConfig
+    out = []
+    for model, e in MODELS.items():
+        fp8_w, _ = make_experts(e, seed=e)
+        gen = torch.Generator(device=DEVICE).manual_seed(3)
+        x = torch.randn(1, H, device=DEVICE, generator=gen).to(torch.bfloat16)
+        lsets = logit_sets(1, e, gen)
+        nbytes = weight_bytes_read(fp8_w, lsets)
+        for bm, (n1, n2), cps, st in itertools.product((16, 64), ((128, 128), (64, 64), (256, 128)),
+                                                       (2, 4, 8), (3, 4)):
+            cfg = SmallConfig(block_m=bm, block_n1=n1, block_n2=n2, ctas_per_sm=cps, num_stages=st)
+            impl = SmallBatchMoE(cfg)
+            try:
+                ms = bench([lambda lg=lg: impl(x, lg, TOP_K, fp8_w) for lg in lsets], trials=3)
+            except Exception as err:  # noqa: BLE001 - e.g. shared memory: report, go on
+                print(f"{model} {cfg}: {type(err).__name__}: {str(err)[:120]}")
+                continue
+            out.append({"model": model, "config": str(cfg), "ms": ms,
+                        "pct_copy_bw": 100 * nbytes / ms / 1e9 / rep.data["ceilings"]["copy_TBps"]})
+        del fp8_w
+        torch.cuda.empty_cache()
+    for r in sorted(out, key=lambda r: (r["model"], r["ms"]))[:40]:
+        print(f"sweep {r['model']} {r['ms'] * 1e3:.1f} us {r['pct_copy_bw']:.1f}% {r['config']}")
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep-small", action="store_true", help="time few-token path configs at T = 1 first")
     args = ap.parse_args()
     rep = Report("moe")
     rep.data["env"] = rep.section("environment", environment)
     rep.data["ceilings"] = rep.section("ceilings", measure_ceilings) or {
         "copy_TBps": 4.08, "fp8_blockscaled_TFLOPs": 1334.0, "bf16_TFLOPs": 767.0, "assumed": True}
     print("ceilings:", rep.data["ceilings"])
-    t_values = [1, 128, 8192] if args.quick else T_VALUES
+    t_values = [1, 4, 128, 8192] if args.quick else T_VALUES
+    if args.sweep_small:
+        rep.data["few_token_sweep"] = rep.section("few-token sweep", lambda: sweep_small(rep))
     rows: list[dict] = []
     for model, e in MODELS.items():
         rows += rep.section(f"model {model}", lambda: run_model(rep, model, e, t_values, (1, 8192))) or []
@@ -200,7 +248,8 @@ def main() -> None:
             targets[f"moe_{r['model']}_T1_pct_copy_bw>=60"] = r["pct_copy_bw"] >= 60
     bd = rep.data["breakdown"].get(1) or {}
     r1 = next((r for r in rows if r["backend"] == "triton_fp8" and r["model"] == "20b" and r["T"] == 1), None)
-    if r1 and "gate_up" in bd:  # the two kernels that read the weights (re-quantisation pass included)
+    r1 = next((r for r in rows if r["backend"] == "triton_fp8_grouped" and r["model"] == "20b" and r["T"] == 1), r1)
+    if r1 and "gate_up" in bd:  # the grouped path's two kernels that read the weights (+ re-quantisation)
         gemm_ms = bd["gate_up"] + bd["down"] + bd.get("quantise_act", 0.0)
         rep.data["expert_gemms_T1"] = {"ms": gemm_ms, "pct_copy_bw": 100 * r1["weight_GB"] / gemm_ms
                                        / rep.data["ceilings"]["copy_TBps"]}

@@ -86,7 +86,7 @@ def _round_up(a: int, b: int) -> int:
 
 
 def quantize_act_1x128(x: torch.Tensor, *, k_pad: int | None = None, m_align: int = 1,
-                       block_m: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+                       block_m: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q e4m3 [M, Kp], scale fp32 [M, ceil(Kp/128)] with strides (1, M_al)).
 
     Kp = K rounded up to `k_pad` (zero columns) or K; M_al = M rounded up to `m_align`. Groups made

@@ -322,8 +322,14 @@ def combine(y: torch.Tensor, ids: torch.Tensor, w: ExpertWeights, out_dtype: tor
 class TritonMoE:
     name = "triton"
 
-    def __init__(self, config: MoEConfig | None = None) -> None:
+    def __init__(self, config: MoEConfig | None = None, small_max_pairs: int = 16) -> None:
+        from kernels.moe_small import SmallBatchMoE  # noqa: PLC0415 - it imports this module
+
         self.config = config  # None: the tuned table by routed rows per expert
+        # FP8 with at most this many (token, slot) pairs and no fixed config: the three-launch
+        # few-token path (kernels/moe_small.py); 0 disables it.
+        self.small_max_pairs = small_max_pairs
+        self.small = SmallBatchMoE()
 
     def config_for(self, num_tokens: int, top_k: int, w: ExpertWeights, fp8: bool) -> MoEConfig:
         if self.config is not None:
@@ -339,6 +345,8 @@ class TritonMoE:
             return torch.zeros_like(x)
         fp8 = w.w1_scale is not None
         assert (w.w2_scale is not None) == fp8, "w1 and w2 must both be FP8 or both native"
+        if fp8 and self.config is None and t * top_k <= self.small_max_pairs:
+            return self.small(x, router_logits, top_k, w)
         cfg = self.config_for(t, top_k, w, fp8)
         weights, ids = route_topk_softmax(router_logits, top_k)  # [T, k] each
         g = align_by_expert(ids, w.expert_start, w.num_local, cfg.block_m)

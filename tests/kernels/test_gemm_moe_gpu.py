@@ -108,7 +108,7 @@ def _moe_reference(x, logits, top_k, w, fp8_acts: bool, act_dtype=torch.float32)
     return out
 
 
-@pytest.mark.parametrize("e,t", [(32, 1), (32, 64), (32, 2048), (128, 512)])
+@pytest.mark.parametrize("e,t", [(32, 1), (128, 1), (32, 4), (32, 64), (32, 2048), (128, 512)])
 def test_fp8_moe_real_dims(e: int, t: int):
     from kernels.moe import TritonMoE
     w = _experts(e, 2880, 2880, fp8=True)
@@ -170,3 +170,41 @@ def test_moe_decode_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, moe(x, logits, 4, w)) and not torch.equal(out, eager)
+
+
+def test_few_token_path_ep_tp_and_graph():
+    """The few-token path (T * top_k <= 16): EP ranks sum to the layer, a TP shard (I = 720, b2
+    None) matches, a CUDA graph replays it on new inputs, its counters end at zero."""
+    from kernels.interface import ExpertWeights
+    from kernels.moe import TritonMoE
+    w = _experts(32, 2880, 2880, fp8=True)
+    x = torch.randn(2, 2880, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(2, 32, device="cuda").to(torch.bfloat16)
+    moe = TritonMoE()
+    parts = []
+    for r in range(4):
+        sl = slice(8 * r, 8 * r + 8)
+        part = ExpertWeights(w.w1[sl], w.w1_scale[sl], w.b1[sl], w.w2[sl], w.w2_scale[sl], w.b2[sl], 8 * r, 32,
+                             1.702, 7.0)
+        parts.append(moe(x, logits, 4, part).float())
+    want = _moe_reference(x, logits, 4, w, fp8_acts=True, act_dtype=x.dtype)
+    assert _rel(sum(parts), want) < 5e-3
+    tp = _experts(32, 2880, 720, fp8=True, b2=False)
+    assert _rel(moe(x, logits, 4, tp), _moe_reference(x, logits, 4, tp, fp8_acts=True, act_dtype=x.dtype)) < 5e-3
+    eager = moe(x, logits, 4, w)
+    assert torch.equal(eager, moe(x, logits, 4, w)), "deterministic split-K"
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        moe(x, logits, 4, w)
+        with torch.cuda.graph(graph, stream=stream):
+            out = moe(x, logits, 4, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    x.copy_(torch.randn_like(x))
+    logits.copy_(torch.randn_like(logits))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, moe(x, logits, 4, w)) and not torch.equal(out, eager)
+    assert all(int(b.abs().sum()) == 0 for b in moe.small._counters._bufs.values())

@@ -1,0 +1,285 @@
+"""The FP8 MoE layer for a few tokens (decode at batch 1..4): three launches instead of nine.
+
+At batch 1 the layer must read 4 experts' weights (100 MB for gpt-oss) and nothing else of note,
+yet the grouped path (kernels/moe.py) spends a third of its time in launches: route, group,
+quantise x, gate_up + split-K fix-up, quantise act, down + fix-up, combine. Here:
+
+  1. route      logits [T, E] -> top-k ids + softmax weights (moe_align.route_topk_softmax)
+  2. gate_up    one CTA per (pair, N tile, K split); no grouping: pair p = t * top_k + j reads
+                expert ids[p]'s rows directly (few pairs, so rows of one expert are rarely shared).
+                x is quantised to e4m3 1x128 on the fly, block by block (the same function and bits
+                as quantize_act_1x128). Split-K partials go to fp32 scratch; the CTA that arrives
+                last at the tile's counter sums them in split order (deterministic), adds b1, runs
+                the clamped SwiGLU and stores act [P, I] in x.dtype.
+  3. down       one CTA per (token, N tile, slot, K split); act is quantised on the fly like x.
+                The last CTA of a (token, N tile) sums each slot's partials in split order, adds b2,
+                rounds to x.dtype, multiplies by the routing weight, rounds again (the grouped
+                path's rounding points) and sums the slots in fp32: down, bias, weighting and
+                combine in one launch.
+
+Counters (int32, one per output tile) are reset by the CTA that consumed them, so a CUDA graph can
+replay the layer; they live in a per-(device, stream) buffer zeroed once. Arrival is CUTLASS's
+split-K semaphore: all threads store, barrier, one release atomic; the last CTA reads the partials
+past L1 (.cg). Slots whose expert another EP rank owns are skipped: their CTAs only arrive.
+Shapes: T tokens, H hidden, E experts (El local), I intermediate per rank, P = T * top_k pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8_quant import quantize_tile
+from kernels.interface import ExpertWeights
+from kernels.moe import split_range
+from kernels.moe_align import route_topk_softmax
+from kernels.reference import BLOCK, FP8_MAX
+
+
+@triton.jit
+def quant_dot_step(acc, a_ptrs, amask, b_ptrs, bmask, bs_ptrs, FP8_MAX_C: tl.constexpr,
+                   HW_CVT: tl.constexpr):
+    """acc [BM, BN] += dot(quantise(A block), B block) * s_a * s_b for one 128-wide K block.
+    A [BM, BK] is x.dtype (masked to 0 outside its valid rows/columns), B [BK, BN] e4m3."""
+    a = tl.load(a_ptrs, mask=amask, other=0.0).to(tl.float32)
+    q, s_a = quantize_tile(a, amask, FP8_MAX_C, HW_CVT)  # [BM, BK], [BM]
+    b = tl.load(b_ptrs, mask=bmask, other=0.0)
+    s_b = tl.load(bs_ptrs)  # [BN]
+    return acc + tl.dot(q.to(tl.float8e4nv), b) * s_a[:, None] * s_b[None, :]
+
+
+@triton.jit
+def row_gemm(a_row_ptr, w_ptr, ws_ptr, rn, k_lo, k_hi, K, stride_wn, stride_wsn, stride_wsk,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             SCALE_K: tl.constexpr, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
+    """[BN] fp32 = a[k_lo:k_hi] . W[rn, k_lo:k_hi]^T for one activation row (tile row 0; the MMA
+    needs 16 or 64 rows, the others are masked zeros and cost no memory traffic)."""
+    rows = tl.arange(0, BLOCK_M)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    a_ptrs = a_row_ptr + rows[:, None] * 0 + offs_k[None, :]  # [BM, BK]
+    b_ptrs = w_ptr + rn[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    bs_ptrs = ws_ptr + (rn // SCALE_K) * stride_wsn + (k_lo // SCALE_K) * stride_wsk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kmask = offs_k < k_hi  # k_hi == K on the last split: 2880 = 22.5 x 128
+        acc = quant_dot_step(acc, a_ptrs, (rows == 0)[:, None] & kmask[None, :], b_ptrs, kmask[:, None],
+                             bs_ptrs, FP8_MAX_C, HW_CVT)
+        offs_k += BLOCK_K
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+        bs_ptrs += stride_wsk
+    return tl.sum(tl.where((rows == 0)[:, None], acc, 0.0), axis=0)  # row 0
+
+
+@triton.jit
+def arrive(sem_ptr, expected):
+    """Count this CTA in; True for the last of `expected` arrivals, which also resets the counter."""
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    last = tl.atomic_add(sem_ptr, 1, sem="acq_rel") == expected - 1
+    if last:
+        tl.atomic_xchg(sem_ptr, 0)
+    return last
+
+
+@triton.jit
+def _gate_up_small_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, b_ptr, part_ptr, sem_ptr, act_ptr,
+                          N, K, I, expert_start, num_local, alpha, limit,
+                          stride_xt, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be,
+                          stride_ps, stride_pp, stride_ap,
+                          TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALE_K: tl.constexpr,
+                          FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
+    pid = tl.program_id(0)
+    ks = pid % SPLIT_K
+    num_n = tl.cdiv(N, BLOCK_N)
+    nt = (pid // SPLIT_K) % num_n
+    p = pid // SPLIT_K // num_n
+    e = tl.load(ids_ptr + p) - expert_start
+    if (e < 0) | (e >= num_local):
+        return  # another EP rank's expert: no act row; the down kernel skips this slot too
+    e = e.to(tl.int64)
+    offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = offs_n % N  # wrapped columns read valid rows and are never stored
+    nmask = offs_n < N
+    k_lo, k_hi = split_range(ks, K, 1, SPLIT_K, BLOCK_K)
+    part = row_gemm(x_ptr + (p // TOP_K) * stride_xt, w_ptr + e * stride_we, ws_ptr + e * stride_wse, rn,
+                    k_lo, k_hi, K, stride_wn, stride_wsn, stride_wsk,
+                    BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, FP8_MAX_C, HW_CVT)  # [BN]
+    last = True
+    if SPLIT_K > 1:
+        p_ptrs = part_ptr + p * stride_pp + offs_n
+        tl.store(p_ptrs + ks * stride_ps, part, mask=nmask)
+        last = arrive(sem_ptr + p * num_n + nt, SPLIT_K)
+    if last:
+        v = tl.load(b_ptr + e * stride_be + rn).to(tl.float32)  # start at b1
+        if SPLIT_K == 1:
+            v += part
+        else:
+            for s in tl.static_range(SPLIT_K):
+                v += tl.load(p_ptrs + s * stride_ps, mask=nmask, other=0.0, cache_modifier=".cg")
+        # Clamped SwiGLU on interleaved columns: 2i = gate_i, 2i+1 = up_i.
+        gate, up = tl.split(tl.reshape(v, (BLOCK_N // 2, 2)))
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = gate * tl.sigmoid(gate * alpha) * (up + 1.0)
+        offs_i = nt * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(act_ptr + p * stride_ap + offs_i, act.to(act_ptr.dtype.element_ty), mask=offs_i < I)
+
+
+@triton.jit
+def _down_small_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, ws_ptr, b_ptr, part_ptr, sem_ptr, out_ptr,
+                       N, K, expert_start, num_local,
+                       stride_ap, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be,
+                       stride_pj, stride_ps, stride_pt, stride_ot,
+                       TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_ROUND: tl.constexpr,
+                       Y_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALE_K: tl.constexpr,
+                       FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
+    pid = tl.program_id(0)
+    ks = pid % SPLIT_K
+    j = (pid // SPLIT_K) % TOP_K
+    num_n = tl.cdiv(N, BLOCK_N)
+    nt = (pid // SPLIT_K // TOP_K) % num_n
+    t = pid // SPLIT_K // TOP_K // num_n
+    offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = offs_n % N
+    nmask = offs_n < N
+    p_ptrs = part_ptr + t * stride_pt + offs_n  # + slot * stride_pj + split * stride_ps
+    e = tl.load(ids_ptr + t * TOP_K + j) - expert_start
+    if (e >= 0) & (e < num_local):
+        e64 = e.to(tl.int64)
+        k_lo, k_hi = split_range(ks, K, 1, SPLIT_K, BLOCK_K)
+        part = row_gemm(act_ptr + (t * TOP_K + j) * stride_ap, w_ptr + e64 * stride_we,
+                        ws_ptr + e64 * stride_wse, rn, k_lo, k_hi, K, stride_wn, stride_wsn, stride_wsk,
+                        BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, FP8_MAX_C, HW_CVT)
+        tl.store(p_ptrs + j * stride_pj + ks * stride_ps, part, mask=nmask)
+    if arrive(sem_ptr + t * num_n + nt, TOP_K * SPLIT_K):
+        out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for jj in tl.static_range(TOP_K):  # slots in order, like the grouped path's combine
+            ej = tl.load(ids_ptr + t * TOP_K + jj) - expert_start
+            ejv = tl.full((BLOCK_N,), 0, tl.int32) + ej  # a vector: the interpreter cannot & a scalar mask
+            m = nmask & (ejv >= 0) & (ejv < num_local)
+            v = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            if HAS_BIAS:  # b2 (one EP rank, or TP rank 0, holds it), inside the routing weight
+                v += tl.load(b_ptr + ej.to(tl.int64) * stride_be + rn, mask=m, other=0.0).to(tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                v += tl.load(p_ptrs + jj * stride_pj + s * stride_ps, mask=m, other=0.0, cache_modifier=".cg")
+            # Reference rounding points: the linear's output in x.dtype, times the weight, in y's dtype.
+            if OUT_ROUND == 0:
+                v = v.to(tl.bfloat16).to(tl.float32)
+            elif OUT_ROUND == 1:
+                v = v.to(tl.float16).to(tl.float32)
+            y = v * tl.load(rw_ptr + t * TOP_K + jj).to(tl.float32)
+            if Y_ROUND == 0:
+                y = y.to(tl.bfloat16).to(tl.float32)
+            elif Y_ROUND == 1:
+                y = y.to(tl.float16).to(tl.float32)
+            out += tl.where(m, y, 0.0)  # slots of another rank's experts add nothing
+        tl.store(out_ptr + t * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+_ROUND_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class SmallConfig:
+    """Tiles of the few-token path. split_k 0 = chosen per call so that about `ctas_per_sm` CTAs
+    per SM exist (few pairs: split K more; more pairs: less)."""
+
+    # 16: mma.sync (B converted to f16 in registers); 64: wgmma reads e4m3 from shared memory
+    # directly (48 of the 64 rows are masked zeros: compute is free here, bytes are not).
+    block_m: int = 16
+    block_n1: int = 128  # gate_up N tile (interleaved gate/up columns; even)
+    block_n2: int = 128  # down N tile
+    split_k1: int = 0
+    split_k2: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+    ctas_per_sm: int = 3
+
+
+def choose_split(tiles: int, k: int, num_sms: int, ctas_per_sm: int, fixed: int) -> int:
+    """K splits for `tiles` output tiles: enough CTAs to fill the GPU, each with >= 2 K blocks."""
+    if fixed:
+        return fixed
+    max_split = max(1, triton.cdiv(k, BLOCK) // 2)
+    return max(1, min(max_split, round(num_sms * ctas_per_sm / max(tiles, 1))))
+
+
+class _Counters:
+    """Per (device, stream) zeroed int32 counters; kernels leave them zero after each call. A
+    buffer outgrown by a larger call stays alive: a captured CUDA graph may still point into it."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, int], torch.Tensor] = {}
+        self._outgrown: list[torch.Tensor] = []
+
+    def get(self, n: int, device: torch.device) -> torch.Tensor:
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = (str(device), stream)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < n:
+            if buf is not None:
+                self._outgrown.append(buf)
+            buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+            self._bufs[key] = buf
+        return buf
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: any small number
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class SmallBatchMoE:
+    """FP8 MoE for T * top_k <= max_pairs (TritonMoE dispatches here)."""
+
+    def __init__(self, config: SmallConfig | None = None) -> None:
+        self.config = config or SmallConfig()
+        self._counters = _Counters()
+
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights
+                 ) -> torch.Tensor:
+        assert w.w1_scale is not None and w.w2_scale is not None, "the few-token path is FP8 only"
+        c = self.config
+        t, h = x.shape
+        n1, k1 = w.w1.shape[1], w.w1.shape[2]  # 2I, H
+        n2, k2 = w.w2.shape[1], w.w2.shape[2]  # H, I
+        i = n1 // 2
+        p = t * top_k
+        dev = x.device
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        weights, ids = route_topk_softmax(router_logits, top_k)  # [T, k] each
+        hw = dev.type == "cuda"
+        sms = _num_sms(dev)
+        nt1, nt2 = triton.cdiv(n1, c.block_n1), triton.cdiv(n2, c.block_n2)
+        s1 = choose_split(p * nt1, k1, sms, c.ctas_per_sm, c.split_k1)
+        s2 = choose_split(t * nt2 * top_k, k2, sms, c.ctas_per_sm, c.split_k2)
+        sems = self._counters.get(p * nt1 + t * nt2, dev)
+        sem1, sem2 = sems[:p * nt1], sems[p * nt1:]
+        part1 = torch.empty(s1, p, n1, dtype=torch.float32, device=dev)
+        act = torch.empty(p, i, dtype=x.dtype, device=dev)
+        launch = dict(BLOCK_M=c.block_m, BLOCK_K=BLOCK, SCALE_K=BLOCK, FP8_MAX_C=FP8_MAX, HW_CVT=hw,
+                      num_warps=c.num_warps, num_stages=c.num_stages)
+        _gate_up_small_kernel[(p * nt1 * s1,)](
+            x, ids, w.w1, w.w1_scale, w.b1, part1, sem1, act, n1, k1, i, w.expert_start, w.num_local,
+            float(w.alpha), float(w.limit), x.stride(0), w.w1.stride(0), w.w1.stride(1),
+            w.w1_scale.stride(0), w.w1_scale.stride(1), w.w1_scale.stride(2), w.b1.stride(0),
+            part1.stride(0), part1.stride(1), act.stride(0),
+            TOP_K=top_k, BLOCK_N=c.block_n1, SPLIT_K=s1, **launch)
+        part2 = torch.empty(top_k, s2, t, n2, dtype=torch.float32, device=dev)
+        out = torch.empty(t, n2, dtype=x.dtype, device=dev)
+        b2 = w.b2 if w.b2 is not None else w.w2  # unused pointer without bias
+        y_dtype = torch.promote_types(x.dtype, weights.dtype)
+        _down_small_kernel[(t * nt2 * top_k * s2,)](
+            act, ids, weights, w.w2, w.w2_scale, b2, part2, sem2, out, n2, k2, w.expert_start, w.num_local,
+            act.stride(0), w.w2.stride(0), w.w2.stride(1), w.w2_scale.stride(0), w.w2_scale.stride(1),
+            w.w2_scale.stride(2), b2.stride(0), part2.stride(0), part2.stride(1), part2.stride(2),
+            out.stride(0), TOP_K=top_k, HAS_BIAS=w.b2 is not None, OUT_ROUND=_ROUND_CODE[x.dtype],
+            Y_ROUND=_ROUND_CODE[y_dtype], BLOCK_N=c.block_n2, SPLIT_K=s2, **launch)
+        return out
