@@ -322,7 +322,7 @@ def combine(y: torch.Tensor, ids: torch.Tensor, w: ExpertWeights, out_dtype: tor
 class TritonMoE:
     name = "triton"
 
-    def __init__(self, config: MoEConfig | None = None, small_max_pairs: int = 16) -> None:
+    def __init__(self, config: MoEConfig | None = None, small_max_pairs: int = 8) -> None:
         from kernels.moe_small import SmallBatchMoE  # noqa: PLC0415 - it imports this module
 
         self.config = config  # None: the tuned table by routed rows per expert

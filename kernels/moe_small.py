@@ -1,21 +1,21 @@
-"""The FP8 MoE layer for a few tokens (decode at batch 1..4): three launches instead of nine.
+"""The FP8 MoE layer for a few tokens (decode at batch 1): four launches instead of nine.
 
-At batch 1 the layer must read 4 experts' weights (100 MB for gpt-oss) and nothing else of note,
-yet the grouped path (kernels/moe.py) spends a third of its time in launches: route, group,
-quantise x, gate_up + split-K fix-up, quantise act, down + fix-up, combine. Here:
+At batch 1 the layer must read 4 experts' weights (100 MB for gpt-oss) and little else, yet the
+grouped path (kernels/moe.py) spends a third of its time between launches: route, group, quantise
+x, gate_up + split-K fix-up, quantise act, down + fix-up, combine. Here:
 
   1. route      logits [T, E] -> top-k ids + softmax weights (moe_align.route_topk_softmax)
-  2. gate_up    one CTA per (pair, N tile, K split); no grouping: pair p = t * top_k + j reads
-                expert ids[p]'s rows directly (few pairs, so rows of one expert are rarely shared).
-                x is quantised to e4m3 1x128 on the fly, block by block (the same function and bits
-                as quantize_act_1x128). Split-K partials go to fp32 scratch; the CTA that arrives
+  2. quantise   x -> e4m3 1x128 (fp8_quant.quantize_act_1x128)
+  3. gate_up    one CTA per (pair, N tile, K split) with the grouped path's K loop; no grouping:
+                pair p = t * top_k + j reads expert ids[p]'s rows directly (at batch 1 the 4 pairs
+                have 4 distinct experts). Split-K partials go to fp32 scratch; the CTA that arrives
                 last at the tile's counter sums them in split order (deterministic), adds b1, runs
-                the clamped SwiGLU and stores act [P, I] in x.dtype.
-  3. down       one CTA per (token, N tile, slot, K split); act is quantised on the fly like x.
-                The last CTA of a (token, N tile) sums each slot's partials in split order, adds b2,
-                rounds to x.dtype, multiplies by the routing weight, rounds again (the grouped
-                path's rounding points) and sums the slots in fp32: down, bias, weighting and
-                combine in one launch.
+                the clamped SwiGLU and re-quantises its 128 act columns (one 1x128 group: 256-wide
+                tiles) to e4m3 act [P, I] + scales [P, I/128].
+  4. down       one CTA per (token, N tile, slot, K split). The last CTA of a (token, N tile) sums
+                each slot's partials in split order, adds b2, rounds to x.dtype, multiplies by the
+                routing weight, rounds again (the grouped path's rounding points) and sums the
+                slots in fp32: down, bias, weighting and combine in one launch.
 
 Counters (int32, one per output tile) are reset by the CTA that consumed them, so a CUDA graph can
 replay the layer; they live in a per-(device, stream) buffer zeroed once. Arrival is CUTLASS's
@@ -32,45 +32,27 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_quant import quantize_tile
+from kernels.fp8_quant import FP8_DTYPE, quantize_act_1x128, quantize_tile
 from kernels.interface import ExpertWeights
-from kernels.moe import split_range
+from kernels.moe import expert_gemm, split_range
 from kernels.moe_align import route_topk_softmax
 from kernels.reference import BLOCK, FP8_MAX
 
 
 @triton.jit
-def quant_dot_step(acc, a_ptrs, amask, b_ptrs, bmask, bs_ptrs, FP8_MAX_C: tl.constexpr,
-                   HW_CVT: tl.constexpr):
-    """acc [BM, BN] += dot(quantise(A block), B block) * s_a * s_b for one 128-wide K block.
-    A [BM, BK] is x.dtype (masked to 0 outside its valid rows/columns), B [BK, BN] e4m3."""
-    a = tl.load(a_ptrs, mask=amask, other=0.0).to(tl.float32)
-    q, s_a = quantize_tile(a, amask, FP8_MAX_C, HW_CVT)  # [BM, BK], [BM]
-    b = tl.load(b_ptrs, mask=bmask, other=0.0)
-    s_b = tl.load(bs_ptrs)  # [BN]
-    return acc + tl.dot(q.to(tl.float8e4nv), b) * s_a[:, None] * s_b[None, :]
-
-
-@triton.jit
-def row_gemm(a_row_ptr, w_ptr, ws_ptr, rn, k_lo, k_hi, K, stride_wn, stride_wsn, stride_wsk,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             SCALE_K: tl.constexpr, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
-    """[BN] fp32 = a[k_lo:k_hi] . W[rn, k_lo:k_hi]^T for one activation row (tile row 0; the MMA
-    needs 16 or 64 rows, the others are masked zeros and cost no memory traffic)."""
+def row_gemm(a_row_ptr, as_row_ptr, stride_ask, w_ptr, ws_ptr, rn, k_lo, k_hi, stride_wn, stride_wsn,
+             stride_wsk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             SCALE_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """[BN] fp32 = a[k_lo:k_hi] . W[rn, k_lo:k_hi]^T for one e4m3 activation row with its 1x128
+    scales: the grouped path's K loop. The MMA needs 16 or 64 rows; every tile row reads the same
+    activation row (L1 hits, no extra HBM bytes) and row 0 is kept."""
     rows = tl.arange(0, BLOCK_M)
     offs_k = k_lo + tl.arange(0, BLOCK_K)
     a_ptrs = a_row_ptr + rows[:, None] * 0 + offs_k[None, :]  # [BM, BK]
     b_ptrs = w_ptr + rn[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
-    bs_ptrs = ws_ptr + (rn // SCALE_K) * stride_wsn + (k_lo // SCALE_K) * stride_wsk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kmask = offs_k < k_hi  # k_hi == K on the last split: 2880 = 22.5 x 128
-        acc = quant_dot_step(acc, a_ptrs, (rows == 0)[:, None] & kmask[None, :], b_ptrs, kmask[:, None],
-                             bs_ptrs, FP8_MAX_C, HW_CVT)
-        offs_k += BLOCK_K
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-        bs_ptrs += stride_wsk
+    acc = expert_gemm(acc, a_ptrs, b_ptrs, as_row_ptr + rows * 0, ws_ptr + (rn // SCALE_K) * stride_wsn,
+                      k_lo, k_hi, stride_ask, stride_wsk, True, BLOCK_K, SCALE_K, DOT_F32)
     return tl.sum(tl.where((rows == 0)[:, None], acc, 0.0), axis=0)  # row 0
 
 
@@ -85,13 +67,13 @@ def arrive(sem_ptr, expected):
 
 
 @triton.jit
-def _gate_up_small_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, b_ptr, part_ptr, sem_ptr, act_ptr,
+def _gate_up_small_kernel(x_ptr, xs_ptr, ids_ptr, w_ptr, ws_ptr, b_ptr, part_ptr, sem_ptr, act_ptr, acts_ptr,
                           N, K, I, expert_start, num_local, alpha, limit,
-                          stride_xt, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be,
-                          stride_ps, stride_pp, stride_ap,
+                          stride_xt, stride_xst, stride_xsk, stride_we, stride_wn, stride_wse, stride_wsn,
+                          stride_wsk, stride_be, stride_ps, stride_pp, stride_ap, stride_asp,
                           TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALE_K: tl.constexpr,
-                          FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
+                          FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr):
     pid = tl.program_id(0)
     ks = pid % SPLIT_K
     num_n = tl.cdiv(N, BLOCK_N)
@@ -101,13 +83,14 @@ def _gate_up_small_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, b_ptr, part_ptr, sem_pt
     if (e < 0) | (e >= num_local):
         return  # another EP rank's expert: no act row; the down kernel skips this slot too
     e = e.to(tl.int64)
+    t = p // TOP_K
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = offs_n % N  # wrapped columns read valid rows and are never stored
     nmask = offs_n < N
     k_lo, k_hi = split_range(ks, K, 1, SPLIT_K, BLOCK_K)
-    part = row_gemm(x_ptr + (p // TOP_K) * stride_xt, w_ptr + e * stride_we, ws_ptr + e * stride_wse, rn,
-                    k_lo, k_hi, K, stride_wn, stride_wsn, stride_wsk,
-                    BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, FP8_MAX_C, HW_CVT)  # [BN]
+    part = row_gemm(x_ptr + t * stride_xt, xs_ptr + t * stride_xst, stride_xsk, w_ptr + e * stride_we,
+                    ws_ptr + e * stride_wse, rn, k_lo, k_hi, stride_wn, stride_wsn, stride_wsk,
+                    BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, DOT_F32)  # [BN]
     last = True
     if SPLIT_K > 1:
         p_ptrs = part_ptr + p * stride_pp + offs_n
@@ -124,20 +107,24 @@ def _gate_up_small_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, b_ptr, part_ptr, sem_pt
         gate, up = tl.split(tl.reshape(v, (BLOCK_N // 2, 2)))
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = gate * tl.sigmoid(gate * alpha) * (up + 1.0)
+        act = gate * tl.sigmoid(gate * alpha) * (up + 1.0)  # [BN/2] = exactly 1x128 group nt of act
         offs_i = nt * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(act_ptr + p * stride_ap + offs_i, act.to(act_ptr.dtype.element_ty), mask=offs_i < I)
+        imask = (offs_i < I)[None, :]
+        q, scale = quantize_tile(tl.where(imask, tl.reshape(act, (1, BLOCK_N // 2)), 0.0), imask, FP8_MAX_C,
+                                 HW_CVT)  # [1, BN/2], [1]
+        tl.store(act_ptr + p * stride_ap + offs_i[None, :], q.to(act_ptr.dtype.element_ty), mask=imask)
+        tl.store(acts_ptr + p * stride_asp + nt + tl.arange(0, 1), scale)
 
 
 @triton.jit
-def _down_small_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, ws_ptr, b_ptr, part_ptr, sem_ptr, out_ptr,
+def _down_small_kernel(act_ptr, acts_ptr, ids_ptr, rw_ptr, w_ptr, ws_ptr, b_ptr, part_ptr, sem_ptr, out_ptr,
                        N, K, expert_start, num_local,
-                       stride_ap, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be,
-                       stride_pj, stride_ps, stride_pt, stride_ot,
+                       stride_ap, stride_asp, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+                       stride_be, stride_pj, stride_ps, stride_pt, stride_ot,
                        TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_ROUND: tl.constexpr,
                        Y_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALE_K: tl.constexpr,
-                       FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
+                       DOT_F32: tl.constexpr):
     pid = tl.program_id(0)
     ks = pid % SPLIT_K
     j = (pid // SPLIT_K) % TOP_K
@@ -152,9 +139,10 @@ def _down_small_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, ws_ptr, b_ptr, part_ptr,
     if (e >= 0) & (e < num_local):
         e64 = e.to(tl.int64)
         k_lo, k_hi = split_range(ks, K, 1, SPLIT_K, BLOCK_K)
-        part = row_gemm(act_ptr + (t * TOP_K + j) * stride_ap, w_ptr + e64 * stride_we,
-                        ws_ptr + e64 * stride_wse, rn, k_lo, k_hi, K, stride_wn, stride_wsn, stride_wsk,
-                        BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, FP8_MAX_C, HW_CVT)
+        p = t * TOP_K + j
+        part = row_gemm(act_ptr + p * stride_ap, acts_ptr + p * stride_asp, 1, w_ptr + e64 * stride_we,
+                        ws_ptr + e64 * stride_wse, rn, k_lo, k_hi, stride_wn, stride_wsn, stride_wsk,
+                        BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, DOT_F32)
         tl.store(p_ptrs + j * stride_pj + ks * stride_ps, part, mask=nmask)
     if arrive(sem_ptr + t * num_n + nt, TOP_K * SPLIT_K):
         out = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -192,7 +180,7 @@ class SmallConfig:
     # 16: mma.sync (B converted to f16 in registers); 64: wgmma reads e4m3 from shared memory
     # directly (48 of the 64 rows are masked zeros: compute is free here, bytes are not).
     block_m: int = 16
-    block_n1: int = 128  # gate_up N tile (interleaved gate/up columns; even)
+    block_n1: int = 256  # gate_up N tile: 256 interleaved columns = one 1x128 group of act (fixed)
     block_n2: int = 128  # down N tile
     split_k1: int = 0
     split_k2: int = 0
@@ -246,6 +234,7 @@ class SmallBatchMoE:
                  ) -> torch.Tensor:
         assert w.w1_scale is not None and w.w2_scale is not None, "the few-token path is FP8 only"
         c = self.config
+        assert c.block_n1 == 2 * BLOCK, "gate_up tiles hold one 1x128 act group: block_n1 = 256"
         t, h = x.shape
         n1, k1 = w.w1.shape[1], w.w1.shape[2]  # 2I, H
         n2, k2 = w.w2.shape[1], w.w2.shape[2]  # H, I
@@ -255,6 +244,7 @@ class SmallBatchMoE:
         if x.stride(1) != 1:
             x = x.contiguous()
         weights, ids = route_topk_softmax(router_logits, top_k)  # [T, k] each
+        xq, xs = quantize_act_1x128(x)  # e4m3 [T, H], scales [T, KB] with strides (1, T)
         hw = dev.type == "cuda"
         sms = _num_sms(dev)
         nt1, nt2 = triton.cdiv(n1, c.block_n1), triton.cdiv(n2, c.block_n2)
@@ -263,23 +253,25 @@ class SmallBatchMoE:
         sems = self._counters.get(p * nt1 + t * nt2, dev)
         sem1, sem2 = sems[:p * nt1], sems[p * nt1:]
         part1 = torch.empty(s1, p, n1, dtype=torch.float32, device=dev)
-        act = torch.empty(p, i, dtype=x.dtype, device=dev)
-        launch = dict(BLOCK_M=c.block_m, BLOCK_K=BLOCK, SCALE_K=BLOCK, FP8_MAX_C=FP8_MAX, HW_CVT=hw,
+        act = torch.empty(p, i, dtype=FP8_DTYPE, device=dev)  # re-quantised in gate_up's epilogue
+        acts = torch.empty(p, nt1, dtype=torch.float32, device=dev)  # one scale per 1x128 group
+        launch = dict(BLOCK_M=c.block_m, BLOCK_K=BLOCK, SCALE_K=BLOCK, DOT_F32=not hw,
                       num_warps=c.num_warps, num_stages=c.num_stages)
         _gate_up_small_kernel[(p * nt1 * s1,)](
-            x, ids, w.w1, w.w1_scale, w.b1, part1, sem1, act, n1, k1, i, w.expert_start, w.num_local,
-            float(w.alpha), float(w.limit), x.stride(0), w.w1.stride(0), w.w1.stride(1),
-            w.w1_scale.stride(0), w.w1_scale.stride(1), w.w1_scale.stride(2), w.b1.stride(0),
-            part1.stride(0), part1.stride(1), act.stride(0),
-            TOP_K=top_k, BLOCK_N=c.block_n1, SPLIT_K=s1, **launch)
+            xq, xs, ids, w.w1, w.w1_scale, w.b1, part1, sem1, act, acts, n1, k1, i, w.expert_start,
+            w.num_local, float(w.alpha), float(w.limit), xq.stride(0), xs.stride(0), xs.stride(1),
+            w.w1.stride(0), w.w1.stride(1), w.w1_scale.stride(0), w.w1_scale.stride(1), w.w1_scale.stride(2),
+            w.b1.stride(0), part1.stride(0), part1.stride(1), act.stride(0), acts.stride(0),
+            TOP_K=top_k, BLOCK_N=c.block_n1, SPLIT_K=s1, FP8_MAX_C=FP8_MAX, HW_CVT=hw, **launch)
         part2 = torch.empty(top_k, s2, t, n2, dtype=torch.float32, device=dev)
         out = torch.empty(t, n2, dtype=x.dtype, device=dev)
         b2 = w.b2 if w.b2 is not None else w.w2  # unused pointer without bias
         y_dtype = torch.promote_types(x.dtype, weights.dtype)
         _down_small_kernel[(t * nt2 * top_k * s2,)](
-            act, ids, weights, w.w2, w.w2_scale, b2, part2, sem2, out, n2, k2, w.expert_start, w.num_local,
-            act.stride(0), w.w2.stride(0), w.w2.stride(1), w.w2_scale.stride(0), w.w2_scale.stride(1),
-            w.w2_scale.stride(2), b2.stride(0), part2.stride(0), part2.stride(1), part2.stride(2),
-            out.stride(0), TOP_K=top_k, HAS_BIAS=w.b2 is not None, OUT_ROUND=_ROUND_CODE[x.dtype],
-            Y_ROUND=_ROUND_CODE[y_dtype], BLOCK_N=c.block_n2, SPLIT_K=s2, **launch)
+            act, acts, ids, weights, w.w2, w.w2_scale, b2, part2, sem2, out, n2, k2, w.expert_start,
+            w.num_local, act.stride(0), acts.stride(0), w.w2.stride(0), w.w2.stride(1), w.w2_scale.stride(0),
+            w.w2_scale.stride(1), w.w2_scale.stride(2), b2.stride(0), part2.stride(0), part2.stride(1),
+            part2.stride(2), out.stride(0), TOP_K=top_k, HAS_BIAS=w.b2 is not None,
+            OUT_ROUND=_ROUND_CODE[x.dtype], Y_ROUND=_ROUND_CODE[y_dtype], BLOCK_N=c.block_n2, SPLIT_K=s2,
+            **launch)
         return out

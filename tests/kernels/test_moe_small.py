@@ -35,7 +35,7 @@ def test_fp32_tight_vs_reference(split: int, t: int, h: int, i: int):
     w = _experts(e, e, h, i, torch.float32, fp8=True, seed=t)
     x = torch.randn(t, h)
     logits = _logits(t, e, torch.float32, seed=t)
-    moe = SmallBatchMoE(SmallConfig(block_n1=64, block_n2=32, split_k1=split, split_k2=split))
+    moe = SmallBatchMoE(SmallConfig(block_n2=32, split_k1=split, split_k2=split))
     out = moe(x, logits, 4, w)
     assert out.shape == (t, h) and out.dtype == torch.float32
     assert _rel(out, _fp8_act_reference(x, logits, 4, w)) < 1e-3
@@ -52,11 +52,11 @@ def test_bf16_hidden_2880():
     logits = _logits(t, e, torch.bfloat16, seed=1)
     small = TritonMoE()(x, logits, 2, w)  # 2 pairs: dispatched to the few-token path
     grouped = TritonMoE(small_max_pairs=0)(x, logits, 2, w)
-    assert small.dtype == torch.bfloat16 and not torch.equal(small, grouped)  # two paths ran
+    assert small.dtype == torch.bfloat16
+    assert _rel(small, grouped) < 1e-2  # the same K loop and rounding points
     # The interpreter truncates fp32 -> bf16 (the GPU rounds): ~0.4% one-sided at each of four
     # roundings, and a truncated act can move an e4m3 code. The fp32 tests above are the tight ones.
-    # Measured: 1.2-3.0 % for either path over seeds; bf16 on the GPU is tested at real dims in
-    # test_gemm_moe_gpu.py.
+    # bf16 on the GPU is tested at real dims in test_gemm_moe_gpu.py.
     want = _fp8_act_reference(x, logits, 2, w)
     assert _rel(small, want) < 4e-2 and _rel(grouped, want) < 4e-2
 
@@ -66,7 +66,7 @@ def test_expert_parallel_ranks_sum_to_full_and_b2_none():
     full = _experts(e, e, h, i, torch.float32, fp8=True, seed=3)
     x = torch.randn(t, h)
     logits = _logits(t, e, torch.float32, seed=3)
-    moe = SmallBatchMoE(SmallConfig(block_n1=64, block_n2=64, split_k1=2, split_k2=2))
+    moe = SmallBatchMoE(SmallConfig(block_n2=64, split_k1=2, split_k2=2))
     total = moe(x, logits, 4, full)
     parts = []
     for start in (0, 3, 6):  # uneven ranges; the last rank (experts 6, 7) may own no selected slot
@@ -86,7 +86,7 @@ def test_no_local_expert_gives_zeros_and_one_expert_for_all():
     x = torch.randn(t, h)
     logits = _logits(t, e, torch.float32, seed=5)
     logits[:, 5] += 100.0  # expert 5 first for every token
-    moe = SmallBatchMoE(SmallConfig(block_n1=32, block_n2=64))
+    moe = SmallBatchMoE(SmallConfig(block_n2=64))
     assert _rel(moe(x, logits, 1, w), _fp8_act_reference(x, logits, 1, w)) < 1e-3
     none_local = ExpertWeights(w.w1[:2], w.w1_scale[:2], w.b1[:2], w.w2[:2], w.w2_scale[:2], w.b2[:2],
                                0, e, 1.702, 7.0)
@@ -109,6 +109,6 @@ def test_dispatch_and_split_choice():
     moe = TritonMoE()
     calls = []
     moe.small = lambda *a: calls.append(1) or SmallBatchMoE()(*a)
-    moe(x[:4], logits[:4], 4, w)  # 16 pairs: few-token path
-    moe(x, logits, 4, w)  # 20 pairs: grouped path
+    moe(x[:2], logits[:2], 4, w)  # 8 pairs: few-token path
+    moe(x[:3], logits[:3], 4, w)  # 12 pairs: grouped path
     assert calls == [1]
