@@ -204,8 +204,8 @@ def sweep_small(rep: Report) -> list[dict]:
         x = torch.randn(1, H, device=DEVICE, generator=gen).to(torch.bfloat16)
         lsets = logit_sets(1, e, gen)
         nbytes = weight_bytes_read(fp8_w, lsets)
-        for bm, n2, cps, st in itertools.product((16, 64), (64, 128), (2, 4, 8, 12), (3, 4)):
-            cfg = SmallConfig(block_m=bm, block_n2=n2, ctas_per_sm=cps, num_stages=st)
+        for nw, n2, cps, st in itertools.product((4, 8), (64, 128), (2, 3, 4), (2, 3)):
+            cfg = SmallConfig(num_warps=nw, block_n2=n2, ctas_per_sm=cps, num_stages=st)
             impl = SmallBatchMoE(cfg)
             try:
                 ms = bench([lambda lg=lg: impl(x, lg, TOP_K, fp8_w) for lg in lsets], trials=3)

@@ -1,18 +1,18 @@
-"""The FP8 MoE layer for a few tokens (decode at batch 1): four launches instead of nine.
+"""The FP8 MoE layer for a few tokens (decode at batch 1): three launches instead of nine.
 
 At batch 1 the layer must read 4 experts' weights (100 MB for gpt-oss) and little else, yet the
 grouped path (kernels/moe.py) spends a third of its time between launches: route, group, quantise
 x, gate_up + split-K fix-up, quantise act, down + fix-up, combine. Here:
 
-  1. route      logits [T, E] -> top-k ids + softmax weights (moe_align.route_topk_softmax)
-  2. quantise   x -> e4m3 1x128 (fp8_quant.quantize_act_1x128)
-  3. gate_up    one CTA per (pair, N tile, K split) with the grouped path's K loop; no grouping:
+  1. route      one program per token: logits [T, E] -> top-k ids + softmax weights (the grouped
+                path's routing code) and x -> e4m3 1x128 (quantize_act_1x128's arithmetic)
+  2. gate_up    one CTA per (pair, N tile, K split) with the grouped path's K loop; no grouping:
                 pair p = t * top_k + j reads expert ids[p]'s rows directly (at batch 1 the 4 pairs
                 have 4 distinct experts). Split-K partials go to fp32 scratch; the CTA that arrives
                 last at the tile's counter sums them in split order (deterministic), adds b1, runs
                 the clamped SwiGLU and re-quantises its 128 act columns (one 1x128 group: 256-wide
                 tiles) to e4m3 act [P, I] + scales [P, I/128].
-  4. down       one CTA per (token, N tile, slot, K split). The last CTA of a (token, N tile) sums
+  3. down       one CTA per (token, N tile, slot, K split). The last CTA of a (token, N tile) sums
                 each slot's partials in split order, adds b2, rounds to x.dtype, multiplies by the
                 routing weight, rounds again (the grouped path's rounding points) and sums the
                 slots in fp32: down, bias, weighting and combine in one launch.
@@ -32,11 +32,29 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_quant import FP8_DTYPE, quantize_act_1x128, quantize_tile
+from kernels.fp8_quant import FP8_DTYPE, quantize_tile
 from kernels.interface import ExpertWeights
 from kernels.moe import expert_gemm, split_range
-from kernels.moe_align import route_topk_softmax
+from kernels.moe_align import _topk_softmax_kernel
 from kernels.reference import BLOCK, FP8_MAX
+
+
+@triton.jit
+def _route_quant_kernel(logits_ptr, w_ptr, ids_ptr, x_ptr, q_ptr, s_ptr, T, E, H, stride_lt, stride_xt,
+                        stride_qt, stride_sk, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_G: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr,
+                        HW_CVT: tl.constexpr):
+    """One program per token: its top-k + softmax (the grouped path's routing code, one row) and
+    its x row quantised to e4m3 1x128, the row seen as [groups, 128] (quantize_act_1x128's bits)."""
+    _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, TOP_K, 1, BLOCK_E)
+    t = tl.program_id(0)
+    g = tl.arange(0, BLOCK_G)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BG, 128]
+    valid = cols < H
+    x = tl.load(x_ptr + t * stride_xt + cols, mask=valid, other=0.0).to(tl.float32)
+    q, scale = quantize_tile(x, valid, FP8_MAX_C, HW_CVT)  # [BG, 128], [BG]
+    tl.store(q_ptr + t * stride_qt + cols, q.to(q_ptr.dtype.element_ty), mask=valid)
+    tl.store(s_ptr + g * stride_sk + t, scale, mask=g * GROUP < H)
 
 
 @triton.jit
@@ -223,6 +241,26 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def route_and_quantise(x: torch.Tensor, logits: torch.Tensor, top_k: int, hw: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One launch: (routing weights [T, k] in logits.dtype, expert ids [T, k] int32, x in e4m3
+    [T, H], its 1x128 scales [T, KB] with strides (1, T)) - route_topk_softmax + quantize_act_1x128."""
+    t, e = logits.shape
+    h = x.shape[1]
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty(t, top_k, dtype=logits.dtype, device=x.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
+    xq = torch.empty(t, h, dtype=FP8_DTYPE, device=x.device)
+    kb = triton.cdiv(h, BLOCK)
+    s_buf = torch.empty(kb, t, dtype=torch.float32, device=x.device)  # [KB, T]
+    _route_quant_kernel[(t,)](logits, weights, ids, x, xq, s_buf, t, e, h, logits.stride(0), x.stride(0),
+                              xq.stride(0), s_buf.stride(0), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
+                              BLOCK_G=triton.next_power_of_2(kb), GROUP=BLOCK, FP8_MAX_C=FP8_MAX, HW_CVT=hw,
+                              num_warps=4)
+    return weights, ids, xq, s_buf.t()
+
+
 class SmallBatchMoE:
     """FP8 MoE for T * top_k <= max_pairs (TritonMoE dispatches here)."""
 
@@ -243,9 +281,8 @@ class SmallBatchMoE:
         dev = x.device
         if x.stride(1) != 1:
             x = x.contiguous()
-        weights, ids = route_topk_softmax(router_logits, top_k)  # [T, k] each
-        xq, xs = quantize_act_1x128(x)  # e4m3 [T, H], scales [T, KB] with strides (1, T)
         hw = dev.type == "cuda"
+        weights, ids, xq, xs = route_and_quantise(x, router_logits, top_k, hw)
         sms = _num_sms(dev)
         nt1, nt2 = triton.cdiv(n1, c.block_n1), triton.cdiv(n2, c.block_n2)
         s1 = choose_split(p * nt1, k1, sms, c.ctas_per_sm, c.split_k1)

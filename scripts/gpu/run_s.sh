@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU run S (one H200, 2026-12-01, session 3; S2 after moving quantisation out of the K loop): the few-token FP8 MoE path (kernels/moe_small.py):
+# GPU run S (one H200, 2026-12-01, session 3; S2 after moving quantisation out of the K loop; S3
+# with routing + x quantisation fused into one launch and a warps/stages sweep): the few-token FP8 MoE path (kernels/moe_small.py):
 # GPU tests (real dims, EP/TP shard, CUDA graph), a tile sweep at T = 1, the MoE bench with the
 # grouped path beside it, and the 20b decode step (compare runs L/N/O).
 source scripts/gpu/env.sh

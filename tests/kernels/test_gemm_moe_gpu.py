@@ -209,3 +209,11 @@ def test_few_token_path_ep_tp_and_graph():
     torch.cuda.synchronize()
     assert torch.equal(out, moe(x, logits, 4, w)) and not torch.equal(out, eager)
     assert all(int(b.abs().sum()) == 0 for b in moe.small._counters._bufs.values())
+    from kernels.fp8_quant import quantize_act_1x128
+    from kernels.moe_align import route_topk_softmax
+    from kernels.moe_small import route_and_quantise
+    wts, ids, q, sc = route_and_quantise(x, logits, 4, hw=True)  # the fused first launch, bit for bit
+    wts0, ids0 = route_topk_softmax(logits, 4)
+    q0, sc0 = quantize_act_1x128(x)
+    assert torch.equal(ids, ids0) and torch.equal(wts, wts0) and torch.equal(sc, sc0)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8))

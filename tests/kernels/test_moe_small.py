@@ -112,3 +112,18 @@ def test_dispatch_and_split_choice():
     moe(x[:2], logits[:2], 4, w)  # 8 pairs: few-token path
     moe(x[:3], logits[:3], 4, w)  # 12 pairs: grouped path
     assert calls == [1]
+
+
+def test_route_and_quantise_match_the_separate_kernels():
+    from kernels.fp8_quant import quantize_act_1x128
+    from kernels.moe_align import route_topk_softmax
+    from kernels.moe_small import route_and_quantise
+    for t, e, h in ((1, 32, 2880), (3, 128, 160)):
+        x = torch.randn(t, h, dtype=torch.bfloat16) * 3
+        logits = _logits(t, e, torch.bfloat16, seed=t)
+        w, ids, q, s = route_and_quantise(x, logits, 4, hw=False)
+        w0, ids0 = route_topk_softmax(logits, 4)
+        q0, s0 = quantize_act_1x128(x)
+        assert torch.equal(ids, ids0) and torch.equal(w, w0)
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+        assert s.stride() == s0.stride()
