@@ -70,6 +70,17 @@ def expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, stride_ask, s
 
 
 @triton.jit
+def round_as(v, CODE: tl.constexpr):
+    """fp32 v rounded to the dtype _ROUND_CODE names (0 bf16, 1 fp16, 2 fp32: unchanged), back in fp32:
+    the reference's rounding points inside fp32 epilogues."""
+    if CODE == 0:
+        v = v.to(tl.bfloat16).to(tl.float32)
+    elif CODE == 1:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
+@triton.jit
 def split_tile(PHASE: tl.constexpr, SPLIT_K: tl.constexpr):
     """(split index, tile index) of this program: phase 1 runs SPLIT_K programs per tile."""
     pid = tl.program_id(0)
@@ -214,11 +225,7 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, rw_ptr, y_ptr,
         return
     wgt = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)  # [BM] routing weight
     # Reference rounding points: the linear's output in x.dtype, then times the weight.
-    if OUT_ROUND == 0:
-        acc = acc.to(tl.bfloat16).to(tl.float32)
-    elif OUT_ROUND == 1:
-        acc = acc.to(tl.float16).to(tl.float32)
-    y = acc * wgt[:, None]
+    y = round_as(acc, OUT_ROUND) * wgt[:, None]
     tl.store(y_ptr + pair[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=valid[:, None] & (offs_n < N)[None, :])
 

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from kernels.fp8_quant import FP8_DTYPE, quantize_tile
 from kernels.interface import ExpertWeights
-from kernels.moe import expert_gemm, split_range
+from kernels.moe import _ROUND_CODE, expert_gemm, round_as, split_range
 from kernels.moe_align import _topk_softmax_kernel
 from kernels.reference import BLOCK, FP8_MAX
 
@@ -174,20 +174,9 @@ def _down_small_kernel(act_ptr, acts_ptr, ids_ptr, rw_ptr, w_ptr, ws_ptr, b_ptr,
             for s in tl.static_range(SPLIT_K):
                 v += tl.load(p_ptrs + jj * stride_pj + s * stride_ps, mask=m, other=0.0, cache_modifier=".cg")
             # Reference rounding points: the linear's output in x.dtype, times the weight, in y's dtype.
-            if OUT_ROUND == 0:
-                v = v.to(tl.bfloat16).to(tl.float32)
-            elif OUT_ROUND == 1:
-                v = v.to(tl.float16).to(tl.float32)
-            y = v * tl.load(rw_ptr + t * TOP_K + jj).to(tl.float32)
-            if Y_ROUND == 0:
-                y = y.to(tl.bfloat16).to(tl.float32)
-            elif Y_ROUND == 1:
-                y = y.to(tl.float16).to(tl.float32)
+            y = round_as(round_as(v, OUT_ROUND) * tl.load(rw_ptr + t * TOP_K + jj).to(tl.float32), Y_ROUND)
             out += tl.where(m, y, 0.0)  # slots of another rank's experts add nothing
         tl.store(out_ptr + t * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=nmask)
-
-
-_ROUND_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 @dataclass(frozen=True, slots=True)

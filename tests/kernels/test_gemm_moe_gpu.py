@@ -131,21 +131,27 @@ def test_bf16_moe_real_dims():
     assert _rel(out, _moe_reference(x, logits, 4, w, fp8_acts=False)) < 1e-2
 
 
-def test_expert_parallel_and_tp_shard_on_gpu():
-    """EP4 ranks (8 experts each) sum to the full layer; a TP-style shard (I = 720, b2 None) runs
-    with a partial last 1x128 activation group."""
+def _ep4_outputs(moe, w, x: torch.Tensor, logits: torch.Tensor) -> list[torch.Tensor]:
+    """Each of 4 EP ranks' layer output (8 of the 32 experts each, b2 with its expert), in fp32."""
     from kernels.interface import ExpertWeights
-    from kernels.moe import TritonMoE
-    w = _experts(32, 2880, 2880, fp8=True)
-    x = torch.randn(300, 2880, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(300, 32, device="cuda").to(torch.bfloat16)
-    moe = TritonMoE()
     parts = []
     for r in range(4):
         sl = slice(8 * r, 8 * r + 8)
         part = ExpertWeights(w.w1[sl], w.w1_scale[sl], w.b1[sl], w.w2[sl], w.w2_scale[sl], w.b2[sl], 8 * r, 32,
                              1.702, 7.0)
         parts.append(moe(x, logits, 4, part).float())
+    return parts
+
+
+def test_expert_parallel_and_tp_shard_on_gpu():
+    """EP4 ranks (8 experts each) sum to the full layer; a TP-style shard (I = 720, b2 None) runs
+    with a partial last 1x128 activation group."""
+    from kernels.moe import TritonMoE
+    w = _experts(32, 2880, 2880, fp8=True)
+    x = torch.randn(300, 2880, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(300, 32, device="cuda").to(torch.bfloat16)
+    moe = TritonMoE()
+    parts = _ep4_outputs(moe, w, x, logits)
     assert _rel(sum(parts), _moe_reference(x, logits, 4, w, fp8_acts=True)) < 5e-3
     tp = _experts(32, 2880, 720, fp8=True, b2=False)
     assert _rel(moe(x, logits, 4, tp), _moe_reference(x, logits, 4, tp, fp8_acts=True)) < 5e-3
@@ -176,18 +182,12 @@ def test_moe_decode_cuda_graph():
 def test_few_token_path_ep_tp_and_graph():
     """The few-token path (T * top_k <= 8): EP ranks sum to the layer, a TP shard (I = 720, b2
     None) matches, a CUDA graph replays it on new inputs, its counters end at zero."""
-    from kernels.interface import ExpertWeights
     from kernels.moe import TritonMoE
     w = _experts(32, 2880, 2880, fp8=True)
     x = torch.randn(2, 2880, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(2, 32, device="cuda").to(torch.bfloat16)
     moe = TritonMoE()
-    parts = []
-    for r in range(4):
-        sl = slice(8 * r, 8 * r + 8)
-        part = ExpertWeights(w.w1[sl], w.w1_scale[sl], w.b1[sl], w.w2[sl], w.w2_scale[sl], w.b2[sl], 8 * r, 32,
-                             1.702, 7.0)
-        parts.append(moe(x, logits, 4, part).float())
+    parts = _ep4_outputs(moe, w, x, logits)
     want = _moe_reference(x, logits, 4, w, fp8_acts=True)  # act re-quantised from fp32
     assert _rel(sum(parts), want) < 5e-3
     tp = _experts(32, 2880, 720, fp8=True, b2=False)
