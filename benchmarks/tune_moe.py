@@ -39,8 +39,15 @@ def bm_candidates(bucket: int) -> list[int]:
     return {1: [16], 4: [16], 16: [16, 32], 64: [32, 64], 256: [64, 128], 1024: [64, 128]}[bucket]
 
 
+WIDE = False  # --wide: prefill buckets also try 4 stages, 4/8 warps everywhere and 128 x 256 tiles
+
+
 def tile_candidates(bm: int, bucket: int, fp8: bool, gemm: int) -> list[TileConfig]:
     bk = 128 if fp8 else 64
+    if WIDE and bucket >= 64:
+        group = 8 if bucket > 64 else 1
+        return [TileConfig(bm, bn, bk, group, w, s, 1)
+                for bn, w, s in product([128, 256], [4, 8], [3, 4]) if not (bm >= 128 and w == 4)]
     decode = bucket <= 4  # bandwidth-bound, few tiles: split K over more CTAs (kernels/moe.py)
     if gemm == 1:
         widths = [256, 128] if fp8 else [128, 256]
@@ -126,7 +133,10 @@ def main() -> None:
     ap.add_argument("--buckets", default=",".join(map(str, BUCKETS)),
                     help="tune only these; the others keep their entries from --base")
     ap.add_argument("--base", default=None, help="a tuned table (e.g. kernels/tuning/moe.json) to start from")
+    ap.add_argument("--wide", action="store_true", help="a wider tile space for the prefill buckets")
     args = ap.parse_args()
+    global WIDE
+    WIDE = args.wide
     buckets = [int(b) for b in args.buckets.split(",")]
     base = json.loads(open(args.base).read()) if args.base else {}
     rep = Report("moe_tuning")

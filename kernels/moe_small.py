@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.fp8_quant import FP8_DTYPE, quantize_tile
 from kernels.interface import ExpertWeights
@@ -43,9 +44,11 @@ from kernels.reference import BLOCK, FP8_MAX
 def _route_quant_kernel(logits_ptr, w_ptr, ids_ptr, x_ptr, q_ptr, s_ptr, T, E, H, stride_lt, stride_xt,
                         stride_qt, stride_sk, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
                         BLOCK_G: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr,
-                        HW_CVT: tl.constexpr):
+                        HW_CVT: tl.constexpr, PDL: tl.constexpr):
     """One program per token: its top-k + softmax (the grouped path's routing code, one row) and
     its x row quantised to e4m3 1x128, the row seen as [groups, 128] (quantize_act_1x128's bits)."""
+    if PDL:
+        gdc_launch_dependents()  # gate_up's CTAs may take their SMs now; they wait for this grid
     _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, TOP_K, 1, BLOCK_E)
     t = tl.program_id(0)
     g = tl.arange(0, BLOCK_G)
@@ -75,6 +78,54 @@ def row_gemm(a_row_ptr, as_row_ptr, stride_ask, w_ptr, ws_ptr, rn, k_lo, k_hi, s
 
 
 @triton.jit
+def row_gemm_swapped(a_row_ptr, as_row_ptr, stride_ask, w_ptr, ws_ptr, rn, k_lo, k_hi, stride_wn, stride_wsn,
+                     stride_wsk, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SCALE_K: tl.constexpr):
+    """row_gemm with A and B swapped: W's [BN, BK] tile is the MMA's M side, so a 64-row wgmma reads
+    the e4m3 weights straight from shared memory (mma.sync's 16-row tiles convert every weight to f16
+    in registers first), and the activation row, repeated BLOCK_T times, is the narrow N side."""
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    cols = tl.arange(0, BLOCK_T)
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
+    a_ptrs = a_row_ptr + cols[:, None] * 0 + offs_k[None, :]  # [BT, BK], every row the same
+    ws_ptrs = ws_ptr + (rn // SCALE_K) * stride_wsn  # [BN]
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # 2880 = 22.5 x 128: the last block is masked
+        kmask = tl.arange(0, BLOCK_K) < k_hi - k0
+        w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+        kb = k0 // SCALE_K
+        s = tl.load(ws_ptrs + kb * stride_wsk) * tl.load(as_row_ptr + kb * stride_ask)  # [BN]
+        acc += tl.dot(w, tl.trans(a)) * s[:, None]
+        w_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    return tl.sum(tl.where((cols == 0)[None, :], acc, 0.0), axis=1)  # column 0
+
+
+@triton.jit
+def tile_gemm(a_row_ptr, as_row_ptr, stride_ask, w_ptr, ws_ptr, rn, k_lo, k_hi, stride_wn, stride_wsn,
+              stride_wsk, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """[BN] fp32 partial of one (pair, N tile, K split), either MMA orientation."""
+    if SWAP_AB:
+        return row_gemm_swapped(a_row_ptr, as_row_ptr, stride_ask, w_ptr, ws_ptr, rn, k_lo, k_hi, stride_wn,
+                                stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K)
+    return row_gemm(a_row_ptr, as_row_ptr, stride_ask, w_ptr, ws_ptr, rn, k_lo, k_hi, stride_wn, stride_wsn,
+                    stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, DOT_F32)
+
+
+@triton.jit
+def prefetch_rows_l2(row_ptrs, nbytes, LINES: tl.constexpr):
+    """Ask L2 for bytes [0, nbytes) of each [BN] row (one prefetch per 128-byte line; the last one
+    at the final byte, rows need not be line-aligned). No register result, nothing waits on it."""
+    offs = tl.arange(0, LINES) * 128  # LINES >= lines + 1: an unaligned row spans one more
+    ptrs = row_ptrs[:, None] + tl.minimum(offs, nbytes - 1)[None, :]  # [BN, LINES]
+    pred = tl.full(ptrs.shape, 0, tl.int32) + (offs < nbytes + 127).to(tl.int32)[None, :]
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, pred], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def arrive(sem_ptr, expected):
     """Count this CTA in; True for the last of `expected` arrivals, which also resets the counter."""
     tl.debug_barrier()  # every thread's partial stores precede the release below
@@ -89,9 +140,13 @@ def _gate_up_small_kernel(x_ptr, xs_ptr, ids_ptr, w_ptr, ws_ptr, b_ptr, part_ptr
                           N, K, I, expert_start, num_local, alpha, limit,
                           stride_xt, stride_xst, stride_xsk, stride_we, stride_wn, stride_wse, stride_wsn,
                           stride_wsk, stride_be, stride_ps, stride_pp, stride_ap, stride_asp,
-                          TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALE_K: tl.constexpr,
-                          FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr):
+                          TOP_K: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                          SCALE_K: tl.constexpr, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr,
+                          DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched early (programmatic dependent launch): the routing kernel's ids come first;
+        gdc_wait()  # then the down kernel may launch, its CTAs taking SMs as these retire
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     ks = pid % SPLIT_K
     num_n = tl.cdiv(N, BLOCK_N)
@@ -106,9 +161,9 @@ def _gate_up_small_kernel(x_ptr, xs_ptr, ids_ptr, w_ptr, ws_ptr, b_ptr, part_ptr
     rn = offs_n % N  # wrapped columns read valid rows and are never stored
     nmask = offs_n < N
     k_lo, k_hi = split_range(ks, K, 1, SPLIT_K, BLOCK_K)
-    part = row_gemm(x_ptr + t * stride_xt, xs_ptr + t * stride_xst, stride_xsk, w_ptr + e * stride_we,
-                    ws_ptr + e * stride_wse, rn, k_lo, k_hi, stride_wn, stride_wsn, stride_wsk,
-                    BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, DOT_F32)  # [BN]
+    part = tile_gemm(x_ptr + t * stride_xt, xs_ptr + t * stride_xst, stride_xsk, w_ptr + e * stride_we,
+                     ws_ptr + e * stride_wse, rn, k_lo, k_hi, stride_wn, stride_wsn, stride_wsk,
+                     SWAP_AB, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, DOT_F32)  # [BN]
     last = True
     if SPLIT_K > 1:
         p_ptrs = part_ptr + p * stride_pp + offs_n
@@ -140,9 +195,9 @@ def _down_small_kernel(act_ptr, acts_ptr, ids_ptr, rw_ptr, w_ptr, ws_ptr, b_ptr,
                        stride_ap, stride_asp, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
                        stride_be, stride_pj, stride_ps, stride_pt, stride_ot,
                        TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_ROUND: tl.constexpr,
-                       Y_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       Y_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALE_K: tl.constexpr,
-                       DOT_F32: tl.constexpr):
+                       DOT_F32: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr):
     pid = tl.program_id(0)
     ks = pid % SPLIT_K
     j = (pid // SPLIT_K) % TOP_K
@@ -153,14 +208,21 @@ def _down_small_kernel(act_ptr, acts_ptr, ids_ptr, rw_ptr, w_ptr, ws_ptr, b_ptr,
     rn = offs_n % N
     nmask = offs_n < N
     p_ptrs = part_ptr + t * stride_pt + offs_n  # + slot * stride_pj + split * stride_ps
+    # ids are safe to read before gdc_wait: gate_up lets this grid launch only after its own wait,
+    # i.e. once the routing kernel has finished.
     e = tl.load(ids_ptr + t * TOP_K + j) - expert_start
+    k_lo, k_hi = split_range(ks, K, 1, SPLIT_K, BLOCK_K)
+    if PDL:
+        if PF_LINES > 0:  # stream this CTA's weights into L2 while gate_up's last CTAs finish
+            if (e >= 0) & (e < num_local):
+                prefetch_rows_l2(w_ptr + e.to(tl.int64) * stride_we + rn * stride_wn + k_lo, k_hi - k_lo, PF_LINES)
+        gdc_wait()  # act and its scales are gate_up's output
     if (e >= 0) & (e < num_local):
         e64 = e.to(tl.int64)
-        k_lo, k_hi = split_range(ks, K, 1, SPLIT_K, BLOCK_K)
         p = t * TOP_K + j
-        part = row_gemm(act_ptr + p * stride_ap, acts_ptr + p * stride_asp, 1, w_ptr + e64 * stride_we,
-                        ws_ptr + e64 * stride_wse, rn, k_lo, k_hi, stride_wn, stride_wsn, stride_wsk,
-                        BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, DOT_F32)
+        part = tile_gemm(act_ptr + p * stride_ap, acts_ptr + p * stride_asp, 1, w_ptr + e64 * stride_we,
+                         ws_ptr + e64 * stride_wse, rn, k_lo, k_hi, stride_wn, stride_wsn, stride_wsk,
+                         SWAP_AB, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, DOT_F32)
         tl.store(p_ptrs + j * stride_pj + ks * stride_ps, part, mask=nmask)
     if arrive(sem_ptr + t * num_n + nt, TOP_K * SPLIT_K):
         out = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -187,6 +249,8 @@ class SmallConfig:
     # 16: mma.sync (B converted to f16 in registers); 64: wgmma reads e4m3 from shared memory
     # directly (48 of the 64 rows are masked zeros: compute is free here, bytes are not).
     block_m: int = 16
+    # True: W is the MMA's M side (wgmma on e4m3 in shared memory), block_m = the padded token side
+    swap_ab: bool = False
     block_n1: int = 256  # gate_up N tile: 256 interleaved columns = one 1x128 group of act (fixed)
     block_n2: int = 128  # down N tile
     split_k1: int = 0
@@ -194,6 +258,9 @@ class SmallConfig:
     num_warps: int = 4
     num_stages: int = 3
     ctas_per_sm: int = 3
+    # Programmatic dependent launch (GPU only): 0 off; 1 each kernel's CTAs launch while the one
+    # before finishes and wait for it; 2 also prefetch down's weights into L2 before waiting.
+    pdl: int = 0
 
 
 def choose_split(tiles: int, k: int, num_sms: int, ctas_per_sm: int, fixed: int) -> int:
@@ -230,7 +297,7 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def route_and_quantise(x: torch.Tensor, logits: torch.Tensor, top_k: int, hw: bool
+def route_and_quantise(x: torch.Tensor, logits: torch.Tensor, top_k: int, hw: bool, pdl: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch: (routing weights [T, k] in logits.dtype, expert ids [T, k] int32, x in e4m3
     [T, H], its 1x128 scales [T, KB] with strides (1, T)) - route_topk_softmax + quantize_act_1x128."""
@@ -246,7 +313,7 @@ def route_and_quantise(x: torch.Tensor, logits: torch.Tensor, top_k: int, hw: bo
     _route_quant_kernel[(t,)](logits, weights, ids, x, xq, s_buf, t, e, h, logits.stride(0), x.stride(0),
                               xq.stride(0), s_buf.stride(0), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
                               BLOCK_G=triton.next_power_of_2(kb), GROUP=BLOCK, FP8_MAX_C=FP8_MAX, HW_CVT=hw,
-                              num_warps=4)
+                              PDL=pdl, num_warps=4)
     return weights, ids, xq, s_buf.t()
 
 
@@ -271,7 +338,8 @@ class SmallBatchMoE:
         if x.stride(1) != 1:
             x = x.contiguous()
         hw = dev.type == "cuda"
-        weights, ids, xq, xs = route_and_quantise(x, router_logits, top_k, hw)
+        pdl = c.pdl if hw else 0
+        weights, ids, xq, xs = route_and_quantise(x, router_logits, top_k, hw, pdl > 0)
         sms = _num_sms(dev)
         nt1, nt2 = triton.cdiv(n1, c.block_n1), triton.cdiv(n2, c.block_n2)
         s1 = choose_split(p * nt1, k1, sms, c.ctas_per_sm, c.split_k1)
@@ -281,8 +349,10 @@ class SmallBatchMoE:
         part1 = torch.empty(s1, p, n1, dtype=torch.float32, device=dev)
         act = torch.empty(p, i, dtype=FP8_DTYPE, device=dev)  # re-quantised in gate_up's epilogue
         acts = torch.empty(p, nt1, dtype=torch.float32, device=dev)  # one scale per 1x128 group
-        launch = dict(BLOCK_M=c.block_m, BLOCK_K=BLOCK, SCALE_K=BLOCK, DOT_F32=not hw,
-                      num_warps=c.num_warps, num_stages=c.num_stages)
+        launch = dict(SWAP_AB=c.swap_ab, BLOCK_M=c.block_m, BLOCK_K=BLOCK, SCALE_K=BLOCK, DOT_F32=not hw,
+                      num_warps=c.num_warps, num_stages=c.num_stages, PDL=pdl > 0)
+        if pdl:
+            launch["launch_pdl"] = True
         _gate_up_small_kernel[(p * nt1 * s1,)](
             xq, xs, ids, w.w1, w.w1_scale, w.b1, part1, sem1, act, acts, n1, k1, i, w.expert_start,
             w.num_local, float(w.alpha), float(w.limit), xq.stride(0), xs.stride(0), xs.stride(1),
@@ -299,5 +369,5 @@ class SmallBatchMoE:
             w.w2_scale.stride(1), w.w2_scale.stride(2), b2.stride(0), part2.stride(0), part2.stride(1),
             part2.stride(2), out.stride(0), TOP_K=top_k, HAS_BIAS=w.b2 is not None,
             OUT_ROUND=_ROUND_CODE[x.dtype], Y_ROUND=_ROUND_CODE[y_dtype], BLOCK_N=c.block_n2, SPLIT_K=s2,
-            **launch)
+            PF_LINES=triton.next_power_of_2(triton.cdiv(triton.cdiv(k2, BLOCK), s2) + 1) if pdl > 1 else 0, **launch)
         return out

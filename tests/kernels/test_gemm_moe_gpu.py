@@ -179,14 +179,23 @@ def test_moe_decode_cuda_graph():
     assert torch.equal(out, moe(x, logits, 4, w)) and not torch.equal(out, eager)
 
 
-def test_few_token_path_ep_tp_and_graph():
-    """The few-token path (T * top_k <= 8): EP ranks sum to the layer, a TP shard (I = 720, b2
-    None) matches, a CUDA graph replays it on new inputs, its counters end at zero."""
+SMALL_VARIANTS = {"mma16": dict(swap_ab=False, pdl=0), "mma16_pdl": dict(swap_ab=False, pdl=2),
+                  "swap_ab": dict(swap_ab=True, pdl=0), "swap_ab_pdl": dict(swap_ab=True, pdl=1),
+                  "swap_ab_pdl_prefetch": dict(swap_ab=True, pdl=2)}
+
+
+@pytest.mark.parametrize("variant", list(SMALL_VARIANTS))
+def test_few_token_path_ep_tp_and_graph(variant: str):
+    """The few-token path (T * top_k <= 8), each MMA orientation, with and without programmatic
+    dependent launch: EP ranks sum to the layer, a TP shard (I = 720, b2 None) matches, a CUDA
+    graph replays it on new inputs, its counters end at zero."""
     from kernels.moe import TritonMoE
+    from kernels.moe_small import SmallBatchMoE, SmallConfig
     w = _experts(32, 2880, 2880, fp8=True)
     x = torch.randn(2, 2880, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(2, 32, device="cuda").to(torch.bfloat16)
     moe = TritonMoE()
+    moe.small = SmallBatchMoE(SmallConfig(**SMALL_VARIANTS[variant]))
     parts = _ep4_outputs(moe, w, x, logits)
     want = _moe_reference(x, logits, 4, w, fp8_acts=True)  # act re-quantised from fp32
     assert _rel(sum(parts), want) < 5e-3
