@@ -28,30 +28,49 @@ import triton.language as tl
 
 # ---- top-k + softmax ----------------------------------------------------------------------------
 @triton.jit
+def _order_keys(x, cols, BLOCK_E: tl.constexpr):
+    """fp32 [.., BE] -> int64 keys whose order is (value, then lower column): one max reduction
+    picks the largest logit and, on ties, the lowest expert id."""
+    b = (x + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 becomes +0.0, equal floats equal keys
+    o = b ^ ((b >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits -> signed int order
+    return (o.to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)
+
+
+@triton.jit
+def _key_value_id(key, BLOCK_E: tl.constexpr):
+    """The (fp32 value, column) a key of _order_keys came from."""
+    o = (key >> 32).to(tl.int32)
+    v = (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    return v, BLOCK_E - 1 - (key & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
 def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, TOP_K: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     cols = tl.arange(0, BLOCK_E)  # [BE]
     rmask = rows < T
-    x0 = tl.load(logits_ptr + rows[:, None] * stride_lt + cols[None, :],
-                 mask=rmask[:, None] & (cols < E)[None, :], other=float("-inf")).to(tl.float32)
-    top = tl.where(rmask, tl.max(x0, axis=1), 0.0)  # [BT]: the largest logit is the softmax shift
-    # Pass 1 sums exp over the k largest; pass 2 repeats the (cheap) selection and stores. Selecting
-    # twice keeps everything in registers (no scratch round trip between threads).
-    x = x0
+    x = tl.load(logits_ptr + rows[:, None] * stride_lt + cols[None, :],
+                mask=rmask[:, None] & (cols < E)[None, :], other=float("-inf")).to(tl.float32)
+    # One pass, one reduction per slot: each selection is a max over packed (value, -id) keys (the
+    # first is also the softmax shift); the exp sum runs in slot order.
+    keys = _order_keys(x, cols[None, :], BLOCK_E)  # [BT, BE]
+    slots = tl.arange(0, BLOCK_K)  # [BK] >= TOP_K, a power of two
+    vals = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    top = tl.zeros((BLOCK_T,), dtype=tl.float32)
     denom = tl.zeros((BLOCK_T,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        v = tl.max(x, axis=1)
-        idx = tl.min(tl.where(x == v[:, None], cols[None, :], BLOCK_E), axis=1)  # lowest id on ties
+        k = tl.max(keys, axis=1)  # [BT]
+        v, idx = _key_value_id(k, BLOCK_E)
+        if j == 0:
+            top = tl.where(rmask, v, 0.0)
         denom += tl.exp(v - top)
-        x = tl.where(cols[None, :] == idx[:, None], float("-inf"), x)
-    x = x0
-    for j in tl.static_range(TOP_K):
-        v = tl.max(x, axis=1)
-        idx = tl.min(tl.where(x == v[:, None], cols[None, :], BLOCK_E), axis=1)
+        vals = tl.where(slots[None, :] == j, v[:, None], vals)
         tl.store(ids_ptr + rows * TOP_K + j, idx, mask=rmask)
-        tl.store(w_ptr + rows * TOP_K + j, (tl.exp(v - top) / denom).to(w_ptr.dtype.element_ty), mask=rmask)
-        x = tl.where(cols[None, :] == idx[:, None], float("-inf"), x)
+        keys = tl.where(keys == k[:, None], -0x7FFFFFFFFFFFFFFF, keys)  # taken: below every real key
+    w = tl.exp(vals - top[:, None]) / denom[:, None]  # [BT, BK]
+    tl.store(w_ptr + rows[:, None] * TOP_K + slots[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (slots < TOP_K)[None, :])
 
 
 def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +86,7 @@ def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, 
         block_t = max(1, min(16, 4096 // block_e))
         _topk_softmax_kernel[(triton.cdiv(t, block_t),)](logits, weights, ids, t, e, logits.stride(0),
                                                           TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e,
-                                                          num_warps=4)
+                                                          BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
     return weights, ids
 
 

@@ -43,21 +43,26 @@ from kernels.reference import BLOCK, FP8_MAX
 @triton.jit
 def _route_quant_kernel(logits_ptr, w_ptr, ids_ptr, x_ptr, q_ptr, s_ptr, T, E, H, stride_lt, stride_xt,
                         stride_qt, stride_sk, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_G: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr,
-                        HW_CVT: tl.constexpr, PDL: tl.constexpr):
-    """One program per token: its top-k + softmax (the grouped path's routing code, one row) and
-    its x row quantised to e4m3 1x128, the row seen as [groups, 128] (quantize_act_1x128's bits)."""
+                        BLOCK_TK: tl.constexpr, BLOCK_G: tl.constexpr, GROUP: tl.constexpr,
+                        FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr, PDL: tl.constexpr):
+    """Programs (t, 0): token t's top-k + softmax (the grouped path's routing code, one row);
+    programs (t, q > 0): BLOCK_G 1x128 groups of its x row quantised to e4m3 (quantize_act_1x128's
+    bits). Side by side rather than in one program: this launch sits on the decode step's critical
+    path, and one program doing both took ~5 us on the H200 (run W)."""
     if PDL:
         gdc_launch_dependents()  # gate_up's CTAs may take their SMs now; they wait for this grid
-    _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, TOP_K, 1, BLOCK_E)
     t = tl.program_id(0)
-    g = tl.arange(0, BLOCK_G)
-    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BG, 128]
-    valid = cols < H
-    x = tl.load(x_ptr + t * stride_xt + cols, mask=valid, other=0.0).to(tl.float32)
-    q, scale = quantize_tile(x, valid, FP8_MAX_C, HW_CVT)  # [BG, 128], [BG]
-    tl.store(q_ptr + t * stride_qt + cols, q.to(q_ptr.dtype.element_ty), mask=valid)
-    tl.store(s_ptr + g * stride_sk + t, scale, mask=g * GROUP < H)
+    q = tl.program_id(1)
+    if q == 0:
+        _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, TOP_K, 1, BLOCK_E, BLOCK_TK)
+    else:
+        g = (q - 1) * BLOCK_G + tl.arange(0, BLOCK_G)
+        cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BG, 128]
+        valid = cols < H
+        x = tl.load(x_ptr + t * stride_xt + cols, mask=valid, other=0.0).to(tl.float32)
+        qx, scale = quantize_tile(x, valid, FP8_MAX_C, HW_CVT)  # [BG, 128], [BG]
+        tl.store(q_ptr + t * stride_qt + cols, qx.to(q_ptr.dtype.element_ty), mask=valid)
+        tl.store(s_ptr + g * stride_sk + t, scale, mask=g * GROUP < H)
 
 
 @triton.jit
@@ -264,8 +269,10 @@ class SmallConfig:
 
 
 def choose_split(tiles: int, k: int, num_sms: int, ctas_per_sm: int, fixed: int) -> int:
-    """K splits for `tiles` output tiles: enough CTAs to fill the GPU, each with >= 2 K blocks."""
-    if fixed:
+    """K splits for `tiles` output tiles: enough CTAs to fill the GPU, each with >= 2 K blocks. A
+    fixed split (tuned on whole experts) stands while it gives every SM a CTA; smaller problems
+    (TP-sharded experts: fewer N tiles) fall back to the rule."""
+    if fixed and tiles * fixed >= num_sms:
         return fixed
     max_split = max(1, triton.cdiv(k, BLOCK) // 2)
     return max(1, min(max_split, round(num_sms * ctas_per_sm / max(tiles, 1))))
@@ -291,6 +298,16 @@ class _Counters:
         return buf
 
 
+# Measured on the H200 (runs V, W: 20b/120b experts, hidden = intermediate = 2880, two weight
+# seeds): swapped wgmma tiles with PDL; gate_up split in 2 (longer contiguous runs per weight row),
+# down in 4. Up to 4 pairs 3 stages (184 gate_up CTAs, two per SM); up to 8 pairs 2 stages, so all
+# 368 gate_up CTAs are resident at once (3 stages: a second wave, 8 % slower).
+DEFAULT_SMALL_CONFIGS: tuple[tuple[int, SmallConfig], ...] = (
+    (4, SmallConfig(swap_ab=True, split_k1=2, split_k2=4, num_stages=3, pdl=1)),
+    (8, SmallConfig(swap_ab=True, split_k1=2, split_k2=4, num_stages=2, pdl=1)),
+)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # interpreter: any small number
@@ -310,10 +327,11 @@ def route_and_quantise(x: torch.Tensor, logits: torch.Tensor, top_k: int, hw: bo
     xq = torch.empty(t, h, dtype=FP8_DTYPE, device=x.device)
     kb = triton.cdiv(h, BLOCK)
     s_buf = torch.empty(kb, t, dtype=torch.float32, device=x.device)  # [KB, T]
-    _route_quant_kernel[(t,)](logits, weights, ids, x, xq, s_buf, t, e, h, logits.stride(0), x.stride(0),
-                              xq.stride(0), s_buf.stride(0), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
-                              BLOCK_G=triton.next_power_of_2(kb), GROUP=BLOCK, FP8_MAX_C=FP8_MAX, HW_CVT=hw,
-                              PDL=pdl, num_warps=4)
+    bg = 8  # 1x128 groups per quantising program: 2880 -> 3 programs beside the routing one
+    _route_quant_kernel[(t, 1 + triton.cdiv(kb, bg))](
+        logits, weights, ids, x, xq, s_buf, t, e, h, logits.stride(0), x.stride(0), xq.stride(0),
+        s_buf.stride(0), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e), BLOCK_TK=triton.next_power_of_2(top_k),
+        BLOCK_G=bg, GROUP=BLOCK, FP8_MAX_C=FP8_MAX, HW_CVT=hw, PDL=pdl, num_warps=1)
     return weights, ids, xq, s_buf.t()
 
 
@@ -321,13 +339,20 @@ class SmallBatchMoE:
     """FP8 MoE for T * top_k <= max_pairs (TritonMoE dispatches here)."""
 
     def __init__(self, config: SmallConfig | None = None) -> None:
-        self.config = config or SmallConfig()
+        self.config = config  # None: DEFAULT_SMALL_CONFIGS by pair count
         self._counters = _Counters()
+
+    @staticmethod
+    def config_for(pairs: int) -> SmallConfig:
+        for bound, cfg in DEFAULT_SMALL_CONFIGS:
+            if pairs <= bound:
+                return cfg
+        return DEFAULT_SMALL_CONFIGS[-1][1]
 
     def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights
                  ) -> torch.Tensor:
         assert w.w1_scale is not None and w.w2_scale is not None, "the few-token path is FP8 only"
-        c = self.config
+        c = self.config or self.config_for(x.shape[0] * top_k)
         assert c.block_n1 == 2 * BLOCK, "gate_up tiles hold one 1x128 act group: block_n1 = 256"
         t, h = x.shape
         n1, k1 = w.w1.shape[1], w.w1.shape[2]  # 2I, H

@@ -1,4 +1,4 @@
-"""GPU run W diagnostic (one H200): the few-token MoE path's leading configurations from run V
+"""GPU runs W and X diagnostic (one H200): the few-token MoE path's leading configurations from run V
 re-timed (9 trials, two weight seeds), and a kernel-level breakdown of one CUDA-graph replay under
 torch.profiler (route+quantise, gate_up, down, and the time between them)."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ from kernels.moe_small import SmallBatchMoE, SmallConfig
 
 COPY_TBPS = 4.08  # GPU.md ceiling; the MoE bench measures its own
 CONFIGS = {
+    "new_default": None,  # DEFAULT_SMALL_CONFIGS (run X)
     "old_default": SmallConfig(),
     "swap_auto_pdl": SmallConfig(swap_ab=True, pdl=1),
     "swap_s2_4": SmallConfig(swap_ab=True, split_k1=2, split_k2=4, pdl=1),
@@ -73,7 +74,7 @@ def main() -> None:
                 impl = SmallBatchMoE(cfg)
                 ms = bench([lambda lg=lg: impl(x, lg, TOP_K, w) for lg in lsets], trials=9)
                 print(f"seed {seed} T={t} {name:16s} {ms * 1e3:6.1f} us {100 * nbytes / ms / 1e9 / COPY_TBPS:5.1f}% of 4.08 TB/s")
-                if seed == 7 and name in ("old_default", "swap_s2_4"):
+                if seed == 7 and name in ("old_default", "swap_s2_4", "new_default"):
                     profile(impl, x, lsets, w)
         del w
         torch.cuda.empty_cache()

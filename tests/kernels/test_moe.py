@@ -77,7 +77,7 @@ def _fp8_act_reference(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Exp
 
 
 # ---- routing ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("t,e,k", [(7, 32, 4), (20, 128, 4), (3, 5, 2), (4, 8, 1)])
+@pytest.mark.parametrize("t,e,k", [(7, 32, 4), (20, 128, 4), (3, 5, 2), (4, 8, 1), (5, 16, 3)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_topk_softmax_matches_reference(t: int, e: int, k: int, dtype: torch.dtype):
     logits = _logits(t, e, dtype)
@@ -95,6 +95,11 @@ def test_topk_ties_pick_lowest_expert():
     w, ids = route_topk_softmax(logits, 4)
     assert ids.tolist() == [[1, 2, 4, 6]]
     assert torch.allclose(w.sum(-1), torch.ones(1))
+    # Negative logits, -0.0 equal to +0.0 (lowest id first), -inf never picked before a finite one.
+    logits = torch.tensor([[-3.0, 0.0, -0.0, float("-inf"), -0.5, -3.0]])
+    w, ids = route_topk_softmax(logits, 4)
+    assert ids.tolist() == [[1, 2, 4, 0]]
+    assert torch.allclose(w, torch.softmax(logits[:, [1, 2, 4, 0]], -1))
 
 
 # ---- grouping --------------------------------------------------------------------------------------

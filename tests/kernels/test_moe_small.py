@@ -103,7 +103,12 @@ def test_dispatch_and_split_choice():
     assert choose_split(tiles=4 * 23, k=2880, num_sms=132, ctas_per_sm=3, fixed=0) == 4
     assert choose_split(tiles=4000, k=2880, num_sms=132, ctas_per_sm=3, fixed=0) == 1
     assert choose_split(tiles=1, k=256, num_sms=132, ctas_per_sm=3, fixed=0) == 1  # >= 2 K blocks each
-    assert choose_split(tiles=1, k=2880, num_sms=132, ctas_per_sm=3, fixed=5) == 5
+    assert choose_split(tiles=92, k=2880, num_sms=132, ctas_per_sm=3, fixed=2) == 2  # tuned: stands
+    # A fixed split that leaves SMs idle (a TP-sharded expert: few N tiles) yields to the rule.
+    assert choose_split(tiles=24, k=2880, num_sms=132, ctas_per_sm=3, fixed=2) == 11
+    from kernels.moe_small import DEFAULT_SMALL_CONFIGS
+    assert SmallBatchMoE.config_for(4) is DEFAULT_SMALL_CONFIGS[0][1]
+    assert SmallBatchMoE.config_for(8) is DEFAULT_SMALL_CONFIGS[1][1]
     e, h, i = 8, 160, 64
     w = _experts(e, e, h, i, torch.float32, fp8=True, seed=6)
     x = torch.randn(5, h)
