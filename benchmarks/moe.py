@@ -199,9 +199,9 @@ def small_configs() -> list:
     import itertools
 
     from kernels.moe_small import SmallConfig
-    out = [SmallConfig(pdl=pdl) for pdl in (0, 1)] + [SmallConfig(swap_ab=True, pdl=pdl) for pdl in (0, 1)]
+    out = [SmallConfig(swap_ab=swap, pdl=pdl) for swap in (False, True) for pdl in (False, True)]
     for swap, s1, s2, n2 in itertools.product((False, True), (1, 2, 3, 4, 6), (1, 2, 4), (64, 128)):
-        out.append(SmallConfig(swap_ab=swap, split_k1=s1, split_k2=s2, block_n2=n2, pdl=1))
+        out.append(SmallConfig(swap_ab=swap, split_k1=s1, split_k2=s2, block_n2=n2, pdl=True))
     return out
 
 

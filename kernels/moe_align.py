@@ -45,20 +45,20 @@ def _key_value_id(key, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, TOP_K: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+def topk_softmax_rows(logits_ptr, rows, rmask, E, stride_lt, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """Top-k + softmax of logits rows [BT]: (expert ids [BT, BK] int32, weights [BT, BK] fp32);
+    slots >= TOP_K are padding. One pass, one reduction per slot: each selection is a max over
+    packed (value, -id) keys (the first is also the softmax shift); the exp sum runs in slot order."""
     cols = tl.arange(0, BLOCK_E)  # [BE]
-    rmask = rows < T
     x = tl.load(logits_ptr + rows[:, None] * stride_lt + cols[None, :],
                 mask=rmask[:, None] & (cols < E)[None, :], other=float("-inf")).to(tl.float32)
-    # One pass, one reduction per slot: each selection is a max over packed (value, -id) keys (the
-    # first is also the softmax shift); the exp sum runs in slot order.
     keys = _order_keys(x, cols[None, :], BLOCK_E)  # [BT, BE]
     slots = tl.arange(0, BLOCK_K)  # [BK] >= TOP_K, a power of two
-    vals = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-    top = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    denom = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    vals = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.float32)
+    ids = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.int32)
+    top = tl.zeros((rows.shape[0],), dtype=tl.float32)
+    denom = tl.zeros((rows.shape[0],), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         k = tl.max(keys, axis=1)  # [BT]
         v, idx = _key_value_id(k, BLOCK_E)
@@ -66,11 +66,28 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, TOP_K: tl.
             top = tl.where(rmask, v, 0.0)
         denom += tl.exp(v - top)
         vals = tl.where(slots[None, :] == j, v[:, None], vals)
-        tl.store(ids_ptr + rows * TOP_K + j, idx, mask=rmask)
+        ids = tl.where(slots[None, :] == j, idx[:, None], ids)
         keys = tl.where(keys == k[:, None], -0x7FFFFFFFFFFFFFFF, keys)  # taken: below every real key
-    w = tl.exp(vals - top[:, None]) / denom[:, None]  # [BT, BK]
-    tl.store(w_ptr + rows[:, None] * TOP_K + slots[None, :], w.to(w_ptr.dtype.element_ty),
-             mask=rmask[:, None] & (slots < TOP_K)[None, :])
+    return ids, tl.exp(vals - top[:, None]) / denom[:, None]
+
+
+@triton.jit
+def store_routes(ids_ptr, w_ptr, rows, ids, w, mask, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """ids / weights [BT, BK] of topk_softmax_rows -> [T, TOP_K] buffers, where mask [BT]."""
+    slots = tl.arange(0, BLOCK_K)
+    m = mask[:, None] & (slots < TOP_K)[None, :]
+    offs = rows[:, None] * TOP_K + slots[None, :]
+    tl.store(ids_ptr + offs, ids, mask=m)
+    tl.store(w_ptr + offs, w.to(w_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, TOP_K: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    rmask = rows < T
+    ids, w = topk_softmax_rows(logits_ptr, rows, rmask, E, stride_lt, TOP_K, BLOCK_E, BLOCK_K)
+    store_routes(ids_ptr, w_ptr, rows, ids, w, rmask, TOP_K, BLOCK_K)
 
 
 def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

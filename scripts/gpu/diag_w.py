@@ -15,13 +15,13 @@ COPY_TBPS = 4.08  # GPU.md ceiling; the MoE bench measures its own
 CONFIGS = {
     "new_default": None,  # DEFAULT_SMALL_CONFIGS (run X)
     "old_default": SmallConfig(),
-    "swap_auto_pdl": SmallConfig(swap_ab=True, pdl=1),
-    "swap_s2_4": SmallConfig(swap_ab=True, split_k1=2, split_k2=4, pdl=1),
-    "swap_s4_4": SmallConfig(swap_ab=True, split_k1=4, split_k2=4, pdl=1),
-    "swap_s2_4_st2": SmallConfig(swap_ab=True, split_k1=2, split_k2=4, pdl=1, num_stages=2),
-    "swap_s2_4_st4": SmallConfig(swap_ab=True, split_k1=2, split_k2=4, pdl=1, num_stages=4),
-    "swap_s3_4": SmallConfig(swap_ab=True, split_k1=3, split_k2=4, pdl=1),
-    "swap_s2_3": SmallConfig(swap_ab=True, split_k1=2, split_k2=3, pdl=1),
+    "swap_auto_pdl": SmallConfig(swap_ab=True, pdl=True),
+    "swap_s2_4": SmallConfig(swap_ab=True, split_k1=2, split_k2=4, pdl=True),
+    "swap_s4_4": SmallConfig(swap_ab=True, split_k1=4, split_k2=4, pdl=True),
+    "swap_s2_4_st2": SmallConfig(swap_ab=True, split_k1=2, split_k2=4, pdl=True, num_stages=2),
+    "swap_s2_4_st4": SmallConfig(swap_ab=True, split_k1=2, split_k2=4, pdl=True, num_stages=4),
+    "swap_s3_4": SmallConfig(swap_ab=True, split_k1=3, split_k2=4, pdl=True),
+    "swap_s2_3": SmallConfig(swap_ab=True, split_k1=2, split_k2=3, pdl=True),
 }
 
 

@@ -179,9 +179,9 @@ def test_moe_decode_cuda_graph():
     assert torch.equal(out, moe(x, logits, 4, w)) and not torch.equal(out, eager)
 
 
-SMALL_VARIANTS = {"mma16": dict(swap_ab=False, pdl=0), "mma16_pdl": dict(swap_ab=False, pdl=2),
-                  "swap_ab": dict(swap_ab=True, pdl=0), "swap_ab_pdl": dict(swap_ab=True, pdl=1),
-                  "swap_ab_pdl_prefetch": dict(swap_ab=True, pdl=2)}
+SMALL_VARIANTS = {"mma16": dict(swap_ab=False), "mma16_pdl": dict(swap_ab=False, pdl=True),
+                  "swap_ab": dict(swap_ab=True), "swap_ab_pdl": dict(swap_ab=True, pdl=True),
+                  "swap_ab_pdl_split2_4": dict(swap_ab=True, pdl=True, split_k1=2, split_k2=4, num_stages=2)}
 
 
 @pytest.mark.parametrize("variant", list(SMALL_VARIANTS))
@@ -220,9 +220,9 @@ def test_few_token_path_ep_tp_and_graph(variant: str):
     assert all(int(b.abs().sum()) == 0 for b in moe.small._counters._bufs.values())
     from kernels.fp8_quant import quantize_act_1x128
     from kernels.moe_align import route_topk_softmax
-    from kernels.moe_small import route_and_quantise
-    wts, ids, q, sc = route_and_quantise(x, logits, 4, hw=True)  # the fused first launch, bit for bit
+    small = moe.small  # routing and x quantisation fused into gate_up, bit for bit
+    g = small.gate_up(x, logits, 4, w, small.config, small._counters.get(4096, x.device))
     wts0, ids0 = route_topk_softmax(logits, 4)
     q0, sc0 = quantize_act_1x128(x)
-    assert torch.equal(ids, ids0) and torch.equal(wts, wts0) and torch.equal(sc, sc0)
-    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+    assert torch.equal(g.ids, ids0) and torch.equal(g.weights, wts0) and torch.equal(g.xs, sc0)
+    assert torch.equal(g.xq.view(torch.uint8), q0.view(torch.uint8))

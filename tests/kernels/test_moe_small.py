@@ -121,16 +121,26 @@ def test_dispatch_and_split_choice():
     assert calls == [1]
 
 
-def test_route_and_quantise_match_the_separate_kernels():
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_fused_routing_and_quantisation_match_the_separate_kernels(split: int):
+    """gate_up routes each token and quantises x over its CTAs' K ranges: the ids, weights, e4m3 x
+    and scales it leaves equal route_topk_softmax and quantize_act_1x128 bit for bit, with EP ranks
+    owning none of a token's experts too (their CTAs return after routing)."""
     from kernels.fp8_quant import quantize_act_1x128
+    from kernels.interface import ExpertWeights
     from kernels.moe_align import route_topk_softmax
-    from kernels.moe_small import route_and_quantise
     for t, e, h in ((1, 32, 2880), (3, 128, 160)):
         x = torch.randn(t, h, dtype=torch.bfloat16) * 3
         logits = _logits(t, e, torch.bfloat16, seed=t)
-        w, ids, q, s = route_and_quantise(x, logits, 4, hw=False)
+        full = _experts(e, e, h, 128, torch.bfloat16, fp8=True, seed=t)
+        none_local = ExpertWeights(full.w1[:1], full.w1_scale[:1], full.b1[:1], full.w2[:1], full.w2_scale[:1],
+                                   full.b2[:1], e, e + 1, 1.702, 7.0)  # owns an expert id nobody picks
         w0, ids0 = route_topk_softmax(logits, 4)
         q0, s0 = quantize_act_1x128(x)
-        assert torch.equal(ids, ids0) and torch.equal(w, w0)
-        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
-        assert s.stride() == s0.stride()
+        for w in (full, none_local):
+            moe = SmallBatchMoE(SmallConfig(split_k1=split, split_k2=1, block_n2=64))
+            g = moe.gate_up(x, logits, 4, w, moe.config, moe._counters.get(1024, x.device))
+            assert torch.equal(g.ids, ids0) and torch.equal(g.weights, w0)
+            # every CTA quantises its K range before checking whether its expert is local
+            assert torch.equal(g.xq.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(g.xs, s0)
+            assert g.xs.stride() == s0.stride()
