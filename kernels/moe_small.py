@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.fp8_quant import FP8_DTYPE, quantize_tile
 from kernels.interface import ExpertWeights
@@ -68,12 +69,12 @@ def route_and_quantise_row(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, t
 
 
 @triton.jit
-def _gate_up_small_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, part_ptr,
+def _gate_up_small_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, b_ptr, part_ptr,
                           sem_ptr, act_ptr, acts_ptr, N, K, I, E, expert_start, num_local, alpha, limit,
                           stride_lt, stride_xt, stride_xqt, stride_xsk, stride_we, stride_wn, stride_wse,
                           stride_wsn, stride_wsk, stride_be, stride_ps, stride_pp, stride_ap, stride_asp,
                           TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr,
-                          BLOCK_GX: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_GX: tl.constexpr, SWAP_AB: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                           SCALE_K: tl.constexpr, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr,
                           DOT_F32: tl.constexpr, PDL: tl.constexpr):
@@ -94,13 +95,14 @@ def _gate_up_small_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, w_
                                BLOCK_GX, FP8_MAX_C, HW_CVT) - expert_start
     if (e < 0) | (e >= num_local):
         return  # another EP rank's expert: no act row; the down kernel skips this slot too
+    e32 = e
     e = e.to(tl.int64)
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = offs_n % N  # wrapped columns read valid rows and are never stored
     nmask = offs_n < N
-    part = tile_gemm(xq_ptr + t * stride_xqt, xs_ptr + t, stride_xsk, w_ptr + e * stride_we,
-                     ws_ptr + e * stride_wse, rn, k_lo, k_hi, stride_wn, stride_wsn, stride_wsk,
-                     SWAP_AB, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, DOT_F32)  # [BN]
+    part = tile_gemm(xq_ptr + t * stride_xqt, xs_ptr + t, stride_xsk, w_ptr + e * stride_we, w_desc, e32,
+                     nt * BLOCK_N, ws_ptr + e * stride_wse, rn, k_lo, k_hi, stride_wn, stride_wsn, stride_wsk,
+                     SWAP_AB, TMA, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, DOT_F32)  # [BN]
     last = True
     if SPLIT_K > 1:
         p_ptrs = part_ptr + p * stride_pp + offs_n
@@ -127,12 +129,13 @@ def _gate_up_small_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, w_
 
 
 @triton.jit
-def _down_small_kernel(act_ptr, acts_ptr, ids_ptr, rw_ptr, w_ptr, ws_ptr, b_ptr, part_ptr, sem_ptr, out_ptr,
+def _down_small_kernel(act_ptr, acts_ptr, ids_ptr, rw_ptr, w_ptr, w_desc, ws_ptr, b_ptr, part_ptr, sem_ptr, out_ptr,
                        N, K, expert_start, num_local,
                        stride_ap, stride_asp, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
                        stride_be, stride_pj, stride_ps, stride_pt, stride_ot,
                        TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_ROUND: tl.constexpr,
-                       Y_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       Y_ROUND: tl.constexpr, SWAP_AB: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALE_K: tl.constexpr,
                        DOT_F32: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
@@ -152,9 +155,9 @@ def _down_small_kernel(act_ptr, acts_ptr, ids_ptr, rw_ptr, w_ptr, ws_ptr, b_ptr,
     if (e >= 0) & (e < num_local):
         e64 = e.to(tl.int64)
         p = t * TOP_K + j
-        part = tile_gemm(act_ptr + p * stride_ap, acts_ptr + p * stride_asp, 1, w_ptr + e64 * stride_we,
-                         ws_ptr + e64 * stride_wse, rn, k_lo, k_hi, stride_wn, stride_wsn, stride_wsk,
-                         SWAP_AB, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, DOT_F32)
+        part = tile_gemm(act_ptr + p * stride_ap, acts_ptr + p * stride_asp, 1, w_ptr + e64 * stride_we, w_desc,
+                         e, nt * BLOCK_N, ws_ptr + e64 * stride_wse, rn, k_lo, k_hi, stride_wn, stride_wsn,
+                         stride_wsk, SWAP_AB, TMA, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, DOT_F32)
         tl.store(p_ptrs + j * stride_pj + ks * stride_ps, part, mask=nmask)
     if arrive(sem_ptr + t * num_n + nt, TOP_K * SPLIT_K):
         out = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -183,6 +186,7 @@ class SmallConfig:
     block_m: int = 16
     # True: W is the MMA's M side (wgmma on e4m3 in shared memory), block_m = the padded token side
     swap_ab: bool = False
+    tma: bool = False  # swapped tiles only: weight tiles by TMA bulk copies (tensor descriptors)
     block_n1: int = 256  # gate_up N tile: 256 interleaved columns = one 1x128 group of act (fixed)
     block_n2: int = 128  # down N tile
     split_k1: int = 0
@@ -282,8 +286,17 @@ class SmallBatchMoE:
         g = self.gate_up(x, router_logits, top_k, w, c, sems)
         return self.down(g, x.dtype, top_k, w, c, sems)
 
-    def _launch(self, c: SmallConfig, hw: bool) -> dict:
-        launch = dict(SWAP_AB=c.swap_ab, BLOCK_M=c.block_m, BLOCK_K=BLOCK, SCALE_K=BLOCK, DOT_F32=not hw,
+    @staticmethod
+    def _desc(w: torch.Tensor, c: SmallConfig, block_n: int) -> TensorDescriptor | None:
+        """[E, N, K] weights as a TMA descriptor with [1, block_n, 128] boxes: tma configs whose
+        weights TMA can address (16-byte aligned base and strides, unit last stride); else None."""
+        ok = (c.swap_ab and c.tma and w.stride(-1) == 1 and w.data_ptr() % 16 == 0
+              and all(st % 16 == 0 for st in w.stride()[:-1]))
+        return TensorDescriptor.from_tensor(w, [1, block_n, BLOCK]) if ok else None
+
+    def _launch(self, c: SmallConfig, hw: bool, desc: TensorDescriptor | None) -> dict:
+        launch = dict(SWAP_AB=c.swap_ab, TMA=desc is not None, BLOCK_M=c.block_m, BLOCK_K=BLOCK, SCALE_K=BLOCK,
+                      DOT_F32=not hw,
                       num_warps=c.num_warps, num_stages=c.num_stages, PDL=c.pdl and hw)
         if c.pdl and hw:
             launch["launch_pdl"] = True
@@ -307,15 +320,16 @@ class SmallBatchMoE:
                         acts=torch.empty(p, nt1, dtype=torch.float32, device=dev))  # one per 1x128 group
         part1 = torch.empty(s1, p, n1, dtype=torch.float32, device=dev)
         per_split = triton.cdiv(triton.cdiv(k1, BLOCK), s1)  # 1x128 groups of x each CTA quantises
+        desc = self._desc(w.w1, c, c.block_n1)
         _gate_up_small_kernel[(p * nt1 * s1,)](
-            logits, out.weights, out.ids, x, out.xq, out.xs, w.w1, w.w1_scale, w.b1, part1, sems, out.act,
+            logits, out.weights, out.ids, x, out.xq, out.xs, w.w1, desc, w.w1_scale, w.b1, part1, sems, out.act,
             out.acts, n1, k1, n1 // 2, e, w.expert_start, w.num_local, float(w.alpha), float(w.limit),
             logits.stride(0), x.stride(0), out.xq.stride(0), out.xs.stride(1), w.w1.stride(0), w.w1.stride(1),
             w.w1_scale.stride(0), w.w1_scale.stride(1), w.w1_scale.stride(2), w.b1.stride(0), part1.stride(0),
             part1.stride(1), out.act.stride(0), out.acts.stride(0), TOP_K=top_k,
             BLOCK_E=triton.next_power_of_2(e), BLOCK_TK=triton.next_power_of_2(top_k),
             BLOCK_GX=triton.next_power_of_2(per_split), BLOCK_N=c.block_n1, SPLIT_K=s1, FP8_MAX_C=FP8_MAX,
-            HW_CVT=hw, **self._launch(c, hw))
+            HW_CVT=hw, **self._launch(c, hw, desc))
         return out
 
     def down(self, g: GateUpOut, out_dtype: torch.dtype, top_k: int, w: ExpertWeights, c: SmallConfig,
@@ -331,11 +345,12 @@ class SmallBatchMoE:
         out = torch.empty(t, n2, dtype=out_dtype, device=dev)
         b2 = w.b2 if w.b2 is not None else w.w2  # unused pointer without bias
         y_dtype = torch.promote_types(out_dtype, g.weights.dtype)
+        desc = self._desc(w.w2, c, c.block_n2)
         _down_small_kernel[(t * nt2 * top_k * s2,)](
-            g.act, g.acts, g.ids, g.weights, w.w2, w.w2_scale, b2, part2, sem2, out, n2, k2, w.expert_start,
+            g.act, g.acts, g.ids, g.weights, w.w2, desc, w.w2_scale, b2, part2, sem2, out, n2, k2, w.expert_start,
             w.num_local, g.act.stride(0), g.acts.stride(0), w.w2.stride(0), w.w2.stride(1), w.w2_scale.stride(0),
             w.w2_scale.stride(1), w.w2_scale.stride(2), b2.stride(0), part2.stride(0), part2.stride(1),
             part2.stride(2), out.stride(0), TOP_K=top_k, HAS_BIAS=w.b2 is not None,
             OUT_ROUND=_ROUND_CODE[out_dtype], Y_ROUND=_ROUND_CODE[y_dtype], BLOCK_N=c.block_n2, SPLIT_K=s2,
-            **self._launch(c, hw))
+            **self._launch(c, hw, desc))
         return out

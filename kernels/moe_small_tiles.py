@@ -27,12 +27,14 @@ def row_gemm(a_row_ptr, as_row_ptr, stride_ask, w_ptr, ws_ptr, rn, k_lo, k_hi, s
 
 
 @triton.jit
-def row_gemm_swapped(a_row_ptr, as_row_ptr, stride_ask, w_ptr, ws_ptr, rn, k_lo, k_hi, stride_wn, stride_wsn,
-                     stride_wsk, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SCALE_K: tl.constexpr):
+def row_gemm_swapped(a_row_ptr, as_row_ptr, stride_ask, w_ptr, w_desc, e, n0, ws_ptr, rn, k_lo, k_hi, stride_wn,
+                     stride_wsn, stride_wsk, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, TMA: tl.constexpr):
     """row_gemm with A and B swapped: W's [BN, BK] tile is the MMA's M side, so a 64-row wgmma reads
     the e4m3 weights straight from shared memory (mma.sync's 16-row tiles convert every weight to f16
-    in registers first), and the activation row, repeated BLOCK_T times, is the narrow N side."""
+    in registers first), and the activation row, repeated BLOCK_T times, is the narrow N side.
+    TMA: the weight tile comes through w_desc ([E, N, K], block [1, BN, BK]) at (e, n0, k): one
+    bulk copy per stage instead of per-thread copies; rows past N and columns past K read as zeros."""
     offs_k = k_lo + tl.arange(0, BLOCK_K)
     cols = tl.arange(0, BLOCK_T)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
@@ -41,7 +43,10 @@ def row_gemm_swapped(a_row_ptr, as_row_ptr, stride_ask, w_ptr, ws_ptr, rn, k_lo,
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):  # 2880 = 22.5 x 128: the last block is masked
         kmask = tl.arange(0, BLOCK_K) < k_hi - k0
-        w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+        if TMA:  # split boundaries are whole blocks: only the tensor's own K tail needs filling
+            w = tl.reshape(w_desc.load([e, n0, k0]), (BLOCK_N, BLOCK_K))
+        else:
+            w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
         a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
         kb = k0 // SCALE_K
         s = tl.load(ws_ptrs + kb * stride_wsk) * tl.load(as_row_ptr + kb * stride_ask)  # [BN]
@@ -52,13 +57,14 @@ def row_gemm_swapped(a_row_ptr, as_row_ptr, stride_ask, w_ptr, ws_ptr, rn, k_lo,
 
 
 @triton.jit
-def tile_gemm(a_row_ptr, as_row_ptr, stride_ask, w_ptr, ws_ptr, rn, k_lo, k_hi, stride_wn, stride_wsn,
-              stride_wsk, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """[BN] fp32 partial of one (pair, N tile, K split), either MMA orientation."""
+def tile_gemm(a_row_ptr, as_row_ptr, stride_ask, w_ptr, w_desc, e, n0, ws_ptr, rn, k_lo, k_hi, stride_wn,
+              stride_wsn, stride_wsk, SWAP_AB: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """[BN] fp32 partial of one (pair, N tile, K split), either MMA orientation; w_ptr is expert e's
+    [N, K] weights, w_desc (TMA, swapped only) all experts'."""
     if SWAP_AB:
-        return row_gemm_swapped(a_row_ptr, as_row_ptr, stride_ask, w_ptr, ws_ptr, rn, k_lo, k_hi, stride_wn,
-                                stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K)
+        return row_gemm_swapped(a_row_ptr, as_row_ptr, stride_ask, w_ptr, w_desc, e, n0, ws_ptr, rn, k_lo, k_hi,
+                                stride_wn, stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, TMA)
     return row_gemm(a_row_ptr, as_row_ptr, stride_ask, w_ptr, ws_ptr, rn, k_lo, k_hi, stride_wn, stride_wsn,
                     stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, DOT_F32)
 

@@ -12,16 +12,15 @@ from benchmarks.moe import H, MODELS, TOP_K, logit_sets, make_experts, weight_by
 from kernels.moe_small import SmallBatchMoE, SmallConfig
 
 COPY_TBPS = 4.08  # GPU.md ceiling; the MoE bench measures its own
-CONFIGS = {
-    "new_default": None,  # DEFAULT_SMALL_CONFIGS (run X)
-    "old_default": SmallConfig(),
-    "swap_auto_pdl": SmallConfig(swap_ab=True, pdl=True),
-    "swap_s2_4": SmallConfig(swap_ab=True, split_k1=2, split_k2=4, pdl=True),
-    "swap_s4_4": SmallConfig(swap_ab=True, split_k1=4, split_k2=4, pdl=True),
-    "swap_s2_4_st2": SmallConfig(swap_ab=True, split_k1=2, split_k2=4, pdl=True, num_stages=2),
-    "swap_s2_4_st4": SmallConfig(swap_ab=True, split_k1=2, split_k2=4, pdl=True, num_stages=4),
-    "swap_s3_4": SmallConfig(swap_ab=True, split_k1=3, split_k2=4, pdl=True),
-    "swap_s2_3": SmallConfig(swap_ab=True, split_k1=2, split_k2=3, pdl=True),
+CONFIGS = {  # run Z: TMA weight tiles beside the defaults of run Y
+    "new_default": None,  # DEFAULT_SMALL_CONFIGS
+    "tma_s2_4": SmallConfig(swap_ab=True, tma=True, split_k1=2, split_k2=4, pdl=True),
+    "tma_s2_4_st2": SmallConfig(swap_ab=True, tma=True, split_k1=2, split_k2=4, pdl=True, num_stages=2),
+    "tma_s2_4_st4": SmallConfig(swap_ab=True, tma=True, split_k1=2, split_k2=4, pdl=True, num_stages=4),
+    "tma_s4_4_st2": SmallConfig(swap_ab=True, tma=True, split_k1=4, split_k2=4, pdl=True, num_stages=2),
+    "tma_s2_2": SmallConfig(swap_ab=True, tma=True, split_k1=2, split_k2=2, pdl=True),
+    "tma_s1_4": SmallConfig(swap_ab=True, tma=True, split_k1=1, split_k2=4, pdl=True),
+    "tma_auto": SmallConfig(swap_ab=True, tma=True, pdl=True),
 }
 
 
@@ -74,7 +73,7 @@ def main() -> None:
                 impl = SmallBatchMoE(cfg)
                 ms = bench([lambda lg=lg: impl(x, lg, TOP_K, w) for lg in lsets], trials=9)
                 print(f"seed {seed} T={t} {name:16s} {ms * 1e3:6.1f} us {100 * nbytes / ms / 1e9 / COPY_TBPS:5.1f}% of 4.08 TB/s")
-                if seed == 7 and name in ("old_default", "swap_s2_4", "new_default"):
+                if seed == 7 and name in ("new_default", "tma_s2_4"):
                     profile(impl, x, lsets, w)
         del w
         torch.cuda.empty_cache()

@@ -181,7 +181,8 @@ def test_moe_decode_cuda_graph():
 
 SMALL_VARIANTS = {"mma16": dict(swap_ab=False), "mma16_pdl": dict(swap_ab=False, pdl=True),
                   "swap_ab": dict(swap_ab=True), "swap_ab_pdl": dict(swap_ab=True, pdl=True),
-                  "swap_ab_pdl_split2_4": dict(swap_ab=True, pdl=True, split_k1=2, split_k2=4, num_stages=2)}
+                  "swap_ab_pdl_split2_4": dict(swap_ab=True, pdl=True, split_k1=2, split_k2=4, num_stages=2),
+                  "swap_ab_tma_pdl": dict(swap_ab=True, tma=True, pdl=True)}
 
 
 @pytest.mark.parametrize("variant", list(SMALL_VARIANTS))

@@ -28,15 +28,18 @@ def _counters_zero(moe: SmallBatchMoE) -> bool:
     return all(int(b.abs().sum()) == 0 for b in moe._counters._bufs.values())
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["mma16", "swap_ab"])
+VARIANTS = {"mma16": dict(swap_ab=False), "swap_ab": dict(swap_ab=True), "swap_ab_tma": dict(swap_ab=True, tma=True)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("split", [0, 1, 3], ids=["auto", "no_split", "split3"])
 @pytest.mark.parametrize("t,h,i", [(1, 160, 128), (3, 256, 96)])
-def test_fp32_tight_vs_reference(split: int, t: int, h: int, i: int, swap: bool):
+def test_fp32_tight_vs_reference(split: int, t: int, h: int, i: int, variant: str):
     e = 8
     w = _experts(e, e, h, i, torch.float32, fp8=True, seed=t)
     x = torch.randn(t, h)
     logits = _logits(t, e, torch.float32, seed=t)
-    moe = SmallBatchMoE(SmallConfig(block_n2=32, split_k1=split, split_k2=split, swap_ab=swap))
+    moe = SmallBatchMoE(SmallConfig(block_n2=32, split_k1=split, split_k2=split, **VARIANTS[variant]))
     out = moe(x, logits, 4, w)
     assert out.shape == (t, h) and out.dtype == torch.float32
     assert _rel(out, _fp8_act_reference(x, logits, 4, w)) < 1e-3
@@ -62,13 +65,13 @@ def test_bf16_hidden_2880():
     assert _rel(small, want) < 4e-2 and _rel(grouped, want) < 4e-2
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["mma16", "swap_ab"])
-def test_expert_parallel_ranks_sum_to_full_and_b2_none(swap: bool):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_expert_parallel_ranks_sum_to_full_and_b2_none(variant: str):
     t, e, h, i = 2, 8, 160, 128
     full = _experts(e, e, h, i, torch.float32, fp8=True, seed=3)
     x = torch.randn(t, h)
     logits = _logits(t, e, torch.float32, seed=3)
-    moe = SmallBatchMoE(SmallConfig(block_n2=64, split_k1=2, split_k2=2, swap_ab=swap))
+    moe = SmallBatchMoE(SmallConfig(block_n2=64, split_k1=2, split_k2=2, **VARIANTS[variant]))
     total = moe(x, logits, 4, full)
     parts = []
     for start in (0, 3, 6):  # uneven ranges; the last rank (experts 6, 7) may own no selected slot
