@@ -40,14 +40,17 @@ def bm_candidates(bucket: int) -> list[int]:
 
 
 WIDE = False  # --wide: prefill buckets also try 4 stages, 4/8 warps everywhere and 128 x 256 tiles
+TMA = False  # --tma: with --wide, FP8 weight tiles by TMA descriptors (kernels/moe.py expert_gemm_tma)
 
 
 def tile_candidates(bm: int, bucket: int, fp8: bool, gemm: int) -> list[TileConfig]:
     bk = 128 if fp8 else 64
     if WIDE and bucket >= 64:
         group = 8 if bucket > 64 else 1
-        return [TileConfig(bm, bn, bk, group, w, s, 1)
-                for bn, w, s in product([128, 256], [4, 8], [3, 4]) if not (bm >= 128 and w == 4)]
+        tma = TMA and fp8
+        return [TileConfig(bm, bn, bk, group, w, s, 1, tma=tma)
+                for bn, w, s in product([128, 256], [4, 8], [3, 4])
+                if not (bm >= 128 and (w == 4 or bn == 256))]  # 128 x 256 spills (ptxas)
     decode = bucket <= 4  # bandwidth-bound, few tiles: split K over more CTAs (kernels/moe.py)
     if gemm == 1:
         widths = [256, 128] if fp8 else [128, 256]
@@ -134,9 +137,10 @@ def main() -> None:
                     help="tune only these; the others keep their entries from --base")
     ap.add_argument("--base", default=None, help="a tuned table (e.g. kernels/tuning/moe.json) to start from")
     ap.add_argument("--wide", action="store_true", help="a wider tile space for the prefill buckets")
+    ap.add_argument("--tma", action="store_true", help="with --wide: FP8 weight tiles by TMA")
     args = ap.parse_args()
-    global WIDE
-    WIDE = args.wide
+    global WIDE, TMA
+    WIDE, TMA = args.wide, args.tma
     buckets = [int(b) for b in args.buckets.split(",")]
     base = json.loads(open(args.base).read()) if args.base else {}
     rep = Report("moe_tuning")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.fp8_gemm import grouped_tile, scaled_dot_step
 from kernels.fp8_quant import FP8_DTYPE, quantize_act_1x128, quantize_tile
@@ -66,6 +67,24 @@ def expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, stride_ask, s
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
             acc = native_dot(a, b, acc, DOT_F32)
+    return acc
+
+
+@triton.jit
+def expert_gemm_tma(acc, a_ptrs, w_desc, e, n0, as_ptrs, bs_ptrs, k_lo, k_hi, stride_ask, stride_bsk,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr):
+    """expert_gemm's FP8 loop with expert e's weight tile [n0:n0+BN, k0:k0+BK] from a TMA descriptor
+    over all experts' [E, N, K] weights: a bulk copy per stage instead of a [BK, BN] pointer tensor
+    per thread; rows past N and columns past K arrive as zeros (A is masked past k_hi)."""
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kmask = tl.arange(0, BLOCK_K) < k_hi - k0
+        a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+        b = tl.trans(tl.reshape(w_desc.load([e, n0, k0]), (BLOCK_N, BLOCK_K)))  # [BK, BN]
+        kb = k0 // SCALE_K
+        s_a = tl.load(as_ptrs + kb * stride_ask)  # [BM]
+        s_b = tl.load(bs_ptrs + kb * stride_bsk)  # [BN]
+        acc += tl.dot(a, b) * s_a[:, None] * s_b[None, :]
+        a_ptrs += BLOCK_K
     return acc
 
 
@@ -123,10 +142,11 @@ def split_partials(ws_ptr, rows, valid, rn, owned, stride_ws_s, stride_ws_r, acc
 
 
 @triton.jit
-def expert_tile(acc, a_ptr, as_ptr, a_rows, stride_a, stride_as_row, stride_as_k, w_ptr, ws_ptr, e, rn,
-                stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, K, part_ptr, rows, valid, owned,
-                stride_ps, stride_pr, ks, FP8: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr,
-                DOT_F32: tl.constexpr, PHASE: tl.constexpr, SPLIT_K: tl.constexpr):
+def expert_tile(acc, a_ptr, as_ptr, a_rows, stride_a, stride_as_row, stride_as_k, w_ptr, w_desc, ws_ptr, e, n0,
+                rn, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, K, part_ptr, rows, valid, owned,
+                stride_ps, stride_pr, ks, FP8: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, DOT_F32: tl.constexpr, PHASE: tl.constexpr,
+                SPLIT_K: tl.constexpr):
     """The tile's A . W[e]^T part for both expert GEMMs: the whole K (phase 0), one split's K range
     stored as a partial (phase 1), or acc plus the stored partials (phase 2). A row r of the tile
     reads row a_rows[r] of A (gathered tokens for gate_up, grouped rows for down)."""
@@ -139,20 +159,24 @@ def expert_tile(acc, a_ptr, as_ptr, a_rows, stride_a, stride_as_row, stride_as_k
         b_ptrs = w_ptr + e * stride_we + rn[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
         as_ptrs = as_ptr + a_rows * stride_as_row
         bs_ptrs = ws_ptr + e * stride_wse + (rn // SCALE_K) * stride_wsn
-        acc = expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, stride_as_k, stride_wsk,
-                          FP8, BLOCK_K, SCALE_K, DOT_F32)
+        if TMA:  # FP8 only (the host builds no descriptor otherwise)
+            acc = expert_gemm_tma(acc, a_ptrs, w_desc, e.to(tl.int32), n0, as_ptrs, bs_ptrs, k_lo, k_hi,
+                                  stride_as_k, stride_wsk, BLOCK_N, BLOCK_K, SCALE_K)
+        else:
+            acc = expert_gemm(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, stride_as_k, stride_wsk,
+                              FP8, BLOCK_K, SCALE_K, DOT_F32)
         if PHASE == 1:
             split_partials(part_ptr, rows, valid, rn, owned, stride_ps, stride_pr, acc, PHASE, SPLIT_K, ks)
     return acc
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, acts_ptr,
+def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, b_ptr, act_ptr, acts_ptr,
                     sorted_ptr, block_expert_ptr, num_rows_ptr, part_ptr,
                     N, K, I, num_pairs, max_blocks, alpha, limit,
                     stride_xt, stride_xst, stride_xsk, stride_we, stride_wn, stride_wse, stride_wsn,
                     stride_wsk, stride_be, stride_am, stride_ask, stride_ps, stride_pr,
-                    TOP_K: tl.constexpr, FP8: tl.constexpr, QUANT_OUT: tl.constexpr,
+                    TOP_K: tl.constexpr, FP8: tl.constexpr, TMA: tl.constexpr, QUANT_OUT: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, SCALE_K: tl.constexpr, FP8_MAX_C: tl.constexpr,
                     DOT_F32: tl.constexpr, PHASE: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -173,9 +197,10 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, acts_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PHASE != 1:
         acc += tl.load(b_ptr + e * stride_be + rn).to(tl.float32)[None, :]  # start at b1
-    acc = expert_tile(acc, x_ptr, xs_ptr, tok, stride_xt, stride_xst, stride_xsk, w_ptr, ws_ptr, e, rn,
-                      stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, K, part_ptr, rows, valid,
-                      offs_n < N, stride_ps, stride_pr, ks, FP8, BLOCK_K, SCALE_K, DOT_F32, PHASE, SPLIT_K)
+    acc = expert_tile(acc, x_ptr, xs_ptr, tok, stride_xt, stride_xst, stride_xsk, w_ptr, w_desc, ws_ptr, e,
+                      pid_n * BLOCK_N, rn, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, K, part_ptr,
+                      rows, valid, offs_n < N, stride_ps, stride_pr, ks, FP8, TMA, BLOCK_N, BLOCK_K, SCALE_K,
+                      DOT_F32, PHASE, SPLIT_K)
     if PHASE == 1:
         return
     # Clamped SwiGLU on interleaved columns: 2i = gate_i, 2i+1 = up_i.
@@ -196,11 +221,11 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, acts_ptr,
 
 
 @triton.jit
-def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, rw_ptr, y_ptr,
+def _down_kernel(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, b_ptr, rw_ptr, y_ptr,
                  sorted_ptr, block_expert_ptr, num_rows_ptr, part_ptr, N, K, num_pairs, max_blocks,
                  stride_am, stride_asm, stride_ask, stride_we, stride_wn, stride_wse, stride_wsn,
                  stride_wsk, stride_be, stride_ym, stride_ps, stride_pr,
-                 FP8: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 FP8: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  SCALE_K: tl.constexpr, OUT_ROUND: tl.constexpr, DOT_F32: tl.constexpr,
                  PHASE: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -218,9 +243,10 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, rw_ptr, y_ptr,
     if HAS_BIAS and PHASE != 1:  # b2: one EP rank (or TP rank 0) adds it, inside the routing weight
         acc += tl.load(b_ptr + e * stride_be + rn).to(tl.float32)[None, :]
     # act rows are already grouped: tile row r reads act row rows[r]
-    acc = expert_tile(acc, a_ptr, as_ptr, rows, stride_am, stride_asm, stride_ask, w_ptr, ws_ptr, e, rn,
-                      stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, K, part_ptr, rows, valid,
-                      offs_n < N, stride_ps, stride_pr, ks, FP8, BLOCK_K, SCALE_K, DOT_F32, PHASE, SPLIT_K)
+    acc = expert_tile(acc, a_ptr, as_ptr, rows, stride_am, stride_asm, stride_ask, w_ptr, w_desc, ws_ptr, e,
+                      pid_n * BLOCK_N, rn, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, K, part_ptr,
+                      rows, valid, offs_n < N, stride_ps, stride_pr, ks, FP8, TMA, BLOCK_N, BLOCK_K, SCALE_K,
+                      DOT_F32, PHASE, SPLIT_K)
     if PHASE == 1:
         return
     wgt = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)  # [BM] routing weight
@@ -247,6 +273,14 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, H, expert_start, num_local, stride_
 _ROUND_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
+def weight_desc(w: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor | None:
+    """FP8 [E, N, K] expert weights as a TMA descriptor with [1, block_n, block_k] boxes, or None
+    where TMA cannot address them (unaligned base or strides)."""
+    ok = (w.dtype == FP8_DTYPE and w.dim() == 3 and w.stride(-1) == 1 and w.data_ptr() % 16 == 0
+          and all(st % 16 == 0 for st in w.stride()[:-1]))
+    return TensorDescriptor.from_tensor(w, [1, block_n, block_k]) if ok else None
+
+
 def _launch_cfg(cfg: TileConfig, device: torch.device) -> dict[str, int]:
     # Triton on CPU tensors means TRITON_INTERPRET, whose bf16 tl.dot is wrong: upcast there only.
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -268,15 +302,16 @@ def gate_up(x: torch.Tensor, xs: torch.Tensor | None, w: ExpertWeights, g: Exper
     ws = w.w1_scale if fp8 else w.w1
     acts_arg = acts_buf if acts_buf is not None else act
     tiles = g.max_blocks * triton.cdiv(n, cfg.block_n)
+    desc = weight_desc(w.w1, cfg.block_n, cfg.block_k) if (fp8 and cfg.tma) else None
     for phase, grid, part in _phases(cfg, tiles, rows, n, act):
         _gate_up_kernel[(grid,)](
-            x, xs_, w.w1, ws, w.b1, act, acts_arg, g.sorted_pairs, g.block_expert, g.num_rows, part,
+            x, xs_, w.w1, desc, ws, w.b1, act, acts_arg, g.sorted_pairs, g.block_expert, g.num_rows, part,
             n, k, i, g.num_pairs, g.max_blocks, float(w.alpha), float(w.limit),
             x.stride(0), xs_.stride(0), xs_.stride(1) if xs is not None else 0,
             w.w1.stride(0), w.w1.stride(1), ws.stride(0), ws.stride(1) if fp8 else 0,
             ws.stride(2) if fp8 else 0, w.b1.stride(0), act.stride(0), acts_arg.stride(0),
             part.stride(0), part.stride(1),
-            TOP_K=top_k, FP8=fp8, QUANT_OUT=quant_out, SCALE_K=BLOCK, FP8_MAX_C=FP8_MAX, PHASE=phase,
+            TOP_K=top_k, FP8=fp8, TMA=desc is not None, QUANT_OUT=quant_out, SCALE_K=BLOCK, FP8_MAX_C=FP8_MAX, PHASE=phase,
             SPLIT_K=cfg.split_k, HW_CVT=x.is_cuda, **_launch_cfg(cfg, x.device))
     return act, (acts_buf.t() if acts_buf is not None else None)
 
@@ -303,14 +338,15 @@ def down(act: torch.Tensor, acts: torch.Tensor | None, w: ExpertWeights, g: Expe
     as_ = acts if acts is not None else act
     b2 = w.b2 if w.b2 is not None else w.w2
     tiles = g.max_blocks * triton.cdiv(n, cfg.block_n)
+    desc = weight_desc(w.w2, cfg.block_n, cfg.block_k) if (fp8 and cfg.tma) else None
     for phase, grid, part in _phases(cfg, tiles, act.shape[0], n, y):
         _down_kernel[(grid,)](
-            act, as_, w.w2, ws, b2, weights, y, g.sorted_pairs, g.block_expert, g.num_rows, part,
+            act, as_, w.w2, desc, ws, b2, weights, y, g.sorted_pairs, g.block_expert, g.num_rows, part,
             n, k, g.num_pairs, g.max_blocks,
             act.stride(0), as_.stride(0), as_.stride(1) if fp8 else 0,
             w.w2.stride(0), w.w2.stride(1), ws.stride(0), ws.stride(1) if fp8 else 0,
             ws.stride(2) if fp8 else 0, b2.stride(0), y.stride(0), part.stride(0), part.stride(1),
-            FP8=fp8, HAS_BIAS=w.b2 is not None, SCALE_K=BLOCK, OUT_ROUND=_ROUND_CODE[out_dtype],
+            FP8=fp8, TMA=desc is not None, HAS_BIAS=w.b2 is not None, SCALE_K=BLOCK, OUT_ROUND=_ROUND_CODE[out_dtype],
             PHASE=phase, SPLIT_K=cfg.split_k, **_launch_cfg(cfg, act.device))
     return y
 

@@ -34,14 +34,20 @@ class TileConfig:
     # MoE decode: K split over this many CTAs per tile (fp32 partials, then a fix-up kernel that sums
     # them in split order: deterministic). More CTAs in flight when few tiles exist (batch 1: 4 experts).
     split_k: int = 1
+    # FP8 expert GEMMs: weight tiles by TMA (tensor descriptors) instead of per-thread copies.
+    tma: bool = False
 
     def to_json(self) -> dict[str, int]:
-        return asdict(self)
+        d = asdict(self)
+        if not self.tma:
+            del d["tma"]  # tables written before the field stay byte-identical
+        return d
 
     @staticmethod
     def from_json(d: dict[str, int]) -> TileConfig:
         return TileConfig(int(d["block_m"]), int(d["block_n"]), int(d["block_k"]), int(d.get("group_m", 1)),
-                          int(d["num_warps"]), int(d["num_stages"]), int(d.get("split_k", 1)))
+                          int(d["num_warps"]), int(d["num_stages"]), int(d.get("split_k", 1)),
+                          bool(d.get("tma", False)))
 
 
 @dataclass(frozen=True, slots=True)

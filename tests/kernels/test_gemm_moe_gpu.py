@@ -122,6 +122,24 @@ def test_fp8_moe_real_dims(e: int, t: int):
     assert _rel(out, _moe_reference(x, logits, 4, w, fp8_acts=True, act_dtype=act_dtype)) < 5e-3
 
 
+@pytest.mark.parametrize("e,t,split", [(32, 2048, 1), (128, 512, 1), (32, 16, 4)])
+def test_grouped_fp8_moe_tma_tiles(e: int, t: int, split: int):
+    """The grouped path with weight tiles by TMA descriptors (rows past N and the K tail zero-filled
+    by the copy engine), whole-K and split-K, at real dims; and equal to per-thread copies."""
+    from kernels.moe import TritonMoE
+    from kernels.tuning import MoEConfig, TileConfig
+    w = _experts(e, 2880, 2880, fp8=True)
+    x = torch.randn(t, 2880, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(t, e, device="cuda").to(torch.bfloat16)
+    bm = 64 if split == 1 else 16
+    tiles = [TileConfig(bm, 256, 128, 8, 4, 3, split), TileConfig(bm, 128, 128, 8, 4, 3, split)]
+    plain = TritonMoE(MoEConfig(bm, *tiles), small_max_pairs=0)(x, logits, 4, w)
+    tma = [TileConfig(**{**c.to_json(), "tma": True}) for c in tiles]
+    out = TritonMoE(MoEConfig(bm, *tma), small_max_pairs=0)(x, logits, 4, w)
+    assert _rel(out, _moe_reference(x, logits, 4, w, fp8_acts=True, act_dtype=torch.float32)) < 5e-3
+    assert _rel(out, plain) < 1e-3  # same K loop, same rounding points: only fp32 summation order
+
+
 def test_bf16_moe_real_dims():
     from kernels.moe import TritonMoE
     w = _experts(32, 2880, 2880, fp8=False)

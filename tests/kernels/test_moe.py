@@ -151,10 +151,14 @@ UNFUSED = MoEConfig(32, TileConfig(32, 128, 128, 2, 4, 2), TileConfig(32, 128, 6
 # (3 does not divide the K blocks evenly; 4 > K blocks at h = 256 leaves an empty split).
 SPLIT3 = MoEConfig(16, TileConfig(16, 256, 128, 1, 4, 2, 3), TileConfig(16, 64, 128, 1, 4, 2, 3))
 SPLIT4 = MoEConfig(16, TileConfig(16, 128, 128, 1, 4, 2, 4), TileConfig(16, 32, 64, 1, 4, 2, 4))
+# Weight tiles by TMA descriptors (rows past N, columns past K zero-filled), whole K and split-K.
+TMA = MoEConfig(16, TileConfig(16, 256, 128, 1, 4, 2, tma=True), TileConfig(16, 64, 128, 2, 4, 2, tma=True))
+TMA_SPLIT3 = MoEConfig(16, TileConfig(16, 128, 128, 1, 4, 2, 3, tma=True),
+                       TileConfig(16, 64, 128, 1, 4, 2, 3, tma=True))
 
 
-@pytest.mark.parametrize("cfg", [FUSED, UNFUSED, SPLIT3, SPLIT4],
-                         ids=["fused_requant", "separate_requant", "split_k3", "split_k4"])
+@pytest.mark.parametrize("cfg", [FUSED, UNFUSED, SPLIT3, SPLIT4, TMA, TMA_SPLIT3],
+                         ids=["fused_requant", "separate_requant", "split_k3", "split_k4", "tma", "tma_split_k3"])
 @pytest.mark.parametrize("h,i", [(160, 128), (256, 96)])
 def test_fp8_moe_fp32_tight(cfg: MoEConfig, h: int, i: int):
     t, e = 11, 8
