@@ -96,12 +96,18 @@ def logit_sets(t: int, e: int, gen: torch.Generator) -> list[torch.Tensor]:
     return [torch.randn(t, e, device=DEVICE, generator=gen).to(torch.bfloat16)]
 
 
-def weight_bytes_read(w: ExpertWeights, logits: list[torch.Tensor]) -> float:
-    """Mean bytes of expert weights a call must read: its distinct experts' W1, W2, scales, biases."""
+def expert_bytes(w: ExpertWeights) -> int:
+    """Bytes of one expert: W1, W2, their scales, biases."""
     per = (w.w1[0].numel() * w.w1.element_size() + w.w2[0].numel() * w.w2.element_size()
            + w.b1[0].numel() * 2 + w.b2[0].numel() * 2)
     if w.w1_scale is not None:
         per += (w.w1_scale[0].numel() + w.w2_scale[0].numel()) * 4
+    return per
+
+
+def weight_bytes_read(w: ExpertWeights, logits: list[torch.Tensor]) -> float:
+    """Mean bytes of expert weights a call must read: its distinct experts' W1, W2, scales, biases."""
+    per = expert_bytes(w)
     uniq = [torch.topk(lg, TOP_K, dim=-1).indices.unique().numel() for lg in logits]
     return per * sum(uniq) / len(uniq)
 
@@ -152,6 +158,51 @@ def run_model(rep: Report, model: str, e: int, t_values: list[int], torch_t: tup
             if r is not None:
                 rows.append(r)
     del fp8_w, bf16_w
+    torch.cuda.empty_cache()
+    return rows
+
+
+def ep_rank_weights(w: ExpertWeights, ranks: int, rank: int) -> ExpertWeights:
+    """Rank `rank` of `ranks`-way expert parallelism: views of its E / ranks experts (b2 kept)."""
+    n = w.num_local // ranks
+    sl = slice(rank * n, (rank + 1) * n)
+    return ExpertWeights(w.w1[sl], None if w.w1_scale is None else w.w1_scale[sl], w.b1[sl], w.w2[sl],
+                         None if w.w2_scale is None else w.w2_scale[sl], None if w.b2 is None else w.b2[sl],
+                         rank * n, w.num_experts, w.alpha, w.limit)
+
+
+def local_bytes_read(w: ExpertWeights, logits: list[torch.Tensor]) -> float:
+    """Mean bytes of the rank's own experts a call reads (experts it owns among those selected)."""
+    per = expert_bytes(w)
+    lo, hi = w.expert_start, w.expert_start + w.num_local
+    local = [int(((ids >= lo) & (ids < hi)).sum()) for ids in
+             (torch.topk(lg, TOP_K, dim=-1).indices.unique() for lg in logits)]
+    return per * sum(local) / len(local)
+
+
+def run_ep_rank(rep: Report, model: str, e: int, t_values: list[int]) -> list[dict]:
+    """One EP4 rank's MoE (the decode default is EP4-TP4): 1/4 of the experts, every token routed,
+    only the rank's own (token, expert) pairs computed. At batch 1 it owns ~1 of the 4 selected."""
+    from kernels.moe import TritonMoE
+    ceil = rep.data["ceilings"]
+    fp8_w, _ = make_experts(e, seed=e + 1)
+    w = ep_rank_weights(fp8_w, 4, 0)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    rows = []
+    for t in t_values:
+        x = torch.randn(t, H, device=DEVICE, generator=gen).to(torch.bfloat16)
+        lsets = logit_sets(t, e, gen)
+        for name, impl in (("triton_fp8_ep4_rank", TritonMoE()), ("triton_fp8_grouped_ep4_rank",
+                                                                   TritonMoE(small_max_pairs=0))):
+            def one() -> dict:
+                ms = bench([lambda lg=lg: impl(x, lg, TOP_K, w) for lg in lsets])
+                nbytes = local_bytes_read(w, lsets)
+                return {"model": model, "T": t, "backend": name, "ms": ms, "weight_GB": nbytes / 1e9,
+                        "TBps": nbytes / ms / 1e9, "pct_copy_bw": 100 * nbytes / ms / 1e9 / ceil["copy_TBps"]}
+            r = rep.section(f"{model} T={t} {name}", one)
+            if r is not None:
+                rows.append(r)
+    del fp8_w
     torch.cuda.empty_cache()
     return rows
 
@@ -254,6 +305,7 @@ def main() -> None:
     rows: list[dict] = []
     for model, e in MODELS.items():
         rows += rep.section(f"model {model}", lambda: run_model(rep, model, e, t_values, (1, 8192))) or []
+    rows += rep.section("EP4 rank, 20b", lambda: run_ep_rank(rep, "20b", MODELS["20b"], [1, 2, 4])) or []
     rep.data["rows"] = rows
     rep.data["breakdown"] = {t: rep.section(f"breakdown T={t}", lambda: breakdown(rep, t)) for t in (1, 8192)}
     targets = {}
