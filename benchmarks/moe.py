@@ -184,6 +184,7 @@ def run_ep_rank(rep: Report, model: str, e: int, t_values: list[int]) -> list[di
     """One EP4 rank's MoE (the decode default is EP4-TP4): 1/4 of the experts, every token routed,
     only the rank's own (token, expert) pairs computed. At batch 1 it owns ~1 of the 4 selected."""
     from kernels.moe import TritonMoE
+    from kernels.moe_small import SmallBatchMoE
     ceil = rep.data["ceilings"]
     fp8_w, _ = make_experts(e, seed=e + 1)
     w = ep_rank_weights(fp8_w, 4, 0)
@@ -192,8 +193,10 @@ def run_ep_rank(rep: Report, model: str, e: int, t_values: list[int]) -> list[di
     for t in t_values:
         x = torch.randn(t, H, device=DEVICE, generator=gen).to(torch.bfloat16)
         lsets = logit_sets(t, e, gen)
-        for name, impl in (("triton_fp8_ep4_rank", TritonMoE()), ("triton_fp8_grouped_ep4_rank",
-                                                                   TritonMoE(small_max_pairs=0))):
+        scaled = TritonMoE()
+        scaled.small = SmallBatchMoE(ep_split_scale=True)
+        for name, impl in (("triton_fp8_ep4_rank", TritonMoE()), ("triton_fp8_ep4_rank_split_scaled", scaled),
+                           ("triton_fp8_grouped_ep4_rank", TritonMoE(small_max_pairs=0))):
             def one() -> dict:
                 ms = bench([lambda lg=lg: impl(x, lg, TOP_K, w) for lg in lsets])
                 nbytes = local_bytes_read(w, lsets)

@@ -263,9 +263,19 @@ class GateUpOut:
 class SmallBatchMoE:
     """FP8 MoE for T * top_k <= max_pairs (TritonMoE dispatches here)."""
 
-    def __init__(self, config: SmallConfig | None = None) -> None:
+    def __init__(self, config: SmallConfig | None = None, ep_split_scale: bool = False) -> None:
         self.config = config  # None: DEFAULT_SMALL_CONFIGS by pair count
+        # Expert parallelism: a rank owns ~El/E of the pairs, so only that share of the CTAs works
+        # (the others route and return). True: split K E/El times finer (capped), so the rank's own
+        # pairs still spread over the GPU. Not measured yet: off by default.
+        self.ep_split_scale = ep_split_scale
         self._counters = _Counters()
+
+    def _split(self, tiles: int, k: int, dev: torch.device, c: SmallConfig, fixed: int, w: ExpertWeights) -> int:
+        s = choose_split(tiles, k, _num_sms(dev), c.ctas_per_sm, fixed)
+        if self.ep_split_scale and w.num_local < w.num_experts:
+            s = max(s, min(max(1, triton.cdiv(k, BLOCK) // 2), round(s * w.num_experts / w.num_local)))
+        return s
 
     @staticmethod
     def config_for(pairs: int) -> SmallConfig:
@@ -312,7 +322,7 @@ class SmallBatchMoE:
         n1, k1 = w.w1.shape[1], w.w1.shape[2]  # 2I, H
         p, dev, hw = t * top_k, x.device, x.device.type == "cuda"
         nt1 = triton.cdiv(n1, c.block_n1)
-        s1 = choose_split(p * nt1, k1, _num_sms(dev), c.ctas_per_sm, c.split_k1)
+        s1 = self._split(p * nt1, k1, dev, c, c.split_k1, w)
         out = GateUpOut(weights=torch.empty(t, top_k, dtype=logits.dtype, device=dev),
                         ids=torch.empty(t, top_k, dtype=torch.int32, device=dev),
                         xq=torch.empty(t, h, dtype=FP8_DTYPE, device=dev),
@@ -340,7 +350,7 @@ class SmallBatchMoE:
         n2, k2 = w.w2.shape[1], w.w2.shape[2]  # H, I
         dev, hw = g.act.device, g.act.device.type == "cuda"
         nt2 = triton.cdiv(n2, c.block_n2)
-        s2 = choose_split(t * nt2 * top_k, k2, _num_sms(dev), c.ctas_per_sm, c.split_k2)
+        s2 = self._split(t * nt2 * top_k, k2, dev, c, c.split_k2, w)
         sem2 = sems[t * top_k * g.acts.shape[1]:]
         part2 = torch.empty(top_k, s2, t, n2, dtype=torch.float32, device=dev)
         out = torch.empty(t, n2, dtype=out_dtype, device=dev)

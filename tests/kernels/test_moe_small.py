@@ -147,3 +147,25 @@ def test_fused_routing_and_quantisation_match_the_separate_kernels(split: int):
             # every CTA quantises its K range before checking whether its expert is local
             assert torch.equal(g.xq.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(g.xs, s0)
             assert g.xs.stride() == s0.stride()
+
+
+def test_ep_split_scale_splits_finer_and_stays_exact():
+    """ep_split_scale: an EP rank owning El of E experts splits K ~E/El times finer (capped at half
+    the K blocks); its ranks still sum to the full layer."""
+    t, e, h, i = 1, 8, 1024, 128
+    full = _experts(e, e, h, i, torch.float32, fp8=True, seed=9)
+    x = torch.randn(t, h)
+    logits = _logits(t, e, torch.float32, seed=9)
+    cfg = SmallConfig(block_n2=64, split_k1=1, split_k2=1, swap_ab=True)
+    total = SmallBatchMoE(cfg)(x, logits, 4, full)
+    moe = SmallBatchMoE(cfg, ep_split_scale=True)
+    parts = []
+    for start in (0, 4):
+        sl = slice(start, start + 4)
+        part = ExpertWeights(full.w1[sl], full.w1_scale[sl], full.b1[sl], full.w2[sl], full.w2_scale[sl],
+                             full.b2[sl], start, e, 1.702, 7.0)
+        assert moe._split(8, h, x.device, cfg, 1, part) == 2  # 1 x E/El = 2 (K = 8 blocks: cap 4)
+        assert moe._split(8, h, x.device, cfg, 1, full) == 1  # all experts local: unchanged
+        parts.append(moe(x, logits, 4, part))
+    assert _rel(sum(parts), total) < 1e-5
+    assert _counters_zero(moe)
