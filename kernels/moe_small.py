@@ -181,8 +181,8 @@ class SmallConfig:
     """Tiles of the few-token path. split_k 0 = chosen per call so that about `ctas_per_sm` CTAs
     per SM exist (few pairs: split K more; more pairs: less)."""
 
-    # 16: mma.sync (B converted to f16 in registers); 64: wgmma reads e4m3 from shared memory
-    # directly (48 of the 64 rows are masked zeros: compute is free here, bytes are not).
+    # The padded token side: mma.sync's 16 rows (weights converted to f16 in registers), or with
+    # swap_ab the wgmma's N = 16 (64 rows unswapped also run wgmma, but slower: run S3).
     block_m: int = 16
     # True: W is the MMA's M side (wgmma on e4m3 in shared memory), block_m = the padded token side
     swap_ab: bool = False

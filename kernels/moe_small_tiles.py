@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.moe import expert_gemm
+from kernels.moe_gemm import expert_gemm
 
 
 @triton.jit
