@@ -189,14 +189,15 @@ def run_ep_rank(rep: Report, model: str, e: int, t_values: list[int]) -> list[di
     fp8_w, _ = make_experts(e, seed=e + 1)
     w = ep_rank_weights(fp8_w, 4, 0)
     gen = torch.Generator(device=DEVICE).manual_seed(5)
+    scaled = TritonMoE()
+    scaled.small = SmallBatchMoE(ep_split_scale=True)
+    impls = (("triton_fp8_ep4_rank", TritonMoE()), ("triton_fp8_ep4_rank_split_scaled", scaled),
+             ("triton_fp8_grouped_ep4_rank", TritonMoE(small_max_pairs=0)))
     rows = []
     for t in t_values:
         x = torch.randn(t, H, device=DEVICE, generator=gen).to(torch.bfloat16)
         lsets = logit_sets(t, e, gen)
-        scaled = TritonMoE()
-        scaled.small = SmallBatchMoE(ep_split_scale=True)
-        for name, impl in (("triton_fp8_ep4_rank", TritonMoE()), ("triton_fp8_ep4_rank_split_scaled", scaled),
-                           ("triton_fp8_grouped_ep4_rank", TritonMoE(small_max_pairs=0))):
+        for name, impl in impls:
             def one() -> dict:
                 ms = bench([lambda lg=lg: impl(x, lg, TOP_K, w) for lg in lsets])
                 nbytes = local_bytes_read(w, lsets)

@@ -39,7 +39,7 @@ def bm_candidates(bucket: int) -> list[int]:
     return {1: [16], 4: [16], 16: [16, 32], 64: [32, 64], 256: [64, 128], 1024: [64, 128]}[bucket]
 
 
-WIDE = False  # --wide: prefill buckets also try 4 stages, 4/8 warps everywhere and 128 x 256 tiles
+WIDE = False  # --wide: prefill buckets also try 4 stages, 4/8 warps and 256-wide tiles (64-row only)
 TMA = False  # --tma: with --wide, FP8 weight tiles by TMA descriptors (kernels/moe.py expert_gemm_tma)
 
 

@@ -261,8 +261,8 @@ def gate_up(x: torch.Tensor, xs: torch.Tensor | None, w: ExpertWeights, g: Exper
             w.w1.stride(0), w.w1.stride(1), ws.stride(0), ws.stride(1) if fp8 else 0,
             ws.stride(2) if fp8 else 0, w.b1.stride(0), act.stride(0), acts_arg.stride(0),
             part.stride(0), part.stride(1),
-            TOP_K=top_k, FP8=fp8, TMA=desc is not None, QUANT_OUT=quant_out, SCALE_K=BLOCK, FP8_MAX_C=FP8_MAX, PHASE=phase,
-            SPLIT_K=cfg.split_k, HW_CVT=x.is_cuda, **_launch_cfg(cfg, x.device))
+            TOP_K=top_k, FP8=fp8, TMA=desc is not None, QUANT_OUT=quant_out, SCALE_K=BLOCK, FP8_MAX_C=FP8_MAX,
+            PHASE=phase, SPLIT_K=cfg.split_k, HW_CVT=x.is_cuda, **_launch_cfg(cfg, x.device))
     return act, (acts_buf.t() if acts_buf is not None else None)
 
 

@@ -40,7 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.fp8_quant import FP8_DTYPE, quantize_tile
 from kernels.interface import ExpertWeights
-from kernels.moe import _ROUND_CODE, round_as, split_range
+from kernels.moe import _ROUND_CODE, round_as, split_range, weight_desc
 from kernels.moe_align import store_routes, topk_softmax_rows
 from kernels.moe_small_tiles import arrive, tile_gemm
 from kernels.reference import BLOCK, FP8_MAX
@@ -299,16 +299,12 @@ class SmallBatchMoE:
 
     @staticmethod
     def _desc(w: torch.Tensor, c: SmallConfig, block_n: int) -> TensorDescriptor | None:
-        """[E, N, K] weights as a TMA descriptor with [1, block_n, 128] boxes: tma configs whose
-        weights TMA can address (16-byte aligned base and strides, unit last stride); else None."""
-        ok = (c.swap_ab and c.tma and w.stride(-1) == 1 and w.data_ptr() % 16 == 0
-              and all(st % 16 == 0 for st in w.stride()[:-1]))
-        return TensorDescriptor.from_tensor(w, [1, block_n, BLOCK]) if ok else None
+        """TMA descriptor of [E, N, K] weights for tma configs (swapped tiles only), else None."""
+        return weight_desc(w, block_n, BLOCK) if (c.swap_ab and c.tma) else None
 
     def _launch(self, c: SmallConfig, hw: bool, desc: TensorDescriptor | None) -> dict:
         launch = dict(SWAP_AB=c.swap_ab, TMA=desc is not None, BLOCK_M=c.block_m, BLOCK_K=BLOCK, SCALE_K=BLOCK,
-                      DOT_F32=not hw,
-                      num_warps=c.num_warps, num_stages=c.num_stages, PDL=c.pdl and hw)
+                      DOT_F32=not hw, num_warps=c.num_warps, num_stages=c.num_stages, PDL=c.pdl and hw)
         if c.pdl and hw:
             launch["launch_pdl"] = True
         return launch

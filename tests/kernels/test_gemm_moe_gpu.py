@@ -175,6 +175,19 @@ def test_expert_parallel_and_tp_shard_on_gpu():
     assert _rel(moe(x, logits, 4, tp), _moe_reference(x, logits, 4, tp, fp8_acts=True)) < 5e-3
 
 
+def _graph_of(call):
+    """(CUDA graph of call(), the output tensor it writes): one warm-up run, captured on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        call()
+        with torch.cuda.graph(graph, stream=stream):
+            out = call()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, out
+
+
 def test_moe_decode_cuda_graph():
     from kernels.moe import TritonMoE
     w = _experts(32, 2880, 2880, fp8=True)
@@ -182,14 +195,7 @@ def test_moe_decode_cuda_graph():
     x = torch.randn(8, 2880, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(8, 32, device="cuda").to(torch.bfloat16)
     eager = moe(x, logits, 4, w)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        moe(x, logits, 4, w)
-        with torch.cuda.graph(graph, stream=stream):
-            out = moe(x, logits, 4, w)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, out = _graph_of(lambda: moe(x, logits, 4, w))
     x.copy_(torch.randn_like(x))
     logits.copy_(torch.randn_like(logits))
     graph.replay()
@@ -222,14 +228,7 @@ def test_few_token_path_ep_tp_and_graph(variant: str):
     assert _rel(moe(x, logits, 4, tp), _moe_reference(x, logits, 4, tp, fp8_acts=True)) < 5e-3
     eager = moe(x, logits, 4, w)
     assert torch.equal(eager, moe(x, logits, 4, w)), "deterministic split-K"
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        moe(x, logits, 4, w)
-        with torch.cuda.graph(graph, stream=stream):
-            out = moe(x, logits, 4, w)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, out = _graph_of(lambda: moe(x, logits, 4, w))
     x.copy_(torch.randn_like(x))
     logits.copy_(torch.randn_like(logits))
     for _ in range(3):
