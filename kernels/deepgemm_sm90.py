@@ -9,8 +9,8 @@ no torch ABI is involved.
 Operands (the layouts the kernel reads through TMA):
   a   e4m3 [M, K]         row stride a multiple of 16 bytes; K need not be a multiple of 128 (TMA
                           zero-fills the last block's missing columns)
-  sfa fp32 [KB, M_al]     1x128 activation scales, M-major, M_al % 4 == 0 (`quantize_act_1x128(...,
-                          m_align=4)` writes exactly this)
+  sfa fp32 [M, KB]        1x128 activation scales, M-major: strides (1, M_al), M_al % 4 == 0
+                          (`quantize_act_1x128(..., m_align=4)` returns exactly this)
   b   e4m3 [G*N, K]       weights, K-major; G experts stacked for the grouped form
   sfb fp32 [G, NB, KB]    128x128 weight scales
   d   bf16 [M, N]
@@ -50,7 +50,6 @@ class DgConfig:
     mcast: int = 1  # CTAs of a cluster sharing one TMA load (1 or 2)
     mcast_on_a: bool = False
     gemm_type: int = NORMAL
-    groups: int = 1
 
     def swizzle_d(self) -> int:
         """Largest TMA swizzle (bytes) whose bf16 atom divides BLOCK_N."""
@@ -107,7 +106,8 @@ def build_flags(cfg: DgConfig, num_sms: int) -> list[str]:
     return [f"-DTD_BLOCK_M={cfg.block_m}", f"-DTD_BLOCK_N={cfg.block_n}",
             f"-DTD_STAGES={cfg.resolved_stages()}", f"-DTD_MCAST={cfg.mcast}",
             f"-DTD_MCAST_ON_A={int(cfg.mcast_on_a)}", f"-DTD_NUM_SMS={num_sms}",
-            f"-DTD_GEMM_TYPE={cfg.gemm_type}", f"-DTD_NUM_GROUPS={cfg.groups}",
+            # the group count matters to masked/batched forms only; contiguous takes it at run time
+            f"-DTD_GEMM_TYPE={cfg.gemm_type}", "-DTD_NUM_GROUPS=1",
             f"-DTD_SWIZZLE_D={cfg.swizzle_d()}"]
 
 
@@ -147,17 +147,20 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def gemm(cfg: DgConfig, a: torch.Tensor, sfa_buf: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor,
+def gemm(cfg: DgConfig, a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor,
          d: torch.Tensor, layout: torch.Tensor | None = None) -> torch.Tensor:
-    """d [M, N] bf16 = (a, sfa) x (b, sfb)^T. a e4m3 [M, K]; sfa_buf fp32 [KB, M_al] contiguous; b e4m3
+    """d [M, N] bf16 = (a, sfa) x (b, sfb)^T. a e4m3 [M, K]; sfa fp32 [M, KB] strides (1, M_al); b e4m3
     [G*N, K]; sfb fp32 [G, NB, KB] (or [NB, KB] for G = 1), contiguous; layout int32 [M] if grouped."""
     m, k = a.shape
     n = d.shape[1]
+    groups = b.shape[0] // n
     assert a.dtype == b.dtype == torch.float8_e4m3fn and d.dtype == torch.bfloat16
     assert a.stride(1) == b.stride(1) == d.stride(1) == 1 and b.shape[1] == k
     assert (a.stride(0) % 16, b.stride(0) % 16, (d.stride(0) * 2) % 16) == (0, 0, 0), "TMA row alignment"
-    assert sfa_buf.is_contiguous() and sfa_buf.shape[0] == -(-k // 128) and sfa_buf.shape[1] % 4 == 0
-    assert sfb.is_contiguous() and b.shape[0] == n * cfg.groups
+    kb = -(-k // 128)
+    m_al = sfa.stride(1)
+    assert sfa.shape == (m, kb) and sfa.stride(0) == 1 and m_al % 4 == 0 and m_al >= m
+    assert sfb.is_contiguous() and sfb.numel() == groups * -(-n // 128) * kb and b.shape[0] == n * groups
     assert (layout is not None) == (cfg.gemm_type == GROUPED)
     if cfg.gemm_type == GROUPED:
         assert layout.dtype == torch.int32 and layout.numel() == m and m % cfg.block_m == 0
@@ -165,9 +168,9 @@ def gemm(cfg: DgConfig, a: torch.Tensor, sfa_buf: torch.Tensor, b: torch.Tensor,
         return d
     lib = _load(cfg, num_sms(a.device))
     err = ctypes.create_string_buffer(512)
-    rc = lib.tandem_dg_gemm(a.data_ptr(), sfa_buf.data_ptr(), b.data_ptr(), sfb.data_ptr(), d.data_ptr(),
+    rc = lib.tandem_dg_gemm(a.data_ptr(), sfa.data_ptr(), b.data_ptr(), sfb.data_ptr(), d.data_ptr(),
                             layout.data_ptr() if layout is not None else None,
-                            m, n, k, sfa_buf.shape[1], a.stride(0), b.stride(0), d.stride(0), cfg.groups,
+                            m, n, k, m_al, a.stride(0), b.stride(0), d.stride(0), groups,
                             torch.cuda.current_stream(a.device).cuda_stream, err, len(err))
     if rc != 0:
         raise RuntimeError(f"DeepGEMM sm90 launch failed: {err.value.decode(errors='replace')}")

@@ -10,11 +10,7 @@ matmul + bias in every backend, so the model also runs unquantised.
                     it with block scales and gets it right; otherwise one in-place add.
   * TritonFp8Linear our kernel: the fp32 accumulator starts at the bias (the trick the seed used in
                     DeepGEMM), then per 128-wide K block acc += dot(a, b) * s_a[:, None] * s_b.
-  * DeepGemmLinear  DeepGEMM fp8_gemm_nt, import-guarded. On SM90 its 128x128-scale kernel has no
-                    `c` input (sm90_fp8_gemm_1d2d asserts c is None), so the bias is one in-place
-                    add; `bias_via_c=True` instead expands the weight scales per row (same values,
-                    the 1x128-weight kernel) and passes the bias as fp32 `c`, which costs an fp32
-                    output and a cast. K = 2880 is zero-padded to 2944 if the kernel refuses it.
+  (DeepGEMM's kernel, launched by our own host code, is kernels/deepgemm_linear.py.)
 
 A backend's first FP8 call per K runs a small probe on the device (K padding, bias epilogue); run
 one warm-up step before CUDA-graph capture.
@@ -262,69 +258,4 @@ class ScaledMMLinear:
         if mp != m:
             x2 = F.pad(x2, (0, 0, 0, mp - m))
         y = self._gemm(x2, w, w_scale, bias, self._k_pad[k], self._bias_epilogue[(k, x.dtype)])[:m]
-        return y.reshape(*lead, w.shape[0])
-
-
-def load_deep_gemm():
-    """Import DeepGEMM or raise ConfigError saying why (no CUDA, wrong torch ABI, not installed)."""
-    try:
-        import deep_gemm  # noqa: PLC0415 - GPU-only, optional
-    except Exception as e:  # ImportError, OSError (undefined symbol), RuntimeError (no CUDA)
-        raise ConfigError(f"DeepGEMM backend unavailable: {type(e).__name__}: {e}") from None
-    return deep_gemm
-
-
-class DeepGemmLinear:
-    name = "deepgemm"
-
-    def __init__(self, bias_via_c: bool = False) -> None:
-        self._dg = load_deep_gemm()
-        self.bias_via_c = bias_via_c
-        self._k_pad: dict[int, int] = {}
-        self._padded = _PaddedWeights()
-        self._row_scales = _DerivedCache()
-
-    def _gemm(self, x2: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
-              kp: int, cache: bool = True) -> torch.Tensor:
-        m, n = x2.shape[0], w.shape[0]
-        # DeepGEMM reads M-major activation scales with rows padded to 16 bytes (TMA).
-        xq, xs = quantize_act_1x128(x2, k_pad=kp, m_align=4)
-        wq, wsq = self._padded.get(w, ws, kp, cache)
-        if self.bias_via_c and bias is not None:
-            # 128x128 -> one scale per weight row (same values), for the kernel that takes `c`.
-            def rows() -> torch.Tensor:
-                return wsq.repeat_interleave(BLOCK, dim=0)[:n].contiguous()  # [N, KB]
-            sfb = self._row_scales.get(ws, ("rows", kp), rows) if cache else rows()
-            d = bias.float().expand(m, n).contiguous()  # [M, N] fp32, D = C + A B^T in place
-            self._dg.fp8_gemm_nt((xq, xs), (wq, sfb), d, c=d, recipe=(1, 1, 128))
-            return d.to(x2.dtype)
-        y = torch.empty(m, n, dtype=torch.bfloat16, device=x2.device)
-        self._dg.fp8_gemm_nt((xq, xs), (wq, wsq), y)
-        if bias is not None:
-            y.add_(bias)
-        return y.to(x2.dtype)
-
-    def describe(self, k: int, dtype: torch.dtype) -> str:
-        return (f"K={k} padded to {self._k_pad.get(k)}, bias "
-                f"{'as fp32 c (1x128 weight-scale kernel)' if self.bias_via_c else 'as one add'}")
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
-                 bias: torch.Tensor | None) -> torch.Tensor:
-        if w_scale is None:
-            return F.linear(x, w, bias)
-        x2, lead = _flatten(x)
-        k = x2.shape[1]
-        if k not in self._k_pad:
-            xp, wp, wsp, bp = _probe_operands(k, x.device)
-            want = ref.fp8_linear(xp, wp, wsp, bp, quantize_activations=True)
-            for kp in dict.fromkeys((k, _round_up(k, BLOCK))):
-                try:
-                    if _close(self._gemm(xp, wp, wsp, bp, kp, cache=False), want):
-                        self._k_pad[k] = kp
-                        break
-                except RuntimeError:
-                    continue
-            else:
-                raise ConfigError(f"DeepGEMM fp8_gemm_nt gives no usable result for K={k}")
-        y = self._gemm(x2, w, w_scale, bias, self._k_pad[k])
         return y.reshape(*lead, w.shape[0])

@@ -64,9 +64,9 @@ def quantize_tile(x, valid_cols, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _quant_1x128_kernel(x_ptr, q_ptr, s_ptr, M, K, KP, stride_xm, stride_qm, stride_sk,
+def _quant_1x128_kernel(x_ptr, q_ptr, s_ptr, M, K, KP, ONES_COL, stride_xm, stride_qm, stride_sk,
                         BLOCK_M: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr,
-                        HW_CVT: tl.constexpr):
+                        HW_CVT: tl.constexpr, N_ONES: tl.constexpr):
     pid_m = tl.program_id(0)
     kb = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
@@ -74,7 +74,12 @@ def _quant_1x128_kernel(x_ptr, q_ptr, s_ptr, M, K, KP, stride_xm, stride_qm, str
     rmask = rows < M
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
                 mask=rmask[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
-    q, scale = quantize_tile(x, (cols < K)[None, :], FP8_MAX_C, HW_CVT)
+    valid = cols < K
+    if N_ONES > 0:  # constant-1 columns in a padding group: the bias rows of an augmented weight
+        ones = (cols >= ONES_COL) & (cols < ONES_COL + N_ONES)
+        x = tl.where(ones[None, :], 1.0, x)
+        valid = valid | ones
+    q, scale = quantize_tile(x, valid[None, :], FP8_MAX_C, HW_CVT)
     # Columns in [K, KP) are the zero padding some backends need.
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
              mask=rmask[:, None] & (cols < KP)[None, :])
@@ -86,11 +91,14 @@ def _round_up(a: int, b: int) -> int:
 
 
 def quantize_act_1x128(x: torch.Tensor, *, k_pad: int | None = None, m_align: int = 1,
-                       block_m: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+                       block_m: int = 16, ones: tuple[int, int] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q e4m3 [M, Kp], scale fp32 [M, ceil(Kp/128)] with strides (1, M_al)).
 
     Kp = K rounded up to `k_pad` (zero columns) or K; M_al = M rounded up to `m_align`. Groups made
-    only of padding get q = 0 and the floor scale 1e-12/448.
+    only of padding get q = 0 and the floor scale 1e-12/448. `ones = (col, n)` puts 1.0 into padding
+    columns [col, col + n) of a group holding no real column (q = 448, scale 1/448): the constant
+    input that multiplies a bias stored as weight rows (kernels/deepgemm_linear.py).
     """
     assert x.dim() == 2, "quantize_act_1x128 takes [M, K]"
     if x.stride(1) != 1:
@@ -98,13 +106,17 @@ def quantize_act_1x128(x: torch.Tensor, *, k_pad: int | None = None, m_align: in
     m, k = x.shape
     kp = _round_up(k, k_pad) if k_pad else k
     kb = -(-kp // BLOCK)  # == ceil(K/128) unless k_pad adds whole zero groups (their scale is tiny)
+    ones_col, n_ones = ones if ones else (0, 0)
+    if n_ones:
+        assert ones_col >= _round_up(k, BLOCK) and ones_col // BLOCK == (ones_col + n_ones - 1) // BLOCK
+        assert ones_col + n_ones <= kp
     m_al = _round_up(max(m, 1), m_align)
     q = torch.empty(m, kp, dtype=FP8_DTYPE, device=x.device)
     s_buf = torch.empty(kb, m_al, dtype=torch.float32, device=x.device)  # [KB, M_al]
     if m > 0:
         block_m = min(block_m, triton.next_power_of_2(m))
         grid = (triton.cdiv(m, block_m), kb)
-        _quant_1x128_kernel[grid](x, q, s_buf, m, k, kp, x.stride(0), q.stride(0), s_buf.stride(0),
+        _quant_1x128_kernel[grid](x, q, s_buf, m, k, kp, ones_col, x.stride(0), q.stride(0), s_buf.stride(0),
                                   BLOCK_M=block_m, GROUP=BLOCK, FP8_MAX_C=FP8_MAX, HW_CVT=x.is_cuda,
-                                  num_warps=4)
+                                  N_ONES=n_ones, num_warps=4)
     return q, s_buf[:, :m].t()

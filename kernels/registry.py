@@ -20,12 +20,13 @@ class LinearBackend(str, Enum):
     TORCH = "torch"
     SCALED_MM = "scaled_mm"  # torch._scaled_mm block-scaled FP8 (cuBLAS) + bias epilogue
     TRITON = "triton"
-    DEEPGEMM = "deepgemm"
+    DEEPGEMM = "deepgemm"  # DeepGEMM's SM90 kernel through our launcher, bias in an extra K block
 
 
 class MoEBackend(str, Enum):
     TORCH = "torch"
     TRITON = "triton"
+    DEEPGEMM = "deepgemm"  # prefill-sized batches on DeepGEMM's grouped GEMM, smaller ones Triton
 
 
 @dataclass(slots=True)
@@ -66,7 +67,7 @@ def make_linear(kind: LinearBackend | str) -> LinearImpl:
         from kernels.fp8_gemm import TritonFp8Linear
         return TritonFp8Linear()
     if kind == LinearBackend.DEEPGEMM:
-        from kernels.fp8_gemm import DeepGemmLinear
+        from kernels.deepgemm_linear import DeepGemmLinear
         return DeepGemmLinear()
     raise ConfigError(f"unknown linear backend {kind}")
 
@@ -79,6 +80,9 @@ def make_moe(kind: MoEBackend | str) -> MoEImpl:
     if kind == MoEBackend.TRITON:
         from kernels.moe import TritonMoE
         return TritonMoE()
+    if kind == MoEBackend.DEEPGEMM:
+        from kernels.moe_dg import DeepGemmMoE
+        return DeepGemmMoE()
     raise ConfigError(f"unknown MoE backend {kind}")
 
 

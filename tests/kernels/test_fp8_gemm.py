@@ -15,7 +15,7 @@ import triton.language as tl  # noqa: E402
 
 from common.errors import ConfigError  # noqa: E402
 from kernels import reference as ref  # noqa: E402
-from kernels.fp8_gemm import (DeepGemmLinear, ScaledMMLinear, TritonFp8Linear, _PaddedWeights,  # noqa: E402
+from kernels.fp8_gemm import (ScaledMMLinear, TritonFp8Linear, _PaddedWeights,  # noqa: E402
                               triton_fp8_gemm)
 from kernels.fp8_quant import FP8_DTYPE, quantize_act_1x128, round_e4m3  # noqa: E402
 from kernels.registry import make_linear  # noqa: E402
@@ -169,16 +169,36 @@ def test_padded_weights_zero_fill_and_cache():
     assert cache.get(w, ws, 300)[0] is w  # no padding needed: the weight itself
 
 
-def test_deepgemm_unavailable_raises_config_error():
-    try:
-        import deep_gemm  # noqa: F401
-    except Exception:
-        with pytest.raises(ConfigError, match="DeepGEMM"):
-            DeepGemmLinear()
-    else:  # pragma: no cover - only where DeepGEMM loads (GPU machine)
-        pytest.skip("DeepGEMM loads here; covered by the GPU tests")
+def test_deepgemm_without_headers_or_nvcc_raises_config_error(monkeypatch, tmp_path):
+    import importlib.util
+
+    from kernels import deepgemm_sm90 as dg
+    monkeypatch.delenv("TANDEM_DEEPGEMM_INCLUDE", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="DeepGEMM headers not found"):
+        dg.include_dir()
+    monkeypatch.setenv("TANDEM_DEEPGEMM_INCLUDE", str(tmp_path))  # headers "found", cache empty
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("CUDA_HOME", "/nonexistent")
+    monkeypatch.delenv("NVCC", raising=False)
+    (tmp_path / "VERSION").write_text("0")
+    with pytest.raises(ConfigError, match="nvcc not found"):
+        dg.library_path(dg.DgConfig(), 132)
+    assert not dg.library_path(dg.DgConfig(), 132, build=False).exists()
+
+
+def test_deepgemm_tile_config():
+    from kernels import deepgemm_sm90 as dg
+    assert dg.DgConfig(128, 160).swizzle_d() == 64 and dg.DgConfig(128, 192).swizzle_d() == 128
+    assert dg.DgConfig(128, 128).resolved_stages() == 5  # 227 KB of shared memory
+    assert dg.DgConfig(128, 192).resolved_stages() == 4
+    assert dg.DgConfig(256, 128).resolved_stages() == 3
+    flags = dg.build_flags(dg.DgConfig(128, 160, mcast=2, gemm_type=dg.GROUPED), 132)
+    assert "-DTD_MCAST=2" in flags and "-DTD_GEMM_TYPE=1" in flags and "-DTD_NUM_SMS=132" in flags
 
 
 def test_registry_builds_fp8_linears():
     assert isinstance(make_linear("triton"), TritonFp8Linear)
     assert isinstance(make_linear("scaled_mm"), ScaledMMLinear)
+    assert make_linear("deepgemm").name == "deepgemm"  # built lazily: no GPU or nvcc needed yet
