@@ -57,14 +57,14 @@ def split_bias_fp8(b: torch.Tensor, terms: int = BIAS_TERMS) -> tuple[torch.Tens
     return torch.stack(parts, dim=-1).view(nb * BLOCK, terms)[:n], scale
 
 
-def augment_weight(w: torch.Tensor, ws: torch.Tensor, b: torch.Tensor | None
+def augment_weight(w: torch.Tensor, ws: torch.Tensor, b: torch.Tensor | None, row_align: int = ROW_ALIGN
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w [N, K] e4m3, ws [NB, KB0], b [N]) -> (w_aug [N, K'] e4m3 with 16-byte rows, ws_aug
-    [NB, KB']) where K' = KB0*128 + 3 holds the bias terms (b None: K' = K, rows padded only)."""
+    """(w [N, K] e4m3, ws [NB, KB0], b [N]) -> (w_aug [N, K'] e4m3, rows padded to `row_align`
+    bytes, ws_aug [NB, KB']) where K' = KB0*128 + 3 holds the bias terms (b None: K' = K)."""
     n, k = w.shape
     kb0 = -(-k // BLOCK)
     k_aug = kb0 * BLOCK + BIAS_TERMS if b is not None else k
-    stride = -(-k_aug // ROW_ALIGN) * ROW_ALIGN
+    stride = -(-k_aug // row_align) * row_align
     buf = torch.zeros(n, stride, dtype=w.dtype, device=w.device)
     buf[:, :k] = w
     ws_aug = ws.float().contiguous()
@@ -78,8 +78,9 @@ def augment_weight(w: torch.Tensor, ws: torch.Tensor, b: torch.Tensor | None
 class DeepGemmLinear:
     name = "deepgemm"
 
-    def __init__(self) -> None:
+    def __init__(self, row_align: int = ROW_ALIGN) -> None:
         self._aug = _DerivedCache()
+        self.row_align = row_align
 
     def config_for(self, m: int, n: int, kb: int) -> dg.DgConfig:
         if m <= 64:
@@ -95,12 +96,11 @@ class DeepGemmLinear:
         m, k = x2.shape
         n = w.shape[0]
         w_aug, ws_aug = self._aug.get(w, ("aug", bias is not None and bias.data_ptr()),
-                                      lambda: augment_weight(w, w_scale, bias))
+                                      lambda: augment_weight(w, w_scale, bias, self.row_align))
         k_aug = w_aug.shape[1]
         kb0 = -(-k // BLOCK)
         ones = (kb0 * BLOCK, BIAS_TERMS) if bias is not None else None
-        xq, xs = quantize_act_1x128(x2, k_pad=ROW_ALIGN if k_aug == k else w_aug.stride(0), m_align=4,
-                                    ones=ones)
+        xq, xs = quantize_act_1x128(x2, k_pad=w_aug.stride(0), m_align=4, ones=ones)
         y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
         dg.gemm(self.config_for(m, n, ws_aug.shape[1]), xq[:, :k_aug], xs, w_aug, ws_aug, y)
         return y.to(x.dtype).reshape(*lead, n)

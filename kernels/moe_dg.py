@@ -36,7 +36,10 @@ from kernels.reference import BLOCK, FP8_MAX
 BLOCK_M = 128  # DeepGEMM's row tile = the grouping's padding unit
 GATE_UP = dg.DgConfig(128, 160, mcast=2, gemm_type=dg.GROUPED)  # 20b, 8k tokens: 1,016 TFLOP/s (DG1)
 DOWN = dg.DgConfig(128, 160, mcast=2, gemm_type=dg.GROUPED)
-MIN_PAIRS = 4096  # below: the Triton MoE (crossover measured in run DG2)
+# Below this many routed rows per expert (T * k / E) the Triton MoE wins: run DG2 measured
+# 64 rows/expert about even (20b T=512: 430 vs 443 us; 120b T=2048: 1,679 vs 1,617 us), 128 and up
+# DeepGEMM ahead (20b T=1024: 539 vs 623 us; 120b T=8192: 3.03 vs 3.90 ms).
+MIN_ROWS_PER_EXPERT = 96
 
 
 @triton.jit
@@ -133,18 +136,18 @@ def reference_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, w: torch.Tensor, 
 
 
 class DeepGemmMoE:
-    """MoEImpl: prefill-sized FP8 batches on DeepGEMM (see the module docstring); batches below
-    `min_pairs` (token, slot) pairs, and native weights, go to the Triton MoE, which wins there
-    (128-row tiles waste most of their rows when few pairs reach each expert)."""
+    """MoEImpl: prefill-sized FP8 batches on DeepGEMM (see the module docstring); batches with
+    fewer than `min_rows_per_expert` routed rows per expert, and native weights, go to the Triton
+    MoE, which wins there (128-row tiles waste most of their rows)."""
 
     name = "deepgemm"
 
     def __init__(self, gate_up_cfg: dg.DgConfig = GATE_UP, down_cfg: dg.DgConfig = DOWN,
-                 min_pairs: int = MIN_PAIRS) -> None:
+                 min_rows_per_expert: float = MIN_ROWS_PER_EXPERT) -> None:
         from kernels.moe import TritonMoE  # noqa: PLC0415
 
         self.gate_up_cfg, self.down_cfg = gate_up_cfg, down_cfg
-        self.min_pairs = min_pairs
+        self.min_rows_per_expert = min_rows_per_expert
         self.fallback = TritonMoE()
 
     def _gemm(self, cfg: dg.DgConfig, a, sfa, w, ws, out, layout) -> torch.Tensor:
@@ -157,7 +160,7 @@ class DeepGemmMoE:
         t, hdim = x.shape
         if t == 0:
             return torch.zeros_like(x)
-        if t * top_k < self.min_pairs or w.w1_scale is None:
+        if t * top_k < self.min_rows_per_expert * w.num_experts or w.w1_scale is None:
             return self.fallback(x, router_logits, top_k, w)
         dev = x.device
         weights, ids = route_topk_softmax(router_logits, top_k)  # [T, k] each

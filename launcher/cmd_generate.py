@@ -17,7 +17,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", action="store_true", help="FP8 128x128 block-scaled weights")
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"])
     p.add_argument("--linear-backend", default=None, choices=["torch", "scaled_mm", "triton", "deepgemm"])
-    p.add_argument("--moe-backend", default=None, choices=["torch", "triton"])
+    p.add_argument("--moe-backend", default=None, choices=["torch", "triton", "deepgemm"])
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)

@@ -77,7 +77,7 @@ def moe(bench) -> None:
             logits = torch.randn(t, e, device="cuda").to(torch.bfloat16)
             flops = 2 * t * 4 * 2880 * (5760 + 2880)
             outs = {}
-            for impl in (TritonMoE(), moe_dg.DeepGemmMoE(min_pairs=0)):
+            for impl in (TritonMoE(), moe_dg.DeepGemmMoE(min_rows_per_expert=0)):
                 call = lambda impl=impl: impl(x, logits, 4, w)  # noqa: E731
                 outs[impl.name] = call()
                 ms = bench([call])

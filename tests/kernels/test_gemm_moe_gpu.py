@@ -109,7 +109,7 @@ def test_deepgemm_moe_real_dims(e: int, t: int, el: int, start: int):
                             w2_scale=w.w2_scale[start:start + el], b2=w.b2[start:start + el], expert_start=start)
     x = torch.randn(t, 2880, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(t, e, device="cuda").to(torch.bfloat16)
-    out = DeepGemmMoE(min_pairs=0)(x, logits, 4, w)
+    out = DeepGemmMoE(min_rows_per_expert=0)(x, logits, 4, w)
     want = _moe_reference(x, logits, 4, w, fp8_acts=True)
     assert _rel(out, want) < 2e-2, _rel(out, want)
 

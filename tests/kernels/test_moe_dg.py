@@ -51,7 +51,7 @@ def test_deepgemm_moe_matches_fp8_reference(t, k, e, el, start, h, i, b2, dtype)
     x = torch.randn(t, h).to(dtype)
     logits = _logits(t, e, dtype)
     w = _experts(e, el, h, i, dtype, fp8=True, start=start, b2=b2)
-    got = DeepGemmMoE(min_pairs=0)(x, logits, k, w)
+    got = DeepGemmMoE(min_rows_per_expert=0)(x, logits, k, w)
     assert got.shape == x.shape and got.dtype == x.dtype
     # Its own rounding points: exact up to fp32 summation order in fp32; in bf16 the interpreter's
     # bf16 routing weights (truncated, one ulp) dominate, as in the other MoE tests.
@@ -67,7 +67,7 @@ def test_deepgemm_moe_all_tokens_one_expert():
     logits = torch.full((t, e), -1.0)
     logits[:, 3] = 1.0
     w = _experts(e, e, 128, 128, torch.bfloat16, fp8=True)
-    got = DeepGemmMoE(min_pairs=0)(x, logits.to(torch.bfloat16), k, w)
+    got = DeepGemmMoE(min_rows_per_expert=0)(x, logits.to(torch.bfloat16), k, w)
     assert _rel(got, _dg_reference(x, logits.to(torch.bfloat16), k, w)) < 2e-2
 
 
@@ -77,13 +77,13 @@ def test_deepgemm_moe_no_local_pairs_gives_zeros():
     logits = torch.full((t, e), -1.0)
     logits[:, :2] = 1.0 + torch.arange(2.0)  # every pair to experts 0, 1; this rank owns 4..7
     w = _experts(e, 4, 128, 128, torch.bfloat16, fp8=True, start=4)
-    assert torch.equal(DeepGemmMoE(min_pairs=0)(x, logits.to(torch.bfloat16), k, w), torch.zeros_like(x))
+    assert torch.equal(DeepGemmMoE(min_rows_per_expert=0)(x, logits.to(torch.bfloat16), k, w), torch.zeros_like(x))
 
 
 def test_small_batches_take_the_triton_moe():
     x = torch.randn(3, 128).to(torch.bfloat16)
     logits = _logits(3, 8, torch.bfloat16)
     w = _experts(8, 8, 128, 128, torch.bfloat16, fp8=True)
-    moe = DeepGemmMoE()  # default threshold: 12 pairs are far below it
+    moe = DeepGemmMoE()  # default threshold: 1.5 rows per expert are far below it
     assert torch.equal(moe(x, logits, 4, w), moe.fallback(x, logits, 4, w))
     assert torch.equal(moe(x[:0], logits[:0], 4, w), x[:0])
