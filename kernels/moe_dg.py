@@ -40,6 +40,7 @@ DOWN = dg.DgConfig(128, 160, mcast=2, gemm_type=dg.GROUPED)
 # 64 rows/expert about even (20b T=512: 430 vs 443 us; 120b T=2048: 1,679 vs 1,617 us), 128 and up
 # DeepGEMM ahead (20b T=1024: 539 vs 623 us; 120b T=8192: 3.03 vs 3.90 ms).
 MIN_ROWS_PER_EXPERT = 96
+SWIGLU_ROWS = 32
 
 
 @triton.jit
@@ -75,15 +76,16 @@ def _swiglu_quant_kernel(h_ptr, b1_ptr, layout_ptr, act_ptr, acts_ptr, I, alpha,
     e = tl.load(layout_ptr + rows)
     used = e >= 0
     e = tl.maximum(e, 0).to(tl.int64)
-    offs_i = cb * GROUP + tl.arange(0, GROUP)  # act columns; W1's rows interleave gate (2i), up (2i+1)
+    offs_i = cb * GROUP + tl.arange(0, GROUP)  # act columns
     im = offs_i < I
+    # W1's rows interleave gate (2i) and up (2i+1): one contiguous [ROWS, 2G] load, split in
+    # registers (stride-2 loads ran at ~1 TB/s in run DG3).
+    cols2 = cb * 2 * GROUP + tl.arange(0, 2 * GROUP)
+    m2 = used[:, None] & (cols2 < 2 * I)[None, :]
+    hv = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + cols2[None, :], mask=m2, other=0.0).to(tl.float32)
+    hv += tl.load(b1_ptr + e[:, None] * stride_b1 + cols2[None, :], mask=m2, other=0.0).to(tl.float32)
+    gate, up = tl.split(tl.reshape(hv, (ROWS, GROUP, 2)))  # [ROWS, G] each
     m = used[:, None] & im[None, :]
-    h_row = h_ptr + rows[:, None].to(tl.int64) * stride_h
-    b_row = b1_ptr + e[:, None] * stride_b1
-    gate = tl.load(h_row + 2 * offs_i[None, :], mask=m, other=0.0).to(tl.float32) + \
-        tl.load(b_row + 2 * offs_i[None, :], mask=m, other=0.0).to(tl.float32)
-    up = tl.load(h_row + 2 * offs_i[None, :] + 1, mask=m, other=0.0).to(tl.float32) + \
-        tl.load(b_row + 2 * offs_i[None, :] + 1, mask=m, other=0.0).to(tl.float32)
     gate = tl.minimum(gate, limit)  # from above only
     up = tl.minimum(tl.maximum(up, -limit), limit)
     act = gate * tl.sigmoid(gate * alpha) * (up + 1.0)
@@ -172,7 +174,7 @@ class DeepGemmMoE:
         as_buf = torch.empty(kb, rows, dtype=torch.float32, device=dev)  # M-major, rows % 128 == 0
         layout = torch.empty(rows, dtype=torch.int32, device=dev)
         row_of_pair = torch.empty(g.num_pairs + 1, dtype=torch.int32, device=dev)  # +1: padding's slot
-        gr = 16
+        gr = 16  # rows per program (R is a multiple of 128)
         _gather_kernel[(rows // gr,)](xq, xs, g.sorted_pairs, g.block_expert, a, as_buf, layout, row_of_pair,
                                       g.num_pairs, hdim, xq.stride(0), xs.stride(0), xs.stride(1), a.stride(0),
                                       as_buf.stride(0), TOP_K=top_k, BLOCK_M_=BLOCK_M, ROWS=gr, BLOCK_K=512,
@@ -184,10 +186,10 @@ class DeepGemmMoE:
         kb2 = -(-inter // BLOCK)
         act = torch.empty(rows, inter, dtype=FP8_DTYPE, device=dev)
         acts_buf = torch.empty(kb2, rows, dtype=torch.float32, device=dev)
-        _swiglu_quant_kernel[(rows // gr, kb2)](h, w.b1, layout, act, acts_buf, inter, float(w.alpha),
+        _swiglu_quant_kernel[(rows // SWIGLU_ROWS, kb2)](h, w.b1, layout, act, acts_buf, inter, float(w.alpha),
                                                float(w.limit), h.stride(0), w.b1.stride(0), act.stride(0),
-                                               acts_buf.stride(0), ROWS=gr, GROUP=BLOCK, FP8_MAX_C=FP8_MAX,
-                                               HW_CVT=x.is_cuda, num_warps=4)
+                                               acts_buf.stride(0), ROWS=SWIGLU_ROWS, GROUP=BLOCK,
+                                               FP8_MAX_C=FP8_MAX, HW_CVT=x.is_cuda, num_warps=8)
         y = torch.empty(rows, hdim, dtype=torch.bfloat16, device=dev)
         self._gemm(self.down_cfg, act, acts_buf.t(), w.w2, w.w2_scale, y, layout)
         out = torch.empty(t, hdim, dtype=x.dtype, device=dev)

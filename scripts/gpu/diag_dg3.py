@@ -50,9 +50,13 @@ def profile_moe() -> None:
 
 
 def main() -> None:
+    import sys
+
     from benchmarks.gemm import bench
     torch.manual_seed(0)
-    for part in (lambda: strides(bench), profile_moe):
+    parts = {"strides": lambda: strides(bench), "profile": profile_moe}
+    for name in (sys.argv[1:] or parts):
+        part = parts[name]
         try:
             part()
         except Exception:  # noqa: BLE001
