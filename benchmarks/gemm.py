@@ -6,9 +6,10 @@ is recorded, the rest goes on); prints a table; writes $OUT/gemm.json.
 
 Shapes are gpt-oss attention projections (identical for 20b and 120b): qkv N=5120 K=2880 and
 o N=2880 K=4096, M = tokens 1..16k. Backends: scaled_mm (torch._scaled_mm + bias), triton
-(kernels.fp8_gemm), deepgemm (DeepGEMM's SM90 kernel via kernels/deepgemm_linear.py), bf16 torch (F.linear, the unquantised
-baseline). Timing: CUDA-graph replay of R calls over R distinct weight/input sets (R chosen so the
-set exceeds the 60 MiB L2 when the call is bandwidth-bound), median of 5 trials after warm-up.
+(kernels.fp8_gemm), deepgemm (DeepGEMM's SM90 kernel, kernels/deepgemm_linear.py), bf16 torch
+(F.linear, the unquantised baseline). Timing: CUDA-graph replay of R calls over R distinct
+weight/input sets (R chosen so the set exceeds the 60 MiB L2 when the call is bandwidth-bound),
+median of 5 trials after warm-up.
 The helpers here (ceilings, bench, Report) are shared by benchmarks/moe.py and tune_moe.py.
 """
 

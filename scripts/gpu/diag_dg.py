@@ -52,7 +52,8 @@ def dense(bench) -> None:
         print(f"{name} scaled_mm(K->{kp}) err {rel(cublas(), want):.2e} {ms * 1e3:.1f} us "
               f"{flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         for cfg in DENSE:
-            tag = f"{name} dg {cfg.block_m}x{cfg.block_n} st{cfg.resolved_stages()} mc{cfg.mcast}{'A' if cfg.mcast_on_a else 'B'}"
+            tag = (f"{name} dg {cfg.block_m}x{cfg.block_n} st{cfg.resolved_stages()} "
+                   f"mc{cfg.mcast}{'A' if cfg.mcast_on_a else 'B'}")
             try:
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
