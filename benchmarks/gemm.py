@@ -242,16 +242,13 @@ def _dg_gemm_only_rows(lin, shape: str, x, w, ws, bias, ws_sets, flops: int, cei
     without bias; FLOPs count the real K."""
     from kernels import deepgemm_linear as dl
     from kernels import deepgemm_sm90 as dg
-    from kernels.fp8_quant import quantize_act_1x128
     m, k = x.shape
     n = w.shape[0]
     out = []
     for label, bb in (("deepgemm gemm+bias (fp8 in)", bias), ("deepgemm gemm, no bias (fp8 in)", None)):
         augs = [dl.augment_weight(a, s_, bb) for a, s_, _ in ws_sets]
         w_aug, ws_aug = augs[0]
-        ones = (-(-k // 128) * 128, dl.BIAS_TERMS) if bb is not None else None
-        xq, xs = quantize_act_1x128(x, k_pad=w_aug.stride(0), m_align=4, ones=ones)
-        a = xq[:, : w_aug.shape[1]]
+        a, xs = dl.augment_activations(x, w_aug, bb is not None)
         cfg = lin.config_for(m, n, ws_aug.shape[1])
         y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
         calls = [lambda wa=wa, wsa=wsa: dg.gemm(cfg, a, xs, wa, wsa, y) for wa, wsa in augs]

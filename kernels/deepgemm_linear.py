@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import deepgemm_sm90 as dg
-from kernels.fp8_gemm import _DerivedCache
+from kernels.fp8_gemm import _DerivedCache, _flatten
 from kernels.fp8_quant import FP8_DTYPE, quantize_act_1x128
 from kernels.reference import BLOCK, FP8_MAX
 
@@ -75,6 +75,16 @@ def augment_weight(w: torch.Tensor, ws: torch.Tensor, b: torch.Tensor | None, ro
     return buf[:, :k_aug], ws_aug
 
 
+def augment_activations(x: torch.Tensor, w_aug: torch.Tensor, has_bias: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (a e4m3 [M, K'] with w_aug's row stride, scales [M, KB'] M-major, M_al % 4 == 0):
+    the activation side of `augment_weight`, with the constant-1 columns when it holds a bias."""
+    k = x.shape[1]
+    ones = (-(-k // BLOCK) * BLOCK, BIAS_TERMS) if has_bias else None
+    xq, xs = quantize_act_1x128(x, k_pad=w_aug.stride(0), m_align=4, ones=ones)
+    return xq[:, : w_aug.shape[1]], xs
+
+
 class DeepGemmLinear:
     name = "deepgemm"
 
@@ -91,16 +101,11 @@ class DeepGemmLinear:
                  bias: torch.Tensor | None) -> torch.Tensor:
         if w_scale is None:
             return F.linear(x, w, bias)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        m, k = x2.shape
-        n = w.shape[0]
+        x2, lead = _flatten(x)
+        m, n = x2.shape[0], w.shape[0]
         w_aug, ws_aug = self._aug.get(w, ("aug", bias is not None and bias.data_ptr()),
                                       lambda: augment_weight(w, w_scale, bias, self.row_align))
-        k_aug = w_aug.shape[1]
-        kb0 = -(-k // BLOCK)
-        ones = (kb0 * BLOCK, BIAS_TERMS) if bias is not None else None
-        xq, xs = quantize_act_1x128(x2, k_pad=w_aug.stride(0), m_align=4, ones=ones)
+        a, xs = augment_activations(x2, w_aug, bias is not None)
         y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-        dg.gemm(self.config_for(m, n, ws_aug.shape[1]), xq[:, :k_aug], xs, w_aug, ws_aug, y)
+        dg.gemm(self.config_for(m, n, ws_aug.shape[1]), a, xs, w_aug, ws_aug, y)
         return y.to(x.dtype).reshape(*lead, n)

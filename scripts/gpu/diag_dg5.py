@@ -22,7 +22,6 @@ def main() -> None:
     from benchmarks.gemm import bench, copies_for
     from kernels import deepgemm_linear as dl
     from kernels import reference as ref
-    from kernels.fp8_quant import quantize_act_1x128
     torch.manual_seed(0)
     m, n, k = 8192, 5120, 2880
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -30,9 +29,7 @@ def main() -> None:
     b = torch.randn(n, device="cuda").to(torch.bfloat16)
     want = ref.fp8_linear(x.float(), w, ws, b, quantize_activations=True)
     augs = [dl.augment_weight(w.clone(), ws.clone(), b) for _ in range(copies_for(w.numel()))]
-    w_aug = augs[0][0]
-    xq, xs = quantize_act_1x128(x, k_pad=w_aug.stride(0), m_align=4, ones=(23 * 128, dl.BIAS_TERMS))
-    a = xq[:, : w_aug.shape[1]]
+    a, xs = dl.augment_activations(x, augs[0][0], has_bias=True)
     for cfg in CONFIGS:
         tag = f"qkv+bias dg {cfg.block_m}x{cfg.block_n} mc{cfg.mcast}{'A' if cfg.mcast_on_a else 'B'}"
         try:

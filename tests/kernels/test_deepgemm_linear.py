@@ -12,8 +12,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels import reference as ref  # noqa: E402
-from kernels.deepgemm_linear import BIAS_TERMS, ROW_ALIGN, augment_weight, split_bias_fp8  # noqa: E402
-from kernels.fp8_quant import quantize_act_1x128  # noqa: E402
+from kernels.deepgemm_linear import (BIAS_TERMS, ROW_ALIGN, augment_activations, augment_weight,  # noqa: E402
+                                     split_bias_fp8)
 
 
 @pytest.mark.parametrize("n", [300, 128, 5])
@@ -40,9 +40,8 @@ def test_augmented_operands_give_the_biased_linear(m: int, n: int, k: int, bias:
     w_aug, ws_aug = augment_weight(w, ws, b)
     kb0 = -(-k // 128)
     assert w_aug.stride(0) % ROW_ALIGN == 0 and torch.equal(w_aug[:, :k].float(), w.float())
-    ones = (kb0 * 128, BIAS_TERMS) if bias else None
-    xq, xs = quantize_act_1x128(x, k_pad=w_aug.stride(0) if bias else ROW_ALIGN, m_align=4, ones=ones)
-    a = xq[:, : w_aug.shape[1]]
+    a, xs = augment_activations(x, w_aug, bias)  # what DeepGemmLinear hands the kernel
+    assert a.stride(0) == w_aug.stride(0)
     assert xs.shape == (m, -(-w_aug.shape[1] // 128)) and xs.stride(1) % 4 == 0
     if bias:  # the constant column: 448 on the scale 1/448
         assert bool((a[:, kb0 * 128: kb0 * 128 + BIAS_TERMS].float() == 448).all())
