@@ -114,12 +114,12 @@ def weight_bytes_read(w: ExpertWeights, logits: list[torch.Tensor]) -> float:
 
 def run_model(rep: Report, model: str, e: int, t_values: list[int], torch_t: tuple[int, ...]) -> list[dict]:
     from kernels.moe import TritonMoE
-    from kernels.moe_dg import DeepGemmMoE
+    from kernels import moe_dg
     ceil = rep.data["ceilings"]
     fp8_w, bf16_w = make_experts(e, seed=e)
     moe = TritonMoE()
     grouped = TritonMoE(small_max_pairs=0)
-    deepgemm = DeepGemmMoE(min_rows_per_expert=0)  # forced on at every T >= 128 it runs here, to show the crossover
+    deepgemm = moe_dg.DeepGemmMoE(min_rows_per_expert=0)  # forced on at every T >= 128 it runs here, to show the crossover
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     rows = []
     for t in t_values:
@@ -135,12 +135,13 @@ def run_model(rep: Report, model: str, e: int, t_values: list[int], torch_t: tup
             def one() -> dict:
                 ms = bench([lambda lg=lg: impl(x, lg, TOP_K, w) for lg in lsets])
                 nbytes = weight_bytes_read(w, lsets)
-                cfg = (impl if impl is not deepgemm else moe).config_for(t, TOP_K, w, w.w1_scale is not None)
+                block_m = (moe_dg.BLOCK_M if impl is deepgemm
+                           else impl.config_for(t, TOP_K, w, w.w1_scale is not None).block_m)
                 row = {"model": model, "T": t, "backend": name, "ms": ms, "TFLOPs": flops / ms / 1e9,
                        "pct_fp8_peak": 100 * flops / ms / 1e9 / ceil["fp8_blockscaled_TFLOPs"],
                        "weight_GB": nbytes / 1e9, "TBps": nbytes / ms / 1e9,
                        "pct_copy_bw": 100 * nbytes / ms / 1e9 / ceil["copy_TBps"],
-                       "block_m": 128 if impl is deepgemm else cfg.block_m}
+                       "block_m": block_m}
                 if t in CHECK_T:
                     y = impl(x, lsets[0], TOP_K, w)
                     row["err_vs_fp32"] = rel_err(y, reference(x, lsets[0], bf16_w, fp8_acts=False))

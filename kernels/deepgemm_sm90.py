@@ -59,7 +59,8 @@ class DgConfig:
         return 0
 
     def smem_bytes(self, stages: int, max_k: int = 8192) -> int:
-        """Mirror of the launcher's smem_bytes (the library checks the real one per call)."""
+        """Mirror of the launcher's smem_bytes, to pick the stage count (the launcher raises the
+        kernel's limit to the real size for each K and reports a refusal)."""
         up = lambda a, b: -(-a // b) * b  # noqa: E731
         d = up(self.block_m * self.block_n * 2, 1024)
         per_stage = self.block_m * 128 + self.block_n * 128 + up(self.block_m * 4, 128)
@@ -143,8 +144,14 @@ def _load(cfg: DgConfig, num_sms: int) -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """SMs of the device (the persistent grid size), looked up once per device, not per GEMM."""
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def gemm(cfg: DgConfig, a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor,

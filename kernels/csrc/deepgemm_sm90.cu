@@ -153,6 +153,4 @@ int tandem_dg_gemm(void* a, void* sfa, void* b, float* sfb, void* d, int* groupe
     return 0;
 }
 
-uint32_t tandem_dg_smem_bytes(uint32_t k) { return smem_bytes(k); }
-
 }  // extern "C"
