@@ -106,7 +106,9 @@ class Peer:
     def status(self) -> WorkerStatus:
         while self.sock.poll(0):  # late answers
             self.sock.recv()
-        st = self.ask(StatusRequest(), 5.0)
+        # Generous: on the 2-core CI machine ~7 processes share the cores (each NIXL agent's
+        # progress thread spins), and a reply once took > 5 s; what is tested is the state, not latency.
+        st = self.ask(StatusRequest(), 30.0)
         assert isinstance(st, WorkerStatus)
         return st
 
