@@ -1,6 +1,7 @@
 """Multi-GPU model benchmark (one process per GPU, NCCL; NVLink multicast stays off):
 
-  allreduce  latency of decode-sized all-reduces (NCCL, and torch symmetric-memory one-shot)
+  allreduce  latency of decode-sized all-reduces (NCCL, torch symmetric-memory one-shot / two-shot,
+             and ours: kernels/allreduce.py, checked bit-exact against the rank-ordered fp32 sum)
   per model  prefill and decode sweeps as in bench_model, with attention TP over all ranks and the
              MoE either expert-parallel (TP-only dispatch/combine: one all-reduce) or TP-sliced
 
@@ -77,6 +78,11 @@ def allreduce_section(res: Results, rank: int, world: int) -> None:
                     lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", name))
             except Exception as e:  # noqa: BLE001 - optional fast path
                 row["symm_one_shot_error"] = str(e)[:200]
+            if tokens <= 256:
+                try:
+                    _tandem_rows(row, tokens, rank, world)
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    row["tandem_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             sec["rows"].append(row)
             if rank == 0:
                 print(f"all-reduce {tokens:>5} tokens: NCCL {row['nccl_us']:.1f} us (graph "
@@ -84,7 +90,30 @@ def allreduce_section(res: Results, rank: int, world: int) -> None:
                       f"{row.get('symm_one_shot_us', float('nan')):.1f} us (graph "
                       f"{row.get('symm_one_shot_graph_us', float('nan')):.1f}, kernel alone "
                       f"{row.get('symm_one_shot_nocopy_graph_us', float('nan')):.1f}; two-shot "
-                      f"{row.get('symm_two_shot_graph_us', float('nan')):.1f}) ok={row.get('symm_ok')}", flush=True)
+                      f"{row.get('symm_two_shot_graph_us', float('nan')):.1f}) ok={row.get('symm_ok')}; tandem "
+                      f"{row.get('tandem_us', float('nan')):.1f} us (graph {row.get('tandem_graph_us', float('nan')):.1f})"
+                      f" exact={row.get('tandem_exact')} {row.get('tandem_error', '')}", flush=True)
+
+
+def _tandem_rows(row: dict, tokens: int, rank: int, world: int) -> None:
+    """Our one-shot kernel (kernels/allreduce.py): a different x per rank; every rank must get the
+    rank-ordered fp32 sum bit for bit, also after graph replays (pads reset, buffers reused)."""
+    from kernels.allreduce import SymmOneShotAllReduce, reduce_sum_reference
+    from model.parallel import _tandem_one_shot
+
+    g = torch.Generator(device="cuda").manual_seed(1000 * tokens + rank)
+    x = torch.randn(tokens, 2880, dtype=torch.bfloat16, device="cuda", generator=g)
+    xs = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(xs, x)
+    want = reduce_sum_reference(xs)
+    ar: SymmOneShotAllReduce = _tandem_one_shot(None, 256 * 2880, x.device)
+    got = ar(x)
+    torch.cuda.synchronize()
+    exact = bool(torch.equal(got, want))
+    row["tandem_us"] = time_cuda(lambda: ar(x), warmup=5, iters=50) * 1e3
+    row["tandem_graph_us"] = graph_us(lambda: ar(x))
+    exact &= bool(torch.equal(ar(x), want))
+    row["tandem_exact"] = exact
 
 
 def main() -> None:
@@ -101,11 +130,13 @@ def main() -> None:
     ap.add_argument("--fast-allreduce-kib", type=int, default=1024,
                     help="symmetric-memory one-shot all-reduce up to this many KiB (0 = NCCL only); "
                          "the workers' default is 1024")
+    ap.add_argument("--fast-allreduce-impl", choices=["torch", "tandem"], default="torch")
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank), timeout=timedelta(seconds=180))
-    tag = f"{a.preset}-tp{world}-{a.moe_mode}" + (f"-oneshot{a.fast_allreduce_kib}k" if a.fast_allreduce_kib else "")
+    tag = f"{a.preset}-tp{world}-{a.moe_mode}" + (f"-oneshot{a.fast_allreduce_kib}k" if a.fast_allreduce_kib else "") + \
+        ("-tandemar" if a.fast_allreduce_impl == "tandem" else "")
     path = out_dir() / (f"model_{tag}.json" if rank == 0 else f".rank{rank}_{tag}.json")
     res = Results(path, {"env": environment(), "args": vars(a), "world": world})
     quiet = contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext()
@@ -116,7 +147,8 @@ def main() -> None:
             ceil = measure_ceilings()
             sec.update(ceil)
         t0 = time.monotonic()
-        par = ParallelConfig(world, rank, MoEMode(a.moe_mode), dist.group.WORLD, a.fast_allreduce_kib << 10)
+        par = ParallelConfig(world, rank, MoEMode(a.moe_mode), dist.group.WORLD, a.fast_allreduce_kib << 10,
+                             a.fast_allreduce_impl)
         model = build(a.preset, a.attention, "scaled_mm", "triton", parallel=par, device=f"cuda:{rank}",
                       fp8_attention=not a.bf16_attention)
         res.data["load_seconds"] = round(time.monotonic() - t0, 1)
@@ -127,7 +159,8 @@ def main() -> None:
         res.save()
         for name, cols in (("allreduce", ["tokens", "nccl_us", "nccl_graph_us", "symm_one_shot_us",
                                          "symm_one_shot_graph_us", "symm_one_shot_nocopy_graph_us",
-                                         "symm_two_shot_graph_us", "symm_ok"]),
+                                         "symm_two_shot_graph_us", "symm_ok", "tandem_us", "tandem_graph_us",
+                                         "tandem_exact"]),
                            ("prefill", ["tokens", "ms", "TFLOPs", "ratio_fp8_peak", "usd_per_M_input"]),
                            ("decode", ["context", "batch", "ms_per_step", "gpu_ms_graph_replay", "tok_s_per_gpu",
                                        "tok_s_per_user", "usd_per_M_output", "ratio_to_floor"])):

@@ -36,10 +36,15 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--fast-allreduce-kib", type=int, default=1024,
                    help="with --tp > 1 on GPUs: all-reduces up to this size use the symmetric-memory "
                         "one-shot kernel (decode-sized), larger ones NCCL; 0 = NCCL only")
+    p.add_argument("--fast-allreduce-impl", choices=["torch", "tandem"], default="torch",
+                   help="one-shot kernel: torch's symm_mem op, or ours (one program per SM)")
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"])
     p.add_argument("--linear-backend", default=None, choices=["torch", "scaled_mm", "triton", "deepgemm"])
     p.add_argument("--moe-backend", default=None, choices=["torch", "triton", "deepgemm"])
-    p.add_argument("--kv-backend", default="nixl", choices=["nixl", "loopback", "none"])
+    p.add_argument("--kv-backend", default="nixl", choices=["nixl", "ipc", "loopback", "none"],
+                   help="KV transfer (kv_transfer.factory.TransferBackend): nixl; ipc = NIXL control plane, "
+                        "same-node data path through shared/IPC-mapped pools (CUDA IPC on GPU, shared memory "
+                        "on CPU); loopback (in-process); none")
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--kv-cache-fraction", type=float, default=0.85)
     p.add_argument("--page-size", type=int, default=16)
@@ -69,7 +74,7 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),
         seed=a.seed, progress=tp_rank == 0,
         parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group,
-                                max(0, a.fast_allreduce_kib) << 10 if gpu else 0))
+                                max(0, a.fast_allreduce_kib) << 10 if gpu else 0, a.fast_allreduce_impl))
 
 
 def worker_id(a: argparse.Namespace, role: str) -> str:

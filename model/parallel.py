@@ -37,9 +37,14 @@ class ParallelConfig:
     # one-shot kernel: every rank reads its peers' buffers over NVLink and sums, one launch, no
     # NCCL protocol; NCCL above the limit. 0 = NCCL only. Multicast is never used.
     fast_allreduce_max_bytes: int = 0
+    # Which one-shot kernel: "torch" (symm_mem.one_shot_all_reduce_copy) or "tandem"
+    # (kernels/allreduce.py: one program per SM, rank-ordered fp32 sum; bf16 only).
+    fast_allreduce_impl: str = "torch"
 
     def validate(self, cfg: GptOssConfig) -> None:
         tp = self.tp_size
+        if self.fast_allreduce_impl not in ("torch", "tandem"):
+            raise ConfigError(f"unknown fast all-reduce {self.fast_allreduce_impl!r}: torch or tandem")
         if cfg.num_key_value_heads % tp:
             raise ConfigError(f"TP {tp} does not divide {cfg.num_key_value_heads} KV heads (TP <= "
                               f"{cfg.num_key_value_heads} without KV replication)")
@@ -81,6 +86,8 @@ class ParallelConfig:
         if self.tp_size == 1:
             return x
         if x.is_cuda and 0 < x.numel() * x.element_size() <= self.fast_allreduce_max_bytes:
+            if self.fast_allreduce_impl == "tandem" and x.dtype == torch.bfloat16:
+                return _tandem_one_shot(self.group, self.fast_allreduce_max_bytes // 2, x.device)(x)
             return _one_shot_all_reduce(x, self.group)
         import torch.distributed as dist
 
@@ -89,6 +96,20 @@ class ParallelConfig:
 
 
 _SYMM: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+_TANDEM: dict[tuple[str, int], Any] = {}
+
+
+def _tandem_one_shot(group: Any, max_numel: int, device: torch.device) -> Any:
+    """Our one-shot kernel's state per (group, size): created on first use by every rank together,
+    like the torch path's buffers (eager warm-up precedes any CUDA-graph capture)."""
+    import torch.distributed as dist
+
+    from kernels.allreduce import SymmOneShotAllReduce
+
+    key = ((group or dist.group.WORLD).group_name, max_numel)
+    if key not in _TANDEM:
+        _TANDEM[key] = SymmOneShotAllReduce(group, max_numel, device)
+    return _TANDEM[key]
 
 
 def _one_shot_all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
