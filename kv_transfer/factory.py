@@ -15,23 +15,26 @@ from model.kv_cache import KVPool
 
 class TransferBackend(str, Enum):
     NIXL = "nixl"  # UCX: NVLink / RDMA between GPUs, TCP between hosts without them
+    # NIXL control plane, same-node data path through shared/IPC-mapped pools (CUDA IPC on GPU,
+    # shared memory on CPU); peers on other nodes get NIXL WRITEs (kv_transfer/ipc.py)
+    IPC = "ipc"
     LOOPBACK = "loopback"  # same process (colocated prefill and decode, unit tests)
 
 
 def create_sender(backend: TransferBackend | str, pool: KVPool, config: TransferConfig) -> KVSender:
     kind = _parse(backend)
-    if kind == TransferBackend.NIXL:
+    if kind in (TransferBackend.NIXL, TransferBackend.IPC):
         from kv_transfer.nixl_sender import NixlSender
-        return NixlSender(pool, config)
+        return NixlSender(pool, config, data_path=kind.value)
     from kv_transfer.loopback import LoopbackSender
     return LoopbackSender(pool, config)
 
 
 def create_receiver(backend: TransferBackend | str, pool: KVPool, config: TransferConfig) -> KVReceiver:
     kind = _parse(backend)
-    if kind == TransferBackend.NIXL:
+    if kind in (TransferBackend.NIXL, TransferBackend.IPC):
         from kv_transfer.nixl_receiver import NixlReceiver
-        return NixlReceiver(pool, config)
+        return NixlReceiver(pool, config, data_path=kind.value)
     from kv_transfer.loopback import LoopbackReceiver
     return LoopbackReceiver(pool, config)
 

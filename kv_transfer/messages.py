@@ -8,7 +8,8 @@ own `validate()`, so nothing untyped crosses a process boundary.
 Who sends what (D = decode rank's side channel, P = a prefill rank, N = NIXL notification):
   P -> D  HandshakeRequest        D -> P  Handshake      (once per decode epoch; cached by P)
   P -> D  Claim                   D -> P  ClaimReply     (before P writes anything for a request)
-  P -> D  (N, attached to each WRITE) LayerDone     (delivered after the data of the layers it names)
+  P -> D  (N, attached to each WRITE) LayerDone     (delivered after the data of the layers it names;
+                                                     on the IPC data path sent once the copy completed)
   P -> D  Ended                                          (P will write no more for the request)
   D -> P  Cancel                                         (decode failed/aborted the request)
   D -> P  (N) Probe                                      (is a claimant's process still there?)
@@ -31,7 +32,9 @@ import torch
 from common.errors import ProtocolError
 from model.kv_cache import KVCacheSpec
 
-PROTOCOL_VERSION = 2  # 2: LayerDone names the layers one WRITE carried (one WRITE may carry several)
+# 2: LayerDone names the layers one WRITE carried (one WRITE may carry several).
+# 3: Handshake.ipc: a decode rank may export its pools for same-node writers (TransferBackend.IPC).
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 4 << 20  # a 128k-token request names ~8k pages (~40 KB); metadata is KBs
 MAX_ID_CHARS = 256
 # The pool layout both sides must share: per group [layers, K/V, pages, KV heads, page tokens, head dim].
@@ -118,6 +121,28 @@ class PoolLayout(Message):
     num_pages: int
 
 
+@dataclass(frozen=True, slots=True)
+class IpcPool(Message):
+    """One decode pool tensor exported for a writer on the same node (kv_transfer/ipc.py). The
+    handles are opaque to everyone but torch on the same host: `node_id` says which host."""
+
+    group: int  # model.kv_cache.PageGroup
+    kind: str  # "cuda": torch CUDA IPC of the storage; "shm": torch file_system shared memory
+    node_id: str  # /proc/sys/kernel/random/boot_id of the exporting host
+    device_uuid: str  # cuda: the pool's GPU (device indices differ between processes); shm: ""
+    handle: bytes  # cuda: the allocation's IPC handle; shm: the shared-memory file name
+    manager: bytes  # cuda: torch's ref-counter file name; shm: torch_shm_manager's socket
+    nbytes: int  # storage bytes (the whole pool tensor)
+    offset: int  # cuda: storage offset in its allocation; shm: 0
+    ref_offset: int  # cuda: slot in the ref-counter file; shm: 0
+    event_handle: bytes  # cuda: IPC event the mapper waits for before first use (b"" if none)
+    event_sync: bool
+
+    def validate(self) -> None:
+        _need(self.kind in ("cuda", "shm"), f"unknown IPC pool kind {self.kind!r}")
+        _need(self.nbytes > 0 and self.offset >= 0 and self.ref_offset >= 0, "IPC pool sizes must be >= 0")
+
+
 @_register(2)
 @dataclass(frozen=True, slots=True)
 class HandshakeRequest(Message):
@@ -140,6 +165,7 @@ class Handshake(Message):
     pools: tuple[PoolLayout, ...]
     compat: KVCompat
     compat_hash: str
+    ipc: tuple[IpcPool, ...] = ()  # empty unless the rank exported its pools (data path "ipc")
 
     def validate(self) -> None:
         _check_id("agent_name", self.agent_name)
@@ -148,6 +174,10 @@ class Handshake(Message):
         _need(self.compat_hash == self.compat.digest(), "compat_hash does not match the compat fields")
         _need(self.num_kv_heads * self.tp_size == self.compat.total_num_kv_heads, "KV heads do not add up")
         _need(len({p.group for p in self.pools}) == len(self.pools), "duplicate pool groups")
+        _need({p.group for p in self.ipc} <= {p.group for p in self.pools} and
+              len({p.group for p in self.ipc}) == len(self.ipc), "IPC pools must name distinct registered groups")
+        for p in self.ipc:
+            p.validate()
 
     def pool(self, group: int) -> PoolLayout:
         for p in self.pools:

@@ -16,6 +16,8 @@ SECONDS = Histogram("tandem_kv_transfer_seconds", "Transfer duration from start 
                     ["role", "status"],
                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
 FAILURES = Counter("tandem_kv_transfer_failures", "Failed transfers by reason", ["role", "reason"])
+WRITES = Counter("tandem_kv_transfer_writes", "WRITE steps the prefill side posted, by data path (nixl | ipc)",
+                 ["path"])
 STALE = Counter("tandem_kv_transfer_stale_messages", "Dropped messages of another epoch or request", ["role"])
 QUARANTINED_PAGES = Gauge("tandem_kv_transfer_quarantined_pages",
                           "Decode pages held because a peer may still write into them", ["group"])

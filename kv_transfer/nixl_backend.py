@@ -48,6 +48,8 @@ def _nixl() -> tuple[Any, Any]:
 class NixlAgent:
     """One NIXL agent with a KVPool registered. Addresses in descriptors are absolute."""
 
+    path = "nixl"  # the data path its write() takes (kv_transfer/ipc.py's IpcTarget has the same API)
+
     def __init__(self, name: str, pool: KVPool, backends: tuple[str, ...] = ("UCX",)) -> None:
         api, self._b = _nixl()
         self._errors = tuple(getattr(self._b, n) for n in dir(self._b) if n.startswith("nixl") and n.endswith("Error"))

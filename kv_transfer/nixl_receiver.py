@@ -1,11 +1,12 @@
 """NixlReceiver: the decode rank's side of a NIXL KV transfer.
 
-Lifecycle: built once per decode TP rank over its KVPool (registered once with NIXL) with a fresh
-epoch; binds its side channel; the worker gathers every rank's `endpoint` and calls
-`set_rank_endpoints`. Per request: `expect()` after admission reserved pages; the returned
-TransferRequest travels to the prefill worker; the decode loop calls `poll()` (or `progress()`)
-every step until DONE (then `finish()`) or FAILED (then the pages come back through
-`take_releasable()`, possibly after a quarantine).
+Lifecycle: built once per decode TP rank over its KVPool (registered once with NIXL; with the data
+path "ipc" also exported for same-node writers, kv_transfer/ipc.py) with a fresh epoch; binds its
+side channel; the worker gathers every rank's `endpoint` and calls `set_rank_endpoints`. Per
+request: `expect()` after admission reserved pages; the returned TransferRequest travels to the
+prefill worker; the decode loop calls `poll()` (or `progress()`) every step until DONE (then
+`finish()`) or FAILED (then the pages come back through `take_releasable()`, possibly after a
+quarantine).
 
 One `progress()` pass, in order (later steps see what earlier ones learnt):
   1. side channel: answer HandshakeRequest, decide Claims (loading the claimant's NIXL metadata so
@@ -23,12 +24,13 @@ import time
 
 import zmq
 
-from common.errors import ProtocolError
+from common.errors import ConfigError, ProtocolError
 from kv_transfer import metrics
 from kv_transfer.interface import (FailureReason, KVReceiver, QuarantinedPages, ReleasedPages, TransferConfig,
                                    TransferOutcome, TransferStatus, check_rank_endpoints, new_epoch)
 from kv_transfer.messages import (Claim, ClaimReply, Ended, Handshake, HandshakeRequest, KVCompat, LayerDone, Probe,
                                   TransferRequest, decode, encode)
+from kv_transfer.ipc import DATA_PATHS, export_pools
 from kv_transfer.nixl_backend import NixlAgent, PeerGone, SideChannelServer, TransportError
 from kv_transfer.receiver_state import ReceiverBook
 from model.kv_cache import KVPool, PageGroup, SeqPages
@@ -37,13 +39,17 @@ log = logging.getLogger(__name__)
 
 
 class NixlReceiver(KVReceiver):
-    def __init__(self, pool: KVPool, config: TransferConfig) -> None:
+    def __init__(self, pool: KVPool, config: TransferConfig, *, data_path: str = "nixl") -> None:
+        if data_path not in DATA_PATHS:
+            raise ConfigError(f"kv receiver: data path {data_path!r} is not one of {DATA_PATHS}")
         self.config = config
         self._epoch = new_epoch()
         self.agent_name = f"{config.engine_id}/decode/{config.tp_rank}/{self._epoch}"
         self.compat = KVCompat.from_spec(pool.spec, config.model_name, config.tp_size)
         self.book = ReceiverBook(self._epoch, config.tp_rank, config.tp_size, self.compat,
                                  on_terminal=lambda o: metrics.record_outcome("decode", o))
+        # Before NIXL registers the pools: on CPU the export moves them into shared memory.
+        ipc = export_pools(pool) if data_path == "ipc" else ()
         self.nixl = NixlAgent(self.agent_name, pool, config.backends)
         self._ctx = zmq.Context()
         self._server = SideChannelServer(self._ctx, config.host, config.port)
@@ -51,10 +57,11 @@ class NixlReceiver(KVReceiver):
         self._epochs: tuple[int, ...] = (self._epoch,) if config.tp_size == 1 else ()
         self._handshake = encode(Handshake(
             config.engine_id, self.agent_name, self.nixl.metadata(), self.epoch, config.tp_rank, config.tp_size,
-            self.nixl.mem_type, pool.spec.num_kv_heads, self.nixl.layouts, self.compat, self.compat.digest()))
+            self.nixl.mem_type, pool.spec.num_kv_heads, self.nixl.layouts, self.compat, self.compat.digest(), ipc))
         self._probe = encode(Probe(self.epoch))
         self._remote: dict[str, float] = {}  # claimant agent -> last probe time
-        log.info("kv receiver %s: side channel %s, %s pools", self.agent_name, self._server.endpoint, self.nixl.mem_type)
+        log.info("kv receiver %s: side channel %s, %s pools%s", self.agent_name, self._server.endpoint,
+                 self.nixl.mem_type, ", exported for same-node writers" if ipc else "")
 
     # ---- KVReceiver ----------------------------------------------------------------------------
     @property

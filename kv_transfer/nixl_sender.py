@@ -14,6 +14,8 @@ Per decode rank this rank writes to (a target), an ordered state machine:
              run this rank shares with the target), with LayerDone naming them as its NIXL
              notification: one layer per WRITE while prefill runs ahead of the transfer, several at
              once when the claim or the transport lagged (fewer posts, each ~50 us of host time).
+With the data path "ipc", a target on this node that exported its pools gets those WRITEs as a
+copy into its mapped pool plus the same notification (kv_transfer/ipc.py); others get NIXL WRITEs.
 The request is DONE when every target completed every layer; then Ended(ok) goes out.
 On failure (deadline, Cancel from decode, peer gone, abort) no new WRITE is posted, in-flight ones
 are cancelled or waited out, and only then Ended(ok=False) tells decode its pages are free of us.
@@ -38,12 +40,13 @@ import numpy as np
 import torch
 import zmq
 
-from common.errors import ProtocolError
+from common.errors import ConfigError, ProtocolError
 from kv_transfer import metrics
 from kv_transfer.interface import (FailureReason, KVSender, TransferConfig, TransferOutcome, TransferStatus, new_epoch,
                                    sender_outcome)
 from kv_transfer.messages import (Cancel, Claim, ClaimReply, Ended, Handshake, HandshakeRequest, KVCompat, LayerDone,
                                   TransferRequest, decode, encode)
+from kv_transfer.ipc import DATA_PATHS, IpcPaths
 from kv_transfer.nixl_backend import NixlAgent, PeerGone, SideChannelClient, TransportError, descriptors
 from kv_transfer.plan import (GroupGeometry, HeadRun, WritePlan, check_source_pages, head_runs, layer_copies,
                               page_pairs)
@@ -80,7 +83,8 @@ class _Target:
     plan: dict[int, WritePlan] = field(default_factory=dict)  # page group -> WRITE plan
     written: set[int] = field(default_factory=set)
     completed: set[int] = field(default_factory=set)
-    inflight: list[tuple[tuple[int, ...], Any]] = field(default_factory=list)  # (layers, NIXL handle), posting order
+    inflight: list[tuple[tuple[int, ...], Any]] = field(default_factory=list)  # (layers, handle), posting order
+    io: Any = None  # who moves the bytes: the NixlAgent, or an IpcTarget (same write/done/release)
 
 
 MAX_DESCS_PER_WRITE = 4096  # a backlog is split so one post never blocks the loop for long
@@ -107,7 +111,9 @@ class _Tx:
 
 
 class NixlSender(KVSender):
-    def __init__(self, pool: KVPool, config: TransferConfig) -> None:
+    def __init__(self, pool: KVPool, config: TransferConfig, *, data_path: str = "nixl") -> None:
+        if data_path not in DATA_PATHS:
+            raise ConfigError(f"kv sender: data path {data_path!r} is not one of {DATA_PATHS}")
         self.pool, self.spec, self.config = pool, pool.spec, config
         self.epoch = new_epoch()
         self.agent_name = f"{config.engine_id}/prefill/{config.tp_rank}/{self.epoch}"
@@ -125,6 +131,8 @@ class NixlSender(KVSender):
         self._detached: list[_Tx] = []  # finished by the owner while still draining
         self._events: deque[tuple[int, torch.cuda.Event, list[_Tx]]] = deque()
         self._on_gpu = pool.pools[0].device.type == "cuda"
+        self._ipc = IpcPaths(self.nixl, pool) if data_path == "ipc" else None
+        self.data_paths: dict[str, str] = {}  # decode agent -> "nixl" | "ipc", as chosen at its handshake
 
     # ---- KVSender ------------------------------------------------------------------------------
     def start(self, request: TransferRequest, pages: SeqPages) -> None:
@@ -184,6 +192,8 @@ class NixlSender(KVSender):
             self.progress()
         for peer in self._peers.values():
             peer.chan.close()
+        if self._ipc is not None:
+            self._ipc.close()
         self._ctx.term()
         self.nixl.close()
 
@@ -221,6 +231,8 @@ class NixlSender(KVSender):
             old = peer.handshake
             if old is not None and old.agent_name != msg.agent_name:
                 self.nixl.remove_remote(old.agent_name)
+                if self._ipc is not None:
+                    self._ipc.forget(old.agent_name)
             if old is None or old.agent_name != msg.agent_name:
                 try:
                     self.nixl.add_remote(msg.agent_metadata)
@@ -316,6 +328,8 @@ class NixlSender(KVSender):
                                        cp.total_bytes)
         except ProtocolError as e:
             return f"request does not fit decode rank {hs.tp_rank}: {e}"
+        t.io = (self._ipc.target(hs) if self._ipc is not None else None) or self.nixl
+        self.data_paths[hs.agent_name] = t.io.path
         return ""
 
     def _send_claim(self, tx: _Tx, t: _Target, now: float) -> None:
@@ -345,16 +359,17 @@ class NixlSender(KVSender):
                     nbytes += plan.layer_bytes
                 notif = encode(LayerDone(tx.request.request_id, t.epoch, self.config.tp_rank, tuple(sorted(layers)),
                                          nbytes))
-                h = self.nixl.write(hs.agent_name, hs.mem_type, np.concatenate(srcs), np.concatenate(dsts), notif)
+                h = t.io.write(hs.agent_name, hs.mem_type, np.concatenate(srcs), np.concatenate(dsts), notif)
                 t.written.update(layers)
                 t.inflight.append((tuple(layers), h))
                 tx.num_bytes += nbytes
                 metrics.BYTES.labels(role="prefill").inc(nbytes)
+                metrics.WRITES.labels(path=t.io.path).inc()
             # Completion is checked in posting order and stops at the first WRITE still running: a
             # later one that already finished is collected on a later call (cheap polls, no O(n^2)).
-            while t.inflight and self.nixl.done(t.inflight[0][1]):
+            while t.inflight and t.io.done(t.inflight[0][1]):
                 layers, h = t.inflight.pop(0)
-                self.nixl.release(h)
+                t.io.release(h)
                 t.completed.update(layers)
         except PeerGone as e:
             self._fail(tx, FailureReason.PEER_DEAD, str(e))
@@ -375,7 +390,7 @@ class NixlSender(KVSender):
             for layers, h in t.inflight:
                 # Releasing an active WRITE cancels it if the backend can; a refusal means it is
                 # still running, so we keep it and try again on the next progress().
-                if not self.nixl.release(h):
+                if not t.io.release(h):
                     still.append((layers, h))
             t.inflight = still
         if not tx.draining():

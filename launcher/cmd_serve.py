@@ -134,7 +134,9 @@ def serve(argv: list[str]) -> int:
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--colocated", action="store_true", help="no prefill workers: decode workers prefill")
-    p.add_argument("--kv-backend", default="nixl", choices=["nixl", "loopback"])
+    p.add_argument("--kv-backend", default="nixl", choices=["nixl", "ipc", "loopback"],
+                   help="ipc: NIXL control plane, KV bytes copied straight into the decode worker's "
+                        "IPC-mapped pools (workers on this machine)")
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--prefill-tp", type=int, default=1, help="GPUs (processes) per prefill worker")

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs in each worker's bundle")
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-backend", choices=["nixl", "ipc"], default="nixl",
+                   help="ipc: KV bytes copied straight into IPC-mapped decode pools between workers on one "
+                        "node (NIXL WRITEs between nodes)")
     p.add_argument("--worker-args", default="", help="extra worker flags, one shell-quoted string")
     p.add_argument("--namespace", default="tandem",
                    help="Ray namespace of the fleet registry (`tandem autoscaler --connector ray "
@@ -123,8 +126,8 @@ def fleet_spec(a: argparse.Namespace, checkpoint: str) -> FleetSpec:
     if not cuda:
         common += ["--cpu-threads", str(max(1, int(a.cpus_per_worker)))]
     extra = shlex.split(a.worker_args)  # last, so they win over ours
-    prefill = (*common, "--kv-backend", "nixl", "--tp", str(a.prefill_tp), *extra)
-    decode = (*common, "--kv-backend", "none" if a.colocated else "nixl", "--tp", str(a.decode_tp),
+    prefill = (*common, "--kv-backend", a.kv_backend, "--tp", str(a.prefill_tp), *extra)
+    decode = (*common, "--kv-backend", "none" if a.colocated else a.kv_backend, "--tp", str(a.decode_tp),
               "--moe-mode", a.decode_moe_mode, *extra)
 
     def bundle(tp: int) -> dict[str, float]:

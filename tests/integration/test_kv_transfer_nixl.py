@@ -6,6 +6,11 @@ sliding group ships only its tail, layers land one by one; and each fault ends i
 status on the surviving side within the deadline with every page back in its KVManager's free
 pool: sender killed, receiver killed, deadline, epoch mismatch (decode restarted), handshake
 mismatch, decode abort. Finally a tiny gpt-oss decodes identical tokens after a NIXL prefill.
+
+The same-node data path (TransferBackend.IPC: NIXL control plane, bytes copied into the decode
+pool mapped from shared memory) runs the byte-exact and two fault scenarios too, and falls back to
+NIXL WRITEs for a decode rank that claims another node. `Scenario.devices` puts the pools on GPUs
+(tests/integration/test_kv_transfer_ipc_gpu.py).
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ class Scenario:
     restart_decode: bool = False  # decode re-creates its receiver (new epoch) after issuing the request
     abort_after_first_layer: bool = False  # decode aborts once a layer has landed
     check_partial: bool = False  # decode checks layer-by-layer landing while prefill is paused
+    data_path: str = "nixl"  # both sides: "nixl" | "ipc"
+    devices: tuple[str, str] = ("cpu", "cpu")  # prefill, decode pools
+    decode_node: str = ""  # decode exports its pools under this node id (a fake other node)
 
 
 @dataclass
@@ -59,6 +67,7 @@ class Result:
     partial_ok: bool | None = None
     all_free: bool = False
     notes: list[str] = field(default_factory=list)
+    paths: dict[str, str] = field(default_factory=dict)  # prefill: decode agent -> data path used
 
 
 def _get(q, kind: str, timeout: float = WAIT):
@@ -78,12 +87,21 @@ def _ctl(q) -> str | None:
 
 
 # ---- child processes -------------------------------------------------------------------------------
+def _device(dev: str) -> str:
+    if dev.startswith("cuda"):
+        torch.cuda.set_device(torch.device(dev))
+    return dev
+
+
 def decode_main(rank: int, sc: Scenario, ctl, out) -> None:
+    from kv_transfer import ipc
     from kv_transfer.nixl_receiver import NixlReceiver
+    if sc.decode_node:
+        ipc.node_id = lambda: sc.decode_node
     spec = spec_for(sc.d)
-    pool, kv = KVPool(spec), KVManager(spec)
+    pool, kv = KVPool(spec, _device(sc.devices[1])), KVManager(spec)
     cfg = TransferConfig("dec", "m", rank, sc.d, probe_interval_s=0.1)
-    rx = NixlReceiver(pool, cfg)
+    rx = NixlReceiver(pool, cfg, data_path=sc.data_path)
     out.put(("addr", rank, rx.endpoint, rx.epoch))
     _, endpoints, epochs = ctl.get(timeout=WAIT)
     if sc.d > 1:
@@ -92,7 +110,8 @@ def decode_main(rank: int, sc: Scenario, ctl, out) -> None:
     req = rx.expect("q", pages, sc.n_tokens, time.time() + sc.deadline_s)
     if sc.restart_decode:  # the worker restarts: same address, new epoch, same request id re-admitted
         rx.close()
-        rx = NixlReceiver(pool, TransferConfig("dec", "m", rank, sc.d, port=int(endpoints[rank].rsplit(":", 1)[1])))
+        rx = NixlReceiver(pool, TransferConfig("dec", "m", rank, sc.d, port=int(endpoints[rank].rsplit(":", 1)[1])),
+                          data_path=sc.data_path)
         rx.expect("q", pages, sc.n_tokens, time.time() + 3.0)
     out.put(("req", rank, encode(req)))
     res = Result("decode", rank, "", None)
@@ -109,7 +128,7 @@ def decode_main(rank: int, sc: Scenario, ctl, out) -> None:
     o = rx.outcome("q")
     res.status, res.reason, res.detail, res.num_bytes = o.status.name, o.reason and o.reason.name, o.detail, o.num_bytes
     if o.status == TransferStatus.DONE:
-        res.data_ok = all(torch.equal(dst_block(pool, pages, layer, js), want) for layer in LAYERS
+        res.data_ok = all(torch.equal(dst_block(pool, pages, layer, js).cpu(), want) for layer in LAYERS
                           for want, js in [expected_block(src, pages_src(sc), sc.d, rank, layer, spec_for(sc.p),
                                                           sc.n_tokens, sc.p)])
         r = -(-spec.sliding_window // spec.page_size) + 1
@@ -148,7 +167,7 @@ def _check_partial(pool, pages, src, sc, rank, rx) -> bool:
     done = [layer for layer in LAYERS if layer <= sc.pause_after]
     while time.monotonic() < end:
         rx.progress()
-        if all(torch.equal(dst_block(pool, pages, layer, js), want) for layer in done
+        if all(torch.equal(dst_block(pool, pages, layer, js).cpu(), want) for layer in done
                for want, js in [expected_block(src, pages_src(sc), sc.d, rank, layer, spec_for(sc.p), sc.n_tokens,
                                                sc.p)]):
             break
@@ -164,10 +183,12 @@ def _check_partial(pool, pages, src, sc, rank, rx) -> bool:
 def prefill_main(rank: int, sc: Scenario, ctl, out) -> None:
     from kv_transfer.nixl_sender import NixlSender
     spec = spec_for(sc.p, page=sc.prefill_page_size)
-    pool = random_pool(spec, 100 + rank)
+    pool = KVPool(spec, _device(sc.devices[0]))
+    for dst, src in zip(pool.pools, random_pool(spec, 100 + rank).pools):
+        dst.copy_(src)
     kv = KVManager(spec)
     pages = scattered_pages(kv, sc.n_tokens, seed=7)
-    tx = NixlSender(pool, TransferConfig("pre", "m", rank, sc.p))
+    tx = NixlSender(pool, TransferConfig("pre", "m", rank, sc.p), data_path=sc.data_path)
     out.put(("ready", rank))
     req = decode(ctl.get(timeout=WAIT), TransferRequest)
     t0 = time.monotonic()
@@ -184,7 +205,7 @@ def prefill_main(rank: int, sc: Scenario, ctl, out) -> None:
     o = tx.finish("q")
     kv.release(pages)  # the owner frees its source pages once the status is terminal
     res = Result("prefill", rank, o.status.name, o.reason and o.reason.name, o.detail, o.num_bytes,
-                 time.monotonic() - t0, all_free=kv.num_free() == tuple(spec.num_pages))
+                 time.monotonic() - t0, all_free=kv.num_free() == tuple(spec.num_pages), paths=dict(tx.data_paths))
     out.put(("result", rank, res))
     t_end = time.monotonic() + 0.5
     while time.monotonic() < t_end:  # keep draining so decode hears our Ended
@@ -278,9 +299,10 @@ def _assert_done(results, sc: Scenario):
         sum(r.num_bytes for r in results.values() if r.role == "decode") > 0
 
 
+@pytest.mark.parametrize("data_path", ["nixl", "ipc"])
 @pytest.mark.parametrize("p,d", [(1, 1), (1, 2), (2, 1)], ids=["p=d", "p<d", "p>d"])
-def test_pages_land_byte_exact(p, d):
-    sc = Scenario(p=p, d=d, n_tokens=100, pause_after=1, check_partial=True)
+def test_pages_land_byte_exact(p, d, data_path):
+    sc = Scenario(p=p, d=d, n_tokens=100, pause_after=1, check_partial=True, data_path=data_path)
     with Cluster(sc) as c:
         c.wire()
         c.expect("paused", p)
@@ -293,6 +315,22 @@ def test_pages_land_byte_exact(p, d):
     _assert_done(results, sc)
     for s in range(d):
         assert results[("decode", s)].partial_ok, "layers must land one by one"
+    for r in range(p):  # every prefill rank wrote every decode rank it shares heads with, by that path
+        paths = results[("prefill", r)].paths
+        assert paths and set(paths.values()) == {data_path}, paths
+
+
+def test_ipc_falls_back_to_nixl_for_another_node():
+    sc = Scenario(pause_after=1, check_partial=True, data_path="ipc", decode_node="elsewhere")
+    with Cluster(sc) as c:
+        c.wire()
+        c.expect("paused")
+        c.dctl[0].put("check")
+        c.expect("checked")
+        c.pctl[0].put("go")
+        results = c.results()
+    _assert_done(results, sc)
+    assert list(results[("prefill", 0)].paths.values()) == ["nixl"], results[("prefill", 0)]
 
 
 def test_sender_killed_mid_transfer():
@@ -312,8 +350,9 @@ def test_sender_killed_mid_transfer():
     assert r.all_free
 
 
-def test_receiver_killed_mid_transfer():
-    sc = Scenario(pause_after=1, deadline_s=20.0, check_partial=True)
+@pytest.mark.parametrize("data_path", ["nixl", "ipc"])
+def test_receiver_killed_mid_transfer(data_path):
+    sc = Scenario(pause_after=1, deadline_s=20.0, check_partial=True, data_path=data_path)
     with Cluster(sc) as c:
         c.wire()
         c.expect("paused")
@@ -340,8 +379,9 @@ def test_deadline_exceeded_frees_both_sides():
     assert dr.all_free and pr.all_free
 
 
-def test_epoch_mismatch_after_decode_restart():
-    sc = Scenario(restart_decode=True)
+@pytest.mark.parametrize("data_path", ["nixl", "ipc"])
+def test_epoch_mismatch_after_decode_restart(data_path):
+    sc = Scenario(restart_decode=True, data_path=data_path)
     with Cluster(sc) as c:
         c.wire()
         results = c.results()
