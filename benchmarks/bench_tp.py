@@ -98,7 +98,7 @@ def allreduce_section(res: Results, rank: int, world: int) -> None:
 def _tandem_rows(row: dict, tokens: int, rank: int, world: int) -> None:
     """Our one-shot kernel (kernels/allreduce.py): a different x per rank; every rank must get the
     rank-ordered fp32 sum bit for bit, also after graph replays (pads reset, buffers reused)."""
-    from kernels.allreduce import SymmOneShotAllReduce, reduce_sum_reference
+    from kernels.allreduce import OneShotAllReduce, reduce_sum_reference
     from model.parallel import _tandem_one_shot
 
     g = torch.Generator(device="cuda").manual_seed(1000 * tokens + rank)
@@ -106,7 +106,7 @@ def _tandem_rows(row: dict, tokens: int, rank: int, world: int) -> None:
     xs = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(xs, x)
     want = reduce_sum_reference(xs)
-    ar: SymmOneShotAllReduce = _tandem_one_shot(None, 256 * 2880, x.device)
+    ar: OneShotAllReduce = _tandem_one_shot(None, 256 * 2880, x.device)
     got = ar(x)
     torch.cuda.synchronize()
     exact = bool(torch.equal(got, want))

@@ -82,28 +82,36 @@ def reduce_sum_reference(xs: list[torch.Tensor]) -> torch.Tensor:
     return acc.to(torch.bfloat16)
 
 
-class SymmOneShotAllReduce:
-    """Sum of bf16 tensors of up to `max_numel` elements over `group` (every rank calls together).
+class OneShotAllReduce:
+    """Sum of bf16 tensors of up to `max_numel` elements over `world` ranks (every rank calls together),
+    given every rank's buffer ([max_numel] bf16) and signal pad (zeroed int32 slots, `pad_bytes`)
+    addresses, mapped into this process. Calls are graph-capturable: no allocation but the output,
+    no host synchronisation."""
 
-    Construction is a collective (symmetric buffer allocation + rendezvous); do it before CUDA-graph
-    capture. Calls are graph-capturable: no allocation but the output, no host synchronisation."""
+    def __init__(self, rank: int, world: int, buffer_ptrs: list[int], pad_ptrs: list[int], pad_bytes: int,
+                 max_numel: int, device: torch.device) -> None:
+        assert len(buffer_ptrs) == len(pad_ptrs) == world and 0 <= rank < world
+        self.rank, self.world, self.max_numel = rank, world, max_numel
+        self.bufs = torch.tensor(buffer_ptrs, dtype=torch.int64, device=device)  # [W]
+        self.pads = torch.tensor(pad_ptrs, dtype=torch.int64, device=device)  # [W]
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.max_programs = max(1, min(sms, pad_bytes // 4 // world))  # int32 slots [programs, W]
 
-    def __init__(self, group: Any, max_numel: int, device: torch.device) -> None:
+    @classmethod
+    def symmetric(cls, group: Any, max_numel: int, device: torch.device) -> "OneShotAllReduce":
+        """Buffers and pads from torch symmetric memory over `group` (a collective: call it on every
+        rank, before CUDA-graph capture)."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
         group = group or dist.group.WORLD
-        self.buf = symm_mem.empty(max_numel, dtype=torch.bfloat16, device=device)
-        self.handle = symm_mem.rendezvous(self.buf, group.group_name)
-        self.rank, self.world = self.handle.rank, self.handle.world_size
-        self.max_numel = max_numel
-        dev = self.buf.device
-        self.bufs = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=dev)  # [W]
-        self.pads = torch.tensor(list(self.handle.signal_pad_ptrs), dtype=torch.int64, device=dev)  # [W]
-        slots = self.handle.signal_pad_size // 4 // self.world  # int32 slots per rank: [programs, W]
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        self.max_programs = max(1, min(sms, slots))
-        self.handle.barrier()  # the pads are zero on every rank before the first kernel
+        buf = symm_mem.empty(max_numel, dtype=torch.bfloat16, device=device)
+        handle = symm_mem.rendezvous(buf, group.group_name)
+        self = cls(handle.rank, handle.world_size, list(handle.buffer_ptrs), list(handle.signal_pad_ptrs),
+                   handle.signal_pad_size, max_numel, buf.device)
+        self._keep = (buf, handle)
+        handle.barrier()  # the pads are zero on every rank before the first kernel
+        return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dtype == torch.bfloat16 and x.numel() <= self.max_numel, (x.dtype, x.numel())

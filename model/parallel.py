@@ -104,11 +104,11 @@ def _tandem_one_shot(group: Any, max_numel: int, device: torch.device) -> Any:
     like the torch path's buffers (eager warm-up precedes any CUDA-graph capture)."""
     import torch.distributed as dist
 
-    from kernels.allreduce import SymmOneShotAllReduce
+    from kernels.allreduce import OneShotAllReduce
 
     key = ((group or dist.group.WORLD).group_name, max_numel)
     if key not in _TANDEM:
-        _TANDEM[key] = SymmOneShotAllReduce(group, max_numel, device)
+        _TANDEM[key] = OneShotAllReduce.symmetric(group, max_numel, device)
     return _TANDEM[key]
 
 

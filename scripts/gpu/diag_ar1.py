@@ -1,9 +1,10 @@
 """Our one-shot all-reduce (kernels/allreduce.py) with two ranks on whatever GPUs there are.
 
-On one GPU both ranks share it (gloo process group; symmetric memory maps the peer's buffer on the
-same device): the two processes' kernels time-slice, so this checks the barrier protocol and the
-arithmetic (bit-exact, repeated calls, CUDA-graph replays), not speed. On two GPUs it is the real
-thing (NCCL group). Prints one line per case and exits non-zero on any mismatch or hang.
+On one GPU both ranks share it (gloo process group; torch symmetric memory refuses two ranks on one
+device, so each rank allocates its buffer and signal pad with torch and the other maps them through
+CUDA IPC — the kernel only sees addresses): the two processes' kernels time-slice, so this checks
+the barrier protocol and the arithmetic (bit-exact, repeated calls, CUDA-graph replays), not speed.
+On two GPUs it is the real thing (NCCL group, symmetric memory). Prints one line per case and exits non-zero on any mismatch or hang.
 
     python -m scripts.gpu.diag_ar1
 """
@@ -19,7 +20,28 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world: int, port: int, q) -> None:
+MAX_NUMEL = 256 * 2880
+PAD_BYTES = 4096
+
+
+def _shared_one_gpu(rank: int, world: int, dev: torch.device, mine, theirs):
+    """Buffers and pads on one device, exchanged as CUDA IPC handles (torch.multiprocessing queues)."""
+    from kernels.allreduce import OneShotAllReduce
+
+    buf = torch.empty(MAX_NUMEL, dtype=torch.bfloat16, device=dev)
+    pad = torch.zeros(PAD_BYTES // 4, dtype=torch.int32, device=dev)
+    torch.cuda.synchronize()
+    mine.put((buf, pad))
+    peer_buf, peer_pad = theirs.get(timeout=60)
+    bufs = [buf, peer_buf] if rank == 0 else [peer_buf, buf]
+    pads = [pad, peer_pad] if rank == 0 else [peer_pad, pad]
+    ar = OneShotAllReduce(rank, world, [b.data_ptr() for b in bufs], [p.data_ptr() for p in pads], PAD_BYTES,
+                          MAX_NUMEL, dev)
+    ar._keep = (bufs, pads)
+    return ar
+
+
+def _worker(rank: int, world: int, port: int, q, qs) -> None:
     import torch.distributed as dist
 
     from kernels.allreduce import reduce_sum_reference
@@ -31,6 +53,11 @@ def _worker(rank: int, world: int, port: int, q) -> None:
         backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         lines, ok = [], True
+        if backend == "gloo":
+            ar = _shared_one_gpu(rank, world, dev, qs[rank], qs[1 - rank])
+        else:
+            ar = _tandem_one_shot(None, MAX_NUMEL, dev)
+        dist.barrier()
         for tokens in (1, 7, 128, 256):
             g = torch.Generator(device=dev).manual_seed(tokens * 10 + rank)
             x = torch.randn(tokens, 2880, device=dev, dtype=torch.bfloat16, generator=g)
@@ -42,7 +69,6 @@ def _worker(rank: int, world: int, port: int, q) -> None:
             else:
                 dist.all_gather(xs, x)
             want = reduce_sum_reference(xs)
-            ar = _tandem_one_shot(None, 256 * 2880, dev)
             t0 = time.perf_counter()
             eager = [bool(torch.equal(ar(x), want)) for _ in range(5)]
             torch.cuda.synchronize()
@@ -75,8 +101,8 @@ def main() -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, q), daemon=True) for r in range(2)]
+    q, qs = ctx.Queue(), [ctx.Queue(), ctx.Queue()]
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, q, qs), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     ok = True
