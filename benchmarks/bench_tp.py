@@ -136,7 +136,8 @@ def main() -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank), timeout=timedelta(seconds=180))
     tag = f"{a.preset}-tp{world}-{a.moe_mode}" + (f"-oneshot{a.fast_allreduce_kib}k" if a.fast_allreduce_kib else "") + \
-        ("-tandemar" if a.fast_allreduce_impl == "tandem" else "")
+        ("-tandemar" if a.fast_allreduce_impl == "tandem" else "") + \
+        ("-allreduce-only" if not a.prefill_lens and not a.contexts else "")
     path = out_dir() / (f"model_{tag}.json" if rank == 0 else f".rank{rank}_{tag}.json")
     res = Results(path, {"env": environment(), "args": vars(a), "world": world})
     quiet = contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext()
@@ -146,6 +147,11 @@ def main() -> None:
         with res.section("ceilings") as sec:
             ceil = measure_ceilings()
             sec.update(ceil)
+        if not a.prefill_lens and not a.contexts:  # all-reduce latency only: no model
+            res.save()
+            dist.barrier()
+            dist.destroy_process_group()
+            return
         t0 = time.monotonic()
         par = ParallelConfig(world, rank, MoEMode(a.moe_mode), dist.group.WORLD, a.fast_allreduce_kib << 10,
                              a.fast_allreduce_impl)

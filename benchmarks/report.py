@@ -177,21 +177,29 @@ def sec_decode(docs: dict[str, dict]) -> list[str]:
     return out + (["Not measured:", "", *gaps, ""] if gaps else [])
 
 
-_AR_PATHS = ("nccl", "symm_one_shot")  # what model/parallel.py runs (two-shot is measured, not used)
+# What model/parallel.py can run (two-shot is measured, not used); ours counts only where the run
+# found it bit-exact against the rank-ordered sum.
+_AR_PATHS = ("nccl", "symm_one_shot", "tandem")
 
 
 def _ar_best(r: dict) -> tuple[float, str]:
     """The fastest path the model can take for one message: in a CUDA graph (how decode runs)
     when the run measured that, else eager."""
-    graph = [(r[f"{p}_graph_us"], f"{p} in a CUDA graph") for p in _AR_PATHS if r.get(f"{p}_graph_us")]
-    eager = [(r[f"{p}_us"], f"{p} eager") for p in _AR_PATHS if r.get(f"{p}_us")]
+    paths = [p for p in _AR_PATHS if p != "tandem" or r.get("tandem_exact")]
+    graph = [(r[f"{p}_graph_us"], f"{p} in a CUDA graph") for p in paths if r.get(f"{p}_graph_us")]
+    eager = [(r[f"{p}_us"], f"{p} eager") for p in paths if r.get(f"{p}_us")]
     return min(graph or eager)
+
+
+def allreduce_docs(docs: dict[str, dict]) -> list[tuple[str, dict]]:
+    """Runs with all-reduce rows (model runs, and bench_tp's all-reduce-only runs)."""
+    return sorted((n, d) for n, d in docs.items() if d.get("allreduce", {}).get("rows"))
 
 
 def allreduce_targets(docs: dict[str, dict]) -> list[Target]:
     """Per run: the slowest decode-sized message, each at its fastest implementation."""
     out = []
-    for n, d in model_docs(docs):
+    for n, d in allreduce_docs(docs):
         rows = [r for r in d.get("allreduce", {}).get("rows", []) if r["tokens"] <= ALLREDUCE_DECODE_TOKENS]
         if rows:
             best = [_ar_best(r) for r in rows]
@@ -207,14 +215,17 @@ def allreduce_targets(docs: dict[str, dict]) -> list[Target]:
 def sec_allreduce(docs: dict[str, dict], targets: list[Target]) -> list[str]:
     out = [f"- {t.what}: {t.value} (target {t.target}: {'met' if t.met else '**missed**'})" for t in targets]
     out += [""] if out else []
-    for n, d in model_docs(docs):
+    for n, d in allreduce_docs(docs):
         rows = [[r["tokens"], r["bytes"], r["nccl_us"], r.get("nccl_graph_us"), r.get("symm_one_shot_us"),
-                 r.get("symm_one_shot_graph_us"), r.get("symm_one_shot_nocopy_graph_us"), r.get("symm_two_shot_graph_us")]
+                 r.get("symm_one_shot_graph_us"), r.get("symm_one_shot_nocopy_graph_us"), r.get("symm_two_shot_graph_us"),
+                 r.get("tandem_graph_us"), r.get("tandem_exact")]
                 for r in d.get("allreduce", {}).get("rows", [])]
         if rows:
-            out += [f"From `{n}` ({d.get('world')} GPUs; graph = per call inside a CUDA graph of 32 calls):", ""]
+            out += [f"From `{n}` ({d.get('world')} GPUs; graph = per call inside a CUDA graph of 32 calls; ours = "
+                    "kernels/allreduce.py, exact = bit-equal to the rank-ordered fp32 sum on every rank):", ""]
             out += table(rows, ["tokens × 2880 bf16", "bytes", "NCCL µs", "NCCL graph µs", "one-shot µs",
-                                "one-shot graph µs", "one-shot kernel alone, graph µs", "two-shot graph µs"])
+                                "one-shot graph µs", "one-shot kernel alone, graph µs", "two-shot graph µs",
+                                "ours graph µs", "ours exact"])
     return out
 
 
