@@ -131,13 +131,14 @@ def main() -> None:
                     help="symmetric-memory one-shot all-reduce up to this many KiB (0 = NCCL only); "
                          "the workers' default is 1024")
     ap.add_argument("--fast-allreduce-impl", choices=["torch", "tandem"], default="torch")
+    ap.add_argument("--vocab-parallel", action="store_true", help="lm_head split by vocabulary rows")
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank), timeout=timedelta(seconds=180))
     tag = f"{a.preset}-tp{world}-{a.moe_mode}" + (f"-oneshot{a.fast_allreduce_kib}k" if a.fast_allreduce_kib else "") + \
         ("-tandemar" if a.fast_allreduce_impl == "tandem" else "") + \
-        ("-allreduce-only" if not a.prefill_lens and not a.contexts else "")
+        ("-vocabpar" if a.vocab_parallel else "") + ("-allreduce-only" if not a.prefill_lens and not a.contexts else "")
     path = out_dir() / (f"model_{tag}.json" if rank == 0 else f".rank{rank}_{tag}.json")
     res = Results(path, {"env": environment(), "args": vars(a), "world": world})
     quiet = contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext()
@@ -154,7 +155,7 @@ def main() -> None:
             return
         t0 = time.monotonic()
         par = ParallelConfig(world, rank, MoEMode(a.moe_mode), dist.group.WORLD, a.fast_allreduce_kib << 10,
-                             a.fast_allreduce_impl)
+                             a.fast_allreduce_impl, a.vocab_parallel)
         model = build(a.preset, a.attention, "scaled_mm", "triton", parallel=par, device=f"cuda:{rank}",
                       fp8_attention=not a.bf16_attention)
         res.data["load_seconds"] = round(time.monotonic() - t0, 1)

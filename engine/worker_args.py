@@ -36,6 +36,9 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--fast-allreduce-kib", type=int, default=1024,
                    help="with --tp > 1 on GPUs: all-reduces up to this size use the symmetric-memory "
                         "one-shot kernel (decode-sized), larger ones NCCL; 0 = NCCL only")
+    p.add_argument("--vocab-parallel", action="store_true",
+                   help="with --tp > 1: split lm_head by vocabulary rows (one all-gather of the logits) "
+                        "instead of replicating it")
     p.add_argument("--fast-allreduce-impl", choices=["torch", "tandem"], default="torch",
                    help="one-shot kernel: torch's symm_mem op, or ours (one program per SM)")
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"])
@@ -74,7 +77,7 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),
         seed=a.seed, progress=tp_rank == 0,
         parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group,
-                                max(0, a.fast_allreduce_kib) << 10 if gpu else 0, a.fast_allreduce_impl))
+                                max(0, a.fast_allreduce_kib) << 10 if gpu else 0, a.fast_allreduce_impl, a.vocab_parallel))
 
 
 def worker_id(a: argparse.Namespace, role: str) -> str:

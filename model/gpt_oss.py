@@ -160,7 +160,8 @@ class GptOss(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, self.par, dtype, fp8, device, self.fp8_attention)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = _empty((cfg.hidden_size,), torch.float32, device)
-        self.lm_head = _empty((cfg.vocab_size, cfg.hidden_size), dtype, device)  # untied
+        # untied; [V / tp, H] when vocab-parallel (ParallelConfig.vocab_parallel)
+        self.lm_head = _empty((len(self.par.vocab_rows(cfg)), cfg.hidden_size), dtype, device)
         self.rotary = Rotary(cfg, device)
 
     @torch.inference_mode()
@@ -187,5 +188,8 @@ class GptOss(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] in fp32."""
-        return torch.nn.functional.linear(hidden, self.lm_head).float()
+        """hidden [N, H] -> logits [N, V] in fp32 (every rank gets all of them)."""
+        logits = torch.nn.functional.linear(hidden, self.lm_head)  # [N, V / tp] when vocab-parallel
+        if self.par.vocab_parallel:
+            logits = self.par.all_gather_last(logits)  # gathered in the model dtype: half the bytes of fp32
+        return logits.float()

@@ -118,7 +118,7 @@ def load_weights(model: GptOss, src: TensorSource, *, progress: bool = True,
     e_rng, i_rng = par.experts(cfg), par.intermediate(cfg)
 
     _copy(model.embed, rd.dense("model.embed_tokens.weight"))
-    _copy(model.lm_head, rd.dense("lm_head.weight"))
+    _copy(model.lm_head, rd.dense("lm_head.weight", par.vocab_rows(cfg)))
     _copy(model.norm, rd.dense("model.norm.weight"))
     layers = tqdm(range(cfg.num_hidden_layers), desc="loading layers", disable=not progress, unit="layer")
     for n in layers:

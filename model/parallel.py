@@ -40,6 +40,10 @@ class ParallelConfig:
     # Which one-shot kernel: "torch" (symm_mem.one_shot_all_reduce_copy) or "tandem"
     # (kernels/allreduce.py: one program per SM, rank-ordered fp32 sum; bf16 only).
     fast_allreduce_impl: str = "torch"
+    # Unembedding split by vocabulary rows (each rank computes logits for V/tp tokens, one all-gather
+    # assembles them) instead of replicated: a decode step reads 1/tp of the 1.16 GB bf16 lm_head.
+    # The embedding stays replicated: a lookup reads T rows, and splitting it would add an all-reduce.
+    vocab_parallel: bool = False
 
     def validate(self, cfg: GptOssConfig) -> None:
         tp = self.tp_size
@@ -53,6 +57,8 @@ class ParallelConfig:
         if self.moe_mode == MoEMode.EP and cfg.num_local_experts % tp:
             raise ConfigError(f"expert parallelism over {tp} ranks needs the expert count "
                               f"({cfg.num_local_experts}) to be divisible by {tp}")
+        if self.vocab_parallel and cfg.vocab_size % tp:
+            raise ConfigError(f"vocab-parallel unembedding needs the vocabulary ({cfg.vocab_size}) divisible by TP {tp}")
         if self.moe_mode == MoEMode.TP and cfg.intermediate_size % tp:
             raise ConfigError(f"TP {tp} does not divide intermediate_size {cfg.intermediate_size}")
 
@@ -76,6 +82,24 @@ class ParallelConfig:
             return range(cfg.intermediate_size)
         n = cfg.intermediate_size // self.tp_size
         return range(n * self.tp_rank, n * (self.tp_rank + 1))
+
+    def vocab_rows(self, cfg: GptOssConfig) -> range:
+        """Rows of lm_head (token ids) this rank computes logits for."""
+        if not self.vocab_parallel:
+            return range(cfg.vocab_size)
+        n = cfg.vocab_size // self.tp_size
+        return range(n * self.tp_rank, n * (self.tp_rank + 1))
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] per rank -> [..., tp * n], rank-major along the last dim."""
+        if self.tp_size == 1:
+            return x
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=-1)
 
     @property
     def adds_replicated_bias(self) -> bool:

@@ -2,7 +2,7 @@
 # GPU run J2 (two H200s): everything issues #6 and #7 still need from the 2-GPU machine, in one call.
 #  1. our one-shot all-reduce: bit-exact on two GPUs (eager, repeated, CUDA-graph replays)
 #  2. all-reduce latency per decode-sized message: NCCL, torch one-/two-shot, ours (bench_tp)
-#  3. 20b TP2 MoE-EP prefill/decode with ours on the decode path (step times; torch's one-shot is run I)
+#  3. 20b TP2 MoE-EP decode: torch's one-shot vs ours, and ours + vocab-parallel lm_head (step times)
 #  4. KV transfer GPU0 -> GPU1, 120b-shaped, 8k and 32k: copy_ p2p, NIXL, IPC data path; overlap
 #  5. multi-rank disaggregated serving, same MoE layout on both roles (tokens must equal colocated),
 #     KV over NIXL and over the IPC data path
@@ -13,8 +13,13 @@ timeout ${T_AR1:-120} python3 -m scripts.gpu.diag_ar1 > $OUT/j2/diag_ar1.log 2>&
 TP="torchrun --nproc-per-node 2 -m benchmarks.bench_tp --bf16-attention --preset gpt-oss-20b --moe-mode ep"
 timeout ${T_AR:-150} $TP --prefill-lens "" --contexts "" > $OUT/j2/allreduce.log 2>&1; echo "ar rc=$?"
 grep -E "^all-reduce|Error" $OUT/j2/allreduce.log | head -12
-timeout ${T_TP20:-240} $TP --skip-allreduce --fast-allreduce-impl tandem --prefill-lens 8192 --contexts 8192 --batches 1,64,128 > $OUT/j2/tp20_tandem.log 2>&1; echo "tp20 tandem rc=$?"
-grep -E "^decode|^prefill|Error" $OUT/j2/tp20_tandem.log | head
+tp20() {  # $1 = tag, rest = flags: 20b TP2 EP decode at 8k context, A/B in one session
+  timeout ${T_TP20:-200} $TP --skip-allreduce --contexts 8192 --batches 1,64,128 "${@:2}" > $OUT/j2/tp20_$1.log 2>&1; echo "tp20 $1 rc=$?"
+  grep -E "^decode|^prefill|Error" $OUT/j2/tp20_$1.log | head -6
+}
+tp20 torchar --prefill-lens 8192
+tp20 tandemar --prefill-lens "" --fast-allreduce-impl tandem
+tp20 tandemar_vocab --prefill-lens "" --fast-allreduce-impl tandem --vocab-parallel
 timeout ${T_KV:-300} python3 -m benchmarks.kv_transfer --iters 3 > $OUT/j2/kv_transfer.log 2>&1; echo "kv rc=$?"
 grep -v "NIXL INFO" $OUT/j2/kv_transfer.log | tail -30
 smoke() {  # $1 = tag, $2 = KV backend

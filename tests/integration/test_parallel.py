@@ -50,7 +50,8 @@ def _worker(rank: int, world: int, port: int, path: str, mode: str, out: dict) -
     torch.set_num_threads(1)
     try:
         src = SafetensorsSource(path)
-        par = ParallelConfig(world, rank, MoEMode(mode), dist.group.WORLD)
+        moe, _, vocab = mode.partition("+")
+        par = ParallelConfig(world, rank, MoEMode(moe), dist.group.WORLD, vocab_parallel=vocab == "vocab")
         m = GptOss(src.config, make_backends(), dtype=torch.float32, parallel=par)
         load_weights(m, src, progress=False)
         ids = list(range(5, 5 + 3 * src.config.sliding_window + 2))
@@ -61,7 +62,7 @@ def _worker(rank: int, world: int, port: int, path: str, mode: str, out: dict) -
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,mode", [(2, "tp"), (2, "ep"), (4, "tp"), (4, "ep")])
+@pytest.mark.parametrize("world,mode", [(2, "tp"), (2, "ep"), (4, "tp"), (4, "ep"), (2, "ep+vocab"), (4, "tp+vocab")])
 def test_tp_and_ep_match_tp1(world, mode, ckpt_factory):
     path = ckpt_factory("tiny-c")  # 16 q / 8 KV heads, 8 experts, I = 128: divisible by 2 and 4
     ref_model = GptOss(SafetensorsSource(path).config, make_backends(), dtype=torch.float32)
@@ -81,6 +82,8 @@ def test_expert_count_not_divisible_is_refused():
     with pytest.raises(ConfigError, match="expert count"):
         ParallelConfig(4, 0, MoEMode.EP).validate(cfg)
     ParallelConfig(2, 0, MoEMode.EP).validate(cfg)  # 6 experts over 2 ranks is fine
+    with pytest.raises(ConfigError, match="vocab"):
+        ParallelConfig(4, 0, MoEMode.TP, vocab_parallel=True).validate(dataclasses.replace(cfg, vocab_size=1030))
     cfg = preset("tiny-b")
     with pytest.raises(ConfigError, match="KV heads"):
         ParallelConfig(2, 0, MoEMode.TP).validate(cfg)  # tiny-b has a single KV head
