@@ -110,6 +110,11 @@ class OneShotAllReduce:
         self = cls(handle.rank, handle.world_size, list(handle.buffer_ptrs), list(handle.signal_pad_ptrs),
                    handle.signal_pad_size, max_numel, buf.device)
         self._keep = (buf, handle)
+        # Every rank must launch the same grid (program p waits for program p of each peer): agree on
+        # the smallest SM count in the group.
+        agreed = torch.tensor([self.max_programs], dtype=torch.int64, device=buf.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        self.max_programs = int(agreed.item())
         handle.barrier()  # the pads are zero on every rank before the first kernel
         return self
 
