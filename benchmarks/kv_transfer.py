@@ -8,15 +8,19 @@ Sections (one run):
   nixl       our NixlSender (process on GPU0) -> NixlReceiver (process on GPU1), UCX defaults:
              all 36 layers posted back to back, timed from the accepted claim to DONE; decode
              page placements: contig (fresh allocator), runs16 (16-page runs), scattered (random)
-  overlap    the prefill-side cost when layer-overlapped: a stand-in prefill per layer (bf16 GEMMs
-             of --prefill-gflop-per-token / 36 per token, then the layer's KV store), with and
-             without NixlSender writing each layer as it completes; added time / compute time.
+  ipc        the same two processes with --kv-backend ipc: NIXL control plane, the bytes copied by
+             a Triton kernel into the decode pool mapped through CUDA IPC (kv_transfer/ipc.py)
+  overlap    per data path, the prefill-side cost when layer-overlapped: a stand-in prefill per
+             layer (bf16 GEMMs of --prefill-gflop-per-token / 36 per token, then the layer's KV
+             store), with and without the sender writing each layer as it completes; added time /
+             compute time.
 Every NIXL and loopback transfer the table reports was checked byte-exact on the decode side
 (first timed iteration; the overlap run always), against a hash pattern of (layer, K/V, source
 page, head, token, dim) that also proves each layer was written after its store completed.
 
     python -m benchmarks.kv_transfer [--tokens 8192 32768] [--iters 5]
-    python -m benchmarks.kv_transfer --devices cpu cpu --tokens 256 --layers 4 --iters 2  # CPU smoke
+    python -m benchmarks.kv_transfer --devices cpu cpu --tokens 256 --layers 4 --iters 1 \
+        --prefill-gflop-per-token 0.001  # CPU smoke (UCX_TLS=tcp UCX_NET_DEVICES=lo)
 """
 
 from __future__ import annotations
@@ -165,20 +169,20 @@ def _set_device(dev: str) -> None:
         torch.cuda.set_device(torch.device(dev))
 
 
-def decode_proc(args: argparse.Namespace, cmd_q, req_q, done_q) -> None:
+def decode_proc(args: argparse.Namespace, cmd_q, req_q, done_q, data_path: str) -> None:
     try:
-        _decode_loop(args, cmd_q, req_q, done_q)
+        _decode_loop(args, cmd_q, req_q, done_q, data_path)
     except Exception as e:  # noqa: BLE001 - report to the prefill process instead of hanging it
         done_q.put(("error", f"decode process: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"))
 
 
-def _decode_loop(args: argparse.Namespace, cmd_q, req_q, done_q) -> None:
+def _decode_loop(args: argparse.Namespace, cmd_q, req_q, done_q, data_path: str) -> None:
     from kv_transfer.nixl_receiver import NixlReceiver
     dev = args.devices[1]
     _set_device(dev)
     nf_max = -(-max(args.tokens) // PAGE)
     pool = KVPool(make_spec(args.layers, 2 * nf_max, 8 * RING), dev)
-    rx = NixlReceiver(pool, TransferConfig("bench-dec", MODEL, probe_interval_s=1.0))
+    rx = NixlReceiver(pool, TransferConfig("bench-dec", MODEL, probe_interval_s=1.0), data_path=data_path)
     done_q.put(("ready", pool.spec.num_pages))
     active: dict[str, tuple[SeqPages, int, int, bool]] = {}
     while True:
@@ -212,15 +216,15 @@ def _from_decode(done_q) -> tuple:
     return msg
 
 
-def prefill_proc(args: argparse.Namespace, cmd_q, req_q, done_q, result_q) -> None:
+def prefill_proc(args: argparse.Namespace, cmd_q, req_q, done_q, result_q, data_path: str) -> None:
     try:
-        result_q.put(_prefill_run(args, cmd_q, req_q, done_q))
+        result_q.put(_prefill_run(args, cmd_q, req_q, done_q, data_path))
     except Exception as e:  # noqa: BLE001 - the main process records it
-        result_q.put([{"section": "nixl", "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=6)}])
+        result_q.put([{"section": data_path, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=6)}])
         cmd_q.put("stop")
 
 
-def _prefill_run(args: argparse.Namespace, cmd_q, req_q, done_q) -> list[dict]:
+def _prefill_run(args: argparse.Namespace, cmd_q, req_q, done_q, data_path: str) -> list[dict]:
     from kv_transfer.nixl_sender import NixlSender
     dev = args.devices[0]
     _set_device(dev)
@@ -229,7 +233,7 @@ def _prefill_run(args: argparse.Namespace, cmd_q, req_q, done_q) -> list[dict]:
     pool = KVPool(make_spec(args.layers, nf_max, RING), dev)
     for layer in range(args.layers):
         fill_layer(pool, layer, 0)
-    tx = NixlSender(pool, TransferConfig("bench-pre", MODEL, max_layers_ahead=2))
+    tx = NixlSender(pool, TransferConfig("bench-pre", MODEL, max_layers_ahead=2), data_path=data_path)
     rows, counter = [], [0]
 
     def one(n: int, pages: SeqPages, salt: int, check: bool, per_layer=None) -> dict:
@@ -254,7 +258,7 @@ def _prefill_run(args: argparse.Namespace, cmd_q, req_q, done_q) -> list[dict]:
         got = _from_decode(done_q)
         assert got[0] == rid, got
         return {"status": out.status.name, "detail": out.detail, "bytes": out.num_bytes, "s": t1, "post_s": t_post,
-                "verified": got[2], "decode_status": got[1]}
+                "verified": got[2], "decode_status": got[1], "path": sorted(set(tx.data_paths.values()))}
 
     def section(name: str, fn) -> None:
         if any(r.get("decode_died") for r in rows):
@@ -274,20 +278,21 @@ def _prefill_run(args: argparse.Namespace, cmd_q, req_q, done_q) -> list[dict]:
                     runs.append(one(n, pages, 0, check=(it == 1)))
                 timed = runs[1:]
                 ms = statistics.median(r["s"] for r in timed) * 1e3
-                rows.append({"section": "nixl", "tokens": n, "placement": placement, "bytes": timed[0]["bytes"],
+                rows.append({"section": data_path, "tokens": n, "placement": placement, "bytes": timed[0]["bytes"],
                              "descs_per_full_layer": _descs(n, placement, dnum), "ms": ms,
                              "gbps": timed[0]["bytes"] / ms / 1e6,
                              "gbps_best": timed[0]["bytes"] / min(r["s"] for r in timed) / 1e9,
                              "post_ms": statistics.median(r["post_s"] for r in timed) * 1e3,
                              "status": sorted({r["status"] for r in runs}), "verified": timed[0]["verified"],
-                             "first_run_ms": runs[0]["s"] * 1e3})
+                             "first_run_ms": runs[0]["s"] * 1e3, "path_used": runs[-1]["path"]})
 
     def overlap() -> None:
         for n in args.tokens:
             x = torch.randn(n, HIDDEN, device=dev, dtype=torch.bfloat16)
             w = torch.randn(HIDDEN, 2 * HIDDEN, device=dev, dtype=torch.bfloat16)
             y = torch.empty(n, 2 * HIDDEN, device=dev, dtype=torch.bfloat16)
-            reps = max(1, round(args.prefill_gflop_per_token * 1e9 / args.layers / (2 * HIDDEN * 2 * HIDDEN)))
+            # 0 GEMMs when the flag is tiny: one [T, 2880] x [2880, 5760] bf16 GEMM takes minutes on a CPU
+            reps = round(args.prefill_gflop_per_token * 1e9 / args.layers / (2 * HIDDEN * 2 * HIDDEN))
 
             def layer_compute(salt: int):
                 def run(layer: int) -> None:
@@ -310,14 +315,15 @@ def _prefill_run(args: argparse.Namespace, cmd_q, req_q, done_q) -> list[dict]:
                 both = [one(n, dst_pages(n, placement, dnum[0], dnum[1], seed=7 + s), s, True, layer_compute(s))
                         for s in (4, 5, 6)]
                 to = statistics.median(r["s"] for r in both)
-                bw = [r for r in rows if r.get("section") == "nixl" and r["tokens"] == n and r["placement"] == placement]
-                rows.append({"section": "overlap", "tokens": n, "placement": placement, "gemm_reps_per_layer": reps,
+                bw = [r for r in rows if r.get("section") == data_path and r["tokens"] == n and r["placement"] == placement]
+                rows.append({"section": "overlap", "path": data_path, "tokens": n, "placement": placement,
+                             "gemm_reps_per_layer": reps, "path_used": both[-1]["path"],
                              "compute_ms": tc * 1e3, "overlapped_ms": to * 1e3, "added_ms": (to - tc) * 1e3,
                              "added_share": (to - tc) / tc, "serial_share": (bw[0]["ms"] / 1e3 / tc) if bw else None,
                              "standin_tflops": args.prefill_gflop_per_token * 1e9 * n / tc / 1e12,
                              "verified": all(r["verified"] for r in both), "status": sorted({r["status"] for r in both})})
 
-    section("nixl", bandwidth)
+    section(data_path, bandwidth)
     section("overlap", overlap)
     cmd_q.put("stop")
     tx.close()
@@ -334,11 +340,12 @@ def _descs(n: int, placement: str, dnum: tuple[int, int]) -> int:
     return len(layer_copies(geo_s, geo_d, 0, pairs, head_runs(HEADS, 0, 1, 1)[0]))
 
 
-def bench_nixl(args: argparse.Namespace) -> list[dict]:
+def bench_nixl(args: argparse.Namespace, data_path: str) -> list[dict]:
+    """One decode and one prefill process whose sender/receiver use `data_path` ("nixl" | "ipc")."""
     ctx = mp.get_context("spawn")
     cmd_q, req_q, done_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=decode_proc, args=(args, cmd_q, req_q, done_q), daemon=True),
-             ctx.Process(target=prefill_proc, args=(args, cmd_q, req_q, done_q, result_q), daemon=True)]
+    procs = [ctx.Process(target=decode_proc, args=(args, cmd_q, req_q, done_q, data_path), daemon=True),
+             ctx.Process(target=prefill_proc, args=(args, cmd_q, req_q, done_q, result_q, data_path), daemon=True)]
     for p in procs:
         p.start()
     try:
@@ -358,7 +365,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--prefill-gflop-per-token", type=float, default=10.4, help="120b at 8k (DESIGN.md)")
-    ap.add_argument("--nixl-timeout", type=float, default=420.0)
+    ap.add_argument("--data-paths", nargs="+", default=["nixl", "ipc"], choices=["nixl", "ipc"],
+                    help="sender/receiver data paths to measure, each in its own pair of processes")
+    ap.add_argument("--nixl-timeout", type=float, default=420.0, help="per data path")
     args = ap.parse_args()
     report: dict = {"args": vars(args), "ucx_env": {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))},
                     "torch": torch.__version__, "errors": []}
@@ -382,7 +391,8 @@ def main() -> None:
                     lambda n=n, p=placement: {"section": "loopback", **bench_loopback(args, n, p)})
     if args.devices[0].startswith("cuda"):
         torch.cuda.empty_cache()
-    section("nixl + overlap (2 processes)", lambda: bench_nixl(args))
+    for dp in args.data_paths:
+        section(f"{dp} + overlap (2 processes)", lambda dp=dp: bench_nixl(args, dp))
     for r in rows:
         if "error" in r:
             report["errors"].append(f"{r['section']}: {r['error']}\n{r.get('trace', '')}")
@@ -400,7 +410,7 @@ def _print_table(rows: list[dict]) -> None:
     print(f"{'section':9} {'tokens':>6} {'placement':9} {'MB':>8} {'descs/L':>7} {'ms':>8} {'GB/s':>7} {'post ms':>7} ok")
     for r in rows:
         if r["section"] == "overlap":
-            print(f"{'overlap':9} {r['tokens']:6d} {r.get('placement', '-'):9} compute {r['compute_ms']:.1f} ms, overlapped {r['overlapped_ms']:.1f} ms: "
+            print(f"{'ovl ' + r['path']:9} {r['tokens']:6d} {r.get('placement', '-'):9} compute {r['compute_ms']:.1f} ms, overlapped {r['overlapped_ms']:.1f} ms: "
                   f"+{r['added_ms']:.2f} ms = {100 * r['added_share']:.2f}% (serial would be "
                   f"{100 * (r['serial_share'] or float('nan')):.2f}%), stand-in {r['standin_tflops']:.0f} TFLOP/s, "
                   f"verified={r['verified']}")

@@ -8,8 +8,8 @@ import torch
 
 from common.errors import ProtocolError
 from kv_transfer.messages import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Cancel, Claim, ClaimReply, Ended, FailureReason,
-                                  Handshake, HandshakeRequest, KVCompat, LayerDone, PoolLayout, Probe, TransferRequest,
-                                  decode, encode)
+                                  Handshake, HandshakeRequest, IpcPool, KVCompat, LayerDone, PoolLayout, Probe,
+                                  TransferRequest, decode, encode)
 from model.kv_cache import KVCacheSpec
 
 SPEC = KVCacheSpec(16, 4, 64, torch.bfloat16, 128, (1, 3), (0, 2), (100, 18))
@@ -25,8 +25,12 @@ def _handshake(**kw):
     return Handshake(**base)
 
 
+IPC = (IpcPool(0, "cuda", "boot-1", "GPU-9f", b"\x01" * 64, b"/torch_1_2", 4096, 512, 3, b"\x02" * 64, True),
+       IpcPool(1, "shm", "boot-1", "", b"/torch_1_3_0", b"/tmp/torch-shm-dir-x/manager.sock", 512, 0, 0, b"", False))
+
 SAMPLES = [
     _handshake(),
+    _handshake(ipc=IPC),
     HandshakeRequest("pre/prefill/0/5"),
     TransferRequest("req-1", "dec", ("tcp://127.0.0.1:5000", "tcp://127.0.0.1:5001"), (7, 8), (4, 2, 9), (1, 0), 40, 1.5e9),
     Claim("req-1", 7, "pre/prefill/1/5", "pre", 5, 1, 2, b"meta", COMPAT),
@@ -109,6 +113,23 @@ def test_handshake_validation():
     assert hs.pool(1).num_pages == 18
     with pytest.raises(ProtocolError, match="no pool for page group 1"):
         _handshake(pools=(PoolLayout(0, 1, 4096, 1, 100),)).pool(1)
+
+
+def test_handshake_ipc_export_validated():
+    assert PROTOCOL_VERSION == 3  # 3 added Handshake.ipc
+    assert _handshake().ipc == ()  # a receiver on the NIXL data path exports nothing
+    with pytest.raises(ProtocolError, match="distinct registered groups"):
+        decode(encode(_handshake(ipc=(IPC[0], IPC[0]))))
+    with pytest.raises(ProtocolError, match="distinct registered groups"):
+        decode(encode(_handshake(ipc=(dataclasses.replace(IPC[0], group=2),))))
+    with pytest.raises(ProtocolError, match="unknown IPC pool kind"):
+        decode(encode(_handshake(ipc=(dataclasses.replace(IPC[0], kind="rdma"),))))
+    with pytest.raises(ProtocolError, match="sizes"):
+        decode(encode(_handshake(ipc=(dataclasses.replace(IPC[1], nbytes=0),))))
+    with pytest.raises(ProtocolError, match=r"ipc\[0\]\.event_sync: expected bool"):
+        body = msgpack.unpackb(encode(_handshake(ipc=IPC[:1])))
+        body[2][-1][0][-1] = 1
+        decode(msgpack.packb(body, use_bin_type=True))
 
 
 def test_oversized_message_is_not_sent():
