@@ -11,12 +11,15 @@ Prefill (`IpcPaths.target`, once per decode agent): the Handshake's export is us
 comes from this host (boot id), matches our memory kind, and on CUDA names a GPU we see and can
 reach (peer access); otherwise, or when mapping fails, that peer gets NIXL WRITEs. Either way the
 choice is logged once per peer.
-A WRITE step: the sender hands us the same NIXL descriptors it would post (absolute addresses in
-each side's address space, made from kv_transfer/plan.py); `IpcTarget` subtracts the pool bases
-(ours from NixlAgent.layouts, the peer's from its Handshake) to get byte offsets per page group.
-  CUDA: ranges are split into 16 KiB chunks on the host (numpy) and copied by one Triton launch
-        per page group on a side stream, then an event is recorded: the WRITE's handle. The
-        layers' completion events were waited for before the sender calls us.
+A WRITE step: the sender hands us the (WritePlan, layer) pairs it would post as NIXL descriptors
+(kv_transfer/plan.py: absolute addresses in each side's address space, the first layer's ranges
+plus a per-layer stride). Once per plan, `IpcTarget` subtracts the pool bases (ours from
+NixlAgent.layouts, the peer's from its Handshake) to get byte offsets per page group.
+  CUDA: once per plan the ranges are split into 16 KiB chunks (numpy) and uploaded; a WRITE is a
+        Triton launch per plan on a side stream (programs: chunks x layers), then an event is
+        recorded: the WRITE's handle. WRITEs posted while two launches are still running are
+        queued and merged into the next launch. The layers' completion events were waited for
+        before the sender calls us.
   CPU:  synchronous slice copies.
 `done()` turns true once the copy completed and then sends the LayerDone notification with
 NixlAgent.send_notif, so decode sees exactly what it sees after a NIXL WRITE with notification (a
@@ -31,6 +34,7 @@ the decode process has freed, and decode frees its pools only when it shuts down
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +43,7 @@ import torch
 
 from kv_transfer.messages import Handshake, IpcPool, PoolLayout
 from kv_transfer.nixl_backend import NixlAgent, TransportError
+from kv_transfer.plan import WritePlan
 from model.kv_cache import KVPool, PageGroup
 
 log = logging.getLogger(__name__)
@@ -103,18 +108,41 @@ def _groups(addrs: np.ndarray, layouts: tuple[PoolLayout, ...]) -> tuple[np.ndar
 
 
 @dataclass(slots=True)
+class _PlanCopy:
+    """One page group's WritePlan as byte offsets into the two pools (its first layer; layer li is
+    shifted by li * stride on each side) and, on GPU, as the copy kernel's chunk table."""
+
+    group: int
+    src: np.ndarray  # [N] int64 byte offsets in our pool
+    dst: np.ndarray  # [N] int64 byte offsets in the peer's pool
+    nbytes: np.ndarray  # [N] int64
+    src_stride: int  # bytes per layer
+    dst_stride: int
+    table: torch.Tensor | None = None  # [M, 3] int64 words (src, dst, length) on our GPU
+
+
+@dataclass(slots=True)
 class IpcWrite:
-    """One posted copy (the sender's in-flight handle)."""
+    """One posted WRITE (the sender's in-flight handle): queued, launched, then notified."""
 
     remote: str
     notif: bytes
-    event: Any = None  # torch.cuda.Event on GPU; None: the copy already happened (CPU)
+    parts: list[tuple[_PlanCopy, int]]  # (plan, layer) still to launch; [] once launched or copied
+    event: Any = None  # torch.cuda.Event of the launch that carried it; None on CPU (copied at once)
     keep: list[torch.Tensor] = field(default_factory=list)  # chunk tables, mapped pools: alive until done
     notified: bool = False
 
 
+MAX_LAUNCHES = 2  # copies in flight on the side stream; WRITEs posted meanwhile wait and are merged
+MAX_PLANS = 64  # cached plans (one per request and page group)
+
+
 class IpcTarget:
-    """One decode agent's pools mapped into this process; writes with NixlAgent's signature."""
+    """One decode agent's pools mapped into this process; NixlAgent's write_layers/done/release.
+
+    On GPU, WRITEs posted while MAX_LAUNCHES copies are running are queued and launched together
+    (one launch per plan and run of consecutive layers): a prefill that runs ahead, or a backlog,
+    costs a few launches instead of one ~100 us host-side launch per layer."""
 
     path = "ipc"
 
@@ -124,6 +152,9 @@ class IpcTarget:
         self._local_layouts, self._remote_layouts = nixl.layouts, hs.pools
         self._src: dict[int, torch.Tensor] = {}  # group -> flat uint8 view of our pool
         self._dst: dict[int, torch.Tensor] = {}  # group -> flat uint8 view of the peer's pool
+        self._plans: OrderedDict[int, tuple[WritePlan, _PlanCopy]] = OrderedDict()  # by id(plan)
+        self._queue: list[IpcWrite] = []
+        self._running: deque[Any] = deque()  # events of launched copies, oldest first
         for p in hs.ipc:
             if pool.pools[p.group].numel() == 0:
                 continue
@@ -136,42 +167,76 @@ class IpcTarget:
                 raise TransportError(f"IPC pool of group {p.group} is {p.nbytes} bytes, the handshake says "
                                      f"{hs.pool(p.group).nbytes}")
 
-    def write(self, remote: str, remote_mem_type: str, local: np.ndarray, remote_descs: np.ndarray,
-              notif: bytes) -> IpcWrite:
-        """Same contract as NixlAgent.write: local[i] -> remote_descs[i] ([N, 3] uint64: address,
-        length, device id), `notif` reaches the peer after the data (from done())."""
-        sg, so = _groups(local[:, 0], self._local_layouts)
-        dg, do = _groups(remote_descs[:, 0], self._remote_layouts)
-        assert (sg == dg).all(), "a descriptor crosses page groups"
-        n = local[:, 1].astype(np.int64)
-        h = IpcWrite(remote, notif)
-        try:
-            for g in np.unique(sg).tolist():
-                m = sg == g
-                if self._stream is None:
-                    src, dst = self._src[g], self._dst[g]
-                    for s, d, k in zip(so[m].tolist(), do[m].tolist(), n[m].tolist()):
-                        dst[d:d + k].copy_(src[s:s + k])
-                else:
-                    h.keep += self._launch(g, split_chunks(so[m], do[m], n[m], CHUNK_BYTES))
-            if self._stream is not None:
-                h.event = torch.cuda.Event()
-                h.event.record(self._stream)
-        except RuntimeError as e:  # a CUDA error: this peer's path is unusable
-            raise TransportError(f"IPC copy to {remote} failed: {e}") from e
+    def write_layers(self, remote: str, remote_mem_type: str, parts: list[tuple[WritePlan, int]],
+                     notif: bytes) -> IpcWrite:
+        """NixlAgent.write_layers' contract: layer li of each (plan, li) is copied, then `notif`
+        reaches the peer (from done())."""
+        h = IpcWrite(remote, notif, [(self._plan(plan), li) for plan, li in parts])
+        if self._stream is None:  # host memory: copy now
+            for pc, li in h.parts:
+                src, dst = self._src[pc.group], self._dst[pc.group]
+                for s, d, k in zip((pc.src + li * pc.src_stride).tolist(), (pc.dst + li * pc.dst_stride).tolist(),
+                                   pc.nbytes.tolist()):
+                    dst[d:d + k].copy_(src[s:s + k])
+            h.parts = []
+            return h
+        self._queue.append(h)
+        self._flush()
         return h
 
-    def _launch(self, g: int, table: np.ndarray) -> list[torch.Tensor]:
+    def _plan(self, plan: WritePlan) -> _PlanCopy:
+        hit = self._plans.get(id(plan))
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        sg, so = _groups(plan.src[:, 0], self._local_layouts)
+        dg, do = _groups(plan.dst[:, 0], self._remote_layouts)
+        assert len(sg) and (sg == sg[0]).all() and (dg == sg).all(), "a plan covers one page group"
+        pc = _PlanCopy(int(sg[0]), so, do, plan.src[:, 1].astype(np.int64), plan.src_stride, plan.dst_stride)
+        if self._stream is not None:
+            from kv_transfer.ipc_kernel import WORD
+            chunks = split_chunks(pc.src, pc.dst, pc.nbytes, CHUNK_BYTES)
+            assert not (chunks % ALIGN).any() and not (pc.src_stride % ALIGN or pc.dst_stride % ALIGN), \
+                "IPC ranges must be 16-byte aligned"
+            with torch.cuda.stream(self._stream):
+                pc.table = torch.from_numpy(chunks // WORD).to(self._src[pc.group].device, non_blocking=True)
+        self._plans[id(plan)] = (plan, pc)  # the plan is kept, so its id is not reused while cached
+        while len(self._plans) > MAX_PLANS:
+            self._plans.popitem(last=False)
+        return pc
+
+    def _flush(self) -> None:
+        """Launch every queued WRITE as one batch, unless MAX_LAUNCHES copies are still running."""
+        while self._running and self._running[0].query():
+            self._running.popleft()
+        if not self._queue or len(self._running) >= MAX_LAUNCHES:
+            return
         from kv_transfer.ipc_kernel import WORD, copy_chunks
-        assert not (table % ALIGN).any(), "IPC ranges must be 16-byte aligned"
-        src, dst = self._src[g].view(torch.int64), self._dst[g].view(torch.int64)
-        with torch.cuda.stream(self._stream):
-            words = torch.from_numpy(table // WORD).to(src.device, non_blocking=True)  # [M, 3]
-            copy_chunks(src, dst, words, CHUNK_BYTES // WORD)
-        return [words, dst]
+        batch, self._queue = self._queue, []
+        layers: dict[int, tuple[_PlanCopy, set[int]]] = {}
+        for h in batch:
+            for pc, li in h.parts:
+                layers.setdefault(id(pc), (pc, set()))[1].add(li)
+        keep = []
+        try:
+            with torch.cuda.stream(self._stream):
+                for pc, lis in layers.values():
+                    src, dst = self._src[pc.group].view(torch.int64), self._dst[pc.group].view(torch.int64)
+                    for li0, n in _runs(sorted(lis)):
+                        copy_chunks(src, dst, pc.table, CHUNK_BYTES // WORD, li0, n, pc.src_stride // WORD,
+                                    pc.dst_stride // WORD)
+                    keep += [pc.table, dst]
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        except RuntimeError as e:  # a CUDA error: this peer's path is unusable
+            self._queue = batch + self._queue  # still releasable by their owners
+            raise TransportError(f"IPC copy to {batch[0].remote} failed: {e}") from e
+        for h in batch:
+            h.parts, h.event, h.keep = [], event, keep
+        self._running.append(event)
 
     def done(self, h: IpcWrite) -> bool:
-        if h.event is not None and not h.event.query():
+        self._flush()
+        if h.parts or (h.event is not None and not h.event.query()):
             return False
         if not h.notified:
             h.notified = True
@@ -179,11 +244,26 @@ class IpcTarget:
         return True
 
     def release(self, h: IpcWrite) -> bool:
-        """A running copy cannot be cancelled: False until it completed."""
+        """A launched copy cannot be cancelled: False until it completed. A queued one is dropped."""
+        if h.parts:
+            self._queue.remove(h)
+            h.parts = []
+            return True
         if h.event is not None and not h.event.query():
             return False
-        h.keep.clear()
+        h.keep = []
         return True
+
+
+def _runs(layers: list[int]) -> list[tuple[int, int]]:
+    """Ascending layer indices -> (first, count) of each run of consecutive ones."""
+    out: list[tuple[int, int]] = []
+    for li in layers:
+        if out and out[-1][0] + out[-1][1] == li:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((li, 1))
+    return out
 
 
 class IpcPaths:

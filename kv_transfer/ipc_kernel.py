@@ -16,13 +16,15 @@ import triton.language as tl
 WORD = 8  # bytes per element the kernel moves; ranges are 16-byte aligned, two words
 
 
-@triton.jit
-def _copy_chunks_kernel(src_ptr, dst_ptr, table_ptr, BLOCK: tl.constexpr):
-    """Program i copies table[i] = (src word, dst word, words), at most BLOCK words. Every value is
-    even (16-byte aligned), so the compiler may use 16-byte loads and stores."""
+@triton.jit(do_not_specialize=["li0"])
+def _copy_chunks_kernel(src_ptr, dst_ptr, table_ptr, li0, src_stride, dst_stride, BLOCK: tl.constexpr):
+    """Program (i, j) copies chunk i of layer li0 + j: table[i] = (src word, dst word, words) of the
+    plan's first layer, shifted by the layer times each side's stride (words). Every offset and
+    length is even (16-byte aligned), so the compiler may use 16-byte loads and stores."""
     i = tl.program_id(0).to(tl.int64)
-    s = tl.multiple_of(tl.load(table_ptr + 3 * i), 2)
-    d = tl.multiple_of(tl.load(table_ptr + 3 * i + 1), 2)
+    li = (li0 + tl.program_id(1)).to(tl.int64)
+    s = tl.multiple_of(tl.load(table_ptr + 3 * i) + li * src_stride, 2)
+    d = tl.multiple_of(tl.load(table_ptr + 3 * i + 1) + li * dst_stride, 2)
     n = tl.multiple_of(tl.load(table_ptr + 3 * i + 2), 2)
     e = tl.arange(0, BLOCK)
     if n == BLOCK:  # the bulk of a transfer: full chunks, no mask
@@ -32,11 +34,15 @@ def _copy_chunks_kernel(src_ptr, dst_ptr, table_ptr, BLOCK: tl.constexpr):
         tl.store(dst_ptr + d + e, tl.load(src_ptr + s + e, mask=m), mask=m)
 
 
-def copy_chunks(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, block_words: int) -> None:
+def copy_chunks(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, block_words: int, li0: int = 0,
+                num_layers: int = 1, src_stride: int = 0, dst_stride: int = 0) -> None:
     """src, dst: flat int64 views of the two pools; table: [M, 3] int64 (src word, dst word, words)
-    on src's device, every entry even and every length <= block_words. Launches on the current
-    stream and returns at once."""
+    on src's device, every entry even and every length <= block_words; layers li0 .. li0 +
+    num_layers - 1 are copied, layer li shifted by li * stride words on each side (even). Launches
+    on the current stream and returns at once."""
     assert src.dtype == dst.dtype == table.dtype == torch.int64 and table.shape[1:] == (3,)
     assert src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0, "pools must be 16-byte aligned"
-    if len(table):
-        _copy_chunks_kernel[(len(table),)](src, dst, table, BLOCK=block_words, num_warps=4)
+    assert src_stride % 2 == 0 and dst_stride % 2 == 0, "layer strides must be 16-byte aligned"
+    if len(table) and num_layers:
+        _copy_chunks_kernel[(len(table), num_layers)](src, dst, table, li0, src_stride, dst_stride,
+                                                      BLOCK=block_words, num_warps=4)

@@ -23,6 +23,7 @@ import zmq
 
 from common.errors import ConfigError
 from kv_transfer.messages import MAX_MESSAGE_BYTES, PoolLayout
+from kv_transfer.plan import WritePlan
 from model.kv_cache import KVPool, PageGroup
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,12 @@ class NixlAgent:
             self.release(h)
             raise TransportError(f"WRITE to {remote} failed to post")
         return h
+
+    def write_layers(self, remote: str, remote_mem_type: str, parts: list[tuple[WritePlan, int]],
+                     notif: bytes) -> Any:
+        """One WRITE of layer `li` of each (plan, li) in `parts` (kv_transfer/plan.py)."""
+        srcs, dsts = zip(*(plan.layer(li) for plan, li in parts))
+        return self.write(remote, remote_mem_type, np.concatenate(srcs), np.concatenate(dsts), notif)
 
     def done(self, handle: Any) -> bool:
         """True once the WRITE completed (data placed remotely), False while in flight."""

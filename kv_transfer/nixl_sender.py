@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
@@ -345,21 +344,19 @@ class NixlSender(KVSender):
         try:
             pending = [layer for layer in tx.computed if layer not in t.written]
             while pending:
-                layers, srcs, dsts, num_descs, nbytes = [], [], [], 0, 0
+                layers, parts, num_descs, nbytes = [], [], 0, 0
                 while pending:
                     g, li = self.spec.group_of(pending[0])
                     plan = t.plan[g]
                     if layers and num_descs + len(plan.src) > MAX_DESCS_PER_WRITE:
                         break
-                    src, dst = plan.layer(li)
                     layers.append(pending.pop(0))
-                    srcs.append(src)
-                    dsts.append(dst)
-                    num_descs += len(src)
+                    parts.append((plan, li))
+                    num_descs += len(plan.src)
                     nbytes += plan.layer_bytes
                 notif = encode(LayerDone(tx.request.request_id, t.epoch, self.config.tp_rank, tuple(sorted(layers)),
                                          nbytes))
-                h = t.io.write(hs.agent_name, hs.mem_type, np.concatenate(srcs), np.concatenate(dsts), notif)
+                h = t.io.write_layers(hs.agent_name, hs.mem_type, parts, notif)
                 t.written.update(layers)
                 t.inflight.append((tuple(layers), h))
                 tx.num_bytes += nbytes

@@ -26,19 +26,23 @@ def _ranges(rng: np.random.Generator, n: int, size: int, max_len: int) -> tuple[
     return starts[order], lengths[order]
 
 
-@pytest.mark.parametrize("seed,n,chunk", [(0, 1, 64), (1, 7, 64), (2, 40, 256), (3, 25, 16 << 10)])
-def test_copy_chunks_byte_exact(seed, n, chunk):
+@pytest.mark.parametrize("seed,n,chunk,li0,layers", [(0, 1, 64, 0, 1), (1, 7, 64, 1, 2), (2, 40, 256, 0, 3),
+                                                     (3, 25, 16 << 10, 2, 1)])
+def test_copy_chunks_byte_exact(seed, n, chunk, li0, layers):
+    """Ranges of a first layer inside [0, 32 KiB) of each side; layer li sits li * 32 KiB further."""
     rng = np.random.default_rng(seed)
-    size = 1 << 17
-    src = torch.randint(-128, 127, (size,), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
-    dst = torch.zeros(size, dtype=torch.int8)
-    s, lengths = _ranges(rng, n, size // 2, 1024)
-    d = rng.permutation(size // 2 // 1024)[:n] * 1024 + size // 2  # 1 KiB destination slots, scattered
+    stride, total = 1 << 15, 1 << 17
+    src = torch.randint(-128, 127, (total,), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+    dst = torch.zeros(total, dtype=torch.int8)
+    s, lengths = _ranges(rng, n, stride // 2, 512)
+    d = rng.permutation(stride // 512)[:n] * 512  # 512-byte destination slots, scattered
     table = split_chunks(s, d, lengths, chunk)
-    copy_chunks(src.view(torch.int64), dst.view(torch.int64), torch.from_numpy(table // WORD), chunk // WORD)
-    want = torch.zeros(size, dtype=torch.int8)
-    for a, b, k in zip(s, d, lengths):
-        want[b:b + k] = src[a:a + k]
+    copy_chunks(src.view(torch.int64), dst.view(torch.int64), torch.from_numpy(table // WORD), chunk // WORD,
+                li0, layers, stride // WORD, stride // WORD)
+    want = torch.zeros(total, dtype=torch.int8)
+    for li in range(li0, li0 + layers):
+        for a, b, k in zip(s, d, lengths):
+            want[li * stride + b:li * stride + b + k] = src[li * stride + a:li * stride + a + k]
     assert torch.equal(dst, want)
 
 

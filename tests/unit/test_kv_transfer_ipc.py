@@ -17,7 +17,7 @@ from kv_transfer.factory import TransferBackend
 from kv_transfer.interface import TransferConfig
 from kv_transfer.messages import Handshake, KVCompat, PoolLayout
 from kv_transfer.nixl_backend import descriptors
-from kv_transfer.plan import GroupGeometry, head_runs, layer_copies, page_pairs
+from kv_transfer.plan import GroupGeometry, WritePlan, head_runs, layer_copies, page_pairs
 from model.kv_cache import KVManager, KVPool, PageGroup
 from tests.unit.test_kv_transfer_loopback import random_pool, scattered_pages, spec_for
 
@@ -34,6 +34,10 @@ def test_split_chunks_covers_every_range_in_order(seed):
     want = np.concatenate([np.stack([s + np.arange(0, k, 64), d + np.arange(0, k, 64)], 1)
                            for s, d, k in zip(src, dst, nbytes)])
     assert np.array_equal(chunks[:, :2], want)
+
+
+def test_runs_of_consecutive_layers():
+    assert ipc._runs([0, 1, 2, 5, 7, 8]) == [(0, 3), (5, 1), (7, 2)] and ipc._runs([]) == []
 
 
 def test_cpu_export_moves_pools_into_shared_memory_in_place():
@@ -89,16 +93,17 @@ def test_ipc_target_copies_plan_descriptors_into_the_mapped_pool():
     assert target is not None and paths.target(hs) is target  # mapped once per agent
     spages = scattered_pages(KVManager(spec), n_tokens, seed=1)
     dpages = scattered_pages(KVManager(spec), n_tokens, seed=2)
-    local, remote = [], []
-    for g in PageGroup:  # one WRITE of every layer of both groups, as NixlSender builds it
+    parts = []
+    for g in PageGroup:  # one WRITE of every layer of both groups, planned as NixlSender plans it
         geo = GroupGeometry(len(spec.layers(g)), spec.num_pages[g], spec.num_kv_heads, spec.page_size, spec.head_dim, 4)
         pairs = page_pairs(g, spages, dpages, n_tokens, spec.page_size, spec.sliding_window, spec.num_pages[g],
                            spec.num_pages[g])
-        for li in range(geo.num_layers):
-            cp = layer_copies(geo, geo, li, pairs, head_runs(spec.num_kv_heads, 0, 1, 1)[0])
-            local.append(descriptors(agent.layouts[g].base_addr, cp.src, cp.nbytes, 0))
-            remote.append(descriptors(hs.pool(g).base_addr, cp.dst, cp.nbytes, 0))
-    h = target.write(hs.agent_name, "DRAM", np.concatenate(local), np.concatenate(remote), b"layers")
+        cp = layer_copies(geo, geo, 0, pairs, head_runs(spec.num_kv_heads, 0, 1, 1)[0])
+        stride = 2 * geo.num_pages * geo.page_bytes
+        plan = WritePlan(descriptors(agent.layouts[g].base_addr, cp.src, cp.nbytes, 0),
+                         descriptors(hs.pool(g).base_addr, cp.dst, cp.nbytes, 0), stride, stride, cp.total_bytes)
+        parts += [(plan, li) for li in range(geo.num_layers)]
+    h = target.write_layers(hs.agent_name, "DRAM", parts, b"layers")
     assert target.done(h) and target.done(h) and target.release(h)
     assert agent.sent == [(hs.agent_name, b"layers")]  # once, after the data
     for g in PageGroup:
