@@ -34,6 +34,9 @@ def _copy_chunks_kernel(src_ptr, dst_ptr, table_ptr, li0, src_stride, dst_stride
         tl.store(dst_ptr + d + e, tl.load(src_ptr + s + e, mask=m), mask=m)
 
 
+_COMPILED: dict[tuple, object] = {}  # specialisation -> triton CompiledKernel (None: launch through the JIT)
+
+
 def copy_chunks(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, block_words: int, li0: int = 0,
                 num_layers: int = 1, src_stride: int = 0, dst_stride: int = 0) -> None:
     """src, dst: flat int64 views of the two pools; table: [M, 3] int64 (src word, dst word, words)
@@ -42,7 +45,21 @@ def copy_chunks(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, block
     on the current stream and returns at once."""
     assert src.dtype == dst.dtype == table.dtype == torch.int64 and table.shape[1:] == (3,)
     assert src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0, "pools must be 16-byte aligned"
-    assert src_stride % 2 == 0 and dst_stride % 2 == 0, "layer strides must be 16-byte aligned"
-    if len(table) and num_layers:
-        _copy_chunks_kernel[(len(table), num_layers)](src, dst, table, li0, src_stride, dst_stride,
-                                                      BLOCK=block_words, num_warps=4)
+    assert table.data_ptr() % 16 == 0 and src_stride % 2 == 0 and dst_stride % 2 == 0, "16-byte alignment"
+    if not len(table) or not num_layers:
+        return
+    grid = (len(table), num_layers)
+    args = (src, dst, table, li0, src_stride, dst_stride)
+    # The JIT's per-call argument binding costs ~45 us of host time on the H200 machine, one launch
+    # per layer of every WRITE; the compiled kernel's own launcher ~20 us. Keyed by everything the
+    # JIT specialises on here (16-byte pointers are asserted above; li0 is not specialised).
+    key = (block_words, src.device.index, *((x % 16 == 0, x == 1, x >= 1 << 31) for x in (src_stride, dst_stride)))
+    ck = _COMPILED.get(key)
+    if ck is not None:
+        try:
+            ck[(*grid, 1)](*args, block_words)
+            return
+        except TypeError:  # another Triton's launcher signature: the JIT from now on (a repeated copy is harmless)
+            _COMPILED[key] = None
+    compiled = _copy_chunks_kernel[grid](*args, BLOCK=block_words, num_warps=4)
+    _COMPILED.setdefault(key, compiled if hasattr(compiled, "__getitem__") else None)  # None: the interpreter
