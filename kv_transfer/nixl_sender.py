@@ -83,7 +83,7 @@ class _Target:
     written: set[int] = field(default_factory=set)
     completed: set[int] = field(default_factory=set)
     inflight: list[tuple[tuple[int, ...], Any]] = field(default_factory=list)  # (layers, handle), posting order
-    io: Any = None  # who moves the bytes: the NixlAgent, or an IpcTarget (same write/done/release)
+    io: Any = None  # who moves the bytes: the NixlAgent, or an IpcTarget (same write_layers/done/release)
 
 
 MAX_DESCS_PER_WRITE = 4096  # a backlog is split so one post never blocks the loop for long
