@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from common.errors import ConfigError
-from kernels.allreduce import reduce_sum_reference
 from model.config import preset
 from model.parallel import ParallelConfig
 
@@ -40,7 +39,9 @@ print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps"
 
 def _ptx(rank: int, world: int) -> str:
     """sm_90 PTX of the kernel, compiled in a fresh process: the interpreter tests in this session
-    set TRITON_INTERPRET=1 at import, which turns every later @triton.jit into an interpreted one."""
+    set TRITON_INTERPRET=1 at import, which turns every later @triton.jit into an interpreted one.
+    (For the same reason this module imports kernels.allreduce only inside tests: a @triton.jit
+    decorated at collection time, before those modules set the variable, breaks their kernels.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _COMPILE, str(rank), str(world)], env=env, capture_output=True,
                          text=True, timeout=120)
@@ -62,6 +63,8 @@ def test_kernel_compiles_for_sm90_with_the_intended_memory_operations(rank, worl
 
 
 def test_reference_is_the_rank_ordered_fp32_sum_rounded_once():
+    from kernels.allreduce import reduce_sum_reference  # lazily: see _ptx
+
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(3, 2880, generator=g).to(torch.bfloat16) * 10 ** i for i in range(3)]
     want = (xs[0].float() + xs[1].float() + xs[2].float()).to(torch.bfloat16)
@@ -79,6 +82,7 @@ def test_unknown_fast_allreduce_impl_is_rejected():
 def _worker(rank: int, world: int, port: int, q) -> None:
     import torch.distributed as dist
 
+    from kernels.allreduce import reduce_sum_reference
     from model.parallel import _tandem_one_shot
 
     try:
