@@ -238,24 +238,28 @@ def run_shape(rep: Report, shape: str, n: int, k: int, m_values: list[int], back
 
 
 def _dg_gemm_only_rows(lin, shape: str, x, w, ws, bias, ws_sets, flops: int, ceil: dict) -> list[dict]:
-    """DeepGEMM's kernel from activations already in FP8, with the bias as the extra K block and
-    without bias; FLOPs count the real K."""
+    """DeepGEMM's kernel from activations already in FP8: bias where DeepGemmLinear puts it (the
+    last K block's padding when K leaves room, else an extra K block), the extra block forced, and
+    no bias; FLOPs count the real K."""
     from kernels import deepgemm_linear as dl
     from kernels import deepgemm_sm90 as dg
     m, k = x.shape
     n = w.shape[0]
     out = []
-    for label, bb in (("deepgemm gemm+bias (fp8 in)", bias), ("deepgemm gemm, no bias (fp8 in)", None)):
-        augs = [dl.augment_weight(a, s_, bb) for a, s_, _ in ws_sets]
-        w_aug, ws_aug = augs[0]
-        a, xs = dl.augment_activations(x, w_aug, bb is not None)
-        cfg = lin.config_for(m, n, ws_aug.shape[1])
+    cases = [("deepgemm gemm+bias (fp8 in)", bias, True), ("deepgemm gemm+bias, extra K block (fp8 in)", bias, False),
+             ("deepgemm gemm, no bias (fp8 in)", None, True)]
+    if k % 128 == 0:  # no padding: the default already is the extra block
+        cases.pop(1)
+    for label, bb, pad in cases:
+        augs = [dl.augment_weight(a, s_, bb, pad=pad) for a, s_, _ in ws_sets]
+        a, xs = dl.augment_activations(x, augs[0])
+        cfg = lin.config_for(m, n, augs[0].ws.shape[1])
         y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-        calls = [lambda wa=wa, wsa=wsa: dg.gemm(cfg, a, xs, wa, wsa, y) for wa, wsa in augs]
+        calls = [lambda g=g: dg.gemm(cfg, a, xs, g.w, g.ws, y) for g in augs]
         ms = bench(calls)
         row = {"shape": shape, "M": m, "backend": label, "ms": ms, "TFLOPs": flops / ms / 1e9,
-               "mode": f"{cfg.block_m}x{cfg.block_n} mcast {cfg.mcast}, K={k} -> {w_aug.shape[1]} "
-                       f"(row stride {w_aug.stride(0)})"}
+               "mode": f"{cfg.block_m}x{cfg.block_n} mcast {cfg.mcast}, K={k} -> {augs[0].w.shape[1]} "
+                       f"(row stride {augs[0].w.stride(0)}, constant columns {augs[0].ones})"}
         row["pct_fp8_peak"] = 100 * row["TFLOPs"] / ceil["fp8_blockscaled_TFLOPs"]
         out.append(row)
     return out

@@ -1,14 +1,22 @@
 """Dense FP8 linear with bias on DeepGEMM's SM90 kernel (LinearImpl "deepgemm").
 
 DeepGEMM's 128x128-scale kernel has no bias input and no epilogue hook for one, and a separate add
-is one more pass over the output (~10 % of a prefill QKV GEMM). So the bias rides in the GEMM:
-one extra K block whose activation columns hold the constant 1 and whose weight rows hold the bias,
-split into three e4m3 terms (hi + mid + lo, one 128x128 scale per 128 outputs) so their fp32 sum
-carries the bias to ~2^-12 relative, finer than the bf16 output. K = 2880 becomes 2947 (23 -> 24
-K blocks, +4 % MMA work); the unused columns are TMA zero fill, not memory.
+is one more pass over the output (~10 % of a prefill QKV GEMM). So the bias rides in the GEMM as
+weight columns whose activation columns hold the constant 1, in one of two places:
 
-    x [M, K] --quantise 1x128, ones at column KB0*128--> a [M, KB0*128 + 3]   (KB0 = ceil(K/128))
-    w [N, K], b [N] ----------------------------------->  w_aug [N, KB0*128 + 3] (built once)
+  * "pad": K = 2880 (QKV) fills 22.5 K blocks, and the MMA computes the last block's 64 empty
+    columns anyway. The bias goes there: no extra MMA work (23 K blocks). The constant must be
+    exact, so that group's activation scale is a power of two (kernels/fp8_quant.py), and the bias
+    must share the block's weight scale: it is split greedily into up to 64 e4m3 terms on that
+    scale (raised by a power of two, with the 64 real weights' codes shifted exactly, when the bias
+    is too large for the columns).
+  * "block": K a multiple of 128 (O, K = 4096) or too little padding: one extra K block (+1/KB
+    MMA work) with the bias as three terms (hi + mid + lo) on a scale of its own.
+
+Either way the terms' fp32 sum carries the bias to ~2^-12 relative, finer than the bf16 output.
+
+    x [M, K] --quantise 1x128, constant at columns ones--> a [M, K']
+    w [N, K], b [N] -------------------------------------> w_aug [N, K'] (built once)
     y = a w_aug^T = x w^T + b
 
 The augmented weight is a second copy of each dense weight (~0.6 GB for 20b), built on first use.
@@ -16,6 +24,8 @@ M <= 64 takes a 64-row tile. GPU-only (SM90); see kernels/deepgemm_sm90.py.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,15 +35,23 @@ from kernels.fp8_gemm import _DerivedCache, _flatten
 from kernels.fp8_quant import FP8_DTYPE, quantize_act_1x128
 from kernels.reference import BLOCK, FP8_MAX
 
-BIAS_TERMS = 3
+BIAS_TERMS = 3  # "block" placement: hi + mid + lo
+PAD_MIN_COLS = 8  # "pad" placement needs at least this many free columns in the last K block
 ROW_ALIGN = 16  # TMA: row strides in multiples of 16 bytes
 
-# Tiles measured on the H200 at M = 8192 (run DG1): (N, K blocks incl. bias) -> config.
+# Tiles measured on the H200 at M = 8192 (runs DG1, DG6): (N, K blocks incl. bias) -> config.
 TILES: dict[tuple[int, int], dg.DgConfig] = {
+    (5120, 23): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),  # QKV, bias in the padding
     (5120, 24): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),  # QKV: 1,117 TFLOP/s without bias
 }
 LARGE_DEFAULT = dg.DgConfig(128, 192, mcast=2)  # O 2880 x 4096: 1,297 TFLOP/s
 SMALL = dg.DgConfig(64, 128)
+
+
+class AugWeight(NamedTuple):
+    w: torch.Tensor  # e4m3 [N, K'], row stride a multiple of ROW_ALIGN bytes
+    ws: torch.Tensor  # fp32 [NB, KB'] 128x128 scales
+    ones: tuple[int, int] | None  # (first column, count) of the activation's constant-1 columns
 
 
 def split_bias_fp8(b: torch.Tensor, terms: int = BIAS_TERMS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,32 +75,72 @@ def split_bias_fp8(b: torch.Tensor, terms: int = BIAS_TERMS) -> tuple[torch.Tens
     return torch.stack(parts, dim=-1).view(nb * BLOCK, terms)[:n], scale
 
 
-def augment_weight(w: torch.Tensor, ws: torch.Tensor, b: torch.Tensor | None, row_align: int = ROW_ALIGN
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w [N, K] e4m3, ws [NB, KB0], b [N]) -> (w_aug [N, K'] e4m3, rows padded to `row_align`
-    bytes, ws_aug [NB, KB']) where K' = KB0*128 + 3 holds the bias terms (b None: K' = K)."""
+def split_bias_on_scale(b: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
+    """b [N], scale [N] -> q e4m3 [N, cols] with sum_j q[:, j] * scale ~= b: greedy, each column
+    takes what the previous ones left (saturated at +-448 while the rest is large), down to the
+    e4m3 subnormal step 2^-9 of the scale. Needs |b| / scale <= 448 * (cols - 3) for full precision."""
+    rest = b.float() / scale
+    parts = []
+    for _ in range(cols):
+        q = rest.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        parts.append(q)
+        rest = rest - q.float()
+    return torch.stack(parts, dim=-1)
+
+
+def _bias_in_pad(w: torch.Tensor, ws: torch.Tensor, b: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """Writes b into buf's padding columns [K, KB0*128) of the last (partial) K block; returns the
+    scales with that block's column raised by 2^s per 128 outputs where the bias needs it (the
+    block's real weight codes are shifted by 2^-s to match: exact except codes that fall below
+    e4m3's normal range)."""
+    n, k = w.shape
+    kl, cols = k // BLOCK, -(-k // BLOCK) * BLOCK - k
+    ws = ws.float().clone()
+    nb = ws.shape[0]
+    bmax = F.pad(b.float().abs(), (0, nb * BLOCK - n)).view(nb, BLOCK).amax(dim=1)  # [NB]
+    dead = ws[:, kl] <= 0  # a zero scale zeroes the block whatever its codes: give the bias a scale
+    ws[:, kl] = torch.where(dead, (bmax / (FP8_MAX * (cols - BIAS_TERMS))).clamp(min=1e-30), ws[:, kl])
+    need = bmax / (ws[:, kl] * FP8_MAX * (cols - BIAS_TERMS))
+    shift = torch.where(need > 1, torch.ceil(torch.log2(need)), torch.zeros_like(need))  # [NB]
+    if bool((shift > 0).any() or dead.any()):
+        per_row = lambda t: t.repeat_interleave(BLOCK)[:n, None]  # noqa: E731 - [NB] -> [N, 1]
+        codes = w[:, kl * BLOCK: k].float() * torch.exp2(-per_row(shift)) * (~per_row(dead))
+        buf[:, kl * BLOCK: k] = codes.to(w.dtype)
+        ws[:, kl] = ws[:, kl] * torch.exp2(shift)
+    buf[:, k: k + cols] = split_bias_on_scale(b, ws[:, kl].repeat_interleave(BLOCK)[:n], cols)
+    return ws
+
+
+def augment_weight(w: torch.Tensor, ws: torch.Tensor, b: torch.Tensor | None, row_align: int = ROW_ALIGN,
+                   pad: bool = True) -> AugWeight:
+    """(w [N, K] e4m3, ws [NB, KB0], b [N]) -> AugWeight with the bias in the last K block's padding
+    when it has >= PAD_MIN_COLS free columns and `pad`, else in one extra K block (b None: K' = K)."""
     n, k = w.shape
     kb0 = -(-k // BLOCK)
-    k_aug = kb0 * BLOCK + BIAS_TERMS if b is not None else k
+    free = kb0 * BLOCK - k
+    placement = None if b is None else "pad" if pad and free >= PAD_MIN_COLS else "block"
+    k_aug = {None: k, "pad": kb0 * BLOCK, "block": kb0 * BLOCK + BIAS_TERMS}[placement]
     stride = -(-k_aug // row_align) * row_align
     buf = torch.zeros(n, stride, dtype=w.dtype, device=w.device)
     buf[:, :k] = w
     ws_aug = ws.float().contiguous()
-    if b is not None:
+    ones = None
+    if placement == "pad":
+        ws_aug = _bias_in_pad(w, ws, b, buf).contiguous()
+        ones = (k, free)
+    elif placement == "block":
         q, s = split_bias_fp8(b)
         buf[:, kb0 * BLOCK: k_aug] = q
         ws_aug = torch.cat([ws_aug, s[:, None]], dim=1).contiguous()  # [NB, KB0 + 1]
-    return buf[:, :k_aug], ws_aug
+        ones = (kb0 * BLOCK, BIAS_TERMS)
+    return AugWeight(buf[:, :k_aug], ws_aug, ones)
 
 
-def augment_activations(x: torch.Tensor, w_aug: torch.Tensor, has_bias: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (a e4m3 [M, K'] with w_aug's row stride, scales [M, KB'] M-major, M_al % 4 == 0):
-    the activation side of `augment_weight`, with the constant-1 columns when it holds a bias."""
-    k = x.shape[1]
-    ones = (-(-k // BLOCK) * BLOCK, BIAS_TERMS) if has_bias else None
-    xq, xs = quantize_act_1x128(x, k_pad=w_aug.stride(0), m_align=4, ones=ones)
-    return xq[:, : w_aug.shape[1]], xs
+def augment_activations(x: torch.Tensor, aug: AugWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (a e4m3 [M, K'] with aug.w's row stride, scales [M, KB'] M-major, M_al % 4 == 0):
+    the activation side of `augment_weight`, with the constant-1 columns where it holds a bias."""
+    xq, xs = quantize_act_1x128(x, k_pad=aug.w.stride(0), m_align=4, ones=aug.ones)
+    return xq[:, : aug.w.shape[1]], xs
 
 
 class DeepGemmLinear:
@@ -103,9 +161,9 @@ class DeepGemmLinear:
             return F.linear(x, w, bias)
         x2, lead = _flatten(x)
         m, n = x2.shape[0], w.shape[0]
-        w_aug, ws_aug = self._aug.get(w, ("aug", bias is not None and bias.data_ptr()),
-                                      lambda: augment_weight(w, w_scale, bias, self.row_align))
-        a, xs = augment_activations(x2, w_aug, bias is not None)
+        aug = self._aug.get(w, ("aug", bias is not None and bias.data_ptr()),
+                            lambda: augment_weight(w, w_scale, bias, self.row_align))
+        a, xs = augment_activations(x2, aug)
         y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-        dg.gemm(self.config_for(m, n, ws_aug.shape[1]), a, xs, w_aug, ws_aug, y)
+        dg.gemm(self.config_for(m, n, aug.ws.shape[1]), a, xs, aug.w, aug.ws, y)
         return y.to(x.dtype).reshape(*lead, n)

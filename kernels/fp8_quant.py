@@ -16,6 +16,8 @@ does exactly that in one instruction. Under TRITON_INTERPRET the fp32->fp8 cast 
 that carry into the next binade, so there `round_e4m3` rounds on the e4m3 grid in fp32 first and the
 final cast is exact. Both give the reference's bits (the software rounding was the kernel's
 bottleneck on the H200: ~25 ALU ops per element, 1.5 TB/s at 8192 x 2880).
+The one exception is the group that holds `ones` columns (bias-in-K): its scale is a power of two
+(see `quantize_act_1x128`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,21 @@ def quantize_tile(x, valid_cols, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
+def pow2_scale_tile(x, FP8_MAX_C: tl.constexpr):
+    """x [R, G] fp32 -> scale [R] = 2^e, e = ceil(log2(amax / 448)) clamped to [-8, 9]: the scale of
+    a group that also carries constant columns, so that the constant's code 2^-e is exact in e4m3
+    (2^-9 .. 2^8 are all e4m3 values). Rows with amax > 448 * 2^9 get NaN: the constant cannot be
+    exact there, and a NaN row is loud where a lost bias would be silent."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
+    y = tl.math.div_rn(amax, FP8_MAX_C)  # a normal fp32
+    bits = y.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2 y)
+    e = tl.maximum(e, -8)
+    scale = ((tl.minimum(e, 9) + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(e > 9, float("nan"), scale)
+
+
+@triton.jit
 def _quant_1x128_kernel(x_ptr, q_ptr, s_ptr, M, K, KP, ONES_COL, stride_xm, stride_qm, stride_sk,
                         BLOCK_M: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr,
                         HW_CVT: tl.constexpr, N_ONES: tl.constexpr):
@@ -75,11 +92,18 @@ def _quant_1x128_kernel(x_ptr, q_ptr, s_ptr, M, K, KP, ONES_COL, stride_xm, stri
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
                 mask=rmask[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
     valid = cols < K
-    if N_ONES > 0:  # constant-1 columns in a padding group: the bias rows of an augmented weight
-        ones = (cols >= ONES_COL) & (cols < ONES_COL + N_ONES)
-        x = tl.where(ones[None, :], 1.0, x)
-        valid = valid | ones
     q, scale = quantize_tile(x, valid[None, :], FP8_MAX_C, HW_CVT)
+    if N_ONES > 0:  # constant columns (the bias rows of an augmented weight) live in this group
+        if kb == ONES_COL // GROUP:
+            ones = (cols >= ONES_COL) & (cols < ONES_COL + N_ONES)
+            scale = pow2_scale_tile(x, FP8_MAX_C)
+            inv = 1.0 / scale  # exact: a power of two
+            v = tl.where(ones[None, :], inv[:, None], x * inv[:, None])  # x * 2^-e: exact, |v| <= 448
+            v = tl.where(valid[None, :] | ones[None, :], v, 0.0)
+            if HW_CVT:
+                q = v.to(tl.float8e4nv)
+            else:
+                q = round_e4m3(v)
     # Columns in [K, KP) are the zero padding some backends need.
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
              mask=rmask[:, None] & (cols < KP)[None, :])
@@ -96,9 +120,12 @@ def quantize_act_1x128(x: torch.Tensor, *, k_pad: int | None = None, m_align: in
     """x [M, K] -> (q e4m3 [M, Kp], scale fp32 [M, ceil(Kp/128)] with strides (1, M_al)).
 
     Kp = K rounded up to `k_pad` (zero columns) or K; M_al = M rounded up to `m_align`. Groups made
-    only of padding get q = 0 and the floor scale 1e-12/448. `ones = (col, n)` puts 1.0 into padding
-    columns [col, col + n) of a group holding no real column (q = 448, scale 1/448): the constant
-    input that multiplies a bias stored as weight rows (kernels/deepgemm_linear.py).
+    only of padding get q = 0 and the floor scale 1e-12/448. `ones = (col, n)` puts the constant 1
+    into padding columns [col, col + n) (col >= K, one group): the input that multiplies a bias
+    stored as weight columns (kernels/deepgemm_linear.py). That group's scale is a power of two,
+    2^ceil(log2(amax/448)) clamped to [2^-8, 2^9], so q = 2^-e * scale is exactly 1 (its real columns,
+    if any, keep e4m3's relative precision: only the unused top of the range is given up); rows
+    with amax > 448 * 2^9 = 229,376 in that group get a NaN scale rather than a wrong bias.
     """
     assert x.dim() == 2, "quantize_act_1x128 takes [M, K]"
     if x.stride(1) != 1:
@@ -108,7 +135,7 @@ def quantize_act_1x128(x: torch.Tensor, *, k_pad: int | None = None, m_align: in
     kb = -(-kp // BLOCK)  # == ceil(K/128) unless k_pad adds whole zero groups (their scale is tiny)
     ones_col, n_ones = ones if ones else (0, 0)
     if n_ones:
-        assert ones_col >= _round_up(k, BLOCK) and ones_col // BLOCK == (ones_col + n_ones - 1) // BLOCK
+        assert ones_col >= k and ones_col // BLOCK == (ones_col + n_ones - 1) // BLOCK
         assert ones_col + n_ones <= kp
     m_al = _round_up(max(m, 1), m_align)
     q = torch.empty(m, kp, dtype=FP8_DTYPE, device=x.device)

@@ -28,13 +28,13 @@ def main() -> None:
     w, ws = ref.quantize_fp8_blockwise(torch.randn(n, k, device="cuda") * 0.05)
     b = torch.randn(n, device="cuda").to(torch.bfloat16)
     want = ref.fp8_linear(x.float(), w, ws, b, quantize_activations=True)
-    augs = [dl.augment_weight(w.clone(), ws.clone(), b) for _ in range(copies_for(w.numel()))]
-    a, xs = dl.augment_activations(x, augs[0][0], has_bias=True)
+    augs = [dl.augment_weight(w.clone(), ws.clone(), b, pad=False) for _ in range(copies_for(w.numel()))]
+    a, xs = dl.augment_activations(x, augs[0])
     for cfg in CONFIGS:
         tag = f"qkv+bias dg {cfg.block_m}x{cfg.block_n} mc{cfg.mcast}{'A' if cfg.mcast_on_a else 'B'}"
         try:
             y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            calls = [lambda wa=wa, wsa=wsa, cfg=cfg: dg.gemm(cfg, a, xs, wa, wsa, y) for wa, wsa in augs]
+            calls = [lambda wa=wa, wsa=wsa, cfg=cfg: dg.gemm(cfg, a, xs, wa, wsa, y) for wa, wsa, _ in augs]
             calls[0]()
             err = float((y.float() - want.float()).norm() / want.float().norm())
             ms = bench(calls)

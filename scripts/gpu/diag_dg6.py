@@ -47,8 +47,8 @@ def main() -> None:
         w, ws = ref.quantize_fp8_blockwise(torch.randn(n, k, device="cuda") * 0.05)
         b = torch.randn(n, device="cuda").to(torch.bfloat16)
         want = ref.fp8_linear(x.float(), w, ws, b, quantize_activations=True)
-        augs = [dl.augment_weight(w.clone(), ws.clone(), b) for _ in range(copies_for(w.numel()))]
-        a, xs = dl.augment_activations(x, augs[0][0], has_bias=True)
+        augs = [dl.augment_weight(w.clone(), ws.clone(), b, pad=False) for _ in range(copies_for(w.numel()))]
+        a, xs = dl.augment_activations(x, augs[0])
         y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         runs: dict[str, list[float]] = {}
         errs: dict[str, float] = {}
@@ -61,7 +61,7 @@ def main() -> None:
         live = [c for c in cfgs if _tag(c) in errs]
         for _ in range(ROUNDS):
             for cfg in live:
-                calls = [lambda wa=wa, wsa=wsa, cfg=cfg: dg.gemm(cfg, a, xs, wa, wsa, y) for wa, wsa in augs]
+                calls = [lambda wa=wa, wsa=wsa, cfg=cfg: dg.gemm(cfg, a, xs, wa, wsa, y) for wa, wsa, _ in augs]
                 runs.setdefault(_tag(cfg), []).append(bench(calls, trials=3))
         for cfg in live:
             t = runs[_tag(cfg)]
