@@ -14,7 +14,7 @@ from common.errors import ConfigError
 from engine.runner import ModelRunner
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
-from kernels.registry import make_backends
+from kernels.registry import Backends, make_backends
 from model.checkpoint_io import ensure_checkpoint
 from model.gpt_oss import GptOss
 from model.kv_cache import KVCacheSpec, KVManager, KVPool, PageGroup, plan_kv_cache
@@ -80,6 +80,7 @@ def load_model(cfg: EngineConfig) -> GptOss:
     backends = make_backends(cfg.attention_backend, cfg.linear_backend, cfg.moe_backend)
     model = GptOss(src.config, backends, dtype=DTYPES[cfg.dtype], fp8=cfg.fp8, parallel=cfg.parallel,
                    device=cfg.device, fp8_attention=cfg.fp8_attention)
+    prepare_backends(backends, cfg.device)
     stats = load_weights(model, src, progress=cfg.progress)
     log.info("model: %d layers, %d experts, dtype %s, fp8=%s, tp=%d (%s); backends: %s",
              src.config.num_hidden_layers, src.config.num_local_experts, cfg.dtype, cfg.fp8, cfg.parallel.tp_size,
@@ -87,6 +88,20 @@ def load_model(cfg: EngineConfig) -> GptOss:
     if cfg.fp8:
         log.info("FP8 experts: %d/%d tiles not exact, rel. err %.2e", stats.inexact_tiles, stats.tiles, stats.rel_err)
     return model
+
+
+def prepare_backends(backends: Backends, device: str) -> None:
+    """Backends that build or load native code (DeepGEMM launchers) do it at start-up: a missing
+    toolchain is a clear start-up error, not a failed request later."""
+    if not device.startswith("cuda"):
+        return
+    for impl in (backends.linear, backends.moe):
+        prepare = getattr(impl, "prepare", None)
+        if prepare is not None:
+            try:
+                prepare(torch.device(device))
+            except (ConfigError, OSError, RuntimeError) as e:
+                raise ConfigError(f"{impl.name} backend cannot start on {device}: {e}") from e
 
 
 def kv_budget(cfg: EngineConfig) -> int:

@@ -10,6 +10,7 @@ import uuid
 from engine.build import EngineConfig
 from engine.scheduler import SchedulerConfig
 from engine.tp.group import rank_device
+from kernels.registry import auto_moe_backend
 from model.parallel import MoEMode, ParallelConfig
 
 
@@ -71,7 +72,8 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         dtype=a.dtype or ("bfloat16" if gpu else "float32"),
         attention_backend=a.attention_backend or ("flashinfer" if gpu else "torch"),
         linear_backend=a.linear_backend or ("scaled_mm" if gpu and a.fp8 else "torch"),
-        moe_backend=a.moe_backend or ("triton" if gpu else "torch"),
+        moe_backend=a.moe_backend or auto_moe_backend(rank_device(a.device, tp_rank), a.fp8,
+                                                      a.tp == 1 or a.moe_mode == MoEMode.EP.value),
         page_size=a.page_size, kv_cache_bytes=int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None,
         kv_cache_fraction=a.kv_cache_fraction,
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),

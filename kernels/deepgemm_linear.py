@@ -150,6 +150,10 @@ class DeepGemmLinear:
         self._aug = _DerivedCache()
         self.row_align = row_align
 
+    def prepare(self, device: torch.device) -> None:
+        """Builds/loads the launchers now, so a missing toolchain fails at start-up, not mid-request."""
+        dg.prepare([*TILES.values(), LARGE_DEFAULT, SMALL], device)
+
     def config_for(self, m: int, n: int, kb: int) -> dg.DgConfig:
         if m <= 64:
             return SMALL

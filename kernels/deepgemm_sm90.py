@@ -154,6 +154,30 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def unavailable_reason(cfgs: list[DgConfig], device: torch.device) -> str | None:
+    """Why DeepGEMM cannot run here (None: it can): the headers, and nvcc unless every launcher is
+    already built. No GPU work; the caller logs the reason when it picks another backend."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"needs SM90 (Hopper), device has SM{major}x"
+    try:
+        include_dir()
+        if all(library_path(c, num_sms(device), build=False).exists() for c in cfgs):
+            return None
+        _nvcc()
+    except ConfigError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def prepare(cfgs: list[DgConfig], device: torch.device) -> None:
+    """Builds (if missing) and loads each launcher for this device."""
+    for cfg in dict.fromkeys(cfgs):
+        _load(cfg, num_sms(device))
+
+
 def gemm(cfg: DgConfig, a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor,
          d: torch.Tensor, layout: torch.Tensor | None = None) -> torch.Tensor:
     """d [M, N] bf16 = (a, sfa) x (b, sfb)^T. a e4m3 [M, K]; sfa fp32 [M, KB] strides (1, M_al); b e4m3

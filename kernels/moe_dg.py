@@ -152,6 +152,10 @@ class DeepGemmMoE:
         self.min_rows_per_expert = min_rows_per_expert
         self.fallback = TritonMoE()
 
+    def prepare(self, device: torch.device) -> None:
+        """Builds/loads the launchers now, so a missing toolchain fails at start-up, not mid-request."""
+        dg.prepare([self.gate_up_cfg, self.down_cfg], device)
+
     def _gemm(self, cfg: dg.DgConfig, a, sfa, w, ws, out, layout) -> torch.Tensor:
         if not a.is_cuda:
             return reference_grouped_gemm(a, sfa, w, ws, out, layout)
@@ -162,7 +166,10 @@ class DeepGemmMoE:
         t, hdim = x.shape
         if t == 0:
             return torch.zeros_like(x)
-        if t * top_k < self.min_rows_per_expert * w.num_experts or w.w1_scale is None:
+        # TP-sharded experts (intermediate 2880 / tp) cut 128x128 scale blocks in half: not validated
+        # on the grouped DeepGEMM path, so they stay on Triton like small batches and native weights.
+        if (t * top_k < self.min_rows_per_expert * w.num_experts or w.w1_scale is None
+                or (w.w1.shape[1] // 2) % BLOCK):
             return self.fallback(x, router_logits, top_k, w)
         dev = x.device
         weights, ids = route_topk_softmax(router_logits, top_k)  # [T, k] each

@@ -3,11 +3,14 @@ CPU machine never imports FlashInfer or DeepGEMM). The choice is logged by the c
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from enum import Enum
 
 from common.errors import ConfigError
 from kernels.interface import AttentionImpl, LinearImpl, MoEImpl
+
+log = logging.getLogger(__name__)
 
 
 class AttentionBackend(str, Enum):
@@ -93,3 +96,35 @@ def make_backends(attention: str = "torch", linear: str = "torch", moe: str = "t
                         fused_norm=AttentionBackend(attention) != AttentionBackend.TORCH)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def default_moe_backend(gpu: bool, fp8: bool, whole_experts: bool, deepgemm_missing: str | None) -> tuple[str, str]:
+    """The MoE backend when none is asked for, and why. Policy only; `auto_moe_backend` probes.
+
+    DeepGEMM where it can run: its grouped GEMMs took a 20b prefill on one H200 from 122 to 103 ms at
+    8k tokens and 46.6 to 42.0 ms at 2k (run DG7), and decode-sized batches go to the Triton MoE
+    inside it (same step time)."""
+    if not gpu:
+        return "torch", "CPU"
+    if not fp8:
+        return "triton", "bf16 experts (the DeepGEMM path is FP8 only)"
+    if not whole_experts:
+        return "triton", "experts sharded by TP (DeepGEMM runs whole experts: tp 1 or --moe-mode ep)"
+    if deepgemm_missing:
+        return "triton", f"DeepGEMM unavailable: {deepgemm_missing}"
+    return "deepgemm", "FP8 experts on Hopper with DeepGEMM (prefill-sized batches; smaller ones Triton)"
+
+
+def auto_moe_backend(device: str, fp8: bool, whole_experts: bool) -> str:
+    """default_moe_backend with DeepGEMM probed on `device` where it could be chosen; logs the choice."""
+    gpu = device.startswith("cuda")
+    missing = None
+    if gpu and fp8 and whole_experts:
+        import torch
+
+        from kernels import deepgemm_sm90 as dg
+        from kernels.moe_dg import DOWN, GATE_UP
+        missing = dg.unavailable_reason([GATE_UP, DOWN], torch.device(device))
+    name, why = default_moe_backend(gpu, fp8, whole_experts, missing)
+    log.info("MoE backend %s (default: %s)", name, why)
+    return name

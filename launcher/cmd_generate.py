@@ -8,6 +8,7 @@ from engine.build import EngineConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerConfig
+from kernels.registry import auto_moe_backend
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +33,7 @@ def engine_config(a: argparse.Namespace, **extra) -> EngineConfig:
         dtype=a.dtype or ("bfloat16" if gpu else "float32"),
         attention_backend=a.attention_backend or ("flashinfer" if gpu else "torch"),
         linear_backend=a.linear_backend or ("scaled_mm" if gpu and a.fp8 else "torch"),
-        moe_backend=a.moe_backend or ("triton" if gpu else "torch"),
+        moe_backend=a.moe_backend or auto_moe_backend(a.device, a.fp8, whole_experts=True),
         kv_cache_bytes=int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None,
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),
         seed=a.seed, progress=True, **extra)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Packs what the GPU machine needs to run the DeepGEMM paths into .cache/dgcarry/ (~1.5 MB, so it
+# fits beside the 57 MB NIXL wheels in one device call's 64 MiB carry): the sgl-deep-gemm wheel's
+# headers + VERSION (xz), and the launchers already built here (scripts/gpu/diag_dg7.py --build-only).
+# On the GPU machine: `source scripts/gpu/dg_unpack.sh` (sets TANDEM_DEEPGEMM_INCLUDE, TANDEM_CACHE).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+whl=$(ls .whl/sgl_deep_gemm-*.whl 2>/dev/null | head -1)
+[ -n "$whl" ] || bash scripts/fetch_deepgemm_wheel.sh
+whl=$(ls .whl/sgl_deep_gemm-*.whl | head -1)
+tmp=$(mktemp -d)
+python3 -m zipfile -e "$whl" "$tmp"
+mkdir -p .cache/dgcarry
+tar cJf .cache/dgcarry/headers.tar.xz -C "$tmp" deep_gemm/include deep_gemm/VERSION
+if [ ! -d .cache/deepgemm ]; then
+  TANDEM_DEEPGEMM_INCLUDE="$tmp/deep_gemm/include" TANDEM_CACHE=$PWD/.cache ${PYTHON:-.venv/bin/python} -m scripts.gpu.diag_dg7 --build-only
+fi
+tar cJf .cache/dgcarry/launchers.tar.xz -C .cache deepgemm
+rm -rf "$tmp"
+du -ch .cache/dgcarry/* | tail -1

@@ -1,0 +1,59 @@
+"""The default MoE backend (kernels/registry.py): DeepGEMM only where it runs whole FP8 experts on a
+Hopper GPU with its toolchain, Triton otherwise, and the reason is said; the worker flags reach it."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from kernels import deepgemm_sm90 as dg
+from kernels.registry import auto_moe_backend, default_moe_backend
+
+
+@pytest.mark.parametrize("gpu,fp8,whole,missing,want", [
+    (False, True, True, None, "torch"),
+    (True, False, True, None, "triton"),
+    (True, True, False, None, "triton"),  # TP-sharded experts
+    (True, True, True, "nvcc not found", "triton"),
+    (True, True, True, None, "deepgemm"),
+])
+def test_default_moe_backend_policy(gpu, fp8, whole, missing, want):
+    name, why = default_moe_backend(gpu, fp8, whole, missing)
+    assert name == want and why
+    if missing:
+        assert missing in why
+
+
+def test_auto_probes_deepgemm_only_where_it_could_be_chosen(monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(dg, "unavailable_reason", lambda cfgs, dev: calls.append(dev) or "no headers")
+    with caplog.at_level("INFO", logger="kernels.registry"):
+        assert auto_moe_backend("cpu", True, True) == "torch"
+        assert auto_moe_backend("cuda:1", True, False) == "triton"
+        assert calls == []
+        assert auto_moe_backend("cuda:1", True, True) == "triton"
+    assert calls == [torch.device("cuda:1")]
+    assert "DeepGEMM unavailable: no headers" in caplog.text
+    monkeypatch.setattr(dg, "unavailable_reason", lambda cfgs, dev: None)
+    assert auto_moe_backend("cuda:0", True, True) == "deepgemm"
+
+
+def test_unavailable_reason_on_cpu():
+    assert dg.unavailable_reason([], torch.device("cpu")) == "not a CUDA device"
+
+
+def test_worker_flags_pick_the_default_per_rank(monkeypatch):
+    from engine import worker_args
+    seen = []
+    monkeypatch.setattr(worker_args, "auto_moe_backend", lambda dev, fp8, whole: seen.append((dev, fp8, whole)) or "x")
+    p = argparse.ArgumentParser()
+    worker_args.add_worker_args(p, port=1, metrics_port=0)
+    cfg = worker_args.engine_config(p.parse_args(["--device", "cuda", "--fp8", "--tp", "4", "--moe-mode", "ep"]),
+                                    tp_rank=2)
+    assert cfg.moe_backend == "x" and seen == [("cuda:2", True, True)]
+    cfg = worker_args.engine_config(p.parse_args(["--device", "cuda", "--fp8", "--tp", "2"]), tp_rank=1)
+    assert seen[-1] == ("cuda:1", True, False)
+    cfg = worker_args.engine_config(p.parse_args(["--device", "cuda", "--moe-backend", "triton"]))
+    assert cfg.moe_backend == "triton" and len(seen) == 2  # an explicit choice is not second-guessed
