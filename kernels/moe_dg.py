@@ -166,10 +166,7 @@ class DeepGemmMoE:
         t, hdim = x.shape
         if t == 0:
             return torch.zeros_like(x)
-        # TP-sharded experts (intermediate 2880 / tp) cut 128x128 scale blocks in half: not validated
-        # on the grouped DeepGEMM path, so they stay on Triton like small batches and native weights.
-        if (t * top_k < self.min_rows_per_expert * w.num_experts or w.w1_scale is None
-                or (w.w1.shape[1] // 2) % BLOCK):
+        if t * top_k < self.min_rows_per_expert * w.num_experts or w.w1_scale is None:
             return self.fallback(x, router_logits, top_k, w)
         dev = x.device
         weights, ids = route_topk_softmax(router_logits, top_k)  # [T, k] each

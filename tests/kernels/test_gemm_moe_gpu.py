@@ -107,13 +107,15 @@ def _moe_reference(x, logits, top_k, w, fp8_acts: bool, act_dtype=torch.float32)
     return out
 
 
-@pytest.mark.parametrize("e,t,el,start", [(32, 2048, 32, 0), (128, 1024, 128, 0), (32, 1024, 8, 8)])
-def test_deepgemm_moe_real_dims(e: int, t: int, el: int, start: int):
-    """DeepGEMM's grouped kernel through our launcher, whole MoE, incl. an EP rank (experts 8..15)."""
+@pytest.mark.parametrize("e,t,el,start,inter", [(32, 2048, 32, 0, 2880), (128, 1024, 128, 0, 2880), (32, 1024, 8, 8, 2880),
+                                                (32, 2048, 32, 0, 1440), (32, 2048, 32, 0, 720)])
+def test_deepgemm_moe_real_dims(e: int, t: int, el: int, start: int, inter: int):
+    """DeepGEMM's grouped kernel through our launcher, whole MoE, incl. an EP rank (experts 8..15)
+    and TP2/TP4 rank shards of the intermediate (1440, 720: the loader quantises each rank's slice)."""
     import dataclasses
 
     from kernels.moe_dg import DeepGemmMoE
-    w = _experts(e, 2880, 2880, fp8=True)
+    w = _experts(e, 2880, inter, fp8=True)
     w = dataclasses.replace(w, w1=w.w1[start:start + el], w1_scale=w.w1_scale[start:start + el],
                             b1=w.b1[start:start + el], w2=w.w2[start:start + el],
                             w2_scale=w.w2_scale[start:start + el], b2=w.b2[start:start + el], expert_start=start)
