@@ -55,7 +55,9 @@ def model_docs(docs: dict[str, dict]) -> list[tuple[str, dict]]:
 def label_of(d: dict) -> tuple[str, int]:
     tp = int(d.get("world", 1))
     moe = f" MoE-{d['args']['moe_mode'].upper()}" if tp > 1 and d["args"].get("moe_mode") else ""
-    return f"{d['args']['preset']} TP{tp}{moe} · {d['args'].get('attention', '?')}", tp
+    backend = d["args"].get("moe")  # the Triton MoE was the only one before DeepGEMM's: unlabelled
+    kernels = f" · MoE {backend}" if backend not in (None, "triton") else ""
+    return f"{d['args']['preset']} TP{tp}{moe} · {d['args'].get('attention', '?')}{kernels}", tp
 
 
 def build_series(docs: dict[str, dict]) -> list[ModelSeries]:
