@@ -101,22 +101,35 @@ def kernel_targets(docs: dict[str, dict]) -> list[Target]:
             unit = {"TFLOPs": " TFLOP/s", "pct_fp8_peak": "% of FP8 peak", "pct_copy_bw": "% of copy bandwidth"}
             val = row[m.group(2)]
             note = "" if (val >= float(m.group(3))) == bool(met) else f" (JSON verdict {met} disagrees)"
-            goal = re.sub(r"^(dense_fp8_bias_M\d+)_.+$", r"\1", m.group(1))  # gemm: one goal, any backend
             out.append(Target(name[8:-5], m.group(1), f"{val:.1f}{unit[m.group(2)]}{note}",
-                              f">= {m.group(3)}{unit[m.group(2)]}", bool(met), goal, val))
+                              f">= {m.group(3)}{unit[m.group(2)]}", bool(met), _goal(m.group(1)), val))
     return out
 
 
+_MOE_CASE = r"moe_([^_]+)_T(\d+)(?:_(.+))?"  # backend absent: the Triton FP8 MoE
+_GEMM_CASE = r"dense_fp8_bias_M(\d+)_(?:(qkv|o)_)?(.+)"  # shape absent: files before it was recorded (QKV only)
+
+
 def _gemm_row(rows: list[dict], case: str) -> dict | None:
-    m = re.fullmatch(r"dense_fp8_bias_M(\d+)_(.+)", case)
-    return next((r for r in rows if m and r["shape"] == "qkv" and r["M"] == int(m.group(1))
-                 and r["backend"] == m.group(2)), None)
+    m = re.fullmatch(_GEMM_CASE, case)
+    return next((r for r in rows if m and r["shape"] == (m.group(2) or "qkv") and r["M"] == int(m.group(1))
+                 and r["backend"] == m.group(3)), None)
+
+
+def _goal(case: str) -> str:
+    """One goal per GEMM shape / MoE model and size, whatever the backend."""
+    m = re.fullmatch(_GEMM_CASE, case)
+    if m:
+        return f"dense_fp8_bias_M{m.group(1)}_{m.group(2) or 'qkv'}"
+    m = re.fullmatch(_MOE_CASE, case)
+    return f"moe_{m.group(1)}_T{m.group(2)}" if m else case
 
 
 def _moe_row(rows: list[dict], case: str) -> dict | None:
-    m = re.fullmatch(r"moe_(\w+?)_T(\d+)", case)
+    """"moe_<model>_T<tokens>[_<backend>]"; without a backend the case is the Triton FP8 MoE's."""
+    m = re.fullmatch(_MOE_CASE, case)
     return next((r for r in rows if m and r["model"] == m.group(1) and r["T"] == int(m.group(2))
-                 and r["backend"] == "triton_fp8"), None)
+                 and r["backend"] == (m.group(3) or "triton_fp8")), None)
 
 
 def kv_targets(docs: dict[str, dict]) -> tuple[list[str], list[Target]]:
