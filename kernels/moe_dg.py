@@ -40,7 +40,8 @@ DOWN = dg.DgConfig(128, 160, mcast=2, gemm_type=dg.GROUPED)
 # 64 rows/expert about even (20b T=512: 430 vs 443 us; 120b T=2048: 1,679 vs 1,617 us), 128 and up
 # DeepGEMM ahead (20b T=1024: 539 vs 623 us; 120b T=8192: 3.03 vs 3.90 ms).
 MIN_ROWS_PER_EXPERT = 96
-SWIGLU_ROWS = 32
+SWIGLU_ROWS = 32  # rows per program of the SwiGLU pass, and its warps (launch settings only)
+SWIGLU_WARPS = 8
 
 
 @triton.jit
@@ -193,7 +194,7 @@ class DeepGemmMoE:
         _swiglu_quant_kernel[(rows // SWIGLU_ROWS, kb2)](h, w.b1, layout, act, acts_buf, inter, float(w.alpha),
                                                float(w.limit), h.stride(0), w.b1.stride(0), act.stride(0),
                                                acts_buf.stride(0), ROWS=SWIGLU_ROWS, GROUP=BLOCK,
-                                               FP8_MAX_C=FP8_MAX, HW_CVT=x.is_cuda, num_warps=8)
+                                               FP8_MAX_C=FP8_MAX, HW_CVT=x.is_cuda, num_warps=SWIGLU_WARPS)
         y = torch.empty(rows, hdim, dtype=torch.bfloat16, device=dev)
         self._gemm(self.down_cfg, act, acts_buf.t(), w.w2, w.w2_scale, y, layout)
         out = torch.empty(t, hdim, dtype=x.dtype, device=dev)

@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.interface import ExpertWeights  # noqa: E402
 from kernels.moe import TritonMoE  # noqa: E402
+from kernels import moe_align  # noqa: E402
 from kernels.moe_align import align_by_expert, max_row_blocks, route_topk_softmax  # noqa: E402
 from kernels.registry import make_moe  # noqa: E402
 from kernels.torch_backend import TorchMoE  # noqa: E402
@@ -125,6 +126,7 @@ def _check_grouping(ids: torch.Tensor, start: int, el: int, bm: int) -> None:
             seen.append(pair)
     assert sorted(seen) == torch.nonzero(valid).flatten().tolist()  # each local pair exactly once
     assert bool((g.block_expert[n // bm:] == -1).all())
+    assert bool((g.sorted_pairs[n:] == p).all())  # unused tiles are padding too (the gather reads them)
     blocks = g.block_expert[: n // bm].tolist()
     assert blocks == sorted(blocks)  # contiguous segments in expert order; empty experts absent
 
@@ -136,15 +138,24 @@ def _check_grouping(ids: torch.Tensor, start: int, el: int, bm: int) -> None:
     (300, 4, 4, 2, 8, 32),      # middle expert range
     (50, 1, 8, 0, 8, 16),       # top-1
 ])
-def test_grouping(t: int, k: int, el: int, start: int, e_total: int, bm: int):
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-program", "many-programs"])
+def test_grouping(t: int, k: int, el: int, start: int, e_total: int, bm: int, parallel: bool, monkeypatch):
+    monkeypatch.setattr(moe_align, "PARALLEL_MIN_PAIRS", 0 if parallel else 1 << 30)
     gen = torch.Generator().manual_seed(t)
     _check_grouping(torch.randint(0, e_total, (t, k), generator=gen, dtype=torch.int32), start, el, bm)
 
 
-def test_grouping_all_tokens_one_expert_and_none_local():
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-program", "many-programs"])
+def test_grouping_all_tokens_one_expert_and_none_local(parallel: bool, monkeypatch):
+    monkeypatch.setattr(moe_align, "PARALLEL_MIN_PAIRS", 0 if parallel else 1 << 30)
     _check_grouping(torch.full((37, 1), 3, dtype=torch.int32), 0, 8, 16)
     g = align_by_expert(torch.full((5, 2), 9, dtype=torch.int32), 0, 4, 16)  # nothing local
-    assert int(g.num_rows.item()) == 0 and bool((g.block_expert == -1).all())
+    assert int(g.num_rows.item()) == 0 and bool((g.block_expert == -1).all()) and bool((g.sorted_pairs == 10).all())
+
+
+def test_grouping_many_programs_at_prefill_size():
+    gen = torch.Generator().manual_seed(3)  # 2,600 tokens x 4 = 10,400 pairs: above PARALLEL_MIN_PAIRS
+    _check_grouping(torch.randint(0, 32, (2600, 4), generator=gen, dtype=torch.int32), 0, 32, 128)
 
 
 # ---- the whole layer ------------------------------------------------------------------------------
