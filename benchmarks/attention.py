@@ -27,10 +27,8 @@ if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", "/tmp/tandem-flashinfer")
 
-import glob  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import tarfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -39,6 +37,7 @@ from dataclasses import dataclass  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks.flashinfer_cache import restore_cache, save_cache  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.interface import GroupMeta, StepMeta  # noqa: E402
 from kernels.torch_backend import TorchAttention  # noqa: E402
@@ -337,7 +336,7 @@ def flashinfer_build() -> None:
         t0 = time.time()
         from kernels.flashinfer_backend import AttentionDims, FlashInferAttention, build_variant, import_flashinfer
         fi = import_flashinfer()
-        FI_BUILD.update({"version": fi.__version__, "restored_modules": restore_cache(fi)})
+        FI_BUILD.update({"version": fi.__version__, "restored_modules": restore_cache()})
 
         def build(backend, sliding):
             t = time.time()
@@ -368,47 +367,6 @@ def flashinfer_build() -> None:
         FI_BUILD["trace"] = traceback.format_exc()[-3000:]
 
 
-def restore_cache(fi) -> int:
-    """Unpack .so files saved by an earlier run as AOT modules: FlashInfer loads
-    <package>/data/aot/<uri>/<uri>.so without invoking ninja."""
-    src = os.environ.get("FLASHINFER_CACHE_TAR")
-    if not src:
-        return 0
-    from flashinfer.jit import env
-    parts = sorted(glob.glob(src + ".part*")) or [src]
-    blob = b"".join(open(p, "rb").read() for p in parts)
-    tmp = "/tmp/fi-cache-restore.tar.xz"
-    with open(tmp, "wb") as f:
-        f.write(blob)
-    with tarfile.open(tmp) as tar:
-        names = [m for m in tar.getmembers() if m.name.endswith(".so")]
-        tar.extractall(env.FLASHINFER_AOT_DIR, members=names, filter="data")
-    return len(names)
-
-
-def save_cache() -> None:
-    from flashinfer.jit import env
-    sos = sorted(glob.glob(str(env.FLASHINFER_JIT_DIR / "tandem_attention_sink_*" / "*.so")))
-    if not sos:
-        return
-    tmp = "/tmp/fi-cache-save.tar.xz"
-    with tarfile.open(tmp, "w:xz") as tar:
-        for so in sos:
-            tar.add(so, arcname=os.path.relpath(so, env.FLASHINFER_JIT_DIR))
-    blob = open(tmp, "rb").read()
-    chunk = 15 << 20
-    REC.data["meta"]["flashinfer_cache"] = {"modules": len(sos), "bytes": len(blob)}
-    if len(blob) > 4 * chunk:  # $OUT returns at most 8 files of 16 MiB, 64 MiB together
-        REC.data["meta"]["flashinfer_cache"]["skipped"] = "too large to come back"
-        return
-    name = os.path.join(OUT, "flashinfer-cache.tar.xz")
-    if len(blob) <= chunk:
-        open(name, "wb").write(blob)
-    else:
-        for i in range(0, len(blob), chunk):
-            open(f"{name}.part{i // chunk}", "wb").write(blob[i:i + chunk])
-
-
 def main() -> None:
     global SINKS
     torch.manual_seed(0)
@@ -426,7 +384,7 @@ def main() -> None:
         builder.join()
         REC.data["meta"]["flashinfer_build"] = dict(FI_BUILD)
         print(f"flashinfer: {FI_BUILD}", flush=True)
-        REC.section("save flashinfer cache", save_cache)
+        REC.section("save flashinfer cache", lambda: REC.data["meta"].update(flashinfer_cache=save_cache(OUT)))
     REC.section("prefill", prefill_section)
     REC.section("decode", decode_section)
     REC.section("torch reference", torch_reference_section)
