@@ -111,7 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="gpt-oss-20b")
     ap.add_argument("--attention", default="flashinfer")
-    ap.add_argument("--moe", default="triton")
+    ap.add_argument("--moe", default="auto", help="triton | deepgemm | auto: what a worker would pick (kernels/registry.py)")
     ap.add_argument("--linear", default="scaled_mm")
     ap.add_argument("--prefill-lens", default="1024,2048,4096,8192,16384,32768")
     ap.add_argument("--contexts", default="8192,32768")
@@ -122,6 +122,9 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
     a = ap.parse_args()
+    if a.moe == "auto":  # recorded as the backend it resolved to
+        from kernels.registry import auto_moe_backend
+        a.moe = auto_moe_backend(a.device, fp8=True, whole_experts=True)
     tag = a.tag or f"{a.preset}-tp1"
     res = Results(out_dir() / f"model_{tag}.json", {"env": environment(), "args": vars(a)})
     with res.section("ceilings") as sec:
