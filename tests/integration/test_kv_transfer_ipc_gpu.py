@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kv_transfer.interface import FailureReason
-from tests.integration.test_kv_transfer_nixl import Cluster, Scenario, _assert_done
+from tests.support.nixl_cluster import Cluster, Scenario, _assert_done
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
