@@ -155,8 +155,9 @@ def num_sms(device: torch.device) -> int:
 
 
 def unavailable_reason(cfgs: list[DgConfig], device: torch.device) -> str | None:
-    """Why DeepGEMM cannot run here (None: it can): the headers, and nvcc unless every launcher is
-    already built. No GPU work; the caller logs the reason when it picks another backend."""
+    """Why DeepGEMM cannot run here (None: it can): an SM90 device, the headers, and each launcher
+    built (nvcc, first time only; cached) and loaded. No kernel runs; the caller logs the reason
+    when it picks another backend, so a broken toolchain costs speed, not the worker."""
     if device.type != "cuda":
         return "not a CUDA device"
     major, _ = torch.cuda.get_device_capability(device)
@@ -164,11 +165,9 @@ def unavailable_reason(cfgs: list[DgConfig], device: torch.device) -> str | None
         return f"needs SM90 (Hopper), device has SM{major}x"
     try:
         include_dir()
-        if all(library_path(c, num_sms(device), build=False).exists() for c in cfgs):
-            return None
-        _nvcc()
-    except ConfigError as e:
-        return str(e).splitlines()[0]
+        prepare(cfgs, device)
+    except (ConfigError, OSError, subprocess.SubprocessError) as e:
+        return str(e).strip().splitlines()[0][:300]
     return None
 
 

@@ -57,3 +57,29 @@ def test_worker_flags_pick_the_default_per_rank(monkeypatch):
     assert seen[-1] == ("cuda:1", True, False)
     cfg = worker_args.engine_config(p.parse_args(["--device", "cuda", "--moe-backend", "triton"]))
     assert cfg.moe_backend == "triton" and len(seen) == 2  # an explicit choice is not second-guessed
+
+
+def _hopper(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(dg, "_num_sms", lambda index: 132)
+
+
+def test_unavailable_reason_names_what_is_missing(monkeypatch, tmp_path):
+    _hopper(monkeypatch)
+    monkeypatch.setenv("TANDEM_DEEPGEMM_INCLUDE", str(tmp_path / "nowhere"))
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    cfg = dg.DgConfig(128, 128)
+    monkeypatch.setattr(dg, "include_dir", lambda: (_ for _ in ()).throw(dg.ConfigError("DeepGEMM headers not found")))
+    assert dg.unavailable_reason([cfg], torch.device("cuda:0")) == "DeepGEMM headers not found"
+    monkeypatch.setattr(dg, "include_dir", lambda: tmp_path)
+    monkeypatch.setattr(dg, "_nvcc", lambda: (_ for _ in ()).throw(dg.ConfigError("nvcc not found (set NVCC)")))
+    monkeypatch.setattr(dg, "library_path", lambda c, n, build=True: dg._nvcc())
+    assert dg.unavailable_reason([cfg], torch.device("cuda:0")).startswith("nvcc not found")
+    monkeypatch.setattr(dg, "library_path", lambda c, n, build=True: tmp_path / "broken.so")
+    (tmp_path / "broken.so").write_bytes(b"not an ELF")  # a launcher that does not load
+    dg._load.cache_clear()
+    assert "broken.so" in dg.unavailable_reason([cfg], torch.device("cuda:0"))
+    dg._load.cache_clear()
+    assert dg.unavailable_reason([cfg], torch.device("cpu")) == "not a CUDA device"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert "SM90" in dg.unavailable_reason([cfg], torch.device("cuda:0"))
