@@ -1,8 +1,10 @@
 """The router's view of its workers: discovery (static flags or a Kubernetes headless Service
 resolved through DNS), status polling with deadlines, and router-side load accounting between polls.
 
-Loop: every poll interval, ask each worker for WorkerStatus (deadline = interval); two misses in a
-row mark it down and fail its in-flight requests at once; an answer marks it up again. `snapshot()`
+Loop: every poll interval, ask each worker for WorkerStatus (deadline = 2 x interval, >= 1 s); three
+misses in a row mark it down and fail its in-flight requests at once; an answer marks it up again. A
+poll that times out while the worker still sent something (token chunks, a late status reply) is
+not a miss: it is slow, not gone. `snapshot()`
 feeds the pure placement policy.
 """
 
@@ -13,6 +15,7 @@ import contextlib
 import logging
 import math
 import socket
+import time
 from dataclasses import dataclass, field
 
 import zmq.asyncio
@@ -33,6 +36,7 @@ class WorkerState:
     misses: int = 0
     pending_tokens: int = 0  # prompt tokens sent to this prefill worker, not yet answered
     pending_requests: int = 0
+    last_poll: float = 0.0  # monotonic time the previous status poll was sent
 
     @property
     def healthy(self) -> bool:
@@ -107,6 +111,7 @@ class Fleet:
             self.roles.pop(addr, None)
 
     async def _poll_one(self, addr: str, st: WorkerState) -> None:
+        since, st.last_poll = st.last_poll, time.monotonic()  # heard from it since the previous poll?
         try:
             st.status = await st.client.status(max(MIN_STATUS_TIMEOUT_S, 2 * self.interval))
             if st.misses >= MISSES_TO_DOWN:
@@ -114,6 +119,8 @@ class Fleet:
             st.misses = 0
             st.client.mark_alive()
         except asyncio.TimeoutError:
+            if st.client.last_heard >= since:
+                return  # slow, not gone: it streamed tokens or answered the last poll late (a loaded host)
             st.misses += 1
             if st.misses == MISSES_TO_DOWN:
                 log.warning("%s worker %s missed %d status polls: marking it down", st.client.role, addr, st.misses)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 
 import zmq
 import zmq.asyncio
@@ -46,6 +48,7 @@ class WorkerClient:
         self._status: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
         self._dead_reason = ""
+        self.last_heard = -math.inf  # monotonic time of the last frame from the worker, of any kind
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._recv_loop())
@@ -65,6 +68,7 @@ class WorkerClient:
             except ProtocolError as e:
                 log.error("bad frame from %s: %s", self.address, e)
                 continue
+            self.last_heard = time.monotonic()  # liveness: token chunks and late status replies count
             if isinstance(msg, TokenChunk):
                 q = self._streams.get(msg.request_id)
                 if q is not None:
