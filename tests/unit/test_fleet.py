@@ -85,3 +85,4 @@ def test_dead_worker_marked_down_slow_and_busy_workers_kept(monkeypatch):
     assert out["down_after"] is not None and out["down_after"] < 4.0, out  # 3 polls x 0.9 s
     assert out["reasons"]["late"] == "" and out["reasons"]["chatty"] == "", out
     assert out["misses"]["chatty"] == 0, out
+
