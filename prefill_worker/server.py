@@ -16,6 +16,7 @@ from collections import deque
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from common.stall import StallWatch
 from common.worker_io import WorkerIO
 from model.kv_cache import PageGroup
 from prefill_worker.engine import PrefillEngine
@@ -78,7 +79,9 @@ class PrefillServer:
 
     def run(self) -> None:
         self.ready = True
+        watch = StallWatch()
         while not (self.draining.is_set() and not self.queue):
+            watch.tick()
             self._take_messages(0.0 if self.queue else 0.02)
             QUEUE.set(len(self.queue))
             if not self.queue:
@@ -96,6 +99,7 @@ class PrefillServer:
             self.aborted.discard(m.request_id)
             self.io.send(peer, result)
             self._status = self._snapshot()
+        watch.stop()
         log.info("drained; exiting")
 
     def _check_abort(self, rid: str) -> bool:

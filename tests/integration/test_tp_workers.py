@@ -71,7 +71,9 @@ class Proc:
 
 
 def _spawn(name: str, argv: list[str]) -> Proc:
-    env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1")
+    # TANDEM_STALL_DUMP_S: a worker loop iteration over 5 s leaves every thread's stack in the worker log
+    # (a rare CI failure had a TP2 decode worker silent for ~9 s)
+    env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1", TANDEM_STALL_DUMP_S="5")
     log = tempfile.NamedTemporaryFile(prefix=f"tandem-tp-{name}-", suffix=".log", delete=False)
     return Proc(name, subprocess.Popen([sys.executable, "-m", "launcher.cli", *argv], env=env,
                                        stdout=subprocess.DEVNULL, stderr=log), log.name)
