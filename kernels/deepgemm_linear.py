@@ -60,19 +60,19 @@ def split_bias_fp8(b: torch.Tensor, terms: int = BIAS_TERMS) -> tuple[torch.Tens
     One scale per 128 outputs (a 128x128 weight block's scale): max|b| / 448 of the block. Each term
     quantises what the previous ones left over, on the same scale, so the error shrinks ~16x per term
     down to the e4m3 subnormal floor (2^-9 of the scale)."""
-    n = b.shape[0]
-    nb = -(-n // BLOCK)
-    bf = torch.zeros(nb * BLOCK, dtype=torch.float32, device=b.device)
-    bf[:n] = b.float()
-    blocks = bf.view(nb, BLOCK)
-    scale = (blocks.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-30)  # [NB]
-    rest = blocks / scale[:, None]
-    parts = []
-    for _ in range(terms):
-        q = rest.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        parts.append(q)
-        rest = rest - q.float()
-    return torch.stack(parts, dim=-1).view(nb * BLOCK, terms)[:n], scale
+    scale = (_block_amax(b) / FP8_MAX).clamp(min=1e-30)  # [NB]
+    return split_bias_on_scale(b, _per_row(scale, b.shape[0]), terms), scale
+
+
+def _block_amax(b: torch.Tensor) -> torch.Tensor:
+    """b [N] -> max|b| per 128 outputs [ceil(N/128)] (a 128x128 weight block's rows)."""
+    nb = -(-b.shape[0] // BLOCK)
+    return F.pad(b.float().abs(), (0, nb * BLOCK - b.shape[0])).view(nb, BLOCK).amax(dim=1)
+
+
+def _per_row(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[NB] per 128-row block -> [N] per row."""
+    return t.repeat_interleave(BLOCK)[:n]
 
 
 def split_bias_on_scale(b: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
@@ -96,18 +96,17 @@ def _bias_in_pad(w: torch.Tensor, ws: torch.Tensor, b: torch.Tensor, buf: torch.
     n, k = w.shape
     kl, cols = k // BLOCK, -(-k // BLOCK) * BLOCK - k
     ws = ws.float().clone()
-    nb = ws.shape[0]
-    bmax = F.pad(b.float().abs(), (0, nb * BLOCK - n)).view(nb, BLOCK).amax(dim=1)  # [NB]
+    bmax = _block_amax(b)  # [NB]
     dead = ws[:, kl] <= 0  # a zero scale zeroes the block whatever its codes: give the bias a scale
     ws[:, kl] = torch.where(dead, (bmax / (FP8_MAX * (cols - BIAS_TERMS))).clamp(min=1e-30), ws[:, kl])
     need = bmax / (ws[:, kl] * FP8_MAX * (cols - BIAS_TERMS))
     shift = torch.where(need > 1, torch.ceil(torch.log2(need)), torch.zeros_like(need))  # [NB]
     if bool((shift > 0).any() or dead.any()):
-        per_row = lambda t: t.repeat_interleave(BLOCK)[:n, None]  # noqa: E731 - [NB] -> [N, 1]
-        codes = w[:, kl * BLOCK: k].float() * torch.exp2(-per_row(shift)) * (~per_row(dead))
+        keep = torch.exp2(-_per_row(shift, n)) * ~_per_row(dead, n)  # [N]: 2^-s, 0 where the scale was 0
+        codes = w[:, kl * BLOCK: k].float() * keep[:, None]
         buf[:, kl * BLOCK: k] = codes.to(w.dtype)
         ws[:, kl] = ws[:, kl] * torch.exp2(shift)
-    buf[:, k: k + cols] = split_bias_on_scale(b, ws[:, kl].repeat_interleave(BLOCK)[:n], cols)
+    buf[:, k: k + cols] = split_bias_on_scale(b, _per_row(ws[:, kl], n), cols)
     return ws
 
 

@@ -51,6 +51,14 @@ def round_e4m3(v):
 
 
 @triton.jit
+def cast_e4m3(v, HW_CVT: tl.constexpr):
+    """fp32 -> e4m3 (HW_CVT: compiled) or fp32 holding e4m3 values (interpreter), RTNE, saturating."""
+    if HW_CVT:
+        return v.to(tl.float8e4nv)  # the same bits as round_e4m3
+    return round_e4m3(v)
+
+
+@triton.jit
 def quantize_tile(x, valid_cols, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
     """x [R, G] fp32 (one 1x128 group per row, invalid columns already 0) -> (q [R, G], scale [R]).
     q is e4m3 (HW_CVT: compiled) or fp32 holding e4m3 values (interpreter); cast it to the output."""
@@ -58,11 +66,7 @@ def quantize_tile(x, valid_cols, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
     amax = tl.maximum(amax, 1e-12)
     scale = tl.math.div_rn(amax, FP8_MAX_C)
     q = tl.where(valid_cols, tl.math.div_rn(x, scale[:, None]), 0.0)
-    if HW_CVT:
-        q = q.to(tl.float8e4nv)  # RTNE, saturating: the same bits as round_e4m3
-    else:
-        q = round_e4m3(q)
-    return q, scale
+    return cast_e4m3(q, HW_CVT), scale
 
 
 @triton.jit
@@ -99,11 +103,7 @@ def _quant_1x128_kernel(x_ptr, q_ptr, s_ptr, M, K, KP, ONES_COL, stride_xm, stri
             scale = pow2_scale_tile(x, FP8_MAX_C)
             inv = 1.0 / scale  # exact: a power of two
             v = tl.where(ones[None, :], inv[:, None], x * inv[:, None])  # x * 2^-e: exact, |v| <= 448
-            v = tl.where(valid[None, :] | ones[None, :], v, 0.0)
-            if HW_CVT:
-                q = v.to(tl.float8e4nv)
-            else:
-                q = round_e4m3(v)
+            q = cast_e4m3(tl.where(valid[None, :] | ones[None, :], v, 0.0), HW_CVT)
     # Columns in [K, KP) are the zero padding some backends need.
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
              mask=rmask[:, None] & (cols < KP)[None, :])

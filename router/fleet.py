@@ -4,8 +4,8 @@ resolved through DNS), status polling with deadlines, and router-side load accou
 Loop: every poll interval, ask each worker for WorkerStatus (deadline = 2 x interval, >= 1 s); three
 misses in a row mark it down and fail its in-flight requests at once; an answer marks it up again. A
 poll that times out while the worker sent something since the previous poll (token chunks, a late
-status reply; also what a starved router finds queued when it wakes) is not a miss: slow is not gone. `snapshot()`
-feeds the pure placement policy.
+status reply; also what a starved router finds queued when it wakes) is not a miss: slow is not
+gone. `snapshot()` feeds the pure placement policy.
 """
 
 from __future__ import annotations
