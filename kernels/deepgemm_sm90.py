@@ -50,6 +50,8 @@ class DgConfig:
     mcast: int = 1  # CTAs of a cluster sharing one TMA load (1 or 2)
     mcast_on_a: bool = False
     gemm_type: int = NORMAL
+    shape_n: int = 0  # N compiled into the kernel (0: runtime); the launcher refuses another N
+    shape_k: int = 0  # K likewise (the augmented K' of a dense linear)
 
     def swizzle_d(self) -> int:
         """Largest TMA swizzle (bytes) whose bf16 atom divides BLOCK_N."""
@@ -58,10 +60,11 @@ class DgConfig:
                 return sw
         return 0
 
-    def smem_bytes(self, stages: int, max_k: int = 8192) -> int:
+    def smem_bytes(self, stages: int, max_k: int = 0) -> int:
         """Mirror of the launcher's smem_bytes, to pick the stage count (the launcher raises the
         kernel's limit to the real size for each K and reports a refusal)."""
         up = lambda a, b: -(-a // b) * b  # noqa: E731
+        max_k = max_k or self.shape_k or 8192
         d = up(self.block_m * self.block_n * 2, 1024)
         per_stage = self.block_m * 128 + self.block_n * 128 + up(self.block_m * 4, 128)
         sfb = up(-(-max_k // 128) * (1 if 128 % self.block_n == 0 else 2) * 4, 8)
@@ -109,7 +112,7 @@ def build_flags(cfg: DgConfig, num_sms: int) -> list[str]:
             f"-DTD_MCAST_ON_A={int(cfg.mcast_on_a)}", f"-DTD_NUM_SMS={num_sms}",
             # the group count matters to masked/batched forms only; contiguous takes it at run time
             f"-DTD_GEMM_TYPE={cfg.gemm_type}", "-DTD_NUM_GROUPS=1",
-            f"-DTD_SWIZZLE_D={cfg.swizzle_d()}"]
+            f"-DTD_SWIZZLE_D={cfg.swizzle_d()}", f"-DTD_SHAPE_N={cfg.shape_n}", f"-DTD_SHAPE_K={cfg.shape_k}"]
 
 
 def library_path(cfg: DgConfig, num_sms: int, build: bool = True) -> Path:

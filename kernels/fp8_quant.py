@@ -53,9 +53,13 @@ def round_e4m3(v):
 @triton.jit
 def cast_e4m3(v, HW_CVT: tl.constexpr):
     """fp32 -> e4m3 (HW_CVT: compiled) or fp32 holding e4m3 values (interpreter), RTNE, saturating."""
+    # One return after a constexpr if/else: with an early return Triton's compiler types both
+    # branches and rejects fp8 vs fp32 (only the taken branch of a constexpr if/else is built).
     if HW_CVT:
-        return v.to(tl.float8e4nv)  # the same bits as round_e4m3
-    return round_e4m3(v)
+        q = v.to(tl.float8e4nv)  # the same bits as round_e4m3
+    else:
+        q = round_e4m3(v)
+    return q
 
 
 @triton.jit

@@ -8,7 +8,9 @@
 //
 // The configuration comes from -D flags: TD_BLOCK_M, TD_BLOCK_N, TD_STAGES, TD_MCAST (1 or 2),
 // TD_MCAST_ON_A, TD_NUM_SMS, TD_GEMM_TYPE (0 normal, 1 M-grouped contiguous), TD_NUM_GROUPS,
-// TD_SWIZZLE_D (bytes).
+// TD_SWIZZLE_D (bytes), and optionally TD_SHAPE_N / TD_SHAPE_K: N and K compiled in (0: runtime).
+// DeepGEMM's own JIT compiles N and K in by default: the k-block loop's trip count and the B-scale
+// loads become constants (and the kernel picks a deeper unroll for 256x128 tiles).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -18,6 +20,13 @@
 
 #include <deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh>
 
+#ifndef TD_SHAPE_N
+#define TD_SHAPE_N 0
+#endif
+#ifndef TD_SHAPE_K
+#define TD_SHAPE_K 0
+#endif
+
 namespace {
 
 constexpr uint32_t kBlockK = 128;
@@ -25,9 +34,9 @@ constexpr uint32_t kTmaThreads = 128;
 constexpr uint32_t kMathThreads = TD_BLOCK_M <= 64 ? 128 : 256;
 constexpr auto kGemmType = static_cast<deep_gemm::GemmType>(TD_GEMM_TYPE);
 
-// Every template argument of the kernel, in its order; shapes stay runtime (0).
+// Every template argument of the kernel, in its order; M stays runtime (0).
 constexpr auto kKernel = &deep_gemm::sm90_fp8_gemm_1d2d_impl<
-    cute::UMMA::Major::K, 0, 0, 0, TD_NUM_GROUPS, TD_BLOCK_M, TD_BLOCK_N, kBlockK,
+    cute::UMMA::Major::K, 0, TD_SHAPE_N, TD_SHAPE_K, TD_NUM_GROUPS, TD_BLOCK_M, TD_BLOCK_N, kBlockK,
     128, 128, TD_SWIZZLE_D, TD_STAGES, kTmaThreads, kMathThreads, TD_MCAST, (TD_MCAST_ON_A != 0),
     TD_NUM_SMS, kGemmType, cutlass::bfloat16_t, deep_gemm::epilogue::transform::EpilogueIdentity>;
 
@@ -109,6 +118,12 @@ extern "C" {
 int tandem_dg_gemm(void* a, void* sfa, void* b, float* sfb, void* d, int* grouped_layout,
                    uint32_t m, uint32_t n, uint32_t k, uint32_t m_al, uint64_t lda, uint64_t ldb,
                    uint64_t ldd, uint32_t groups, void* stream, char* err, int err_len) {
+    // The kernel replaces runtime N/K by compiled ones: a mismatch would compute garbage silently.
+    if ((TD_SHAPE_N != 0 && n != TD_SHAPE_N) || (TD_SHAPE_K != 0 && k != TD_SHAPE_K)) {
+        snprintf(err, err_len, "launcher compiled for N=%u K=%u, called with N=%u K=%u",
+                 unsigned(TD_SHAPE_N), unsigned(TD_SHAPE_K), n, k);
+        return -1;
+    }
     constexpr uint32_t kSwizzleD = TD_SWIZZLE_D;
     constexpr uint32_t kStoreN = kSwizzleD == 0 ? TD_BLOCK_N : kSwizzleD / 2;
     CUtensorMap map_a, map_b, map_d, map_sfa;

@@ -1,0 +1,144 @@
+"""The GPU-only branches of our Triton kernels compile, checked on CPU.
+
+The interpreter runs each kernel with its CPU constexprs (HW_CVT=False: e4m3 emulated in fp32;
+DOT_F32=True), so the branches a GPU takes are never built by the CPU tests: a type error there
+(session 8's `cast_e4m3` early return, fp8 vs fp32) broke every FP8 quantisation on the H200 while
+CI passed. Here each kernel is launched once on tiny inputs through its real wrapper under the
+interpreter, the launches are recorded (argument types, constexprs), the GPU constexprs are
+substituted and every launch is lowered to Triton IR for SM90 in a subprocess without the
+interpreter. That is Triton's front end only (no ptxas): it catches type and constexpr-branch errors,
+not register or shared-memory limits. Not covered: kernels/allreduce.py (needs multi-GPU symmetric
+memory even to launch)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import inspect  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+
+import torch  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
+
+from tests.kernels.test_moe import _experts, _logits  # noqa: E402
+
+# What the GPU wrappers pass where the CPU ones pass the interpreter's value.
+GPU_CONSTEXPRS = {"HW_CVT": True, "DOT_F32": False}
+
+
+@contextmanager
+def recording():
+    """Records every interpreted launch as (module, kernel, {arg: type}, {constexpr: value})."""
+    seen: dict[str, dict] = {}
+    run = InterpretedFunction.run
+
+    def spy(self, *args, grid, warmup, **kwargs):
+        params = {p.name: p for p in inspect.signature(self.fn).parameters.values()}
+        bound = dict(zip(self.arg_names, args)) | {k: v for k, v in kwargs.items() if k in params}
+        sig, const = {}, {}
+        for name, v in bound.items():
+            ann = params[name].annotation
+            if "constexpr" in str(ann) or v is None:
+                const[name] = GPU_CONSTEXPRS.get(name, v)
+            else:
+                sig[name] = mangle_type(v)  # the type string Triton's own launcher would use
+        rec = {"module": self.fn.__module__, "kernel": self.fn.__name__, "sig": sig, "const": const}
+        seen[json.dumps(rec, sort_keys=True, default=str)] = rec
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = spy
+    try:
+        yield seen
+    finally:
+        InterpretedFunction.run = run
+
+
+LOWER = textwrap.dedent("""
+    import importlib, json, sys
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton._C.libtriton import ir
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({})
+    failures = []
+    for rec in json.load(sys.stdin):
+        fn = getattr(importlib.import_module(rec["module"]), rec["kernel"])
+        sig = dict(rec["sig"]) | {k: "constexpr" for k in rec["const"]}
+        consts = {(fn.arg_names.index(k),): v for k, v in rec["const"].items()}
+        ctx = ir.context()
+        ir.load_dialects(ctx)
+        backend.load_dialects(ctx)
+        try:
+            ASTSource(fn, sig, consts).make_ir(target, options, backend.get_codegen_implementation(options),
+                                               backend.get_module_map(), ctx)
+        except Exception as e:
+            failures.append(f"{rec['module']}.{rec['kernel']} {rec['const']}: {str(e)[-600:]}")
+    print(json.dumps(failures))
+""")
+
+
+def _launch_every_kernel() -> None:
+    """One call through each wrapper that owns a Triton kernel, on tiny CPU inputs."""
+    from kernels import moe_align
+    from kernels.fp8_gemm import TritonFp8Linear
+    from kernels.fp8_quant import quantize_act_1x128
+    from kernels.moe import TritonMoE
+    from kernels.moe_dg import DeepGemmMoE
+    from kernels.moe_small import SmallBatchMoE
+    from kernels.norm import add_rms_norm, rms_norm
+    from kernels import reference as ref
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 200)
+    quantize_act_1x128(x)
+    quantize_act_1x128(x, k_pad=16, m_align=4, ones=(200, 3))
+    w, ws = ref.quantize_fp8_blockwise(torch.randn(96, 200) * 0.1)
+    TritonFp8Linear()(x.to(torch.bfloat16), w, ws, torch.randn(96).to(torch.bfloat16))
+    rms_norm(x, torch.ones(200), 1e-5)
+    add_rms_norm(x, x, torch.ones(200), 1e-5)
+    h, i, e = 128, 128, 4
+    xb = torch.randn(3, h).to(torch.bfloat16)
+    logits = _logits(3, e, torch.bfloat16)
+    experts = _experts(e, e, h, i, torch.bfloat16, fp8=True)
+    TritonMoE()(xb, logits, 2, experts)
+    TritonMoE()(xb, logits, 2, _experts(e, e, h, i, torch.bfloat16, fp8=False))
+    SmallBatchMoE()(xb, logits, 2, experts)
+    DeepGemmMoE(min_rows_per_expert=0)(xb, logits, 2, experts)  # its Triton kernels; GEMMs by reference on CPU
+    ids = torch.randint(0, e, (4096, 1), dtype=torch.int32)
+    moe_align.align_by_expert(ids, 0, e, 64)  # the many-program path (>= 4096 pairs)
+
+
+def _launch_attention() -> None:
+    from kernels.triton_store_kv import apply_rope, rope_store_kv, store_kv
+    from tests.kernels.test_triton_attention import Case, _store_case
+
+    c = Case([5, 12], [30, 4], hq=8, hkv=2, dtype=torch.bfloat16)
+    c.run("dense", 0.25, None)
+    c.run("prefix", 0.25, 9, num_splits=3)
+    k, v, slots, kc, vc, cos, sin = _store_case(torch.bfloat16)
+    store_kv(k, v, kc, vc, slots)
+    rope_store_kv(k, v, kc, vc, slots, cos, sin)
+    apply_rope(k, cos, sin)
+
+
+def test_gpu_branches_of_every_kernel_lower_for_sm90():
+    with recording() as seen:
+        _launch_every_kernel()
+        _launch_attention()
+    kernels = {(r["module"], r["kernel"]) for r in seen.values()}
+    assert len(kernels) >= 19, sorted(kernels)  # all but allreduce's (multi-GPU symmetric memory only)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", LOWER], input=json.dumps(list(seen.values())), env=env,
+                          capture_output=True, text=True, timeout=600, cwd=os.getcwd())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not failures, "\n\n".join(failures)
