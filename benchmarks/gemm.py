@@ -70,7 +70,8 @@ def environment() -> dict:
     import triton
     p = torch.cuda.get_device_properties(0)
     return {"device": p.name, "sms": p.multi_processor_count, "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda}
+            "triton": triton.__version__, "cuda": torch.version.cuda,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
 def bench(calls: list[Callable[[], object]], trials: int = 5, min_ms: float = 20.0) -> float:
@@ -253,7 +254,7 @@ def _dg_gemm_only_rows(lin, shape: str, x, w, ws, bias, ws_sets, flops: int, cei
     for label, bb, pad in cases:
         augs = [dl.augment_weight(a, s_, bb, pad=pad) for a, s_, _ in ws_sets]
         a, xs = dl.augment_activations(x, augs[0])
-        cfg = lin.config_for(m, n, augs[0].ws.shape[1])
+        cfg = lin.config_for(m, n, augs[0].w.shape[1])
         y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
         calls = [lambda g=g: dg.gemm(cfg, a, xs, g.w, g.ws, y) for g in augs]
         ms = bench(calls)

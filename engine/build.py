@@ -80,7 +80,7 @@ def load_model(cfg: EngineConfig) -> GptOss:
     backends = make_backends(cfg.attention_backend, cfg.linear_backend, cfg.moe_backend)
     model = GptOss(src.config, backends, dtype=DTYPES[cfg.dtype], fp8=cfg.fp8, parallel=cfg.parallel,
                    device=cfg.device, fp8_attention=cfg.fp8_attention)
-    prepare_backends(backends, cfg.device)
+    prepare_backends(backends, cfg.device, dense_shapes(model))
     stats = load_weights(model, src, progress=cfg.progress)
     log.info("model: %d layers, %d experts, dtype %s, fp8=%s, tp=%d (%s); backends: %s",
              src.config.num_hidden_layers, src.config.num_local_experts, cfg.dtype, cfg.fp8, cfg.parallel.tp_size,
@@ -90,16 +90,30 @@ def load_model(cfg: EngineConfig) -> GptOss:
     return model
 
 
-def prepare_backends(backends: Backends, device: str) -> None:
+def dense_shapes(model: GptOss) -> list[tuple[int, int, bool]]:
+    """(N, K, has bias) of each FP8 dense weight the linear backend will see (the attention
+    projections; bf16 ones bypass it). Rank-dependent under TP: only one rank adds O's bias."""
+    out = []
+    for layer in model.layers:
+        a = layer.attn
+        for w, s, b in ((a.qkv_w, a.qkv_s, a.qkv_b), (a.o_w, a.o_s, a.o_b)):
+            if s is not None:
+                out.append((w.shape[0], w.shape[1], b is not None))
+    return list(dict.fromkeys(out))
+
+
+def prepare_backends(backends: Backends, device: str, dense: list[tuple[int, int, bool]] = ()) -> None:
     """Backends that build or load native code (DeepGEMM launchers) do it at start-up: a missing
-    toolchain is a clear start-up error, not a failed request later."""
+    toolchain is a clear start-up error, not a failed request later. `dense`: the linear backend's
+    weight shapes (DeepGEMM compiles N and K into each launcher)."""
     if not device.startswith("cuda"):
         return
-    for impl in (backends.linear, backends.moe):
+    dev = torch.device(device)
+    for impl, args in ((backends.linear, (dev, dense)), (backends.moe, (dev,))):
         prepare = getattr(impl, "prepare", None)
         if prepare is not None:
             try:
-                prepare(torch.device(device))
+                prepare(*args)
             except (ConfigError, OSError, RuntimeError) as e:
                 raise ConfigError(f"{impl.name} backend cannot start on {device}: {e}") from e
 

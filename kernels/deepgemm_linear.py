@@ -20,11 +20,15 @@ Either way the terms' fp32 sum carries the bias to ~2^-12 relative, finer than t
     y = a w_aug^T = x w^T + b
 
 The augmented weight is a second copy of each dense weight (~0.6 GB for 20b), built on first use.
-M <= 64 takes a 64-row tile. GPU-only (SM90); see kernels/deepgemm_sm90.py.
+Each launcher has N and K' compiled in and a tile chosen by M range (`config_for`); the engine
+builds them at start-up from the model's shapes (`launcher_configs`). GPU-only (SM90); see
+kernels/deepgemm_sm90.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -38,13 +42,21 @@ from kernels.reference import BLOCK, FP8_MAX
 BIAS_TERMS = 3  # "block" placement: hi + mid + lo
 PAD_MIN_COLS = 8  # "pad" placement needs at least this many free columns in the last K block
 ROW_ALIGN = 16  # TMA: row strides in multiples of 16 bytes
+# "block" placement: K' = K + 3 would leave rows 16-byte aligned only (O: 4112 bytes), and every
+# 128-byte TMA row read then straddles two lines: 1,148 -> 1,191 TFLOP/s at 128-byte rows (DG13).
+BLOCK_ROW_ALIGN = 128
 
-# Tiles measured on the H200 at M = 8192 (runs DG1, DG6): (N, K blocks incl. bias) -> config.
-TILES: dict[tuple[int, int], dg.DgConfig] = {
-    (5120, 23): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),  # QKV, bias in the padding
-    (5120, 24): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),  # QKV: 1,117 TFLOP/s without bias
+# Tiles measured on the H200 (runs DG1, DG6, DG13, DG14): (N, K blocks incl. bias, from M) -> config;
+# the entry with the largest M bound <= M applies, LARGE_DEFAULT where none does.
+TILES: dict[tuple[int, int, int], dg.DgConfig] = {
+    (5120, 23, 65): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),  # QKV, bias in the padding: 1,279
+    (5120, 24, 65): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),  # QKV: 1,117 TFLOP/s without bias
+    # O + bias block (33 K blocks) at M = 8192: 1,214 vs 1,182 for 128x192, which loses 11 % to the
+    # 33rd block against 3.5 % for 256x128 (cause not isolated). Below 4k rows 256-row tiles leave
+    # SMs idle (M = 1024: 92 tiles for 132 SMs; 916 vs 1,090 TFLOP/s for 128x192 in DG14).
+    (2880, 33, 4096): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),
 }
-LARGE_DEFAULT = dg.DgConfig(128, 192, mcast=2)  # O 2880 x 4096: 1,297 TFLOP/s
+LARGE_DEFAULT = dg.DgConfig(128, 192, mcast=2)  # O 2880 x 4096 without bias: 1,333 TFLOP/s (DG13)
 SMALL = dg.DgConfig(64, 128)
 
 
@@ -110,28 +122,34 @@ def _bias_in_pad(w: torch.Tensor, ws: torch.Tensor, b: torch.Tensor, buf: torch.
     return ws
 
 
-def augment_weight(w: torch.Tensor, ws: torch.Tensor, b: torch.Tensor | None, row_align: int = ROW_ALIGN,
-                   pad: bool = True) -> AugWeight:
-    """(w [N, K] e4m3, ws [NB, KB0], b [N]) -> AugWeight with the bias in the last K block's padding
-    when it has >= PAD_MIN_COLS free columns and `pad`, else in one extra K block (b None: K' = K)."""
-    n, k = w.shape
+def placement(k: int, has_bias: bool, pad: bool = True, row_align: int = ROW_ALIGN
+              ) -> tuple[str | None, int, int, tuple[int, int] | None]:
+    """Where a [N, K] weight's bias goes -> (placement, K', row stride, constant-1 columns): the last
+    K block's padding when it has >= PAD_MIN_COLS free columns and `pad`, else one extra K block;
+    no bias: K' = K. Shapes only, so start-up can build the launchers before weights exist."""
     kb0 = -(-k // BLOCK)
     free = kb0 * BLOCK - k
-    placement = None if b is None else "pad" if pad and free >= PAD_MIN_COLS else "block"
-    k_aug = {None: k, "pad": kb0 * BLOCK, "block": kb0 * BLOCK + BIAS_TERMS}[placement]
-    stride = -(-k_aug // row_align) * row_align
+    where = None if not has_bias else "pad" if pad and free >= PAD_MIN_COLS else "block"
+    k_aug = {None: k, "pad": kb0 * BLOCK, "block": kb0 * BLOCK + BIAS_TERMS}[where]
+    align = max(row_align, BLOCK_ROW_ALIGN) if where == "block" else row_align
+    ones = {None: None, "pad": (k, free), "block": (kb0 * BLOCK, BIAS_TERMS)}[where]
+    return where, k_aug, -(-k_aug // align) * align, ones
+
+
+def augment_weight(w: torch.Tensor, ws: torch.Tensor, b: torch.Tensor | None, row_align: int = ROW_ALIGN,
+                   pad: bool = True) -> AugWeight:
+    """(w [N, K] e4m3, ws [NB, KB0], b [N]) -> AugWeight with the bias where `placement` puts it."""
+    n, k = w.shape
+    where, k_aug, stride, ones = placement(k, b is not None, pad, row_align)
     buf = torch.zeros(n, stride, dtype=w.dtype, device=w.device)
     buf[:, :k] = w
     ws_aug = ws.float().contiguous()
-    ones = None
-    if placement == "pad":
+    if where == "pad":
         ws_aug = _bias_in_pad(w, ws, b, buf).contiguous()
-        ones = (k, free)
-    elif placement == "block":
+    elif where == "block":
         q, s = split_bias_fp8(b)
-        buf[:, kb0 * BLOCK: k_aug] = q
+        buf[:, ones[0]: k_aug] = q
         ws_aug = torch.cat([ws_aug, s[:, None]], dim=1).contiguous()  # [NB, KB0 + 1]
-        ones = (kb0 * BLOCK, BIAS_TERMS)
     return AugWeight(buf[:, :k_aug], ws_aug, ones)
 
 
@@ -142,6 +160,28 @@ def augment_activations(x: torch.Tensor, aug: AugWeight) -> tuple[torch.Tensor, 
     return xq[:, : aug.w.shape[1]], xs
 
 
+def config_for(m: int, n: int, k_aug: int) -> dg.DgConfig:
+    """The launcher for M rows of an [N, K'] augmented weight: a tile by (M, N, K blocks), with N and
+    K' compiled in (DeepGEMM's JIT does the same: +1.5-3.7 % at M = 8192 in DG13)."""
+    kb = -(-k_aug // BLOCK)
+    tile = SMALL if m <= 64 else LARGE_DEFAULT
+    if m > 64:
+        for (tn, tkb, min_m), cfg in sorted(TILES.items(), key=lambda kv: kv[0][2]):
+            if (tn, tkb) == (n, kb) and m >= min_m:
+                tile = cfg
+    return dataclasses.replace(tile, shape_n=n, shape_k=k_aug)
+
+
+def launcher_configs(shapes: Iterable[tuple[int, int, bool]], row_align: int = ROW_ALIGN) -> list[dg.DgConfig]:
+    """Every launcher the (N, K, has bias) weights need: one per M range with its own tile."""
+    out = []
+    for n, k, has_bias in shapes:
+        k_aug = placement(k, has_bias, row_align=row_align)[1]
+        bounds = [1, 65, *(min_m for tn, tkb, min_m in TILES if (tn, tkb) == (n, -(-k_aug // BLOCK)))]
+        out += [config_for(m, n, k_aug) for m in bounds]
+    return list(dict.fromkeys(out))
+
+
 class DeepGemmLinear:
     name = "deepgemm"
 
@@ -149,14 +189,13 @@ class DeepGemmLinear:
         self._aug = _DerivedCache()
         self.row_align = row_align
 
-    def prepare(self, device: torch.device) -> None:
-        """Builds/loads the launchers now, so a missing toolchain fails at start-up, not mid-request."""
-        dg.prepare([*TILES.values(), LARGE_DEFAULT, SMALL], device)
+    def prepare(self, device: torch.device, shapes: Iterable[tuple[int, int, bool]] = ()) -> None:
+        """Builds/loads the launchers for these (N, K, has bias) weights now (N and K are compiled
+        into each), so a missing toolchain fails at start-up, not mid-request."""
+        dg.prepare(launcher_configs(shapes, self.row_align), device)
 
-    def config_for(self, m: int, n: int, kb: int) -> dg.DgConfig:
-        if m <= 64:
-            return SMALL
-        return TILES.get((n, kb), LARGE_DEFAULT)
+    def config_for(self, m: int, n: int, k_aug: int) -> dg.DgConfig:
+        return config_for(m, n, k_aug)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
                  bias: torch.Tensor | None) -> torch.Tensor:
@@ -168,5 +207,5 @@ class DeepGemmLinear:
                             lambda: augment_weight(w, w_scale, bias, self.row_align))
         a, xs = augment_activations(x2, aug)
         y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-        dg.gemm(self.config_for(m, n, aug.ws.shape[1]), a, xs, aug.w, aug.ws, y)
+        dg.gemm(config_for(m, n, aug.w.shape[1]), a, xs, aug.w, aug.ws, y)
         return y.to(x.dtype).reshape(*lead, n)

@@ -12,8 +12,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels import reference as ref  # noqa: E402
-from kernels.deepgemm_linear import (BIAS_TERMS, ROW_ALIGN, augment_activations, augment_weight,  # noqa: E402
-                                     split_bias_fp8, split_bias_on_scale)
+from kernels.deepgemm_linear import (BIAS_TERMS, BLOCK_ROW_ALIGN, ROW_ALIGN, SMALL, augment_activations,  # noqa: E402
+                                     augment_weight, config_for, launcher_configs, placement, split_bias_fp8,
+                                     split_bias_on_scale)
 from kernels.fp8_quant import quantize_act_1x128  # noqa: E402
 
 
@@ -66,7 +67,7 @@ def test_augmented_operands_give_the_biased_linear(m, n, k, bias, pad, placement
     aug = augment_weight(w, ws, b, pad=pad)
     kb0 = -(-k // 128)
     k_aug = {"pad": kb0 * 128, "block": kb0 * 128 + BIAS_TERMS, None: k}[placement]
-    assert aug.w.shape == (n, k_aug) and aug.w.stride(0) % ROW_ALIGN == 0
+    assert aug.w.shape == (n, k_aug) and aug.w.stride(0) % (BLOCK_ROW_ALIGN if placement == "block" else ROW_ALIGN) == 0
     assert aug.ws.shape == (ws.shape[0], -(-k_aug // 128))
     assert torch.equal(aug.w[:, :k].float(), w.float())  # |b| / scale fits: no code shifted
     a, xs = augment_activations(x, aug)  # what DeepGemmLinear hands the kernel
@@ -118,3 +119,38 @@ def test_ones_group_scale_is_nan_past_the_exact_range():
     x[2, 10] = 3e5  # another group: ordinary scaling
     q, s = quantize_act_1x128(x, k_pad=256, ones=(200, 8))
     assert bool(s[1, 1].isnan()) and not bool(s[[0, 2, 3], 1].isnan().any()) and not bool(s[:, 0].isnan().any())
+
+
+def test_launchers_compile_in_the_augmented_shapes():
+    """gpt-oss's projections: QKV's bias in K = 2880's padding (K' = 2944), O's in an extra block
+    (K' = 4099, rows 128-byte aligned); each launcher has N and K' compiled in, one per M class."""
+    assert placement(2880, True) == ("pad", 2944, 2944, (2880, 64))
+    assert placement(4096, True) == ("block", 4099, 4224, (4096, BIAS_TERMS))
+    assert placement(4096, False) == (None, 4096, 4096, None)
+    big, mid, small = config_for(8192, 2880, 4099), config_for(1024, 2880, 4099), config_for(64, 2880, 4099)
+    assert (big.block_m, big.block_n, big.shape_n, big.shape_k) == (256, 128, 2880, 4099)
+    assert (mid.block_m, mid.block_n, mid.shape_k) == (128, 192, 4099)  # 256-row tiles under-fill 132 SMs
+    assert (small.block_m, small.block_n, small.shape_k) == (SMALL.block_m, SMALL.block_n, 4099)
+    assert config_for(65, 5120, 2944).block_m == config_for(8192, 5120, 2944).block_m == 256
+    assert config_for(8192, 2880, 4096).block_n == 192  # O without bias: 32 K blocks
+    cfgs = launcher_configs([(5120, 2880, True), (2880, 4096, True), (5120, 2880, True)])
+    assert len(cfgs) == 5 and {(c.shape_n, c.shape_k) for c in cfgs} == {(5120, 2944), (2880, 4099)}
+    assert {config_for(m, 2880, 4099) for m in (1, 100, 4095, 4096, 65536)} <= set(cfgs)
+
+
+def test_engine_lists_the_fp8_dense_shapes():
+    from engine.build import dense_shapes
+    from kernels.registry import make_backends
+    from model.config import preset
+    from model.gpt_oss import GptOss
+    from model.parallel import ParallelConfig
+
+    cfg = preset("tiny")
+    be = make_backends("torch", "torch", "torch")
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    fp8 = GptOss(cfg, be, fp8=True, device="meta")
+    assert dense_shapes(fp8) == [(q + 2 * kv, cfg.hidden_size, True), (cfg.hidden_size, q, True)]
+    assert dense_shapes(GptOss(cfg, be, fp8=True, fp8_attention=False, device="meta")) == []
+    # TP2 rank 1: half the heads, and O's bias is added by rank 0 only
+    r1 = GptOss(cfg, be, fp8=True, device="meta", parallel=ParallelConfig(tp_size=2, tp_rank=1))
+    assert dense_shapes(r1) == [((q + 2 * kv) // 2, cfg.hidden_size, True), (cfg.hidden_size, q // 2, False)]
