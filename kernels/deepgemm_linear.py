@@ -46,17 +46,23 @@ ROW_ALIGN = 16  # TMA: row strides in multiples of 16 bytes
 # 128-byte TMA row read then straddles two lines: 1,148 -> 1,191 TFLOP/s at 128-byte rows (DG13).
 BLOCK_ROW_ALIGN = 128
 
-# Tiles measured on the H200 (runs DG1, DG6, DG13, DG14): (N, K blocks incl. bias, from M) -> config;
-# the entry with the largest M bound <= M applies, LARGE_DEFAULT where none does.
-TILES: dict[tuple[int, int, int], dg.DgConfig] = {
-    (5120, 23, 65): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),  # QKV, bias in the padding: 1,279
-    (5120, 24, 65): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),  # QKV: 1,117 TFLOP/s without bias
-    # O + bias block (33 K blocks) at M = 8192: 1,214 vs 1,182 for 128x192, which loses 11 % to the
-    # 33rd block against 3.5 % for 256x128 (cause not isolated). Below 4k rows 256-row tiles leave
-    # SMs idle (M = 1024: 92 tiles for 132 SMs; 916 vs 1,090 TFLOP/s for 128x192 in DG14).
-    (2880, 33, 4096): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),
+# Tiles measured on the H200 (runs DG1, DG6, DG13-DG15): (N, K blocks incl. bias, M from, M to) ->
+# config, first match; otherwise SMALL up to SMALL_MAX_M rows, LARGE_DEFAULT above.
+ANY_M = 1 << 30
+TILES: dict[tuple[int, int, int, int], dg.DgConfig] = {
+    (5120, 23, 129, ANY_M): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),  # QKV, bias in the padding: 1,279
+    (5120, 24, 129, ANY_M): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),  # QKV: 1,117 TFLOP/s without bias
+    # O + bias block (33 K blocks), decode sizes: 64-wide tiles give 45 CTAs instead of 23 (DG15:
+    # 12.1-12.6 us vs 12.7-15.4 for 64x128 at M = 1..128, from bf16 activations)
+    (2880, 33, 1, 128): dg.DgConfig(64, 64),
+    # ... and at M = 8192: 1,214 vs 1,182 for 128x192, which loses 11 % to the 33rd block against
+    # 3.5 % for 256x128 (cause not isolated). Below 4k rows 256-row tiles leave SMs idle (M = 1024:
+    # 92 tiles for 132 SMs; 916 vs 1,090 TFLOP/s for 128x192 in DG14).
+    (2880, 33, 4096, ANY_M): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),
 }
 LARGE_DEFAULT = dg.DgConfig(128, 192, mcast=2)  # O 2880 x 4096 without bias: 1,333 TFLOP/s (DG13)
+# 64-row tiles up to 128 rows: at M = 128 QKV 13.8 vs 22.9 us (256x128), O 15.4 vs 23.3 (128x192), DG15
+SMALL_MAX_M = 128
 SMALL = dg.DgConfig(64, 128)
 
 
@@ -164,11 +170,8 @@ def config_for(m: int, n: int, k_aug: int) -> dg.DgConfig:
     """The launcher for M rows of an [N, K'] augmented weight: a tile by (M, N, K blocks), with N and
     K' compiled in (DeepGEMM's JIT does the same: +1.5-3.7 % at M = 8192 in DG13)."""
     kb = -(-k_aug // BLOCK)
-    tile = SMALL if m <= 64 else LARGE_DEFAULT
-    if m > 64:
-        for (tn, tkb, min_m), cfg in sorted(TILES.items(), key=lambda kv: kv[0][2]):
-            if (tn, tkb) == (n, kb) and m >= min_m:
-                tile = cfg
+    tile = next((cfg for (tn, tkb, lo, hi), cfg in TILES.items() if (tn, tkb) == (n, kb) and lo <= m <= hi),
+                SMALL if m <= SMALL_MAX_M else LARGE_DEFAULT)
     return dataclasses.replace(tile, shape_n=n, shape_k=k_aug)
 
 
@@ -177,7 +180,8 @@ def launcher_configs(shapes: Iterable[tuple[int, int, bool]], row_align: int = R
     out = []
     for n, k, has_bias in shapes:
         k_aug = placement(k, has_bias, row_align=row_align)[1]
-        bounds = [1, 65, *(min_m for tn, tkb, min_m in TILES if (tn, tkb) == (n, -(-k_aug // BLOCK)))]
+        kb = -(-k_aug // BLOCK)
+        bounds = [1, SMALL_MAX_M + 1, *(m for tn, tkb, lo, hi in TILES if (tn, tkb) == (n, kb) for m in (lo, hi + 1) if m <= ANY_M)]
         out += [config_for(m, n, k_aug) for m in bounds]
     return list(dict.fromkeys(out))
 
