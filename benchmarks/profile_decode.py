@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import out_dir
 from benchmarks.model_setup import build, decode_state, fill_random
+from kernels.registry import auto_moe_backend
 from model.context import SeqStep, build_step_meta
 from model.kv_cache import SeqPages
 
@@ -23,8 +24,12 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--fp8-attention", action="store_true", help="FP8 QKV/O projections (workers default: bf16)")
+    ap.add_argument("--attention", default="flashinfer", choices=["flashinfer", "triton"])
+    ap.add_argument("--linear", default="scaled_mm", choices=["scaled_mm", "deepgemm", "triton"])
+    ap.add_argument("--moe", default="auto", help="auto: what the workers pick (kernels.registry)")
     a = ap.parse_args()
-    model = build(a.preset, "flashinfer", "scaled_mm", "triton", fp8_attention=a.fp8_attention)
+    moe = auto_moe_backend("cuda:0", fp8=True, whole_experts=True) if a.moe == "auto" else a.moe
+    model = build(a.preset, a.attention, a.linear, moe, fp8_attention=a.fp8_attention)
     for b in [int(x) for x in a.batches.split(",")]:
         spec, pool, kv = decode_state(model, a.context + 32, b)
         seqs = []

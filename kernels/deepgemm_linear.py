@@ -35,8 +35,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels import deepgemm_sm90 as dg
-from kernels.dense_small import MAX_ROWS as FEW_ROWS
-from kernels.dense_small import dense_fp8_small
 from kernels.fp8_gemm import _DerivedCache, _flatten
 from kernels.fp8_quant import FP8_DTYPE, quantize_act_1x128
 from kernels.reference import BLOCK, FP8_MAX
@@ -56,7 +54,7 @@ TILES: dict[tuple[int, int, int, int], dg.DgConfig] = {
     (5120, 24, 129, ANY_M): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),  # QKV: 1,117 TFLOP/s without bias
     # O + bias block (33 K blocks), decode sizes: 64-wide tiles give 45 CTAs instead of 23 (DG15:
     # 12.1-12.6 us vs 12.7-15.4 for 64x128 at M = 1..128, from bf16 activations)
-    (2880, 33, FEW_ROWS + 1, 128): dg.DgConfig(64, 64),
+    (2880, 33, 1, 128): dg.DgConfig(64, 64),
     # ... and at M = 8192: 1,214 vs 1,182 for 128x192, which loses 11 % to the 33rd block against
     # 3.5 % for 256x128 (cause not isolated). Below 4k rows 256-row tiles leave SMs idle (M = 1024:
     # 92 tiles for 132 SMs; 916 vs 1,090 TFLOP/s for 128x192 in DG14).
@@ -178,13 +176,12 @@ def config_for(m: int, n: int, k_aug: int) -> dg.DgConfig:
 
 
 def launcher_configs(shapes: Iterable[tuple[int, int, bool]], row_align: int = ROW_ALIGN) -> list[dg.DgConfig]:
-    """Every launcher the (N, K, has bias) weights need: one per M range with its own tile (up to
-    FEW_ROWS rows the linear runs kernels/dense_small.py instead)."""
+    """Every launcher the (N, K, has bias) weights need: one per M range with its own tile."""
     out = []
     for n, k, has_bias in shapes:
         k_aug = placement(k, has_bias, row_align=row_align)[1]
         kb = -(-k_aug // BLOCK)
-        bounds = [FEW_ROWS + 1, SMALL_MAX_M + 1, *(m for tn, tkb, lo, hi in TILES if (tn, tkb) == (n, kb) for m in (lo, hi + 1) if m <= ANY_M)]
+        bounds = [1, SMALL_MAX_M + 1, *(m for tn, tkb, lo, hi in TILES if (tn, tkb) == (n, kb) for m in (lo, hi + 1) if m <= ANY_M)]
         out += [config_for(m, n, k_aug) for m in bounds]
     return list(dict.fromkeys(out))
 
@@ -210,8 +207,6 @@ class DeepGemmLinear:
             return F.linear(x, w, bias)
         x2, lead = _flatten(x)
         m, n = x2.shape[0], w.shape[0]
-        if m <= FEW_ROWS:  # decode sizes: one launch, quantisation fused, K split over the SMs
-            return dense_fp8_small(x2, w, w_scale, bias).reshape(*lead, n)
         aug = self._aug.get(w, ("aug", bias is not None and bias.data_ptr()),
                             lambda: augment_weight(w, w_scale, bias, self.row_align))
         a, xs = augment_activations(x2, aug)

@@ -209,7 +209,7 @@ def choose_split(tiles: int, k: int, num_sms: int, ctas_per_sm: int, fixed: int)
     return max(1, min(max_split, round(num_sms * ctas_per_sm / max(tiles, 1))))
 
 
-class Counters:
+class _Counters:
     """Per (device, stream) zeroed int32 counters; kernels leave them zero after each call. A
     buffer outgrown by a larger call stays alive: a captured CUDA graph may still point into it."""
 
@@ -240,7 +240,7 @@ DEFAULT_SMALL_CONFIGS: tuple[tuple[int, SmallConfig], ...] = (
 )
 
 
-def num_sms(device: torch.device) -> int:
+def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # interpreter: any small number
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -269,10 +269,10 @@ class SmallBatchMoE:
         # (the others route and return). True: split K E/El times finer (capped), so the rank's own
         # pairs still spread over the GPU. Not measured yet: off by default.
         self.ep_split_scale = ep_split_scale
-        self._counters = Counters()
+        self._counters = _Counters()
 
     def _split(self, tiles: int, k: int, dev: torch.device, c: SmallConfig, fixed: int, w: ExpertWeights) -> int:
-        s = choose_split(tiles, k, num_sms(dev), c.ctas_per_sm, fixed)
+        s = choose_split(tiles, k, _num_sms(dev), c.ctas_per_sm, fixed)
         if self.ep_split_scale and w.num_local < w.num_experts:
             s = max(s, min(max(1, triton.cdiv(k, BLOCK) // 2), round(s * w.num_experts / w.num_local)))
         return s

@@ -2,7 +2,9 @@
 against the bf16 GEMV (F.linear, the workers' default for QKV/O) and DeepGEMM's 64x128 tile with
 its separate quantisation (the FP8 path until now), with a small sweep of its launch settings.
 CUDA-graph replay over weight copies that exceed L2 (benchmarks.gemm.bench); us per call and the
-weight bytes streamed per second."""
+weight bytes streamed per second. kernels/dense_small.py is at commit 19e389d: it was removed after this
+run (0.3-0.9 TB/s, slower than both; benchmarks/results/2026-12-01/RUNS-session9.md), so this
+script runs only on that commit."""
 from __future__ import annotations
 
 import dataclasses

@@ -127,16 +127,16 @@ def test_launchers_compile_in_the_augmented_shapes():
     assert placement(2880, True) == ("pad", 2944, 2944, (2880, 64))
     assert placement(4096, True) == ("block", 4099, 4224, (4096, BIAS_TERMS))
     assert placement(4096, False) == (None, 4096, 4096, None)
-    tiles = {m: config_for(m, 2880, 4099) for m in (65, 128, 129, 1024, 4095, 4096, 8192)}
+    tiles = {m: config_for(m, 2880, 4099) for m in (1, 128, 129, 1024, 4095, 4096, 8192)}
     assert {(c.shape_n, c.shape_k) for c in tiles.values()} == {(2880, 4099)}
     shape = {m: (c.block_m, c.block_n) for m, c in tiles.items()}
-    assert shape == {65: (64, 64), 128: (64, 64), 129: (128, 192), 1024: (128, 192), 4095: (128, 192),
+    assert shape == {1: (64, 64), 128: (64, 64), 129: (128, 192), 1024: (128, 192), 4095: (128, 192),
                      4096: (256, 128), 8192: (256, 128)}  # 256-row tiles under-fill 132 SMs below 4k rows
     assert (config_for(128, 5120, 2944).block_m, config_for(129, 5120, 2944).block_m) == (SMALL.block_m, 256)
     assert config_for(8192, 2880, 4096).block_n == 192  # O without bias: 32 K blocks
     cfgs = launcher_configs([(5120, 2880, True), (2880, 4096, True), (5120, 2880, True)])
     assert len(cfgs) == 5 and {(c.shape_n, c.shape_k) for c in cfgs} == {(5120, 2944), (2880, 4099)}
-    assert {config_for(m, n, k) for m in (65, 100, 128, 129, 4095, 4096, 65536)
+    assert {config_for(m, n, k) for m in (1, 100, 128, 129, 4095, 4096, 65536)
             for n, k in ((2880, 4099), (5120, 2944))} == set(cfgs)
 
 
