@@ -34,8 +34,8 @@ import torch.multiprocessing as tmp
 import triton
 import triton.language as tl
 
-from benchmarks.kv_transfer import (HEADS, HEAD_DIM, PAGE, RING, WINDOW, dst_pages, fill_layer, make_spec, src_pages,
-                                    transfer_bytes, verify)
+from benchmarks.kv_layout import (HEADS, HEAD_DIM, PAGE, RING, WINDOW, dst_pages, fill_layer, make_spec, src_pages,
+                                   transfer_bytes, verify)
 from kv_transfer.plan import GroupGeometry, page_pairs
 from model.kv_cache import KVPool, PageGroup, SeqPages
 
