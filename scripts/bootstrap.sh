@@ -20,3 +20,17 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.deps-*
   touch "$stamp"
 fi
+# DeepGEMM's kernel headers (the sgl-deep-gemm wheel's include/, 5 MB, no install) where nvcc exists,
+# so the CPU tests can compile our SM90 launcher (tests/kernels/test_deepgemm_build.py). Best effort.
+HDR=.cache/deepgemm-headers
+if command -v nvcc >/dev/null 2>&1 && [ ! -f "$HDR/deep_gemm/VERSION" ]; then
+  tmp=$(mktemp -d)
+  if python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+       --platform manylinux2014_x86_64 -d "$tmp" sgl-deep-gemm==0.2.0 >/dev/null 2>&1; then
+    mkdir -p "$HDR" && python -m zipfile -e "$tmp"/sgl_deep_gemm-*.whl "$tmp/x" \
+      && mkdir -p "$HDR/deep_gemm" && cp -r "$tmp/x/deep_gemm/include" "$tmp/x/deep_gemm/VERSION" "$HDR/deep_gemm/"
+  else
+    echo "note: could not download sgl-deep-gemm headers; the DeepGEMM build test will skip" >&2
+  fi
+  rm -rf "$tmp"
+fi
