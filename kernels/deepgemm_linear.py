@@ -51,7 +51,7 @@ BLOCK_ROW_ALIGN = 128
 ANY_M = 1 << 30
 TILES: dict[tuple[int, int, int, int], dg.DgConfig] = {
     (5120, 23, 129, ANY_M): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),  # QKV, bias in the padding: 1,279
-    (5120, 24, 129, ANY_M): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),  # QKV: 1,117 TFLOP/s without bias
+    (5120, 24, 129, ANY_M): dg.DgConfig(256, 128, mcast=2, mcast_on_a=True),  # QKV, bias as an extra block
     # O + bias block (33 K blocks), decode sizes: 64-wide tiles give 45 CTAs instead of 23 (DG15:
     # 12.1-12.6 us vs 12.7-15.4 for 64x128 at M = 1..128, from bf16 activations)
     (2880, 33, 1, 128): dg.DgConfig(64, 64),
@@ -181,7 +181,8 @@ def launcher_configs(shapes: Iterable[tuple[int, int, bool]], row_align: int = R
     for n, k, has_bias in shapes:
         k_aug = placement(k, has_bias, row_align=row_align)[1]
         kb = -(-k_aug // BLOCK)
-        bounds = [1, SMALL_MAX_M + 1, *(m for tn, tkb, lo, hi in TILES if (tn, tkb) == (n, kb) for m in (lo, hi + 1) if m <= ANY_M)]
+        own = [m for (tn, tkb, lo, hi) in TILES if (tn, tkb) == (n, kb) for m in (lo, hi + 1) if m <= ANY_M]
+        bounds = [1, SMALL_MAX_M + 1, *own]
         out += [config_for(m, n, k_aug) for m in bounds]
     return list(dict.fromkeys(out))
 
