@@ -1,12 +1,14 @@
 """`tandem bench report`: benchmarks/results/README.md and the PNG plots, from the committed JSON.
 
-Reads one dated results folder (default: the newest under benchmarks/results/) and writes the
-plots into it (plots.py) and the summary to benchmarks/results/README.md. Every number comes from
+Reads one dated results folder (`--results`) and writes its plots into it (plots.py) and its
+summary to `--readme`; by default every dated folder, newest first, where a newer folder's file of the
+same name or model run of the same configuration replaces an older one, with the plots and the
+summary at benchmarks/results/. Every number comes from
 those JSON files; derived numbers (percentages, ratios across files) say how they were derived.
 Targets are the ones each benchmark recorded in its JSON (kernels), plus the KV-transfer targets
 below (kv_transfer records none). Re-running on the same files gives the same README and PNGs.
 
-    tandem bench report [--results benchmarks/results/2026-11-30] [--readme PATH] [--no-plots]
+    tandem bench report [--results benchmarks/results/2026-11-30 --readme PATH] [--no-plots]
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ PRICE_PER_GPU_HOUR = 3.00  # the seed's nominal H200 price; benchmarks/common.py
 
 
 # ---- loading -------------------------------------------------------------------------------------------
-def newest_folder(root: Path = RESULTS) -> Path:
-    dated = sorted(p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"\d{4}-\d{2}-\d{2}", p.name))
+def dated_folders(root: Path = RESULTS) -> list[Path]:
+    """Dated result folders, newest first."""
+    dated = sorted((p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"\d{4}-\d{2}-\d{2}", p.name)),
+                   reverse=True)
     if not dated:
         raise ConfigError(f"no dated results folder under {root}")
-    return dated[-1]
+    return dated
 
 
 def load(folder: Path) -> dict[str, dict]:
@@ -46,9 +50,32 @@ def load(folder: Path) -> dict[str, dict]:
     return docs
 
 
+def load_merged(folders: list[Path]) -> tuple[dict[str, dict], dict[str, str]]:
+    """folders newest first -> (docs, folder name of each file). An older folder's file is left out when
+    a newer folder has a file of that name, or a model run of the same configuration (label_of): the
+    page shows the latest of every kind of result, and the older ones only where nothing replaced them."""
+    docs: dict[str, dict] = {}
+    origin: dict[str, str] = {}
+    labels: set[str] = set()
+    for folder in folders:
+        seen_here = set()
+        for name, d in load(folder).items():
+            label = label_of(d)[0] if _is_model(d) else None
+            if name in docs or label in labels:
+                continue
+            docs[name], origin[name] = d, folder.name
+            seen_here.add(label)
+        labels |= seen_here - {None}  # a folder's own reruns of one configuration all stay
+    return docs, origin
+
+
+def _is_model(d: dict) -> bool:
+    return "preset" in d.get("args", {}) and ("prefill" in d or "decode" in d)
+
+
 def model_docs(docs: dict[str, dict]) -> list[tuple[str, dict]]:
     """Model benchmark files, ordered by GPUs then model (a model's reruns stay next to each other)."""
-    runs = [(n, d) for n, d in docs.items() if "preset" in d.get("args", {}) and ("prefill" in d or "decode" in d)]
+    runs = [(n, d) for n, d in docs.items() if _is_model(d)]
     return sorted(runs, key=lambda nd: (nd[1].get("world", 1), nd[1]["args"]["preset"], nd[0]))
 
 
@@ -72,9 +99,10 @@ def build_series(docs: dict[str, dict]) -> list[ModelSeries]:
 
 
 # ---- sections ------------------------------------------------------------------------------------------
-def sec_runs(docs: dict[str, dict], folder: str) -> list[str]:
+def sec_runs(docs: dict[str, dict], folder: str, origin: dict[str, str] | None = None) -> list[str]:
     rows = []
     for n, d in docs.items():
+        where = (origin or {}).get(n, folder)
         env = d.get("env") or d.get("meta") or {}
         a = d.get("args", {})
         if "preset" in a and ("fp32_real_widths" in d or "parity" in d):
@@ -95,10 +123,10 @@ def sec_runs(docs: dict[str, dict], folder: str) -> list[str]:
         ceil = ", ".join(f"{k} {fmt(v)}" for k, v in d.get("ceilings", {}).items()
                          if isinstance(v, float) and k != "seconds")
         gpus = d.get("world") or env.get("gpus") or (2 if "kv_transfer" in n else 1)
-        rows.append([f"`{n}`", what, env.get("gpu") or env.get("device") or "H200 (not recorded)", gpus,
+        rows.append([f"`{where}/{n}`" if origin else f"`{n}`", what, env.get("gpu") or env.get("device") or "H200 (not recorded)", gpus,
                      env.get("torch"), env.get("triton"),
                      env.get("flashinfer") or env.get("flashinfer_build", {}).get("version"), env.get("cuda"),
-                     env.get("date", folder), cfg, ceil])
+                     env.get("date", where), cfg, ceil])
     return table(rows, ["file", "what", "GPU", "GPUs", "torch", "triton", "flashinfer", "CUDA", "date", "config",
                         "ceilings measured in the run"])
 
@@ -273,7 +301,9 @@ def summarised(docs: dict[str, dict]) -> set[str]:
                     or "rows" in d.get("parity", {}) or d.get("kind") == "tandem-bench-serve"}
 
 
-def render(folder: Path, docs: dict[str, dict], plots: list[Path]) -> tuple[str, list[str], list[Target]]:
+def render(folder: Path, docs: dict[str, dict], plots: list[Path], origin: dict[str, str] | None = None
+           ) -> tuple[str, list[str], list[Target]]:
+    """folder: the results folder (one-folder page), or benchmarks/results/ with `origin` (merged page)."""
     series = build_series(docs)
     ktargets = kernel_targets(docs)
     kv_lines, kvt = kv_targets(docs)
@@ -282,10 +312,15 @@ def render(folder: Path, docs: dict[str, dict], plots: list[Path]) -> tuple[str,
     missed = missed_goals(targets)
     n_goals = len({t.group or t.what for t in targets})
     rel = folder.name
-    img = {p.name: f"![{p.stem}]({rel}/{p.name})" for p in plots}
+    img = {p.name: f"![{p.stem}]({p.name if origin else rel + '/' + p.name})" for p in plots}
     head = headline(series, docs)
-    lines = [f"# Benchmark results ({rel})", "",
-             f"_Generated by `tandem bench report` from the JSON files in [`{rel}/`]({rel}/); re-run it after adding "
+    used = sorted(set((origin or {}).values()), reverse=True)
+    source = (f"the JSON files in [`{rel}/`]({rel}/)" if not origin else
+              "the newest result of each kind across " + ", ".join(f"[`{f}/`]({f}/)" for f in used)
+              + " (a newer folder's file of the same name, or model run of the same configuration, replaces an "
+                "older one; the file column says which folder each came from)")
+    lines = [f"# Benchmark results ({rel if not origin else used[0] + ' and earlier'})", "",
+             f"_Generated by `tandem bench report` from {source}; re-run it after adding "
              "results instead of editing this file. Every number below is read from those files; percentages and "
              "ratios are computed from numbers in the same file unless a line says otherwise._", "",
              "Model runs use full-size random weights in the checkpoint layout (HF MXFP4 experts converted to FP8 "
@@ -299,7 +334,7 @@ def render(folder: Path, docs: dict[str, dict], plots: list[Path]) -> tuple[str,
              *(["Missed (the closest backend or case shown):", ""]
                + [f"- **{t.area}** — {t.what}: {t.value} (target {t.target})" for t in missed] + [""]
                if missed else ["All met.", ""]),
-             "## Runs", "", *sec_runs(docs, rel),
+             "## Runs", "", *sec_runs(docs, rel, origin),
              "## Prefill (batch 1)", "", *([img["prefill.png"], ""] if "prefill.png" in img else []),
              *sec_prefill(docs),
              "## Decode (CUDA graphs)", "",
@@ -325,20 +360,26 @@ def render(folder: Path, docs: dict[str, dict], plots: list[Path]) -> tuple[str,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tandem bench report", description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", type=Path, default=None, help="dated results folder (default: the newest)")
-    p.add_argument("--readme", type=Path, default=RESULTS / "README.md")
+    p.add_argument("--results", type=Path, default=None,
+                   help="one dated results folder (default: all of them, the newest result of each kind)")
+    p.add_argument("--readme", type=Path, default=None,
+                   help="default: benchmarks/results/README.md, or the folder's README.md with --results")
     p.add_argument("--no-plots", action="store_true")
     a = p.parse_args(argv)
-    folder = a.results or newest_folder()
-    docs = load(folder)
+    if a.results:
+        folder, docs, origin = a.results, load(a.results), None
+    else:
+        folder = RESULTS
+        docs, origin = load_merged(dated_folders())
+    readme = a.readme or folder / "README.md"
     plots = [] if a.no_plots else write_all(build_series(docs), folder, PRICE_PER_GPU_HOUR)
     if a.no_plots:  # keep the links to plots made earlier
         plots = sorted(folder.glob("*.png"))
-    text, head, missed = render(folder, docs, plots)
-    a.readme.write_text(text)
+    text, head, missed = render(folder, docs, plots, origin)
+    readme.write_text(text)
     print("\n".join(head))
     print(f"{len(missed)} goal(s) missed (closest case shown):" if missed else "all targets met")
     for t in missed:
         print(f"  {t.area}: {t.what}: {t.value} (target {t.target})")
-    print(f"wrote {a.readme}" + (f" and {len(plots)} plot(s) in {folder}" if plots and not a.no_plots else ""))
+    print(f"wrote {readme}" + (f" and {len(plots)} plot(s) in {folder}" if plots and not a.no_plots else ""))
     return 0

@@ -58,3 +58,32 @@ def test_committed_results_render(folder: str):
     docs = load(RESULTS / folder)
     text, _, _ = render(RESULTS / folder, docs, [])
     assert "row not found" not in text and text == render(RESULTS / folder, docs, [])[0]
+
+
+def _model_doc(preset: str, ms: float) -> dict:
+    return {"args": {"preset": preset, "attention": "flashinfer"}, "world": 1,
+            "prefill": {"rows": [{"tokens": 8192, "ms": ms, "TFLOPs": 1.0, "ratio_fp8_peak": 0.1,
+                                  "tokens_per_s_per_gpu": 1.0, "usd_per_M_input": 0.01}]}}
+
+
+def test_merged_page_keeps_the_newest_of_each_kind(tmp_path):
+    import json
+
+    from benchmarks.report import dated_folders, load_merged
+    old, new = tmp_path / "2026-11-30", tmp_path / "2026-12-01"
+    for folder, files in ((old, {"kernels_gemm.json": _gemm_doc(), "x2_kv_transfer.json": {"args": {}, "rows": []},
+                                 "a_model.json": _model_doc("gpt-oss-20b", 138.0),
+                                 "b_model.json": _model_doc("gpt-oss-120b", 170.0)}),
+                          (new, {"kernels_gemm.json": _gemm_doc(), "c_model.json": _model_doc("gpt-oss-20b", 89.0),
+                                 "d_model.json": _model_doc("gpt-oss-20b", 90.0)})):
+        folder.mkdir()
+        for name, doc in files.items():
+            (folder / name).write_text(json.dumps(doc))
+    assert dated_folders(tmp_path) == [new, old]
+    docs, origin = load_merged(dated_folders(tmp_path))
+    # same name: the newer file; same model configuration: the newer folder's runs (both of them);
+    # kinds only the older folder has: kept, with their folder
+    assert origin == {"kernels_gemm.json": new.name, "c_model.json": new.name, "d_model.json": new.name,
+                      "x2_kv_transfer.json": old.name, "b_model.json": old.name}
+    text, _, _ = render(tmp_path, docs, [], origin)
+    assert f"`{old.name}/b_model.json`" in text and "a_model.json" not in text and "138" not in text
