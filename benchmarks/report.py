@@ -1,10 +1,9 @@
 """`tandem bench report`: benchmarks/results/README.md and the PNG plots, from the committed JSON.
 
-Reads one dated results folder (`--results`) and writes its plots into it (plots.py) and its
-summary to `--readme`; by default every dated folder, newest first, where a newer folder's file of the
-same name or model run of the same configuration replaces an older one, with the plots and the
-summary at benchmarks/results/. Every number comes from
-those JSON files; derived numbers (percentages, ratios across files) say how they were derived.
+By default it reads every dated folder, newest first (a newer folder's file of the same name, or
+model run of the same configuration, replaces an older one) and writes the plots and the summary
+to benchmarks/results/; `--results FOLDER` reads that folder alone and writes into it (or
+`--readme`). Every number comes from those JSON files; derived numbers (percentages, ratios across files) say how they were derived.
 Targets are the ones each benchmark recorded in its JSON (kernels), plus the KV-transfer targets
 below (kv_transfer records none). Re-running on the same files gives the same README and PNGs.
 
