@@ -5,7 +5,8 @@ model run of the same configuration, replaces an older one) and writes the plots
 to benchmarks/results/; `--results FOLDER` reads that folder alone and writes into it (or
 `--readme`). Every number comes from those JSON files; derived numbers (percentages, ratios across
 files) say how they were derived. Targets are the ones each benchmark recorded in its JSON
-(kernels), plus the KV-transfer targets below (kv_transfer records none). Re-running on the same files gives the same README and PNGs.
+(kernels), plus the KV-transfer targets below (kv_transfer records none). Re-running on the same
+files gives the same README and PNGs.
 
     tandem bench report [--results benchmarks/results/2026-11-30 --readme PATH] [--no-plots]
 """
