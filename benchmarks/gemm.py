@@ -234,11 +234,11 @@ def run_shape(rep: Report, shape: str, n: int, k: int, m_values: list[int], back
                 rep, backends["scaled_mm"], shape, x, w, ws, bias, ws_sets, flops, ceil)) or []
         if m >= 1024 and "deepgemm" in backends:
             rows += rep.section(f"{shape} M={m} deepgemm GEMM only", lambda: _dg_gemm_only_rows(
-                backends["deepgemm"], shape, x, w, ws, bias, ws_sets, flops, ceil)) or []
+                shape, x, w, ws, bias, ws_sets, flops, ceil)) or []
     return rows
 
 
-def _dg_gemm_only_rows(lin, shape: str, x, w, ws, bias, ws_sets, flops: int, ceil: dict) -> list[dict]:
+def _dg_gemm_only_rows(shape: str, x, w, ws, bias, ws_sets, flops: int, ceil: dict) -> list[dict]:
     """DeepGEMM's kernel from activations already in FP8: bias where DeepGemmLinear puts it (the
     last K block's padding when K leaves room, else an extra K block), the extra block forced, and
     no bias; FLOPs count the real K."""
@@ -254,7 +254,7 @@ def _dg_gemm_only_rows(lin, shape: str, x, w, ws, bias, ws_sets, flops: int, cei
     for label, bb, pad in cases:
         augs = [dl.augment_weight(a, s_, bb, pad=pad) for a, s_, _ in ws_sets]
         a, xs = dl.augment_activations(x, augs[0])
-        cfg = lin.config_for(m, n, augs[0].w.shape[1])
+        cfg = dl.config_for(m, n, augs[0].w.shape[1])
         y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
         calls = [lambda g=g: dg.gemm(cfg, a, xs, g.w, g.ws, y) for g in augs]
         ms = bench(calls)

@@ -64,8 +64,9 @@ def load_merged(folders: list[Path]) -> tuple[dict[str, dict], dict[str, str]]:
             if name in docs or label in labels:
                 continue
             docs[name], origin[name] = d, folder.name
-            seen_here.add(label)
-        labels |= seen_here - {None}  # a folder's own reruns of one configuration all stay
+            if label is not None:
+                seen_here.add(label)
+        labels |= seen_here  # added after the folder: its own reruns of one configuration all stay
     return docs, origin
 
 
@@ -123,7 +124,8 @@ def sec_runs(docs: dict[str, dict], folder: str, origin: dict[str, str] | None =
         ceil = ", ".join(f"{k} {fmt(v)}" for k, v in d.get("ceilings", {}).items()
                          if isinstance(v, float) and k != "seconds")
         gpus = d.get("world") or env.get("gpus") or (2 if "kv_transfer" in n else 1)
-        rows.append([f"`{where}/{n}`" if origin else f"`{n}`", what, env.get("gpu") or env.get("device") or "H200 (not recorded)", gpus,
+        gpu = env.get("gpu") or env.get("device") or "H200 (not recorded)"
+        rows.append([f"`{where}/{n}`" if origin else f"`{n}`", what, gpu, gpus,
                      env.get("torch"), env.get("triton"),
                      env.get("flashinfer") or env.get("flashinfer_build", {}).get("version"), env.get("cuda"),
                      env.get("date", where), cfg, ceil])

@@ -199,9 +199,6 @@ class DeepGemmLinear:
         into each), so a missing toolchain fails at start-up, not mid-request."""
         dg.prepare(launcher_configs(shapes, self.row_align), device)
 
-    def config_for(self, m: int, n: int, k_aug: int) -> dg.DgConfig:
-        return config_for(m, n, k_aug)
-
     def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
                  bias: torch.Tensor | None) -> torch.Tensor:
         if w_scale is None:

@@ -63,7 +63,6 @@ def main() -> None:
     from kernels import reference as ref
     torch.manual_seed(0)
     smi = Sampler()
-    lin = dl.DeepGemmLinear()
     for name, (n, k) in SHAPES.items():
         x = torch.randn(M, k, device="cuda", dtype=torch.bfloat16)
         w, ws = ref.quantize_fp8_blockwise(torch.randn(n, k, device="cuda") * 0.02)
@@ -77,7 +76,7 @@ def main() -> None:
             bb = b if has_bias else None
             augs = [dl.augment_weight(w.clone(), ws.clone(), bb, pad=pad) for _ in range(copies)]
             a, xs = dl.augment_activations(x, augs[0])
-            cfg = lin.config_for(M, n, augs[0].w.shape[1])
+            cfg = dl.config_for(M, n, augs[0].w.shape[1])
             dg.gemm(cfg, a, xs, augs[0].w, augs[0].ws, y)
             want = ref.fp8_linear(x.float(), w, ws, bb, quantize_activations=True)
             err = float((y.float() - want.float()).norm() / want.float().norm())
