@@ -19,7 +19,7 @@ import time
 import zmq
 
 from benchmarks.common import environment
-from router.protocol import (AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult, SamplingSpec,
+from wire.protocol import (AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult, SamplingSpec,
                              StartDecode, StatusRequest, TokenChunk, WorkerStatus, decode, encode)
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import zmq
 
 from common.errors import ProtocolError
-from router.protocol import StatusRequest, WorkerStatus, decode, encode
+from wire.protocol import StatusRequest, WorkerStatus, decode, encode
 
 log = logging.getLogger("tandem.worker.io")
 

@@ -18,29 +18,22 @@ from dataclasses import dataclass
 
 from common.errors import InvalidRequest, TandemError
 from engine.build import EngineParts
-from engine.sampling import SamplingParams
+from engine.sampling import to_params
 from engine.sequence import FinishReason, Sequence, TokenLogprob
 from kv_transfer.interface import KVReceiver, TransferStatus
 from kv_transfer.messages import encode as encode_kv
 from model.kv_cache import SeqPages
-from router.protocol import (
+from wire.protocol import (
     AdmitRequest,
     Admitted,
     GenerateRequest,
     Rejected,
-    SamplingSpec,
     StartDecode,
     TokenChunk,
     TopLogprob,
 )
 
 log = logging.getLogger("tandem.decode")
-
-
-def to_params(s: SamplingSpec) -> SamplingParams:
-    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                          logprobs=s.logprobs, min_tokens=s.min_tokens)
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from common.stall import StallWatch
 from common.worker_io import WorkerIO
 from decode_worker.engine import DecodeEngine
 from model.kv_cache import PageGroup
-from router.protocol import Abort, AdmitRequest, GenerateRequest, Rejected, StartDecode, WorkerStatus
+from wire.protocol import Abort, AdmitRequest, GenerateRequest, Rejected, StartDecode, WorkerStatus
 
 log = logging.getLogger("tandem.decode")
 
@@ -82,7 +82,7 @@ class DecodeServer:
                 self.io.send(peer, chunk)
         elif isinstance(msg, GenerateRequest):
             if self.draining.is_set():
-                from router.protocol import TokenChunk
+                from wire.protocol import TokenChunk
                 self.io.send(peer, TokenChunk(msg.request_id, [], [], [], True, "abort", "worker is draining"))
                 return
             chunk = e.generate(peer, msg)

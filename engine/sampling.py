@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.errors import InvalidRequest
+from wire.protocol import SamplingSpec
 
 MAX_TOP_LOGPROBS = 20
 
@@ -47,6 +48,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def to_params(s: SamplingSpec) -> SamplingParams:
+    """The wire's sampling spec as the engine's (validated) parameters."""
+    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                          logprobs=s.logprobs, min_tokens=s.min_tokens)
 
 
 @dataclass(slots=True)

@@ -15,15 +15,15 @@ import time
 from collections.abc import Callable
 
 from common.errors import ProtocolError
-from decode_worker.engine import to_params
 from engine.build import EngineParts
+from engine.sampling import to_params
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from kv_transfer.interface import KVSender, TransferStatus
 from kv_transfer.messages import FailureReason, TransferRequest
 from kv_transfer.messages import decode as decode_kv
 from model.kv_cache import OutOfPages
-from router.protocol import PrefillRequest, PrefillResult, TopLogprob
+from wire.protocol import PrefillRequest, PrefillResult, TopLogprob
 
 log = logging.getLogger("tandem.prefill")
 

@@ -20,7 +20,7 @@ from common.stall import StallWatch
 from common.worker_io import WorkerIO
 from model.kv_cache import PageGroup
 from prefill_worker.engine import PrefillEngine
-from router.protocol import Abort, PrefillRequest, PrefillResult, WorkerStatus
+from wire.protocol import Abort, PrefillRequest, PrefillResult, WorkerStatus
 
 log = logging.getLogger("tandem.prefill")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import zmq.asyncio
 
 from router.placement import FleetSnapshot, WorkerView
-from router.protocol import WorkerStatus
+from wire.protocol import WorkerStatus
 from router.worker_client import WorkerClient
 
 log = logging.getLogger("tandem.router.fleet")

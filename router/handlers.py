@@ -20,7 +20,7 @@ from router.harmony import HarmonyFormat
 from router.metrics import RouterMetrics
 from router.openai_models import ChatCompletionRequest, CompletionRequest, sampling_spec, to_chat_prompt
 from router.orchestrator import Job, Orchestrator
-from router.protocol import SamplingSpec, TokenChunk
+from wire.protocol import SamplingSpec, TokenChunk
 from router.tokenizer import VOCAB_SIZE, Tokenizer
 
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import InvalidRequest
 from router.chat_types import ChatMessage, ChatPrompt, NamedToolChoice, ToolCall, ToolDef
-from router.protocol import SamplingSpec
+from wire.protocol import SamplingSpec
 from router.tokenizer import VOCAB_SIZE
 
 

@@ -22,7 +22,7 @@ from router.config import RouterConfig
 from router.fleet import Fleet
 from router.metrics import RouterMetrics
 from router.placement import place
-from router.protocol import (
+from wire.protocol import (
     Abort,
     AdmitRequest,
     Admitted,

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from common.errors import ProtocolError, WorkerUnavailable
-from router.protocol import (
+from wire.protocol import (
     Ack,
     Admitted,
     PrefillResult,

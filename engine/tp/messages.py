@@ -37,7 +37,7 @@ from enum import IntEnum
 from typing import ClassVar
 
 from common.errors import ProtocolError
-from common.typed_msgpack import build, pack, to_wire, unpack
+from wire.codec import build, pack, to_wire, unpack
 
 
 class Command(IntEnum):

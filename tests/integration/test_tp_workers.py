@@ -42,7 +42,7 @@ from engine.tp import messages as tm
 from engine.tp.group import RankGroup
 from router.chat_types import ChatMessage, ChatPrompt
 from router.harmony import HarmonyFormat
-from router.protocol import (Abort, AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult,
+from wire.protocol import (Abort, AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult,
                              SamplingSpec, StartDecode, StatusRequest, TokenChunk, WorkerStatus, decode, encode)
 from router.tokenizer import CALL, RETURN
 

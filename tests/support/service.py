@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from launcher.cmd_serve import build_commands, free_base_port, free_port, shutdown
-from router.protocol import StatusRequest, WorkerStatus, decode, encode
+from wire.protocol import StatusRequest, WorkerStatus, decode, encode
 
 
 @dataclass

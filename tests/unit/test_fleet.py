@@ -14,7 +14,7 @@ import zmq.asyncio
 from common.errors import WorkerUnavailable
 from router import fleet as fleet_mod
 from router.fleet import Discovery, Fleet
-from router.protocol import StatusRequest, TokenChunk, WorkerStatus, decode, encode
+from wire.protocol import StatusRequest, TokenChunk, WorkerStatus, decode, encode
 
 LATE_S = 0.75
 

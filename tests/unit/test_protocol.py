@@ -2,8 +2,8 @@ import msgpack
 import pytest
 
 from common.errors import ProtocolError
-from router import protocol
-from router.protocol import (
+from wire import protocol
+from wire.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     AdmitRequest,

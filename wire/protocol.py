@@ -1,4 +1,5 @@
 """Wire protocol between router and workers: typed messages, msgpack over ZMQ, versioned, bounded.
+Part of no role: the router and both workers import it, and it imports nothing of theirs.
 
 Every frame is msgpack `[PROTOCOL_VERSION, tag, [field values...]]`. Decoding checks the version,
 the tag, the field count and every field's type against the class annotations, so a malformed or
@@ -21,7 +22,7 @@ import typing
 from dataclasses import dataclass, field
 
 from common.errors import ProtocolError
-from common.typed_msgpack import build, pack, to_wire, unpack
+from wire.codec import build, pack, to_wire, unpack
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
@@ -172,7 +173,7 @@ def encode(msg: typing.Any) -> bytes:
 def decode(data: bytes) -> typing.Any:
     if len(data) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
-    frame = unpack(data, "router protocol")
+    frame = unpack(data, "wire protocol")
     if not isinstance(frame, list) or len(frame) != 3:
         raise ProtocolError("frame is not [version, tag, fields]")
     version, tag, values = frame
