@@ -120,9 +120,11 @@ class PrefillResult:
     first_logprob: float | None
     first_top: list[TopLogprob]
     error: str
-    prefill_seconds: float
+    prefill_seconds: float  # compute, first chunk to sampled token
     transfer_bytes: int
     transfer_seconds: float
+    queue_seconds: float = 0.0  # waiting in the prefill worker's queue
+    tail_seconds: float = 0.0  # compute done -> the KV transfer terminal (what the transfer added to TTFT)
 
 
 @dataclass(frozen=True, slots=True)
