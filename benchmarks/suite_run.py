@@ -38,6 +38,7 @@ from common.errors import ConfigError
 
 RUNNER = "tandem bench suite"  # suite.json's marker: the results report reads such folders' published files
 RESERVE_S = 15  # kept back from --budget for suite.json, the tarball and the table
+MIN_STEP_S = 10  # a step is not started with less time than this left
 
 
 def git_state(repo: Path, env: dict[str, str]) -> dict:
@@ -170,7 +171,7 @@ def run_suite(name: str, suite: Suite, out: Path, command: str, args: list[str],
         if step.gpus > gpus:
             res = {"name": step.name, "status": f"skipped: needs {step.gpus} GPU(s), {gpus} visible", "seconds": 0,
                    "summary": ""}
-        elif left < 10:
+        elif left < MIN_STEP_S:
             res = {"name": step.name, "status": "not run: --budget spent", "seconds": 0, "summary": ""}
         else:
             print(f"[suite {name}] {step.name}: {shlex.join(_expand(step.argv, out / step.name))}", flush=True)

@@ -110,10 +110,12 @@ def test_tar_leaves_one_archive_and_only_runs_the_chosen_steps(tmp_path, capsys)
     assert "run.tgz" in capsys.readouterr().out.splitlines()[-1]
 
 
-def test_budget_cuts_step_timeouts(tmp_path):
+def test_budget_cuts_step_timeouts(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_env, "versions", lambda env, repo: {"gpu": "none"})
+    monkeypatch.setattr(suite_run, "MIN_STEP_S", 1)
     suite = Suite("x", carry=(), gpu=False, kind="cpu",
                   steps=(Step("a", _py("import time; time.sleep(30)"), 300, gpus=0), Step("b", _py("pass"), 5, gpus=0)))
-    rc, rec = suite_run.run_suite("x", suite, tmp_path / "o", "cmd", [], budget_s=suite_run.RESERVE_S + 12)
+    rc, rec = suite_run.run_suite("x", suite, tmp_path / "o", "cmd", [], budget_s=suite_run.RESERVE_S + 3)
     assert rc == 1 and rec["steps"][0]["status"].startswith("timeout") and rec["steps"][1]["status"].startswith("not run")
 
 
