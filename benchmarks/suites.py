@@ -98,7 +98,7 @@ SUITES: dict[str, Suite] = {
         carry=(".whl", ".cache/dgcarry", ".cache/fi"),
         steps=(step("attention", "{py} -m benchmarks.attention", 200, summary=r"target|TFLOP/s",
                     publish={"attention.json": "kernels_attention.json"}),
-               step("gemm", "{py} -m benchmarks.gemm --quick", 150, summary=r"targets|8192",
+               step("gemm", "{py} -m benchmarks.gemm --quick --clock", 150, summary=r"targets|8192",
                     publish={"gemm.json": "kernels_gemm.json"}),
                step("moe", "{py} -m benchmarks.moe --quick", 170, summary=r"targets|8192",
                     publish={"moe.json": "kernels_moe.json"})),
@@ -106,9 +106,14 @@ SUITES: dict[str, Suite] = {
                     "2026-12-01/dg16/gemm.json (the quick sweep; `gemm-sweep` for kernels_gemm.json)")),
     "gemm-sweep": Suite(
         "the full FP8 GEMM sweep (M = 1..16k, every backend)", carry=(".whl", ".cache/dgcarry"),
-        steps=(step("gemm", "{py} -m benchmarks.gemm", 400, summary=r"targets|8192",
+        steps=(step("gemm", "{py} -m benchmarks.gemm --clock", 400, summary=r"targets|8192",
                     publish={"gemm.json": "kernels_gemm.json"}),),
         reproduces=("2026-12-01/kernels_gemm.json (DG14)",)),
+    "moe-profile": Suite(
+        "where the 20b MoE layer's time goes, per kernel, at 1 and 8192 tokens (the workers' backend)",
+        carry=(".whl", ".cache/dgcarry"),
+        steps=(step("moe-profile", "{py} -m benchmarks.moe --profile 1,8192", 200, summary=r"^profile"),),
+        reproduces=("2026-12-01/dg11/diag_dg11.log (layer profile)", "2026-12-01/dg4/profile.log")),
     "model": Suite(
         "gpt-oss-20b and -120b on one H200 with the workers' defaults: prefill, decode (CUDA graphs), HF peer",
         carry=(".whl", ".cache/dgcarry", ".cache/fi"),

@@ -168,3 +168,12 @@ def test_step_helper_splits_like_a_shell():
     s = step("x", "{py} -m benchmarks.bench_model --contexts '' --tag t", 10, publish={"a.json": "b.json"})
     assert s.argv == ("{py}", "-m", "benchmarks.bench_model", "--contexts", "", "--tag", "t")
     assert s.publish == (("a.json", "b.json"),)
+
+
+def test_clock_window_summarises_the_samples_inside_a_span():
+    from benchmarks.clock import ClockSampler, parse
+    assert parse("1980, 412.35\n") == (1980.0, 412.35) and parse("[N/A], [N/A]") is None
+    s = object.__new__(ClockSampler)  # no nvidia-smi here: samples injected
+    s.samples, s.slack_s = [(1.0, 1980.0, 400.0), (2.0, 1860.0, 650.0), (3.0, 1970.0, 600.0), (9.0, 345.0, 80.0)], 0.06
+    assert s.window(1.5, 3.0) == {"sm_mhz": 1915.0, "sm_mhz_min": 1860.0, "watts": 625.0}
+    assert s.window(4.0, 5.0) == {}
