@@ -1,7 +1,7 @@
 """The GPU's SM clock and board power sampled by nvidia-smi while a benchmark runs (every 50 ms), so a
 spread between runs (a lower clock on another machine start) can be told apart from a difference
-between variants. From scripts/gpu/diag_dg7.py (runs DG7, DG13: the same kernel timed 193 us in one
-run and 208 us in the next, at different clocks); `benchmarks.gemm --clock` records it per row."""
+between variants. From diag_dg7.py (benchmarks/results/2026-12-01/dg7/; runs DG7, DG13: the same
+kernel timed 193 us in one run and 208 us in the next); `benchmarks.gemm --clock` records it per row."""
 
 from __future__ import annotations
 

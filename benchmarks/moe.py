@@ -14,7 +14,8 @@ accuracy at a few T: FP8 vs the FP8-activation reference (same math in fp32), FP
 math on the bf16 masters. Targets: 20b at 8k tokens >= 50% of FP8 peak; batch 1 reads the 4
 experts' weights at >= 60% of copy bandwidth. Also a per-stage breakdown (route, group, quantise,
 gate_up, down, combine) at T = 1 and 8192 for 20b. `--profile T,..` instead: per-kernel CUDA time
-of the 20b layer through the workers' backend (was scripts/gpu/diag_dg3.py, diag_dg11.py, diag_w.py).
+of the 20b layer through the workers' backend (was diag_dg3.py, diag_dg11.py and diag_w.py, now in
+benchmarks/results/2026-12-01/dg3/, dg11/ and runs/).
 """
 
 from __future__ import annotations
