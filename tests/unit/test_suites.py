@@ -177,3 +177,29 @@ def test_clock_window_summarises_the_samples_inside_a_span():
     s.samples, s.slack_s = [(1.0, 1980.0, 400.0), (2.0, 1860.0, 650.0), (3.0, 1970.0, 600.0), (9.0, 345.0, 80.0)], 0.06
     assert s.window(1.5, 3.0) == {"sm_mhz": 1915.0, "sm_mhz_min": 1860.0, "watts": 625.0}
     assert s.window(4.0, 5.0) == {}
+
+
+def test_a_suite_run_unpacked_into_a_dated_folder_feeds_the_report(tmp_path, monkeypatch):
+    """The workflow: run a suite, put its folder under benchmarks/results/DATE/, `tandem bench report`:
+    the published JSON appears on the page with its run, suite and command, and in the summary table."""
+    from benchmarks import report
+    monkeypatch.setattr(gpu_env, "versions", lambda env, repo: {"gpu": "fake"})
+    doc = {"env": {"date": "2026-12-09 10:00:00 UTC", "gpu": "fake"}, "world": 1,
+           "args": {"preset": "gpt-oss-20b", "attention": "flashinfer", "moe": "deepgemm"},
+           "prefill": {"rows": [{"tokens": 8192, "ms": 90.0, "TFLOPs": 600.0, "ratio_fp8_peak": 0.42,
+                                 "tokens_per_s_per_gpu": 91000.0, "usd_per_M_input": 0.0092}]},
+           "decode": {"rows": [{"context": 8192, "batch": b, "ms_per_step": 3.0 * b ** 0.5, "gpu_ms_graph_replay": 2.5,
+                                "tok_s_per_user": 333.0 / b ** 0.5, "tok_s_per_gpu": 333.0 * b ** 0.5,
+                                "usd_per_M_output": 2.5 / b ** 0.5, "hbm_floor_ms": 1.0, "ratio_to_floor": 0.33}
+                               for b in (1, 32)]}}
+    write = ("import json, os, pathlib; (pathlib.Path(os.environ['OUT']) / 'model_t.json').write_text("
+             f"{json.dumps(json.dumps(doc))})")
+    suite = Suite("x", carry=(), gpu=False, kind="cpu",
+                  steps=(Step("m20b", _py(write), 60, publish=(("model_t.json", "model_t.json"),), gpus=0),))
+    dated = tmp_path / "2026-12-09"
+    rc, rec = suite_run.run_suite("model", suite, dated / "model", "tandem bench suite model", ["model"])
+    assert rc == 0 and rec["published"] == {"model_t.json": "m20b/model_t.json"}
+    _, text, _, summary, _, _ = report.generate(dated, out=tmp_path / "page", plots=False)
+    assert "| `model_t.json` | model (model/) |" in text and "`tandem bench suite model`" in text
+    assert summary[2].startswith("| gpt-oss-20b (run model (model/), 2026-12-09) | 90.0 ms")
+    assert summary[2].endswith("| not measured |")  # batch 128 was not in the run
