@@ -143,9 +143,11 @@ def sec_suites(docs: dict[str, dict], runs: dict[str, Run]) -> list[str]:
         if n in runs:
             used.setdefault(runs[n], []).append(n)
     rows = [[r.run, f"`{r.where}/suite.json`", r.suite, f"`{r.command}`", (r.commit or "not recorded")[:12],
-             ", ".join(f"`{n}`" for n in sorted(files))] for r, files in used.items()]
+             f"`{r.where}/{r.script}`" if r.script else "–", ", ".join(f"`{n}`" for n in sorted(files))]
+            for r, files in used.items()]
     missing = sorted(set(docs) - set(runs))
-    return (table(sorted(rows, key=lambda r: r[1] + r[0]), ["run", "record", "suite", "command", "commit", "files"])
+    return (table(sorted(rows, key=lambda r: r[1] + r[0]),
+                  ["run", "record", "suite", "command", "at commit", "script kept here", "files"])
             + ([f"No run recorded for: {', '.join(f'`{n}`' for n in missing)}.", ""] if missing else []))
 
 
@@ -359,7 +361,8 @@ def render(folder: Path, docs: dict[str, dict], plots: list[Path], origin: dict[
                if missed else ["All met.", ""]),
              "## Runs", "", *sec_runs(docs, rel, origin, runs),
              "## Suites and commands", "", "What produced each file above: the suite (or, before `tandem bench suite`, "
-             "the dated run script) and its command, from the folder's `suite.json`.", "", *sec_suites(docs, runs),
+             "the dated run script, run from scripts/gpu/ at the commit shown) and its command, from the folder's "
+             "`suite.json`.", "", *sec_suites(docs, runs),
              "## Prefill (batch 1)", "", *([img["prefill.png"], ""] if "prefill.png" in img else []),
              *sec_prefill(docs),
              "## Decode (CUDA graphs)", "",

@@ -30,6 +30,7 @@ class Run:
     commit: str | None
     where: str  # folder of the run's record, relative to the results root
     date: str = ""
+    script: str | None = None  # the run's script as kept in the results folder (dated runs)
 
 
 def dated_folders(root: Path) -> list[Path]:
@@ -78,7 +79,7 @@ def runs_of(folder: Path, root: Path) -> dict[str, Run]:
         doc = _read(top)
         names = [p.name for p in folder.iterdir() if p.is_file()]
         for r in doc.get("runs", []):
-            run = Run(r["run"], r["suite"], r["command"], r.get("commit"), rel)
+            run = Run(r["run"], r["suite"], r["command"], r.get("commit"), rel, script=r.get("script"))
             for pattern in r.get("files", []):
                 for n in fnmatch.filter(names, pattern):
                     out.setdefault(n, run)

@@ -58,7 +58,7 @@ def test_result_folder_names_suite_command_and_commit(folder: Path):
         if _git_has(r["commit"]) is False:
             pytest.fail(f"{folder.name}: run {r['run']}: commit {r['commit']} is not in the history")
         for rel in [r.get("script")] + [d["script"] for d in r.get("diagnostics", [])]:
-            if rel and not rel.startswith("see "):
+            if rel:
                 assert (folder / rel).is_file(), f"{folder}: {rel} missing"
 
 
