@@ -28,7 +28,7 @@ reads, as the report names them (e.g. gemm.json -> kernels_gemm.json).
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SUITE_BUDGET_S = 560  # of the device tool's 600 s per call: set-up, the version probe and the tarball
 PYTEST = r"\d+ (passed|failed|error)|no tests ran"
