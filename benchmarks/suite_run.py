@@ -199,11 +199,20 @@ def device_call(name: str, suite: Suite, repo: Path = gpu_env.REPO) -> str:
     lines = [f"run(kind={suite.kind!r}, timeout_s=600, carry={list(suite.carry)!r},",
              f"    command={cmd!r})"]
     missing = [c for c in suite.carry if not (repo / c).exists()]
+    sizes = {c: _size(repo / c) for c in suite.carry if (repo / c).exists()}
+    if sizes:
+        total = sum(sizes.values())
+        lines.append(f"# carried: {', '.join(f'{c} {b / 2**20:.1f} MiB' for c, b in sizes.items())}; the call takes "
+                     f"64 MiB with the working tree{' -- too much' if total > 60 * 2**20 else ''}")
     if missing:
         lines.append(f"# missing here (fetch or pack them first, see benchmarks/suites.py): {', '.join(missing)}")
     if g["dirty"]:
         lines.append("# the checkout is dirty: commit first so the run names a commit that holds what ran")
     return "\n".join(lines)
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def list_suites(suites: dict[str, Suite]) -> str:

@@ -9,12 +9,15 @@ timeout, and records what ran (benchmarks/suite_run.py):
 The device tool copies the repository; what the machine lacks travels in ignored folders named in
 `carry` (fetch them once here: scripts/fetch_gpu_wheels.sh + scripts/fetch_deepgemm_wheel.sh -> .whl,
 scripts/fetch_nixl_wheel.sh -> .whl-nixl, scripts/pack_deepgemm_carry.sh -> .cache/dgcarry; .cache/fi
-is flashinfer-cache.tar.xz from an earlier `kernels` run's attention step). The call, e.g. for `model`:
+holds flashinfer-cache.tar.xz from an earlier `kernels` run, kernels/attention/ in its tarball, which
+spares the FlashInfer JIT builds, ~2 min). A carried path that is missing here is left out there, and
+the suite records what its set-up found. The call, e.g. for `model`:
 
     run(kind="nvidia-h200", timeout_s=600, carry=[".whl", ".cache/dgcarry", ".cache/fi"],
         command="TANDEM_GIT_COMMIT=<sha> TANDEM_GIT_DIRTY=0 python3 -m launcher.cli bench suite model --out $OUT/model --tar")
 
-(`--device-call` prints it with the commit filled in: the device copy has no .git.) `--tar` leaves one
+(`--device-call` prints it with the commit filled in, since the device copy need not hold .git, and
+the carried sizes against the call's 64 MiB.) `--tar` leaves one
 file, $OUT/model.tgz (the tool returns at most 8 files); unpack it into benchmarks/results/DATE/ and
 run `tandem bench report`. A suite must fit one device call (600 s, set-up included): the sum of its
 step timeouts stays under SUITE_BUDGET_S (tests/unit/test_suites.py checks it).
