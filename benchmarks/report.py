@@ -282,7 +282,7 @@ def render(folder: Path, docs: dict[str, dict], plots: list[Path], origin: dict[
     img = {p.name: f"![{p.stem}]({os.path.relpath(p, page_dir or folder)})" for p in plots}
     head = headline(series, docs)
     used = sorted(set((origin or {}).values()), reverse=True)
-    source = (f"the JSON files in [`{rel}/`]({rel}/)" if not origin else
+    source = (f"the JSON files in [`{rel}/`](./)" if not origin else
               "the newest result of each kind across " + ", ".join(f"[`{f}/`]({f}/)" for f in used)
               + " (a newer folder's file of the same name, or model run of the same configuration, replaces an "
                 "older one; the file column says which folder each came from)")

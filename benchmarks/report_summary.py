@@ -2,7 +2,8 @@
 -120b on one H200 with the workers' defaults (FlashInfer attention, MoE on DeepGEMM), prefill of 8k
 tokens and decode at batch 1 / 32 / 128 at 8k context, with $/M tokens, the ratio to the run's own
 floor (FP8 peak for prefill, HBM floor for decode) and to a peer where one was measured. Every cell
-is read from a committed JSON file (the newest run of that configuration); a cell without one says
+is read from a committed JSON file (the newest run of that configuration; on a page without one, the
+newest run with the Triton MoE, the default before 2026-12-02, named so); a cell without one says
 "not measured". `tandem bench report` writes it between the README's markers."""
 
 from __future__ import annotations
@@ -63,8 +64,11 @@ def perf_summary(series: list[ModelSeries], peers: dict[str, tuple[str, dict]]) 
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for preset in PRESETS:
         s = next((s for s in series if s.label == default_label(preset)), None)
-        runs = sorted({s.sources[k] for k in s.sources}) if s else []
-        name = f"{preset} ({'; '.join(runs)})" if runs else preset
+        older = None
+        if s is None:  # before 2026-12-02 the default MoE was Triton's (an unlabelled backend)
+            s = older = next((s for s in series if s.label == f"{preset} TP1 · flashinfer"), None)
+        runs = sorted({s.sources[k] for k in ("prefill", CONTEXT) if k in s.sources}) if s else []
+        name = f"{preset}{', Triton MoE' if older else ''} ({'; '.join(runs)})" if runs else preset
         lines.append("| " + " | ".join([name, _prefill_cell(s), *(_decode_cell(s, b) for b in BATCHES)]) + " |")
     for preset in PRESETS:
         lines.append("| " + " | ".join([f"{preset} vs HF transformers (bf16, eager)",
