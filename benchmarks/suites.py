@@ -72,10 +72,12 @@ class Suite:
 
 def model_step(name: str, preset: str, prefill: str, contexts: str, batches: str, timeout_s: int,
                extra: str = "") -> Step:
-    """bench_model with the workers' defaults (FlashInfer attention, bf16 QKV/O, MoE auto -> DeepGEMM)."""
+    """bench_model with the workers' defaults (FlashInfer attention, bf16 QKV/O, MoE auto -> DeepGEMM);
+    its JSON goes into the results report as model_<preset>-tp1-defaults.json."""
+    tag = f"{preset}-tp1-defaults"
     return step(name, f"{{py}} -m benchmarks.bench_model --preset {preset} --bf16-attention --prefill-lens {prefill} "
-                      f"--contexts {contexts} --batches {batches} --tag {name} {extra}", timeout_s,
-                summary=r"^decode ctx|^prefill|FAILED")
+                      f"--contexts {contexts} --batches {batches} --tag {tag} {extra}", timeout_s,
+                summary=r"^decode ctx|^prefill|FAILED", publish={f"model_{tag}.json": f"model_{tag}.json"})
 
 
 def smoke_step(name: str, worker_flags: str = "", timeout_s: int = 150, lengths: str = "2048,8192", burst: int = 4,
@@ -87,6 +89,7 @@ def smoke_step(name: str, worker_flags: str = "", timeout_s: int = 150, lengths:
     return step(name, f"{{py}} -m benchmarks.disagg_smoke --lengths {lengths} --burst {burst} "
                       f"--out {{out}}/disagg_smoke_{name}.json", timeout_s,
                 summary=r"pages returned|identical=|Error",
+                publish={f"disagg_smoke_{name}.json": f"disagg_smoke_{name}.json"},
                 background={"prefill": f"{{py}} -m launcher.cli prefill-worker {w} --device cuda:0 --port 7100",
                             "decode": f"{{py}} -m launcher.cli decode-worker {w} --device {decode_device} --port 7200 "
                                       "--cuda-graphs --max-num-seqs 16"},
@@ -129,10 +132,12 @@ SUITES: dict[str, Suite] = {
         carry=(".whl", ".cache/fi"), kind="nvidia-h200-x2",
         steps=(step("tp2-120b", f"{TP} --preset gpt-oss-120b --moe-mode ep --skip-allreduce --fast-allreduce-kib 1024 "
                                 "--prefill-lens 8192 --contexts 8192 --batches 1,8,64,128", 260,
-                    summary=r"^decode|^prefill", gpus=2),
+                    summary=r"^decode|^prefill", gpus=2, publish={
+                        "model_gpt-oss-120b-tp2-ep-oneshot1024k.json": "model_gpt-oss-120b-tp2-ep-oneshot1024k.json"}),
                step("tp2-20b", f"{TP} --preset gpt-oss-20b --moe-mode ep --fast-allreduce-kib 1024 "
                                "--prefill-lens 8192 --contexts 8192 --batches 1,64,128", 220,
-                    summary=r"^decode|^prefill|^all-reduce", gpus=2)),
+                    summary=r"^decode|^prefill|^all-reduce", gpus=2, publish={
+                        "model_gpt-oss-20b-tp2-ep-oneshot1024k.json": "model_gpt-oss-20b-tp2-ep-oneshot1024k.json"})),
         reproduces=("2026-12-01/i_model_gpt-oss-120b-tp2-ep-oneshot1024k.json", "2026-12-01/i_model_gpt-oss-20b-tp2-ep.json")),
     "gpu-tests": Suite(
         "the GPU-marked kernel test files (GEMM/MoE incl. DeepGEMM, attention incl. FlashInfer)",
@@ -171,7 +176,8 @@ SUITES: dict[str, Suite] = {
     "parity": Suite(
         "numerics at real widths: 2 layers in fp32 against HF transformers, and the full depth in bf16 / FP8",
         carry=(".whl",),
-        steps=(step("parity", "{py} -m benchmarks.parity_real", 240, summary=r"rel|agreement|Error"),),
+        steps=(step("parity", "{py} -m benchmarks.parity_real", 240, summary=r"rel|agreement|Error",
+                    publish={"parity_gpt-oss-20b.json": "parity_gpt-oss-20b.json"}),),
         reproduces=("2026-12-01/n_parity_gpt-oss-20b.json",)),
     "cpu-smoke": Suite(
         "every suite's machinery on a CPU: the benchmarks' own smoke modes on tiny shapes (no GPU set-up)",

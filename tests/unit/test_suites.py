@@ -46,6 +46,8 @@ def test_registry_suite_is_runnable_as_written(name: str):
             for a in argv:
                 if a.startswith("tests/"):
                     assert (REPO / a).is_file(), f"{name}/{s.name}: no test file {a}"
+        if "benchmarks.bench_model" in s.argv and suite.gpu:  # the file bench_model writes is the one published
+            assert f"model_{s.argv[s.argv.index('--tag') + 1]}.json" in dict(s.publish), s
 
 
 def _py(code: str) -> tuple[str, ...]:
