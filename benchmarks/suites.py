@@ -40,7 +40,7 @@ PYTEST = r"\d+ (passed|failed|error)|no tests ran"
 @dataclass(frozen=True, slots=True)
 class Step:
     name: str  # also the step's output folder
-    argv: tuple[str, ...]  # after substituting {py} and {out}
+    argv: tuple[str, ...]  # {py} and {out} are filled in when the step runs
     timeout_s: int
     summary: str = ""  # regex: the last matching log line goes into the table (default: the last line)
     background: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (name, argv): started first, stopped after
