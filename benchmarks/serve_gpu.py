@@ -56,7 +56,10 @@ def load_args(a: argparse.Namespace, **kw) -> argparse.Namespace:
 
 def run_mode(mode: str, a: argparse.Namespace, ref: dict) -> list[dict]:
     runs = []
-    with LaunchedService(mode, 1, 1, shlex.split(a.serve_args), a.ready_timeout_s) as svc:
+    # colocated: ONE decode worker prefills and decodes (as vLLM or SGLang on one GPU); disaggregated:
+    # a prefill and a decode worker sharing the GPU
+    with LaunchedService(mode, 0 if mode == "colocated" else 1, 1, shlex.split(a.serve_args),
+                         a.ready_timeout_s) as svc:
         model = None
         if a.warmup:
             run_one("warmup", svc.url, load_args(a, num_requests=a.warmup, input_len="512", output_len="16",
