@@ -59,7 +59,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, items: list[ScheduledSeq], prev: StepHandle | None = None, no: int = 0,
                on_layer_done: Callable[[int], None] | None = None) -> StepHandle:
-        if self._inputs_done is not None:
+        if self._inputs_done is not None and not self._inputs_done.query():
             self._inputs_done.synchronize()  # the previous step's input copies have run (see module doc)
         input_ids = self._input_ids(items, prev)
         steps = [SeqStep(it.seq.pages, it.start, it.q_len) for it in items]
@@ -176,7 +176,10 @@ class ModelRunner:
             hidden = self.model(input_ids, meta, self.pool, on_layer_done)  # [T, H]
         if not rows or not want_logits:
             return None
-        return self.model.compute_logits(hidden[meta.logits_indices[rows]])  # [B', V]
+        last = meta.logits_indices  # [B] each sequence's last new token
+        if len(rows) != len(steps):  # mid-prompt chunks sample nothing (a device index: no pageable copy)
+            last = last[_dev(torch.tensor(rows, dtype=torch.long), self.device)]
+        return self.model.compute_logits(hidden[last])  # [B', V]
 
     def _mark_inputs(self) -> None:
         """Every input copy of this step is queued: the next launch may reuse host buffers once
