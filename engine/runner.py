@@ -129,11 +129,16 @@ class ModelRunner:
             at.append(len(ids))
             rows.append(prev.row_of[id(seq)])
             ids.append(0)
-        input_ids = _dev(torch.tensor(ids, dtype=torch.long), self.device)  # [T]
-        if at:
-            assert prev is not None and prev.token_ids is not None
-            src = _dev(torch.tensor(rows, dtype=torch.long), self.device)
-            input_ids[_dev(torch.tensor(at, dtype=torch.long), self.device)] = prev.token_ids[src]
+        if not at:
+            return _dev(torch.tensor(ids, dtype=torch.long), self.device)  # [T]
+        assert prev is not None and prev.token_ids is not None
+        if len(at) == len(ids):  # a pure decode step: every input is a token the last step sampled
+            if rows == list(range(prev.token_ids.shape[0])):
+                return prev.token_ids  # the same sequences in the same order: no copy at all
+            return prev.token_ids[_dev(torch.tensor(rows, dtype=torch.long), self.device)]
+        input_ids = _dev(torch.tensor(ids, dtype=torch.long), self.device)
+        src = _dev(torch.tensor(rows, dtype=torch.long), self.device)
+        input_ids[_dev(torch.tensor(at, dtype=torch.long), self.device)] = prev.token_ids[src]
         return input_ids
 
     def _to_pinned(self, no: int, parts: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
