@@ -52,6 +52,7 @@ class ModelRunner:
         self.cuda = self.device.type == "cuda"
         self.graphs = None  # decode_worker.runner.CudaGraphDecoder, set by the decode worker on GPU
         self.supports_overlap = True
+        self.share_inputs: Callable[[torch.Tensor], None] | None = None  # TP rank 0: ids to the followers
         self._inputs_done: torch.cuda.Event | None = None
         self._pinned: list[tuple[torch.Tensor, ...]] = []  # two sets, alternating by step parity
 
@@ -62,6 +63,8 @@ class ModelRunner:
         if self._inputs_done is not None and not self._inputs_done.query():
             self._inputs_done.synchronize()  # the previous step's input copies have run (see module doc)
         input_ids = self._input_ids(items, prev)
+        if self.share_inputs is not None:
+            self.share_inputs(input_ids)
         steps = [SeqStep(it.seq.pages, it.start, it.q_len) for it in items]
         rows = [i for i, it in enumerate(items) if it.sample]
         logits = self.forward(input_ids, steps, rows, on_layer_done)
