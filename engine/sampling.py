@@ -38,8 +38,8 @@ class SamplingParams:
             raise InvalidRequest(f"temperature must be in [0, 2], got {self.temperature}", param="temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
-        if self.top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}", param="top_k")
+        if not 0 <= self.top_k < 1 << 31:  # any k past the vocabulary means off; a tensor holds it
+            raise InvalidRequest(f"top_k must be in [0, 2^31), got {self.top_k}", param="top_k")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -55,6 +55,15 @@ def to_params(s: SamplingSpec) -> SamplingParams:
     return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                           seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
                           logprobs=s.logprobs, min_tokens=s.min_tokens)
+
+
+def check_prompt(ids: list[int], vocab_size: int) -> None:
+    """A prompt from the wire is token ids the model can embed (the router checks too; a worker
+    does not trust its peers with an index into the embedding)."""
+    if not ids:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
 
 
 @dataclass(slots=True)

@@ -49,7 +49,7 @@ def build_parts(a: argparse.Namespace, role: str, group: RankGroup) -> EnginePar
 
 def transfer_config(a: argparse.Namespace, parts: EngineParts, wid: str, tp_rank: int = 0) -> TransferConfig:
     return TransferConfig(engine_id=wid, model_name=model_fingerprint(parts), tp_rank=tp_rank, tp_size=a.tp,
-                          host=a.advertise_host or a.host, port=0)
+                          host=a.advertise_host or a.host, port=a.kv_port + tp_rank if a.kv_port else 0)
 
 
 def serve(a: argparse.Namespace, server, io_bind: str) -> int:

@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     with RankGroup.launch(a, "prefill", wid, setup_rank) as group:
         rp = lead(group, setup_rank(a, wid, group))
         assert rp.sender is not None
-        server = PrefillServer(PrefillEngine(rp.parts, rp.sender), None, wid, epoch)
+        server = PrefillServer(PrefillEngine(rp.parts, rp.sender), None, wid, epoch, a.drain_timeout_s)
         try:
             return serve(a, server, f"tcp://{a.host}:{a.port}")
         finally:

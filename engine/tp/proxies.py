@@ -79,6 +79,8 @@ def _combine(rid: str, outs: list[m.Outcome], cause: int | None = None) -> Trans
 class GroupRunner:
     """ModelRunner.run for the group: STEP to the followers, then rank 0's forward and sampling."""
 
+    interruptible = False  # leaving the forward early would strand the followers in its all-reduces
+
     def __init__(self, group: RankGroup, local: ModelRunner) -> None:
         self.group, self.local, self.encoder = group, local, StepEncoder()
 
