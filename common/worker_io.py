@@ -23,6 +23,7 @@ from collections.abc import Callable
 import zmq
 
 from common.errors import ProtocolError
+from common.stall import StallWatch
 from wire.protocol import MAX_FRAME_BYTES, StatusRequest, WorkerStatus, decode, encode
 
 log = logging.getLogger("tandem.worker.io")
@@ -106,7 +107,9 @@ class WorkerIO:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
+        watch = StallWatch("TANDEM_IO_STALL_DUMP_S", repeat=True)
         while not self._stop.is_set():
+            watch.tick()
             events = dict(poller.poll(100))
             if pull in events:
                 while True:
@@ -134,5 +137,6 @@ class WorkerIO:
                         router.send_multipart([peer, encode(self.status_fn())])
                     else:
                         self.inbox.put((peer, msg))
+        watch.stop()
         router.close(0)
         pull.close(0)

@@ -65,6 +65,8 @@ class PrefillEngine:
             req = decode_kv(m.kv_target, TransferRequest)
         except ProtocolError as e:
             return _failed(m.request_id, f"bad kv target: {e.message}", t0)
+        if req.request_id != m.request_id:
+            return _failed(m.request_id, "kv target was reserved for another request", t0)
         if req.num_tokens != len(m.prompt_ids):
             return _failed(m.request_id, "kv target reserves a different prompt length", t0)
         try:
