@@ -122,6 +122,7 @@ class PrefillServer:
 
     def run(self) -> None:
         self.ready = True
+        self._status = self._snapshot()
         watch = StallWatch()
         while not (self.draining.is_set() and not self.queue):
             watch.tick()
