@@ -10,6 +10,7 @@ Request lifecycle on a decode worker:
                    landed but whose StartDecode never came (router gone) is freed at the deadline
   Abort of a running or waiting sequence -> its pages are freed now, before the next step
   GenerateRequest (colocated) -> a normal sequence that prefills here
+Steps run overlapped (engine.core): each returns one TokenBatch per router connection.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 
 from common.errors import InvalidRequest, TandemError
 from engine.build import EngineParts
-from engine.sampling import check_prompt, to_params
+from engine.core import EngineCore
+from engine.sampling import check_request, to_params
 from engine.sequence import FinishReason, Sequence, TokenLogprob
 from kv_transfer.interface import KVReceiver, TransferStatus
 from kv_transfer.messages import encode as encode_kv
@@ -31,6 +33,7 @@ from wire.protocol import (
     GenerateRequest,
     Rejected,
     StartDecode,
+    TokenBatch,
     TokenChunk,
     TopLogprob,
 )
@@ -60,9 +63,10 @@ def chunk_of(seq: Sequence, n_new: int) -> TokenChunk:
 
 
 class DecodeEngine:
-    def __init__(self, parts: EngineParts, receiver: KVReceiver | None) -> None:
+    def __init__(self, parts: EngineParts, receiver: KVReceiver | None, overlap: bool = True) -> None:
         self.parts, self.rx = parts, receiver
         self.kv, self.scheduler = parts.kv, parts.scheduler
+        self.core = EngineCore(parts.scheduler, parts.runner, overlap)
         self.vocab_size = parts.model.cfg.vocab_size
         self.pending: dict[str, Pending] = {}
         self.peers: dict[str, bytes] = {}  # request id -> router socket identity
@@ -106,8 +110,7 @@ class DecodeEngine:
             return None  # a repeated StartDecode: the first one stands
         why = "prompt length differs from admission" if len(m.prompt_ids) != p.prompt_len else ""
         try:
-            check_prompt(m.prompt_ids + [m.first_token], self.vocab_size)
-            to_params(m.sampling)
+            check_request(m.prompt_ids + [m.first_token], to_params(m.sampling), self.vocab_size)
         except InvalidRequest as e:
             why = e.message
         if why:
@@ -120,8 +123,9 @@ class DecodeEngine:
         if m.request_id in self.peers or m.request_id in self.pending:
             return TokenChunk(m.request_id, [], [], [], True, "abort", "request id already in use on this worker")
         try:
-            check_prompt(m.prompt_ids, self.vocab_size)
-            seq = Sequence(m.request_id, list(m.prompt_ids), to_params(m.sampling), arrival=time.monotonic())
+            params = to_params(m.sampling)
+            check_request(m.prompt_ids, params, self.vocab_size)
+            seq = Sequence(m.request_id, list(m.prompt_ids), params, arrival=time.monotonic())
             self.scheduler.add(seq)
         except InvalidRequest as e:
             return TokenChunk(m.request_id, [], [], [], True, "abort", e.message)
@@ -137,7 +141,7 @@ class DecodeEngine:
             self._drop_reservation(p, reason)
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
-            self.scheduler.finish(seq, FinishReason.ABORT)
+            self.core.abort(seq)
             self.parts.sampler.forget(request_id)
         self.peers.pop(request_id, None)
 
@@ -203,24 +207,21 @@ class DecodeEngine:
         self.scheduler.add_running(seq)
         return []
 
-    def step(self) -> list[tuple[bytes, TokenChunk]]:
-        if not self.scheduler.has_work:
+    def step(self) -> list[tuple[bytes, TokenBatch]]:
+        """One engine iteration; the new tokens as one TokenBatch per router connection."""
+        if not self.core.has_work:
             return []
-        items = self.scheduler.schedule()
-        if not items:
-            return []
-        tokens, lps = self.parts.runner.run(items)
-        out = []
-        for seq in self.scheduler.postprocess(items, tokens, lps):
+        by_peer: dict[bytes, list[TokenChunk]] = {}
+        for seq in self.core.step():
             peer = self.peers.get(seq.request_id)
             if peer is not None:
-                out.append((peer, chunk_of(seq, 1)))
+                by_peer.setdefault(peer, []).append(chunk_of(seq, 1))
             if seq.finished:
                 self.seqs.pop(seq.request_id, None)
                 self.peers.pop(seq.request_id, None)
                 self.parts.sampler.forget(seq.request_id)
-        return out
+        return [(peer, TokenBatch(chunks)) for peer, chunks in by_peer.items()]
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self.pending)
+        return self.core.has_work or bool(self.pending)

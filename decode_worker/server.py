@@ -73,7 +73,7 @@ class DecodeServer:
         return WorkerStatus(
             role="decode", worker_id=self.worker_id, epoch=self.epoch, ready=self.ready,
             draining=self.draining.is_set(), queue_depth=len(sched.waiting) + len(e.pending),
-            queued_tokens=sum(s.num_uncached for s in sched.waiting), running=len(sched.running),
+            queued_tokens=sched.waiting_tokens, running=len(sched.running),
             kv_free_pages=free_full, kv_total_pages=total, kv_free_sliding_pages=e.kv.num_free()[PageGroup.SLIDING],
             kv_total_sliding_pages=e.kv.spec.num_pages[PageGroup.SLIDING], page_size=e.kv.spec.page_size,
             max_num_seqs=sched.cfg.max_num_seqs, busy_seconds=self.busy_seconds)
@@ -105,16 +105,14 @@ class DecodeServer:
         watch = StallWatch()
         while not (self.draining.is_set() and not e.has_work):
             watch.tick()
-            if self.draining.is_set() and time.monotonic() >= self.drain_deadline and e.has_work:
-                ended = e.abort_all(DRAIN_DEADLINE)
+            if self.draining.is_set() and time.monotonic() >= self.drain_deadline and (e.pending or e.seqs):
+                ended = e.abort_all(DRAIN_DEADLINE)  # the step in flight, if any, completes below
                 log.warning("drain deadline reached: ended %d requests", len(ended))
                 for peer, chunk in ended:
                     self.io.send(peer, chunk)
-                e.poll_transfers()  # pages whose writers already stopped come back now
-                continue
             # runnable sequences: no wait; only KV transfers in flight: poll them every 0.5 ms (as the
             # prefill side does) instead of spinning a core; idle: 20 ms
-            wait = 0.0 if e.scheduler.has_work else 0.0005 if e.pending else 0.02
+            wait = 0.0 if e.core.has_work else 0.0005 if e.pending else 0.02
             for peer, msg in self.io.drain(wait):
                 self.handle(peer, msg)
             for peer, chunk in e.poll_transfers():
@@ -125,9 +123,9 @@ class DecodeServer:
                 dt = time.perf_counter() - t0
                 self.busy_seconds += dt
                 STEP.observe(dt)
-                TOKENS.inc(sum(len(c.token_ids) for _, c in out))
-            for peer, chunk in out:
-                self.io.send(peer, chunk)
+                TOKENS.inc(sum(len(c.token_ids) for _, b in out for c in b.chunks))
+            for peer, batch in out:
+                self.io.send(peer, batch)
             self._status = self._snapshot()
             RUNNING.set(self._status.running)
             KV_USED.set(1 - self._status.kv_free_pages / max(self._status.kv_total_pages, 1))

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from common.errors import InvalidRequest, ProtocolError
 from engine.build import EngineParts
-from engine.sampling import check_prompt, to_params
+from engine.sampling import check_request, to_params
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from kv_transfer.interface import KVSender, TransferStatus
@@ -70,8 +70,9 @@ class PrefillEngine:
         if req.num_tokens != len(m.prompt_ids):
             return _failed(m.request_id, "kv target reserves a different prompt length", t0)
         try:
-            check_prompt(m.prompt_ids, self.vocab_size)
-            seq = Sequence(m.request_id, list(m.prompt_ids), to_params(m.sampling))
+            params = to_params(m.sampling)
+            check_request(m.prompt_ids, params, self.vocab_size)
+            seq = Sequence(m.request_id, list(m.prompt_ids), params)
             self.parts.scheduler.check_fits(len(m.prompt_ids), 1)
             self.kv.grow(seq.pages, len(m.prompt_ids))
         except OutOfPages:
@@ -138,7 +139,7 @@ class PrefillEngine:
         lp = lps[0]
         return PrefillResult(m.request_id, True, int(tokens[0]), lp.logprob if lp else None,
                              [TopLogprob(t, v) for t, v in lp.top] if lp else [], "", compute_s,
-                             outcome.num_bytes, outcome.seconds)
+                             outcome.num_bytes, outcome.seconds, 0.0, time.monotonic() - t0 - compute_s)
 
     def _wait_terminal(self, rid: str, deadline: float, cancelled: Callable[[], str] = _never) -> TransferStatus:
         while True:

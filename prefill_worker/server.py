@@ -14,6 +14,7 @@ fails with "worker drain deadline reached" and the process exits.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -48,6 +49,7 @@ class PrefillServer:
         self.queue: deque[tuple[bytes, PrefillRequest]] = deque()
         self.running: str | None = None  # the request being prefilled
         self.cancelled = ""  # why the running request must stop ("" = it goes on)
+        self.arrived: dict[str, float] = {}  # request id -> when it was queued (TTFT breakdown)
         self.draining = threading.Event()
         self.drain_timeout_s = drain_timeout_s
         self.drain_deadline = float("inf")  # monotonic; set by begin_drain
@@ -96,6 +98,7 @@ class PrefillServer:
                     self.io.send(peer, _failed(msg.request_id, "worker is draining"))
                 else:
                     self.queue.append((peer, msg))
+                    self.arrived[msg.request_id] = time.monotonic()
             elif isinstance(msg, Abort):
                 self._abort(msg)
             else:
@@ -105,6 +108,7 @@ class PrefillServer:
                 self.cancelled = DRAIN_DEADLINE
             while self.queue:
                 peer, m = self.queue.popleft()
+                self.arrived.pop(m.request_id, None)
                 self.io.send(peer, _failed(m.request_id, DRAIN_DEADLINE))
         if msgs or self._past_drain_deadline():
             self._status = self._snapshot()
@@ -118,6 +122,7 @@ class PrefillServer:
         kept = deque(item for item in self.queue if item[1].request_id != msg.request_id)
         if len(kept) != len(self.queue):
             self.queue = kept
+            self.arrived.pop(msg.request_id, None)
             log.info("dropped queued request %s: %s", msg.request_id, msg.reason)
 
     def run(self) -> None:
@@ -131,10 +136,12 @@ class PrefillServer:
             if not self.queue:
                 continue
             peer, m = self.queue.popleft()
+            queued = time.monotonic() - self.arrived.pop(m.request_id, time.monotonic())
             self.running, self.cancelled = m.request_id, ""
             self._status = self._snapshot()
             t0 = time.perf_counter()
             result = self.engine.run(m, cancelled=self._cancel_reason)
+            result = dataclasses.replace(result, queue_seconds=queued)
             dt = time.perf_counter() - t0
             self.running = None
             self.busy_seconds += dt

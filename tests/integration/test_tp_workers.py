@@ -43,7 +43,7 @@ from engine.tp.group import RankGroup
 from router.chat_types import ChatMessage, ChatPrompt
 from router.harmony import HarmonyFormat
 from wire.protocol import (Abort, AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult,
-                             SamplingSpec, StartDecode, StatusRequest, TokenChunk, WorkerStatus, decode, encode)
+                             SamplingSpec, StartDecode, StatusRequest, TokenBatch, TokenChunk, WorkerStatus, decode, encode)
 from router.tokenizer import CALL, RETURN
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
@@ -71,9 +71,10 @@ class Proc:
 
 
 def _spawn(name: str, argv: list[str]) -> Proc:
-    # TANDEM_STALL_DUMP_S: a worker loop iteration over 5 s leaves every thread's stack in the worker log
-    # (a rare CI failure had a TP2 decode worker silent for ~9 s)
-    env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1", TANDEM_STALL_DUMP_S="5")
+    # TANDEM_IO_STALL_DUMP_S: when a worker's network thread cannot run for 2 s (what the router sees as
+    # a silent worker: it marks one down after ~3 s), every thread's stack goes to the worker log, again
+    # every 2 s while it lasts (a rare CI failure had a TP2 decode worker silent for ~9 s)
+    env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1", TANDEM_IO_STALL_DUMP_S="2")
     log = tempfile.NamedTemporaryFile(prefix=f"tandem-tp-{name}-", suffix=".log", delete=False)
     return Proc(name, subprocess.Popen([sys.executable, "-m", "launcher.cli", *argv], env=env,
                                        stdout=subprocess.DEVNULL, stderr=log), log.name)
@@ -95,15 +96,23 @@ class Peer:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(addr)
+        self.queued: list[TokenChunk] = []
 
     def ask(self, msg: object, timeout_s: float = 60.0) -> object:
         self.sock.send(encode(msg))
         return self.recv(timeout_s)
 
     def recv(self, timeout_s: float = 60.0) -> object:
+        """The next message; a decode step's TokenBatch is handed out one TokenChunk at a time."""
+        if self.queued:
+            return self.queued.pop(0)
         if not self.sock.poll(int(timeout_s * 1000)):
             raise TimeoutError("no reply")
-        return decode(self.sock.recv())
+        msg = decode(self.sock.recv())
+        if isinstance(msg, TokenBatch):
+            self.queued = list(msg.chunks[1:])
+            return msg.chunks[0]
+        return msg
 
     def status(self) -> WorkerStatus:
         while self.sock.poll(0):  # late answers
