@@ -19,6 +19,7 @@ model, KV over NIXL/UCX TCP loopback):
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import json
 import os
@@ -39,7 +40,8 @@ from kv_transfer.messages import decode as decode_kv
 from tests.support.fuzz import frames
 from tests.support.service import Service, start_service
 from wire.protocol import (Abort, AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult,
-                           SamplingSpec, StartDecode, StatusRequest, TokenChunk, WorkerStatus, decode, encode)
+                           SamplingSpec, StartDecode, StatusRequest, TokenBatch, TokenChunk, WorkerStatus, decode,
+                           encode)
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
 
@@ -54,20 +56,24 @@ def _port() -> int:
 
 
 class Peer:
-    """The router's side of the wire protocol, for one worker."""
+    """The router's side of the wire protocol, for one worker (a TokenBatch is read as its chunks)."""
 
     def __init__(self, addr: str) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(addr)
+        self.ready: collections.deque = collections.deque()
 
     def send(self, msg: object) -> None:
         self.sock.send(encode(msg))
 
     def recv(self, timeout_s: float = 60.0) -> object:
-        if not self.sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError("no reply")
-        return decode(self.sock.recv())
+        if not self.ready:
+            if not self.sock.poll(int(timeout_s * 1000)):
+                raise TimeoutError("no reply")
+            m = decode(self.sock.recv())
+            self.ready.extend(m.chunks if isinstance(m, TokenBatch) else [m])
+        return self.ready.popleft()
 
     def ask(self, msg: object, timeout_s: float = 60.0) -> object:
         self.send(msg)

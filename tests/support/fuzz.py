@@ -13,8 +13,8 @@ import struct
 
 import msgpack
 
-from wire.protocol import (PROTOCOL_VERSION, Abort, AdmitRequest, GenerateRequest, PrefillRequest, SamplingSpec,
-                           StartDecode, StatusRequest, TopLogprob, encode)
+from wire.protocol import (PROTOCOL_VERSION, Abort, AdmitRequest, GenerateRequest, LogitBias, PrefillRequest,
+                           SamplingSpec, StartDecode, StatusRequest, TopLogprob, encode)
 
 NASTY_INTS = [0, -1, 1, 2**31, -2**63, 2**64 - 1, 10**12, 200_000, 201_088]
 NASTY_FLOATS = [0.0, -1.0, float("nan"), float("inf"), -float("inf"), 1e308, 3.0]
@@ -35,7 +35,10 @@ def _spec(rng: random.Random) -> SamplingSpec:
                         top_p=rng.choice([0.0, 0.5, 1.0, 2.0, float("nan")]), top_k=rng.choice(NASTY_INTS),
                         seed=rng.choice([None, -1, 2**64 - 1]), stop_token_ids=[rng.choice(NASTY_INTS)],
                         ignore_eos=rng.random() < 0.5, logprobs=rng.choice([None, 0, 5, 21, -1]),
-                        min_tokens=rng.choice([0, 2, -1, 10**6]))
+                        min_tokens=rng.choice([0, 2, -1, 10**6]), presence_penalty=rng.choice(NASTY_FLOATS),
+                        frequency_penalty=rng.choice([0.0, 1.0, float("nan")]),
+                        logit_bias=[LogitBias(rng.choice(NASTY_INTS), rng.choice(NASTY_FLOATS))
+                                    for _ in range(rng.choice([0, 1, 3]))])
 
 
 def _prompt(rng: random.Random) -> list[int]:
