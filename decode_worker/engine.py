@@ -182,11 +182,13 @@ class DecodeEngine:
                 self.rx.finish(rid)
                 self.pending.pop(rid)
                 out += self._activate(p)
-            elif p.start is None and time.time() > p.deadline:
-                why = "no StartDecode before the deadline"
+            elif st == TransferStatus.DONE and p.start is None and time.time() > p.deadline:
+                why = "KV landed but no StartDecode came before the deadline"  # the router is gone
                 self.pending.pop(rid)
                 self._drop_reservation(p, why)
                 out.append((self.peers.pop(rid, p.peer), TokenChunk(rid, [], [], [], True, "abort", why)))
+            elif p.start is None and time.time() > p.deadline:  # reported as FAILED on a later poll
+                self.rx.abort(rid, detail="no StartDecode before the deadline")
         for rel in self.rx.take_releasable():
             self.kv.release(rel.pages)
         return out
