@@ -8,6 +8,9 @@ git-ignored folders named in the device call's `carry` (see benchmarks/suites.py
   .whl-nixl/      NIXL + pyzmq wheels            (scripts/fetch_nixl_wheel.sh)
   .cache/fi/      FlashInfer's built sink modules (flashinfer-cache.tar.xz from an attention run's output)
   .cache/dgcarry/ DeepGEMM headers + launchers   (scripts/pack_deepgemm_carry.sh)
+  .whl-site/      site.tar.xz: everything the whole served stack needs, installed and slimmed
+                  (FlashInfer, the router's packages, NIXL without its unused plugins; fits 64 MiB
+                  with the rest: `python -m benchmarks.gpu_carry`)
 
 `setup()` returns the environment every step runs with (this process's, plus the above) and a record
 of what it did. `python -m benchmarks.gpu_env --shell` prints the same set-up as `export` lines for
@@ -32,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 # GPUs out of service): every step inherits these and no step may change them.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 WHEEL_DIRS = (".whl", ".whl-nixl")
+SITE_TAR = ".whl-site/site.tar.xz"
 FLASHINFER_TAR = ".cache/fi/flashinfer-cache.tar.xz"
 DG_CARRY = ".cache/dgcarry"
 
@@ -73,6 +77,19 @@ def base_env(paths: SetupPaths, gpu: bool) -> dict[str, str]:
     return env
 
 
+def unpack_site(paths: SetupPaths, carry: tuple[str, ...], rec: SetupRecord) -> None:
+    """A pre-installed, slimmed site-packages (benchmarks/gpu_carry.py) unpacked into /tmp/site."""
+    tar = paths.repo / SITE_TAR
+    if ".whl-site" not in carry or not tar.exists():
+        return
+    paths.site.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["tar", "xJf", str(tar), "-C", str(paths.site)], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        rec.notes.append(f"{SITE_TAR} did not unpack: {r.stderr.strip()[-300:]}")
+        return
+    rec.wheels.append(f"{SITE_TAR} ({sum(1 for p in paths.site.glob('*.dist-info'))} packages)")
+
+
 def install_wheels(paths: SetupPaths, carry: tuple[str, ...], rec: SetupRecord) -> None:
     wheels = sorted(str(w) for d in carry if d in WHEEL_DIRS for w in (paths.repo / d).glob("*.whl"))
     for d in carry:
@@ -86,7 +103,7 @@ def install_wheels(paths: SetupPaths, carry: tuple[str, ...], rec: SetupRecord) 
     if r.returncode != 0:
         rec.notes.append(f"pip install of the carried wheels failed: {(r.stderr or r.stdout).strip()[-300:]}")
         return
-    rec.wheels = [Path(w).name for w in wheels]
+    rec.wheels += [Path(w).name for w in wheels]
 
 
 def restore_flashinfer(paths: SetupPaths, env: dict[str, str], rec: SetupRecord) -> None:
@@ -128,6 +145,7 @@ def setup(carry: tuple[str, ...], gpu: bool, paths: SetupPaths | None = None) ->
     paths = paths or SetupPaths()
     rec = SetupRecord()
     if gpu:
+        unpack_site(paths, carry, rec)
         install_wheels(paths, carry, rec)
     env = base_env(paths, gpu)
     if gpu:
@@ -178,7 +196,7 @@ def versions(env: dict[str, str], cwd: Path = REPO) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_env", description=__doc__.split("\n\n")[0])
-    p.add_argument("--carry", nargs="*", default=[".whl", ".whl-nixl", ".cache/fi", DG_CARRY],
+    p.add_argument("--carry", nargs="*", default=[".whl-site", ".whl", ".whl-nixl", ".cache/fi", DG_CARRY],
                    help="carried folders to set up from (those absent are skipped)")
     p.add_argument("--shell", action="store_true", help="print `export` lines for a shell to eval")
     a = p.parse_args(argv)

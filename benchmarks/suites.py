@@ -96,6 +96,14 @@ def smoke_step(name: str, worker_flags: str = "", timeout_s: int = 150, lengths:
                 gpus=2 if decode_device != "cuda:0" or tp > 1 else 1)
 
 
+# The served benchmark (issue 23): one H200, 20b random weights, the decode worker with CUDA graphs; the
+# prefill worker shares the GPU (memory split by the KV budgets). The engine reference is the JSON of
+# the latest served-engine run, committed before the served-stack call (it travels with the repo).
+SERVED_ARGS = ("--device cuda --fp8 --random-weights gpt-oss-20b --share-gpu --kv-backend ipc --kv-cache-gib 32 "
+               "--prefill-kv-cache-gib 4 --max-num-seqs 128 --decode-args '--cuda-graphs --max-model-len 16384 "
+               "--max-num-batched-tokens 4096' --prefill-args '--max-model-len 16384'")
+SERVED_MODEL_JSON = "benchmarks/results/2026-12-02/served-engine/model-20b/model_gpt-oss-20b-tp1-defaults.json"
+
 TP = "{py} -m torch.distributed.run --nproc-per-node 2 -m benchmarks.bench_tp --bf16-attention"
 
 SUITES: dict[str, Suite] = {
@@ -179,6 +187,38 @@ SUITES: dict[str, Suite] = {
         steps=(step("parity", "{py} -m benchmarks.parity_real", 240, summary=r"rel|agreement|Error",
                     publish={"parity_gpt-oss-20b.json": "parity_gpt-oss-20b.json"}),),
         reproduces=("2026-12-01/n_parity_gpt-oss-20b.json",)),
+    "served-engine": Suite(
+        "the overlapped decode loop on the H200: its GPU tests (greedy == synchronous loop, no host sync at launch, "
+        "seeded sampling) and bench_model's engine loop next to graph replay (20b, contexts 2k/8k, batch 1/64/128); "
+        "saves FlashInfer's built modules to $OUT/fi for the next call",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("async-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider "
+                                       "tests/integration/test_async_decode_gpu.py", 200, summary=PYTEST),
+               model_step("model-20b", "gpt-oss-20b", "8192", "2048,8192", "1,64,128", 280),
+               step("fi-save", "{py} -m benchmarks.flashinfer_cache --save {out}/../../fi", 60, summary=r"modules")),
+        reproduces=("issue 23: ms_per_step <= 1.05 x graph replay at batch 1 and 128",)),
+    "served-stack": Suite(
+        "the whole stack served on ONE H200 (router + workers as real processes, 20b random weights): colocated "
+        "and disaggregated (two processes sharing the GPU, KV over the IPC data path); single stream, a Poisson "
+        "sweep (1k-8k in, 256-1k out), saturation at batch 64; against bench_model of served-engine",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("serve", "{py} -m benchmarks.serve_gpu --model-json " + SERVED_MODEL_JSON + " --out {out}/serve_gpu.json "
+                             "--rates 1,2,4,8,16 --num-requests 24 --serve-args " + shlex.quote(SERVED_ARGS),
+                    540, summary=r"single|sat|@|Error|Traceback"),)),
+    "served": Suite(
+        "issue 23 in one call: the overlapped loop's GPU tests, bench_model's engine loop against graph replay "
+        "(20b, 2k/8k x 1/64/128), and the whole stack served on this GPU against those figures (colocated and "
+        "disaggregated: single stream, Poisson sweep 1-16 req/s, steady-state saturation at batch 64)",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("async-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider "
+                                       "tests/integration/test_async_decode_gpu.py", 110, summary=PYTEST),
+               model_step("model-20b", "gpt-oss-20b", "8192", "2048,8192", "1,64,128", 150),
+               step("serve", "{py} -m benchmarks.serve_gpu --model-json "
+                             "{out}/../model-20b/model_gpt-oss-20b-tp1-defaults.json --out {out}/serve_gpu.json "
+                             "--rates 1,2,4,8,16 --num-requests 24 --serve-args " + shlex.quote(SERVED_ARGS),
+                    290, summary=r"single|sat|@|Error|Traceback")),
+        reproduces=("issue 23: ms_per_step <= 1.05 x replay; served single-stream ITL <= 1.10 x replay; "
+                    "saturation >= 0.90 x bench_model",)),
     "cpu-smoke": Suite(
         "every suite's machinery on a CPU: the benchmarks' own smoke modes on tiny shapes (no GPU set-up)",
         carry=(), gpu=False, kind="cpu",

@@ -63,7 +63,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, items: list[ScheduledSeq], prev: StepHandle | None = None, no: int = 0,
                on_layer_done: Callable[[int], None] | None = None) -> StepHandle:
-        if self._inputs_done is not None:
+        if self._inputs_done is not None and not self._inputs_done.query():
             self._inputs_done.synchronize()  # the previous step's input copies have run (see module doc)
         input_ids = self._input_ids(items, prev)
         steps = [SeqStep(it.seq.pages, it.start, it.q_len) for it in items]
@@ -133,11 +133,16 @@ class ModelRunner:
             at.append(len(ids))
             rows.append(prev.row_of[id(seq)])
             ids.append(0)
-        input_ids = _dev(torch.tensor(ids, dtype=torch.long), self.device)  # [T]
-        if at:
-            assert prev is not None and prev.token_ids is not None
-            src = _dev(torch.tensor(rows, dtype=torch.long), self.device)
-            input_ids[_dev(torch.tensor(at, dtype=torch.long), self.device)] = prev.token_ids[src]
+        if not at:
+            return _dev(torch.tensor(ids, dtype=torch.long), self.device)  # [T]
+        assert prev is not None and prev.token_ids is not None
+        if len(at) == len(ids):  # a pure decode step: every input is a token the last step sampled
+            if rows == list(range(prev.token_ids.shape[0])):
+                return prev.token_ids  # the same sequences in the same order: no copy at all
+            return prev.token_ids[_dev(torch.tensor(rows, dtype=torch.long), self.device)]
+        input_ids = _dev(torch.tensor(ids, dtype=torch.long), self.device)
+        src = _dev(torch.tensor(rows, dtype=torch.long), self.device)
+        input_ids[_dev(torch.tensor(at, dtype=torch.long), self.device)] = prev.token_ids[src]
         return input_ids
 
     def _to_pinned(self, no: int, parts: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -180,7 +185,10 @@ class ModelRunner:
             hidden = self.model(input_ids, meta, self.pool, on_layer_done)  # [T, H]
         if not rows or not want_logits:
             return None
-        return self.model.compute_logits(hidden[meta.logits_indices[rows]])  # [B', V]
+        last = meta.logits_indices  # [B] each sequence's last new token
+        if len(rows) != len(steps):  # mid-prompt chunks sample nothing (a device index: no pageable copy)
+            last = last[_dev(torch.tensor(rows, dtype=torch.long), self.device)]
+        return self.model.compute_logits(hidden[last])  # [B', V]
 
     def _mark_inputs(self) -> None:
         """Every input copy of this step is queued: the next launch may reuse host buffers once

@@ -22,7 +22,7 @@ from benchmarks.suites import SUITE_BUDGET_S, SUITES, Step, Suite, step
 REPO = Path(__file__).resolve().parents[2]
 EXTERNAL = {"pytest", "torch.distributed.run"}
 KINDS = {"nvidia-h200", "nvidia-h200-x2", "nvidia-h200-x4", "nvidia-h200-x8", "cpu"}
-CARRIES = {".whl", ".whl-nixl", ".cache/dgcarry", ".cache/fi"}
+CARRIES = {".whl", ".whl-nixl", ".whl-site", ".cache/dgcarry", ".cache/fi"}
 
 
 @pytest.mark.parametrize("name", sorted(SUITES))
