@@ -216,7 +216,8 @@ SUITES: dict[str, Suite] = {
                step("serve", "{py} -m benchmarks.serve_gpu --model-json "
                              "{out}/../model-20b/model_gpt-oss-20b-tp1-defaults.json --out {out}/serve_gpu.json "
                              "--rates 1,2,4,8,16 --num-requests 24 --serve-args " + shlex.quote(SERVED_ARGS),
-                    290, summary=r"single|sat|@|Error|Traceback")),
+                    290, summary=r"single|sat|@|Error|Traceback",
+                    publish={"serve_gpu.json": "serve_gpt-oss-20b-h200.json"})),
         reproduces=("issue 23: ms_per_step <= 1.05 x replay; served single-stream ITL <= 1.10 x replay; "
                     "saturation >= 0.90 x bench_model",)),
     "cpu-smoke": Suite(
