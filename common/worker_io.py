@@ -13,15 +13,18 @@ sends what the loop puts in the outbox (an inproc PUSH/PULL pair, the thread-saf
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
 import zmq
 
 from common.errors import ProtocolError
-from wire.protocol import StatusRequest, WorkerStatus, decode, encode
+from common.stall import StallWatch
+from wire.protocol import MAX_FRAME_BYTES, StatusRequest, WorkerStatus, decode, encode
 
 log = logging.getLogger("tandem.worker.io")
 
@@ -38,6 +41,8 @@ class WorkerIO:
         self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
         self._ready = threading.Event()
         self._error: Exception | None = None
+        self.bad_frames = 0
+        self._last_bad_log = -1.0
 
     def start(self) -> None:
         self._thread.start()
@@ -67,11 +72,30 @@ class WorkerIO:
             except queue.Empty:
                 return out
 
+    def _dropped(self, why: str) -> None:
+        """A malformed frame: dropped, counted, logged at most once a second (a flood must not
+        become a flood of log lines)."""
+        self.bad_frames += 1
+        now = time.monotonic()
+        if now - self._last_bad_log >= 1.0:
+            log.warning("dropped a malformed frame (%d so far): %s", self.bad_frames, why)
+            self._last_bad_log = now
+
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception:  # a bug: without this thread the worker is alive but deaf; end it loudly
+            log.exception("the worker's network thread failed; exiting so the supervisor restarts it")
+            os._exit(70)  # EX_SOFTWARE
+
+    def _serve(self) -> None:
         try:
             router = self.ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished router: drop, don't block
+            # A frame over the protocol's bound drops the sender's connection (ZMQ checks the declared
+            # size before buffering it); the router's DEALER reconnects by itself.
+            router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             router.bind(self.bind)
             pull = self.ctx.socket(zmq.PULL)
             pull.connect(self._outbox_addr)
@@ -83,7 +107,9 @@ class WorkerIO:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
+        watch = StallWatch("TANDEM_IO_STALL_DUMP_S", repeat=True)
         while not self._stop.is_set():
+            watch.tick()
             events = dict(poller.poll(100))
             if pull in events:
                 while True:
@@ -95,19 +121,22 @@ class WorkerIO:
             if router in events:
                 while True:
                     try:
-                        peer, data = router.recv_multipart(zmq.NOBLOCK)
+                        frames = router.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    except ValueError:  # not [identity, payload]: ignore
+                    if len(frames) != 2:  # not [identity, payload]
+                        self._dropped(f"a message of {len(frames) - 1} parts")
                         continue
+                    peer, data = frames
                     try:
                         msg = decode(data)
                     except ProtocolError as e:
-                        log.warning("dropping a bad frame: %s", e)
+                        self._dropped(e.message)
                         continue
                     if isinstance(msg, StatusRequest):
                         router.send_multipart([peer, encode(self.status_fn())])
                     else:
                         self.inbox.put((peer, msg))
+        watch.stop()
         router.close(0)
         pull.close(0)

@@ -6,7 +6,9 @@ Request lifecycle on a decode worker:
   StartDecode   -> prompt ids, sampling and the first token arrive (from the router, after prefill)
   transfer DONE -> the sequence joins continuous batching with num_cached = prompt_len
   FAILED / deadline / Abort -> the request ends with an error; its pages return to the pool only
-                   when the receiver says no peer can still write into them (fail-closed)
+                   when the receiver says no peer can still write into them (fail-closed); KV that
+                   landed but whose StartDecode never came (router gone) is freed at the deadline
+  Abort of a running or waiting sequence -> its pages are freed now, before the next step
   GenerateRequest (colocated) -> a normal sequence that prefills here
 Steps run overlapped (engine.core): each returns one TokenBatch per router connection.
 """
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from common.errors import InvalidRequest, TandemError
 from engine.build import EngineParts
 from engine.core import EngineCore
-from engine.sampling import to_params
+from engine.sampling import check_request, to_params
 from engine.sequence import FinishReason, Sequence, TokenLogprob
 from kv_transfer.interface import KVReceiver, TransferStatus
 from kv_transfer.messages import encode as encode_kv
@@ -37,6 +39,7 @@ from wire.protocol import (
 )
 
 log = logging.getLogger("tandem.decode")
+MAX_TRANSFER_DEADLINE_S = 3600.0  # a reservation waits at most this for its KV (the router asks for ~60 s)
 
 
 @dataclass(slots=True)
@@ -64,6 +67,7 @@ class DecodeEngine:
         self.parts, self.rx = parts, receiver
         self.kv, self.scheduler = parts.kv, parts.scheduler
         self.core = EngineCore(parts.scheduler, parts.runner, overlap)
+        self.vocab_size = parts.model.cfg.vocab_size
         self.pending: dict[str, Pending] = {}
         self.peers: dict[str, bytes] = {}  # request id -> router socket identity
         self.seqs: dict[str, Sequence] = {}
@@ -72,6 +76,11 @@ class DecodeEngine:
     def admit(self, peer: bytes, m: AdmitRequest) -> Admitted | Rejected:
         if self.rx is None:
             return Rejected(m.request_id, "this decode worker has no KV transfer backend", False)
+        if m.request_id in self.peers or m.request_id in self.pending:
+            return Rejected(m.request_id, "request id already in use on this worker", False)
+        if not (m.prompt_len >= 1 and m.max_tokens >= 1 and 0 < m.deadline_s <= MAX_TRANSFER_DEADLINE_S):
+            return Rejected(m.request_id, f"admission needs prompt_len >= 1, max_tokens >= 1 and a deadline in "
+                                          f"(0, {MAX_TRANSFER_DEADLINE_S:.0f}] s", False)
         try:
             self.scheduler.check_fits(m.prompt_len, m.max_tokens)
         except InvalidRequest as e:
@@ -97,15 +106,26 @@ class DecodeEngine:
         p = self.pending.get(m.request_id)
         if p is None:
             return TokenChunk(m.request_id, [], [], [], True, "abort", "unknown request (expired or aborted)")
-        if len(m.prompt_ids) != p.prompt_len:
-            self.abort(m.request_id, "prompt length differs from the admitted one")
-            return TokenChunk(m.request_id, [], [], [], True, "abort", "prompt length differs from admission")
+        if p.start is not None:
+            return None  # a repeated StartDecode: the first one stands
+        why = "prompt length differs from admission" if len(m.prompt_ids) != p.prompt_len else ""
+        try:
+            check_request(m.prompt_ids + [m.first_token], to_params(m.sampling), self.vocab_size)
+        except InvalidRequest as e:
+            why = e.message
+        if why:
+            self.abort(m.request_id, why)
+            return TokenChunk(m.request_id, [], [], [], True, "abort", why)
         p.start, self.peers[m.request_id] = m, peer
         return None
 
     def generate(self, peer: bytes, m: GenerateRequest) -> TokenChunk | None:
+        if m.request_id in self.peers or m.request_id in self.pending:
+            return TokenChunk(m.request_id, [], [], [], True, "abort", "request id already in use on this worker")
         try:
-            seq = Sequence(m.request_id, list(m.prompt_ids), to_params(m.sampling), arrival=time.monotonic())
+            params = to_params(m.sampling)
+            check_request(m.prompt_ids, params, self.vocab_size)
+            seq = Sequence(m.request_id, list(m.prompt_ids), params, arrival=time.monotonic())
             self.scheduler.add(seq)
         except InvalidRequest as e:
             return TokenChunk(m.request_id, [], [], [], True, "abort", e.message)
@@ -114,15 +134,35 @@ class DecodeEngine:
         return None
 
     def abort(self, request_id: str, reason: str) -> None:
-        if request_id in self.pending:
-            if self.rx is not None:
-                self.rx.abort(request_id, detail=reason)
-            self.pending.pop(request_id)
+        """End a request wherever it is: a reservation (its transfer fails, pages back once no
+        writer can touch them; landed KV freed now), a waiting or running sequence (pages freed now)."""
+        p = self.pending.pop(request_id, None)
+        if p is not None:
+            self._drop_reservation(p, reason)
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
             self.core.abort(seq)
             self.parts.sampler.forget(request_id)
         self.peers.pop(request_id, None)
+
+    def abort_all(self, reason: str) -> list[tuple[bytes, TokenChunk]]:
+        """End every request this worker holds (the drain deadline): each gets a final chunk with
+        finish_reason "abort" and `reason`, and its pages go back as in abort()."""
+        out = []
+        for rid in list(dict.fromkeys([*self.pending, *self.seqs])):
+            peer = self.peers.get(rid) or (self.pending[rid].peer if rid in self.pending else None)
+            if peer is not None:
+                out.append((peer, TokenChunk(rid, [], [], [], True, "abort", reason)))
+            self.abort(rid, reason)
+        return out
+
+    def _drop_reservation(self, p: Pending, reason: str) -> None:
+        assert self.rx is not None
+        if self.rx.poll(p.request_id) == TransferStatus.DONE:  # landed: nobody writes any more
+            self.rx.finish(p.request_id)
+            self.kv.release(p.pages)
+        else:  # fail-closed: take_releasable() hands the pages back once every writer stopped
+            self.rx.abort(p.request_id, detail=reason)
 
     # ---- the step ---------------------------------------------------------------------------------
     def poll_transfers(self) -> list[tuple[bytes, TokenChunk]]:
@@ -142,7 +182,12 @@ class DecodeEngine:
                 self.rx.finish(rid)
                 self.pending.pop(rid)
                 out += self._activate(p)
-            elif st != TransferStatus.DONE and p.start is None and time.time() > p.deadline:
+            elif st == TransferStatus.DONE and p.start is None and time.time() > p.deadline:
+                why = "KV landed but no StartDecode came before the deadline"  # the router is gone
+                self.pending.pop(rid)
+                self._drop_reservation(p, why)
+                out.append((self.peers.pop(rid, p.peer), TokenChunk(rid, [], [], [], True, "abort", why)))
+            elif p.start is None and time.time() > p.deadline:  # reported as FAILED on a later poll
                 self.rx.abort(rid, detail="no StartDecode before the deadline")
         for rel in self.rx.take_releasable():
             self.kv.release(rel.pages)

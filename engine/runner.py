@@ -46,6 +46,10 @@ class StepHandle:
 
 
 class ModelRunner:
+    # A forward may be left between layers (an exception from on_layer_done): nothing else waits on
+    # it. A TP group's runner is not: its followers are inside the same forward's all-reduces.
+    interruptible = True
+
     def __init__(self, model: GptOss, pool: KVPool, sampler: Sampler) -> None:
         self.model, self.pool, self.sampler = model, pool, sampler
         self.device = model.device

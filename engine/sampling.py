@@ -56,8 +56,8 @@ class SamplingParams:
             raise InvalidRequest(f"temperature must be in [0, 2], got {self.temperature}", param="temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
-        if self.top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}", param="top_k")
+        if not 0 <= self.top_k < 1 << 31:  # any k past the vocabulary means off; a tensor holds it
+            raise InvalidRequest(f"top_k must be in [0, 2^31), got {self.top_k}", param="top_k")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -100,6 +100,17 @@ class SampleRow:
     position: int
     num_generated: int  # tokens this sequence generated before this one (min_tokens masking)
     output_ids: list[int] | None = None  # read once, when a penalised sequence first gets a slot
+
+
+def check_request(ids: list[int], params: SamplingParams, vocab_size: int) -> None:
+    """Token ids from the wire are ids the model can embed and the sampler can index (the router
+    checks too; a worker does not trust its peers with an index into a [V] tensor)."""
+    if not ids:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
+        raise InvalidRequest(f"stop token ids must be in [0, {vocab_size})", param="stop")
 
 
 @dataclass(slots=True)

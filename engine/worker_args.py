@@ -60,6 +60,14 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                    help="overlapped step loop: the host schedules step N+1 while the GPU runs step N; "
                         "tokens reach the host one step later and a stop token costs one dropped token")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM: stop taking requests, finish those in flight for at most this long, then "
+                        "end the rest (finish_reason abort, 'worker drain deadline reached') and exit; the "
+                        "supervisor's grace period must exceed it by a few seconds")
+    p.add_argument("--kv-port", type=int, default=0,
+                   help="decode: first KV side-channel port (rank r binds kv-port + r); 0 = any free port. A fixed "
+                        "port lets a worker restarted on the same address refuse its predecessor's KV promises "
+                        "by epoch at once, instead of its peers waiting out their transfer deadline")
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads when --device cpu (workers share the host's cores)")
 

@@ -8,6 +8,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
+import sys
+from typing import NoReturn
 
 from common.http_health import HealthServer
 from engine.worker_args import engine_config
@@ -49,7 +52,18 @@ def build_parts(a: argparse.Namespace, role: str, group: RankGroup) -> EnginePar
 
 def transfer_config(a: argparse.Namespace, parts: EngineParts, wid: str, tp_rank: int = 0) -> TransferConfig:
     return TransferConfig(engine_id=wid, model_name=model_fingerprint(parts), tp_rank=tp_rank, tp_size=a.tp,
-                          host=a.advertise_host or a.host, port=0)
+                          host=a.advertise_host or a.host, port=a.kv_port + tp_rank if a.kv_port else 0)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a worker process whose own clean-up is done (sockets closed, NIXL memory deregistered, TP
+    followers stopped). The interpreter's teardown would free every tensor one by one (the KV pool,
+    the weights; each munmap through UCX's memory hooks) and took seconds on a loaded host, past the
+    drain deadline a supervisor grants; the OS reclaims all of it at once."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def serve(a: argparse.Namespace, server, io_bind: str) -> int:

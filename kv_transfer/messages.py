@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -31,12 +32,15 @@ import torch
 
 from common.errors import ProtocolError
 from model.kv_cache import KVCacheSpec
+from wire.codec import brief, unpack
 
 # 2: LayerDone names the layers one WRITE carried (one WRITE may carry several).
 # 3: Handshake.ipc: a decode rank may export its pools for same-node writers (TransferBackend.IPC).
 PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 4 << 20  # a 128k-token request names ~8k pages (~40 KB); metadata is KBs
 MAX_ID_CHARS = 256
+# What a side channel binds (nixl_backend) or the in-process hub names (loopback)
+_ENDPOINT = re.compile(r"tcp://[^\s/]{1,250}:[0-9]{1,5}|loopback://[^\s]{1,250}")
 # The pool layout both sides must share: per group [layers, K/V, pages, KV heads, page tokens, head dim].
 KV_LAYOUT = "L,2,NP,Hkv,P,D"
 
@@ -205,6 +209,7 @@ class TransferRequest(Message):
         _check_id("request_id", self.request_id)
         _need(len(self.decode_endpoints) > 0, "no decode endpoints")
         _need(len(self.decode_epochs) == len(self.decode_endpoints), "one epoch per decode endpoint")
+        _need(all(_ENDPOINT.fullmatch(e) for e in self.decode_endpoints), "decode endpoints must be tcp://host:port (or loopback://)")
         _need(self.num_tokens > 0, "num_tokens must be > 0")
         _need(math.isfinite(self.deadline_unix), "deadline must be finite")
         _need(all(p >= 0 for p in self.full_pages) and all(p >= 0 for p in self.ring_pages),
@@ -308,15 +313,13 @@ def encode(msg: Message) -> bytes:
 def decode(data: bytes, *expected: type[M]) -> M:
     """Bytes -> a validated message of one of the `expected` classes (any registered one if none)."""
     _need(len(data) <= MAX_MESSAGE_BYTES, f"message of {len(data)} bytes > {MAX_MESSAGE_BYTES}")
-    try:
-        obj = msgpack.unpackb(data, raw=False, use_list=True)
-    except (ValueError, msgpack.UnpackException) as e:
-        raise ProtocolError(f"malformed msgpack: {e}") from e
+    obj = unpack(data, "kv side channel", max_bin_len=MAX_MESSAGE_BYTES)  # bounded lengths and nesting
     _need(isinstance(obj, list) and len(obj) == 3, "envelope must be [version, kind, body]")
     version, kind, body = obj
-    _need(version == PROTOCOL_VERSION, f"protocol version {version!r}, this side speaks {PROTOCOL_VERSION}")
-    cls = _REGISTRY.get(kind) if isinstance(kind, int) else None
-    _need(cls is not None, f"unknown message kind {kind!r}")
+    _need(type(version) is int and version == PROTOCOL_VERSION,
+          f"protocol version {brief(version)}, this side speaks {PROTOCOL_VERSION}")
+    cls = _REGISTRY.get(kind) if type(kind) is int else None
+    _need(cls is not None, f"unknown message kind {brief(kind)}")
     assert cls is not None
     _need(not expected or cls in expected,
           f"got {cls.__name__}, expected one of {[c.__name__ for c in expected]}")
@@ -357,7 +360,7 @@ def _from_wire(tp: Any, value: Any, path: str) -> Any:
         hints = _HINTS.get(tp) or _HINTS.setdefault(tp, typing.get_type_hints(tp))
         fields = dataclasses.fields(tp)
         _need(isinstance(value, list) and len(value) == len(fields),
-              f"{path}: expected {len(fields)} fields, got {value!r:.80}")
+              f"{path}: expected {len(fields)} fields, got {brief(value)}")
         return tp(**{f.name: _from_wire(hints[f.name], v, f"{path}.{f.name}") for f, v in zip(fields, value)})
     if isinstance(tp, type) and issubclass(tp, IntEnum):
         _need(isinstance(value, int) and not isinstance(value, bool), f"{path}: expected an enum value")
@@ -368,7 +371,7 @@ def _from_wire(tp: Any, value: Any, path: str) -> Any:
     if tp is bool:
         _need(isinstance(value, bool), f"{path}: expected bool, got {type(value).__name__}")
     elif tp is int:
-        _need(isinstance(value, int) and not isinstance(value, bool), f"{path}: expected int, got {value!r:.40}")
+        _need(isinstance(value, int) and not isinstance(value, bool), f"{path}: expected int, got {brief(value)}")
     elif tp is float:
         _need(isinstance(value, (int, float)) and not isinstance(value, bool), f"{path}: expected a number")
         return float(value)

@@ -222,7 +222,11 @@ class SideChannelClient:
         self.endpoint = endpoint
         self._sock = _socket(ctx, zmq.DEALER)
         self._sock.setsockopt(zmq.ROUTING_ID, identity.encode())
-        self._sock.connect(endpoint)
+        try:
+            self._sock.connect(endpoint)
+        except zmq.ZMQError:
+            self._sock.close(linger=0)
+            raise
 
     def send(self, data: bytes) -> None:
         try:

@@ -284,7 +284,10 @@ class NixlSender(KVSender):
     def _handshake_step(self, tx: _Tx, t: _Target, now: float) -> None:
         peer = self._peers.get(t.endpoint)
         if peer is None:
-            peer = self._peers[t.endpoint] = _Peer(SideChannelClient(self._ctx, t.endpoint, self.agent_name))
+            try:
+                peer = self._peers[t.endpoint] = _Peer(SideChannelClient(self._ctx, t.endpoint, self.agent_name))
+            except zmq.ZMQError as e:  # an endpoint ZMQ cannot connect to (validated, so unlikely)
+                return self._fail(tx, FailureReason.HANDSHAKE_MISMATCH, f"cannot connect to {t.endpoint}: {e}")
         hs = peer.handshake
         if hs is not None and hs.epoch == t.epoch:
             problem = self._check_handshake(tx, t, hs)

@@ -1,11 +1,19 @@
 """PrefillEngine: batch-1 prefill whose KV goes straight into a decode worker's reserved pages.
 
-    run(request):
+    run(request, cancelled):
         pages = allocate(prompt)                           # this worker's own pages
         forward chunks; before the last chunk: sender.start(transfer, pages)
         last chunk: on_layer_done(i) -> sender writes layer i while layer i+1 computes
         first token sampled from the last position
         wait until the transfer is terminal (deadline) -> free pages -> PrefillResult
+
+Cancellation (`cancelled()` returns why, "" while the request should go on: the router's Abort, the
+drain deadline): checked before every chunk, while waiting for the transfer, and between layers
+when the runner can leave a forward early (one process; a TP group finishes the forward it is in,
+its followers being inside the same all-reduces). A started transfer is aborted fail-closed (no
+new WRITE, decode told once in-flight ones ended) and this worker's pages are freed at once.
+A transfer that failed meanwhile (decode cancelled it: its own Abort, a deadline) stops the
+forward the same way: its result could no longer be used.
 """
 
 from __future__ import annotations
@@ -14,9 +22,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from common.errors import ProtocolError
+from common.errors import InvalidRequest, ProtocolError
 from engine.build import EngineParts
-from engine.sampling import to_params
+from engine.sampling import check_request, to_params
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from kv_transfer.interface import KVSender, TransferStatus
@@ -32,61 +40,99 @@ def _failed(rid: str, error: str, t0: float) -> PrefillResult:
     return PrefillResult(rid, False, -1, None, [], error, time.monotonic() - t0, 0, 0.0)
 
 
+class Cancelled(Exception):
+    """Raised from the per-layer hook to leave the forward between layers."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+def _never() -> str:
+    return ""
+
+
 class PrefillEngine:
     def __init__(self, parts: EngineParts, sender: KVSender) -> None:
         self.parts, self.tx = parts, sender
         self.kv, self.runner = parts.kv, parts.runner
         self.chunk = parts.scheduler.cfg.max_num_batched_tokens
+        self.vocab_size = parts.model.cfg.vocab_size
 
-    def run(self, m: PrefillRequest, aborted: Callable[[], bool] = lambda: False) -> PrefillResult:
+    def run(self, m: PrefillRequest, cancelled: Callable[[], str] = _never) -> PrefillResult:
         t0 = time.monotonic()
         try:
             req = decode_kv(m.kv_target, TransferRequest)
         except ProtocolError as e:
             return _failed(m.request_id, f"bad kv target: {e.message}", t0)
+        if req.request_id != m.request_id:
+            return _failed(m.request_id, "kv target was reserved for another request", t0)
         if req.num_tokens != len(m.prompt_ids):
             return _failed(m.request_id, "kv target reserves a different prompt length", t0)
-        seq = Sequence(m.request_id, list(m.prompt_ids), to_params(m.sampling))
         try:
+            params = to_params(m.sampling)
+            check_request(m.prompt_ids, params, self.vocab_size)
+            seq = Sequence(m.request_id, list(m.prompt_ids), params)
             self.parts.scheduler.check_fits(len(m.prompt_ids), 1)
             self.kv.grow(seq.pages, len(m.prompt_ids))
         except OutOfPages:
             return _failed(m.request_id, "prompt does not fit this prefill worker's KV cache", t0)
-        except Exception as e:  # noqa: BLE001 - InvalidRequest from check_fits
-            return _failed(m.request_id, str(e), t0)
+        except InvalidRequest as e:
+            return _failed(m.request_id, e.message, t0)
         try:
-            return self._run(m, req, seq, aborted, t0)
+            return self._run(m, req, seq, cancelled, t0)
         finally:
             self.kv.release(seq.pages)
             self.parts.sampler.forget(m.request_id)
 
-    def _run(self, m: PrefillRequest, req: TransferRequest, seq: Sequence, aborted: Callable[[], bool],
+    def _run(self, m: PrefillRequest, req: TransferRequest, seq: Sequence, cancelled: Callable[[], str],
              t0: float) -> PrefillResult:
-        n = len(m.prompt_ids)
+        rid, n = m.request_id, len(m.prompt_ids)
         pos, tokens, lps = 0, [None], [None]
         started = False
+
+        def stop_reason() -> str:
+            if started and self.tx.poll(rid) == TransferStatus.FAILED:
+                return "kv transfer failed"
+            return cancelled()
+
+        def check_layer(layer: int, last: bool) -> None:
+            if last:
+                self.tx.layer_done(layer)
+            why = stop_reason()
+            if why:
+                raise Cancelled(why)
+
         try:
             while pos < n:
+                why = stop_reason()
+                if why:
+                    raise Cancelled(why)
                 q = min(self.chunk, n - pos)
                 last = pos + q == n
                 if last:
                     self.tx.start(req, seq.pages)
                     started = True
-                tokens, lps = self.runner.run([ScheduledSeq(seq, pos, q, last)],
-                                              on_layer_done=self.tx.layer_done if last else None)
+                hook = (lambda i, last=last: check_layer(i, last)) if self.runner.interruptible else \
+                    self.tx.layer_done if last else None
+                tokens, lps = self.runner.run([ScheduledSeq(seq, pos, q, last)], on_layer_done=hook)
                 seq.num_cached = pos = pos + q
         except ProtocolError as e:
-            return _failed(m.request_id, f"kv transfer refused: {e.message}", t0)
+            return _failed(rid, f"kv transfer refused: {e.message}", t0)
+        except Cancelled as c:
+            if not started:
+                return _failed(rid, f"cancelled before its transfer started: {c.why}", t0)
+            self.tx.abort(rid, FailureReason.ABORTED, c.why)  # no-op when the transfer already failed
         except Exception:
             if started:
-                self.tx.abort(m.request_id, FailureReason.ABORTED, "prefill forward failed")
-                self._wait_terminal(m.request_id, time.monotonic() + 10)
-                self.tx.finish(m.request_id)
+                self.tx.abort(rid, FailureReason.ABORTED, "prefill forward failed")
+                self._wait_terminal(rid, time.monotonic() + 10)
+                self.tx.finish(rid)
             raise
         compute_s = time.monotonic() - t0
         deadline = time.monotonic() + max(0.0, req.deadline_unix - time.time())
-        status = self._wait_terminal(m.request_id, deadline, aborted)
-        outcome = self.tx.finish(m.request_id)
+        status = self._wait_terminal(rid, deadline, cancelled)
+        outcome = self.tx.finish(rid)
         if status != TransferStatus.DONE:
             why = outcome.reason.label if outcome.reason else "unknown"
             return _failed(m.request_id, f"kv transfer {why}: {outcome.detail}", t0)
@@ -95,13 +141,14 @@ class PrefillEngine:
                              [TopLogprob(t, v) for t, v in lp.top] if lp else [], "", compute_s,
                              outcome.num_bytes, outcome.seconds, 0.0, time.monotonic() - t0 - compute_s)
 
-    def _wait_terminal(self, rid: str, deadline: float, aborted: Callable[[], bool] = lambda: False) -> TransferStatus:
+    def _wait_terminal(self, rid: str, deadline: float, cancelled: Callable[[], str] = _never) -> TransferStatus:
         while True:
             st = self.tx.poll(rid)
             if st.terminal:
                 return st
-            if aborted():
-                self.tx.abort(rid, FailureReason.ABORTED, "aborted by the router")
+            why = cancelled()
+            if why:
+                self.tx.abort(rid, FailureReason.ABORTED, why)
             elif time.monotonic() > deadline:
                 self.tx.abort(rid, FailureReason.DEADLINE, "transfer did not finish before its deadline")
             time.sleep(0.0005)

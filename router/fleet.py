@@ -2,7 +2,9 @@
 resolved through DNS), status polling with deadlines, and router-side load accounting between polls.
 
 Loop: every poll interval, ask each worker for WorkerStatus (deadline = 2 x interval, >= 1 s); three
-misses in a row mark it down and fail its in-flight requests at once; an answer marks it up again. A
+misses in a row mark it down and fail its in-flight requests at once; an answer marks it up again
+(a worker restarted on the same address: the DEALER reconnects by itself, the first answered poll
+takes it back, and the requests of its previous epoch already failed when the connection dropped). A
 poll that times out while the worker sent something since the previous poll (token chunks, a late
 status reply; also what a starved router finds queued when it wakes) is not a miss: slow is not
 gone. `snapshot()` feeds the pure placement policy.
@@ -113,7 +115,9 @@ class Fleet:
     async def _poll_one(self, addr: str, st: WorkerState) -> None:
         since, st.last_poll = st.last_poll, time.monotonic()  # heard from it since the previous poll?
         try:
-            st.status = await st.client.status(max(MIN_STATUS_TIMEOUT_S, 2 * self.interval))
+            old, st.status = st.status, await st.client.status(max(MIN_STATUS_TIMEOUT_S, 2 * self.interval))
+            if old is not None and old.epoch != st.status.epoch:  # its requests failed when the connection dropped
+                log.warning("%s worker %s restarted (epoch %d -> %d)", st.client.role, addr, old.epoch, st.status.epoch)
             if st.misses >= MISSES_TO_DOWN:
                 log.info("%s worker %s is back (epoch %d)", st.client.role, addr, st.status.epoch)
             st.misses = 0

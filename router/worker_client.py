@@ -4,7 +4,11 @@ One socket per worker; a background task receives every frame and routes it: rep
 waiting on (kind, request_id), TokenChunks (one TokenBatch per decode step) to each request's stream
 queue, status to the poller.
 When the fleet marks a worker dead, `fail_all` wakes every waiter with WorkerUnavailable, so no
-client request outlives its worker by more than one poll interval.
+client request outlives its worker by more than one poll interval. A dropped connection (the worker
+process died or restarted: its kernel closes the socket) fails the in-flight requests at once: a
+reconnected DEALER is a new peer to the worker, which could never answer them. The DEALER keeps
+reconnecting every RECONNECT_IVL, so a worker restarted on the same address serves new requests
+as soon as it is up (the fleet marks it live again at its next answered poll).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import time
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from common.errors import ProtocolError, WorkerUnavailable
 from wire.protocol import (
+    MAX_FRAME_BYTES,
     Ack,
     Admitted,
     PrefillResult,
@@ -35,6 +41,7 @@ from wire.protocol import (
 log = logging.getLogger("tandem.router.client")
 
 _REPLIES = (Admitted, Rejected, PrefillResult, Ack)
+RECONNECT_IVL_MS = 100  # a restarted worker is reached again within this of binding its port
 
 
 class WorkerClient:
@@ -44,23 +51,40 @@ class WorkerClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 10_000)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # larger frames drop the connection
+        self.sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MS)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
         self._pending: dict[str, asyncio.Future] = {}
         self._streams: dict[str, asyncio.Queue] = {}
         self._status: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
+        self._monitor_task: asyncio.Task | None = None
         self._dead_reason = ""
         self.last_heard = -math.inf  # monotonic time of the last frame from the worker, of any kind
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._recv_loop())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._recv_loop())
+        self._monitor_task = loop.create_task(self._watch_connection())
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._monitor_task):
+            if task:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self.sock.disable_monitor()
+        self._monitor.close(0)
         self.sock.close(0)
+
+    async def _watch_connection(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                log.warning("connection to %s worker %s lost", self.role, self.address)
+                self.fail_in_flight("connection lost (the worker exited or restarted)")
 
     async def _recv_loop(self) -> None:
         while True:
@@ -125,8 +149,13 @@ class WorkerClient:
         self._dead_reason = ""
 
     def fail_all(self, reason: str) -> None:
-        """The worker is gone: wake every waiter now instead of at its deadline."""
+        """The worker is gone: wake every waiter now instead of at its deadline, and refuse new
+        calls until it answers a status poll again (mark_alive)."""
         self._dead_reason = reason
+        self.fail_in_flight(reason)
+
+    def fail_in_flight(self, reason: str) -> None:
+        """Wake every request in flight on this worker with WorkerUnavailable."""
         err = WorkerUnavailable(f"{self.role} worker {self.address} is down: {reason}")
         for fut in list(self._pending.values()):
             if not fut.done():

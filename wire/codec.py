@@ -1,7 +1,14 @@
 """The typed msgpack codec shared by every wire format in the project (router <-> workers, the
 ranks of one worker): dataclass messages go out as nested field-value lists; coming back, every
 field is checked against the class annotations (int, float, str, bytes, bool, None, unions, lists,
-nested dataclasses), so a malformed frame raises ProtocolError instead of reaching worker logic."""
+nested dataclasses), so a malformed frame raises ProtocolError instead of reaching worker logic.
+
+Bounds on untrusted bytes: `unpack` caps every length a frame may declare (msgpack also caps each at
+the frame's own size, so a huge declared length fails before anything is allocated); no message
+carries a map or an ext type, so none may be declared; nesting is bounded by msgpack's fixed
+unpack stack (deeper raises StackError), and `build`/`check` walk only as deep as the message
+class, never the data, and never repr a value (a deeply nested value is rejected at the first
+level that does not match, without recursing into it)."""
 
 from __future__ import annotations
 
@@ -62,12 +69,27 @@ def build(cls: type, values: typing.Any, where: str) -> typing.Any:
     return cls(**{f.name: check(v, hints[f.name], f"{cls.__name__}.{f.name}") for f, v in zip(fields, values)})
 
 
+def brief(value: typing.Any) -> str:
+    """A value for an error message, bounded whatever the value (never recurses into it)."""
+    if value is None or isinstance(value, bool | int | float):
+        return repr(value)[:40]
+    if isinstance(value, str | bytes):
+        return repr(value[:40])
+    return f"a {type(value).__name__}"
+
+
 def pack(frame: list) -> bytes:
     return msgpack.packb(frame, use_bin_type=True)
 
 
-def unpack(data: bytes, what: str) -> typing.Any:
+MAX_STR_LEN = 1 << 20  # ids, reasons, error texts: bytes to KBs
+MAX_ARRAY_LEN = 1 << 22  # token ids of the longest prompt, page ids of a step: < 1M
+MAX_BIN_LEN = 64 << 20  # opaque payloads (KV targets, NIXL metadata); callers pass their frame bound
+
+
+def unpack(data: bytes, what: str, max_bin_len: int = MAX_BIN_LEN) -> typing.Any:
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
-        raise ProtocolError(f"{what}: not a msgpack frame: {e}") from None
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=MAX_STR_LEN,
+                               max_bin_len=max_bin_len, max_array_len=MAX_ARRAY_LEN, max_map_len=0, max_ext_len=0)
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:  # StackError, FormatError,
+        raise ProtocolError(f"{what}: not a msgpack frame: {str(e)[:200]}") from None  # ExtraData included

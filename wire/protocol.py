@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass, field
 
 from common.errors import ProtocolError
-from wire.codec import build, pack, to_wire, unpack
+from wire.codec import brief, build, pack, to_wire, unpack
 
 PROTOCOL_VERSION = 2  # 2: sampling penalties and logit bias; TokenBatch (one frame per step)
 MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
@@ -197,8 +197,8 @@ def decode(data: bytes) -> typing.Any:
     if not isinstance(frame, list) or len(frame) != 3:
         raise ProtocolError("frame is not [version, tag, fields]")
     version, tag, values = frame
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version} != ours {PROTOCOL_VERSION}; upgrade the older side")
-    if not isinstance(tag, int) or not 0 <= tag < len(MESSAGES):
-        raise ProtocolError(f"unknown message tag {tag!r}")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {brief(version)} != ours {PROTOCOL_VERSION}; upgrade the older side")
+    if type(tag) is not int or not 0 <= tag < len(MESSAGES):
+        raise ProtocolError(f"unknown message tag {brief(tag)}")
     return build(MESSAGES[tag], values, "frame")

@@ -33,6 +33,7 @@ from engine.tp.group import RANK_LOST_EXIT, RankGroup
 from engine.tp.local_kv import LocalKV
 from engine.tp.proxies import RankParts
 from engine.tp.step import StepMirror
+from engine.worker_main import exit_now
 
 log = logging.getLogger("tandem.tp")
 
@@ -106,3 +107,4 @@ def follower_main(spec: FollowerSpec) -> None:
         os._exit(RANK_LOST_EXIT)
     follower.close()
     torch.distributed.destroy_process_group()
+    exit_now(0)  # as rank 0 does: the interpreter's tensor-by-tensor teardown would outlast the drain

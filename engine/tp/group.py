@@ -42,12 +42,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.errors import ConfigError, WorkerUnavailable
+from common.errors import ConfigError, ProtocolError, WorkerUnavailable
 from engine.tp import messages as msgs
 
 log = logging.getLogger("tandem.tp")
 
 CAPACITY = 32 << 10  # bytes per message buffer; a decode STEP of ~300 sequences fits
+# Bound on one control message (a STEP that sends 256 sequences' whole page lists at 128k tokens is
+# ~10 MB): a length header past it is corruption, not a message, and is never allocated.
+MAX_MESSAGE_BYTES = 256 << 20
 FOREVER = timedelta(days=3650)
 MODEL_TIMEOUT_S = 600.0
 RANK_LOST_EXIT = 75  # EX_TEMPFAIL: the supervisor should restart the worker
@@ -247,7 +250,7 @@ class RankGroup:
             dist.broadcast(torch.frombuffer(bytearray(data[CAPACITY - 8:]), dtype=torch.uint8), 0, group=self._cmd)
 
     def _rest(self, head: torch.Tensor, group: Any) -> bytes:
-        n = int.from_bytes(head[:8].numpy().tobytes(), "little")
+        n = _length(head)
         body = head[8:8 + min(n, CAPACITY - 8)].numpy().tobytes()
         if n > CAPACITY - 8:
             rest = torch.empty(n - (CAPACITY - 8), dtype=torch.uint8)
@@ -261,7 +264,7 @@ class RankGroup:
         data = msgs.encode(msg)
         heads = [torch.empty(CAPACITY, dtype=torch.uint8) for _ in range(self.world)]
         dist.all_gather(heads, _pack(data), group=group)
-        sizes = [int.from_bytes(h[:8].numpy().tobytes(), "little") for h in heads]
+        sizes = [_length(h) for h in heads]
         bodies = [h[8:8 + min(n, CAPACITY - 8)].numpy().tobytes() for h, n in zip(heads, sizes)]
         over = max(n - (CAPACITY - 8) for n in sizes)
         if over > 0:
@@ -307,7 +310,16 @@ class RankGroup:
         self.close()
 
 
+def _length(head: torch.Tensor) -> int:
+    n = int.from_bytes(head[:8].numpy().tobytes(), "little")
+    if n > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"rank group: a message header declares {n} bytes (bound {MAX_MESSAGE_BYTES})")
+    return n
+
+
 def _pack(data: bytes) -> torch.Tensor:
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"rank group: a {len(data)}-byte message exceeds the bound {MAX_MESSAGE_BYTES}")
     head = torch.zeros(CAPACITY, dtype=torch.uint8)
     head[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
     k = min(len(data), CAPACITY - 8)

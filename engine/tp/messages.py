@@ -277,7 +277,7 @@ def encode(msg: typing.Any) -> bytes:
 def decode(data: bytes, *expected: type) -> typing.Any:
     """Bytes -> a checked message; with `expected`, anything else is a ProtocolError."""
     frame = unpack(data, "rank group")
-    if not isinstance(frame, list) or len(frame) != 2 or frame[0] not in _KINDS:
+    if not isinstance(frame, list) or len(frame) != 2 or type(frame[0]) is not int or frame[0] not in _KINDS:
         raise ProtocolError("rank group: frame is not [known kind, fields]")
     cls = _KINDS[frame[0]]
     if expected and cls not in expected:

@@ -79,6 +79,7 @@ def _combine(rid: str, outs: list[m.Outcome], cause: int | None = None) -> Trans
 class GroupRunner:
     """ModelRunner.run for the group: STEP to the followers, then rank 0's forward and sampling."""
 
+    interruptible = False  # leaving the forward early would strand the followers in its all-reduces
     # Overlapped like a single rank: when a step's inputs include tokens the step in flight sampled,
     # the followers get the ids by a device broadcast from rank 0 (Step.ids_on_device).
     supports_overlap = True

@@ -71,9 +71,10 @@ class Proc:
 
 
 def _spawn(name: str, argv: list[str]) -> Proc:
-    # TANDEM_STALL_DUMP_S: a worker loop iteration over 5 s leaves every thread's stack in the worker log
-    # (a rare CI failure had a TP2 decode worker silent for ~9 s)
-    env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1", TANDEM_STALL_DUMP_S="5")
+    # TANDEM_IO_STALL_DUMP_S: when a worker's network thread cannot run for 2 s (what the router sees as
+    # a silent worker: it marks one down after ~3 s), every thread's stack goes to the worker log, again
+    # every 2 s while it lasts (a rare CI failure had a TP2 decode worker silent for ~9 s)
+    env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1", TANDEM_IO_STALL_DUMP_S="2")
     log = tempfile.NamedTemporaryFile(prefix=f"tandem-tp-{name}-", suffix=".log", delete=False)
     return Proc(name, subprocess.Popen([sys.executable, "-m", "launcher.cli", *argv], env=env,
                                        stdout=subprocess.DEVNULL, stderr=log), log.name)

@@ -19,9 +19,23 @@ from wire.protocol import StatusRequest, WorkerStatus, decode, encode
 @dataclass
 class Service:
     url: str
-    procs: list[subprocess.Popen]
+    procs: list[subprocess.Popen]  # prefill workers, decode workers, the router
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
+    cmds: list[list[str]] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    logs: list[str] = field(default_factory=list)
+
+    def log(self, i: int) -> str:
+        with open(self.logs[i], errors="replace") as f:
+            return f.read()
+
+    def restart(self, i: int) -> subprocess.Popen:
+        """Start process i again with its own command line (same address and ports)."""
+        assert self.procs[i].poll() is not None, "stop it first"
+        with open(self.logs[i], "ab") as f:
+            self.procs[i] = subprocess.Popen(self.cmds[i], env=self.env, stdout=subprocess.DEVNULL, stderr=f)
+        return self.procs[i]
 
     def status(self, addr: str, timeout_s: float = 5.0) -> WorkerStatus:
         ctx = zmq.Context.instance()
@@ -53,20 +67,26 @@ class Service:
 
 
 def start_service(checkpoint: str, *, num_prefill: int = 1, num_decode: int = 1, colocated: bool = False,
-                  model_name: str = "m", extra_router: list[str] | None = None, timeout_s: float = 120) -> Service:
+                  model_name: str = "m", extra_router: list[str] | None = None, timeout_s: float = 120,
+                  max_num_seqs: int = 32, extra_prefill: list[str] | None = None,
+                  extra_decode: list[str] | None = None) -> Service:
     base, port = free_base_port(max(num_prefill, num_decode)), free_port()
-    a = argparse.Namespace(device="cpu", host="127.0.0.1", kv_backend="nixl", max_num_seqs=32, fp8=False,
+    a = argparse.Namespace(device="cpu", host="127.0.0.1", kv_backend="nixl", max_num_seqs=max_num_seqs, fp8=False,
                            kv_cache_gib=0.0625, num_prefill=0 if colocated else num_prefill, num_decode=num_decode,
                            base_port=base, port=port, model_name=model_name, colocated=colocated,
                            prefill_tp=1, decode_tp=1, decode_moe_mode="tp")
     cmds = build_commands(a, checkpoint)
     cmds[-1] += (extra_router or []) + ["--poll-interval-s", "0.25"]
+    for c in cmds[:a.num_prefill]:
+        c += extra_prefill or []
+    for c in cmds[a.num_prefill:-1]:
+        c += extra_decode or []
     env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1")
     logs = [tempfile.NamedTemporaryFile(prefix=f"tandem-{c[3]}-", suffix=".log", delete=False) for c in cmds]
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.DEVNULL, stderr=f) for c, f in zip(cmds, logs)]
     svc = Service(f"http://127.0.0.1:{port}", procs,
                   [f"tcp://127.0.0.1:{base + 100 + i}" for i in range(a.num_prefill)],
-                  [f"tcp://127.0.0.1:{base + 200 + i}" for i in range(num_decode)])
+                  [f"tcp://127.0.0.1:{base + 200 + i}" for i in range(num_decode)], cmds, env, [f.name for f in logs])
     t_end = time.monotonic() + timeout_s
     while time.monotonic() < t_end:
         dead = [p for p in procs if p.poll() is not None]
