@@ -6,6 +6,13 @@ misses in a row mark it down and fail its in-flight requests at once; an answer 
 poll that times out while the worker sent something since the previous poll (token chunks, a late
 status reply; also what a starved router finds queued when it wakes) is not a miss: slow is not
 gone. `snapshot()` feeds the pure placement policy.
+
+Router-side reservations: a burst can place many requests between two polls. Each placement on a
+decode worker and each end of one is an event; `snapshot()` applies the events newer than the
+poll that produced the worker's last status (sequence slots and prompt pages), and never shows
+fewer slots or pages taken than this router's own live requests hold. A decode worker that
+answered Rejected is shown full until its next poll. After every poll round `on_poll` callbacks
+run (the admission queue wakes its waiters).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import logging
 import math
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq.asyncio
@@ -37,6 +45,10 @@ class WorkerState:
     pending_tokens: int = 0  # prompt tokens sent to this prefill worker, not yet answered
     pending_requests: int = 0
     last_poll: float = 0.0  # monotonic time the previous status poll was sent
+    live: dict[str, int] = field(default_factory=dict)  # decode: this router's requests -> prompt pages
+    events: list[tuple[int, int, int]] = field(default_factory=list)  # (event no, +1 placed / -1 ended, pages)
+    next_event: int = 0
+    full_until_poll: bool = False  # answered Rejected: no room until a fresh status says otherwise
 
     @property
     def healthy(self) -> bool:
@@ -76,6 +88,29 @@ class Fleet:
         self.roles: dict[str, str] = {}
         self._task: asyncio.Task | None = None
         self.first_poll = asyncio.Event()
+        self.on_poll: list[Callable[[], None]] = []
+
+    # ---- router-side reservations on decode workers ------------------------------------------
+    def reserve(self, address: str, request_id: str, pages: int) -> None:
+        st = self.workers.get(address)
+        if st is None:
+            return
+        st.live[request_id] = pages
+        st.events.append((st.next_event, 1, pages))
+        st.next_event += 1
+
+    def release(self, address: str, request_id: str) -> None:
+        st = self.workers.get(address)
+        if st is None or request_id not in st.live:
+            return
+        pages = st.live.pop(request_id)
+        st.events.append((st.next_event, -1, pages))
+        st.next_event += 1
+
+    def mark_full(self, address: str) -> None:
+        st = self.workers.get(address)
+        if st is not None:
+            st.full_until_poll = True
 
     def client(self, address: str) -> WorkerClient:
         return self.workers[address].client
@@ -112,8 +147,11 @@ class Fleet:
 
     async def _poll_one(self, addr: str, st: WorkerState) -> None:
         since, st.last_poll = st.last_poll, time.monotonic()  # heard from it since the previous poll?
+        mark = st.next_event  # events before this are taken as reflected in the answer
         try:
             st.status = await st.client.status(max(MIN_STATUS_TIMEOUT_S, 2 * self.interval))
+            st.events = [e for e in st.events if e[0] >= mark]
+            st.full_until_poll = False
             if st.misses >= MISSES_TO_DOWN:
                 log.info("%s worker %s is back (epoch %d)", st.client.role, addr, st.status.epoch)
             st.misses = 0
@@ -133,6 +171,8 @@ class Fleet:
                 self._refresh_members()
             await asyncio.gather(*(self._poll_one(a, s) for a, s in list(self.workers.items())))
             self.first_poll.set()
+            for fn in self.on_poll:
+                fn()
             n += 1
             await asyncio.sleep(self.interval)
 
@@ -140,13 +180,33 @@ class Fleet:
         views: dict[str, list[WorkerView]] = {"prefill": [], "decode": []}
         for addr, st in self.workers.items():
             s = st.status
-            views[self.roles[addr]].append(WorkerView(
+            if self.roles[addr] == "decode":
+                views["decode"].append(self._decode_view(addr, st))
+                continue
+            views["prefill"].append(WorkerView(
                 address=addr, healthy=st.healthy, ready=bool(s and s.ready and not s.draining),
                 queue_depth=(s.queue_depth if s else 0) + st.pending_requests,
                 queued_tokens=(s.queued_tokens if s else 0) + st.pending_tokens,
                 running=s.running if s else 0, kv_free_pages=s.kv_free_pages if s else 0,
                 page_size=s.page_size if s else 16, max_num_seqs=s.max_num_seqs if s else 0))
         return FleetSnapshot(tuple(views["prefill"]), tuple(views["decode"]))
+
+    @staticmethod
+    def _decode_view(addr: str, st: WorkerState) -> WorkerView:
+        s = st.status
+        if s is None:
+            return WorkerView(addr, st.healthy, False, 0, 0, 0, 0, 16, 0)
+        seqs = s.running + s.queue_depth + sum(kind for _, kind, _ in st.events)
+        free = s.kv_free_pages - sum(kind * pages for _, kind, pages in st.events)
+        # Our own live requests are certainly there, whatever an older status says.
+        seqs = max(seqs, len(st.live))
+        free = min(free, s.kv_total_pages - sum(st.live.values()))
+        if st.full_until_poll:
+            seqs = s.max_num_seqs
+        return WorkerView(address=addr, healthy=st.healthy, ready=s.ready and not s.draining,
+                          queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, running=max(seqs, 0),
+                          kv_free_pages=max(free, 0), page_size=s.page_size, max_num_seqs=s.max_num_seqs,
+                          kv_total_pages=s.kv_total_pages)
 
     def phase_gauges(self) -> dict[str, tuple[float, float, float]]:
         """phase -> (queue depth, KV usage ratio, running) summed over live workers (for /metrics).

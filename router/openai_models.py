@@ -91,6 +91,7 @@ class _SamplingFields(_Model):
     frequency_penalty: float = 0.0
     user: str | None = None
     return_token_ids: bool = False  # vLLM extension: generated ids on each choice
+    priority: int = 0  # vLLM extension: lower is admitted sooner when requests queue in the router
 
     def check_unsupported(self) -> None:
         if self.n != 1:
