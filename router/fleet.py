@@ -148,8 +148,9 @@ class Fleet:
     async def _poll_one(self, addr: str, st: WorkerState) -> None:
         since, st.last_poll = st.last_poll, time.monotonic()  # heard from it since the previous poll?
         mark = st.next_event  # events before this are taken as reflected in the answer
+        timeout_s = max(MIN_STATUS_TIMEOUT_S, 2 * self.interval)
         try:
-            st.status = await st.client.status(max(MIN_STATUS_TIMEOUT_S, 2 * self.interval))
+            st.status = await st.client.status(timeout_s)
             st.events = [e for e in st.events if e[0] >= mark]
             st.full_until_poll = False
             if st.misses >= MISSES_TO_DOWN:
@@ -157,8 +158,14 @@ class Fleet:
             st.misses = 0
             st.client.mark_alive()
         except asyncio.TimeoutError:
+            # A router whose own loop was starved (a burst of requests to render) sees the deadline
+            # fire before it reads replies already in the socket: read them, and do not blame a
+            # worker for a deadline that fired late.
+            await asyncio.sleep(0.05)
             if st.client.last_heard >= since:
                 return  # slow, not gone: it streamed tokens or answered the last poll late (a loaded host)
+            if time.monotonic() - st.last_poll > 2 * timeout_s:
+                return  # the router was stalled, not the worker
             st.misses += 1
             if st.misses == MISSES_TO_DOWN:
                 log.warning("%s worker %s missed %d status polls: marking it down", st.client.role, addr, st.misses)
