@@ -7,14 +7,17 @@ by (priority, arrival): lower priority values first, FIFO within one (vLLM's `pr
     placement = await queue.admit(ticket)     # may wait; raises QueueFull (429), WorkerUnavailable (503),
                                               # InvalidRequest (400: larger than any worker's KV)
     ...                                       # the request runs on placement.decode
-    queue.release(placement.decode, rid)      # it ended there: the reservation goes, waiters wake
+    queue.prefill_done(placement.prefill, rid)  # its prefill answered: that worker takes the next one
+    queue.release(placement, rid)             # it ended: the reservations go, waiters wake
 
 Bounds: at most `max_queued` waiting (more: 429 at once) and at most `max_wait_s` in the queue,
 counted from the first arrival across re-queues (then 429). Both carry a Retry-After estimate.
 A request whose client leaves is cancelled in `admit` and leaves the queue there.
 
-Wake-ups: `release` (a request ended: its slot and pages are back), `wake` (the fleet polled: called
-through Fleet.on_poll), and `admit` itself. The head is placed first; when it does not fit, nobody
+Wake-ups: `release` (a request ended: its slot and pages are back), `prefill_done`, `wake` (the
+fleet polled: called through Fleet.on_poll), and `admit` itself. A placement also needs a prefill
+worker with fewer than `max_prefill_queue` requests: a backlog there would spend the decode
+reservation's transfer deadline (the first overload test on CPU lost half its requests that way). The head is placed first; when it does not fit, nobody
 behind it overtakes it (FIFO), except that a request whose placement fails for good (no live
 worker, too large) is answered and removed. Every placement is reserved in the fleet
 (Fleet.reserve) until `release`, so a burst between two polls does not over-admit one worker; a
@@ -56,9 +59,10 @@ class Ticket:
 
 class AdmissionQueue:
     def __init__(self, fleet: Fleet, metrics: RouterMetrics, *, max_queued: int, max_wait_s: float,
-                 colocated: bool = False) -> None:
+                 colocated: bool = False, max_prefill_queue: int | None = None) -> None:
         self.fleet, self.metrics = fleet, metrics
         self.max_queued, self.max_wait_s, self.colocated = max_queued, max_wait_s, colocated
+        self.max_prefill_queue = max_prefill_queue
         self._heap: list[Ticket] = []
         self._waiting = 0  # tickets in the heap whose future is not settled
         self._arrivals = itertools.count()
@@ -75,10 +79,13 @@ class AdmissionQueue:
                     and t.first_queued is not None), default=0.0)
 
     def _place(self, t: Ticket) -> Placement:
-        p = place(t.prompt_len, t.max_tokens, self.fleet.snapshot(), t.exclude, colocated=self.colocated)
+        p = place(t.prompt_len, t.max_tokens, self.fleet.snapshot(), t.exclude, colocated=self.colocated,
+                  max_prefill_queue=self.max_prefill_queue)
         st = self.fleet.workers.get(p.decode)
         page_size = st.status.page_size if st is not None and st.status is not None else 16
         self.fleet.reserve(p.decode, t.request_id, pages_for(t.prompt_len, page_size))
+        if p.prefill is not None:
+            self.fleet.reserve_prefill(p.prefill, t.request_id, t.prompt_len)
         return p
 
     def _retry_after(self) -> int:
@@ -142,11 +149,19 @@ class AdmissionQueue:
             t.fut.cancel()
             self._settle(t)
         elif not t.fut.cancelled() and t.fut.exception() is None:
-            self.release(t.fut.result().decode, t.request_id)
+            self.release(t.fut.result(), t.request_id)
 
-    def release(self, decode: str, request_id: str) -> None:
-        self.fleet.release(decode, request_id)
+    def release(self, p: Placement, request_id: str) -> None:
+        """The request ended on its decode worker (idempotent; its prefill share too, if still held)."""
+        self.fleet.release(p.decode, request_id)
+        if p.prefill is not None:
+            self.fleet.release_prefill(p.prefill, request_id)
         self.wake()
+
+    def prefill_done(self, prefill: str, request_id: str) -> None:
+        """Its prefill answered: the prefill worker can take the next request."""
+        if self.fleet.release_prefill(prefill, request_id):
+            self.wake()
 
     def wake(self) -> None:
         """Place waiters in order while the head fits."""

@@ -42,8 +42,8 @@ class WorkerState:
     client: WorkerClient
     status: WorkerStatus | None = None
     misses: int = 0
-    pending_tokens: int = 0  # prompt tokens sent to this prefill worker, not yet answered
-    pending_requests: int = 0
+    pending: dict[str, int] = field(default_factory=dict)  # prefill: this router's requests placed here, not
+    # yet answered -> prompt tokens (from placement on: a burst sees what it already sent)
     last_poll: float = 0.0  # monotonic time the previous status poll was sent
     live: dict[str, int] = field(default_factory=dict)  # decode: this router's requests -> prompt pages
     events: list[tuple[int, int, int]] = field(default_factory=list)  # (event no, +1 placed / -1 ended, pages)
@@ -106,6 +106,15 @@ class Fleet:
         pages = st.live.pop(request_id)
         st.events.append((st.next_event, -1, pages))
         st.next_event += 1
+
+    def reserve_prefill(self, address: str, request_id: str, tokens: int) -> None:
+        st = self.workers.get(address)
+        if st is not None:
+            st.pending[request_id] = tokens
+
+    def release_prefill(self, address: str, request_id: str) -> bool:
+        st = self.workers.get(address)
+        return st is not None and st.pending.pop(request_id, None) is not None
 
     def mark_full(self, address: str) -> None:
         st = self.workers.get(address)
@@ -190,10 +199,12 @@ class Fleet:
             if self.roles[addr] == "decode":
                 views["decode"].append(self._decode_view(addr, st))
                 continue
+            # the status counts what waits on the worker (others' too); ours counts what we sent that
+            # it may not have seen yet, and the one it runs: the larger is the better estimate
             views["prefill"].append(WorkerView(
                 address=addr, healthy=st.healthy, ready=bool(s and s.ready and not s.draining),
-                queue_depth=(s.queue_depth if s else 0) + st.pending_requests,
-                queued_tokens=(s.queued_tokens if s else 0) + st.pending_tokens,
+                queue_depth=max(s.queue_depth if s else 0, len(st.pending)),
+                queued_tokens=max(s.queued_tokens if s else 0, sum(st.pending.values())),
                 running=s.running if s else 0, kv_free_pages=s.kv_free_pages if s else 0,
                 page_size=s.page_size if s else 16, max_num_seqs=s.max_num_seqs if s else 0))
         return FleetSnapshot(tuple(views["prefill"]), tuple(views["decode"]))

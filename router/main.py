@@ -60,6 +60,9 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
     o.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests that may wait for KV room / a sequence slot; past it, 429")
     o.add_argument("--max-queue-wait-s", type=float, default=120.0, help="longest wait in the queue; past it, 429")
+    o.add_argument("--max-prefill-queue", type=int, default=4,
+                   help="requests a prefill worker may hold (running + queued); more wait in the router, "
+                        "where no decode reservation's transfer deadline runs")
     o.add_argument("--request-timeout-s", type=float, default=0.0,
                    help="abort a request running longer than this (arrival to last token); 0 = no limit")
     o.add_argument("--drain-timeout-s", type=float, default=60.0,
@@ -69,6 +72,8 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
                    help="require Authorization: Bearer KEY on /v1/* (repeat for several; also env TANDEM_API_KEYS, "
                         "comma-separated)")
     a = p.parse_args(argv)
+    if a.max_prefill_queue < 1:
+        raise ConfigError("--max-prefill-queue must be >= 1")
     if a.max_queued_requests < 0 or a.max_queue_wait_s <= 0 or a.drain_timeout_s < 0 or a.request_timeout_s < 0:
         raise ConfigError("--max-queued-requests, --request-timeout-s and --drain-timeout-s must be >= 0, "
                           "--max-queue-wait-s > 0")
@@ -90,7 +95,8 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
                        poll_interval_s=a.poll_interval_s, transfer_deadline_s=a.transfer_deadline_s,
                        prefill_timeout_s=a.prefill_timeout_s, stream_timeout_s=a.stream_timeout_s,
                        max_model_len=a.max_model_len, max_queued_requests=a.max_queued_requests,
-                       max_queue_wait_s=a.max_queue_wait_s, request_timeout_s=a.request_timeout_s,
+                       max_queue_wait_s=a.max_queue_wait_s, max_prefill_queue=a.max_prefill_queue,
+                       request_timeout_s=a.request_timeout_s,
                        drain_timeout_s=a.drain_timeout_s, max_request_bytes=a.max_request_bytes,
                        api_keys=tuple(k.strip() for k in keys))
     return cfg, disc
@@ -102,7 +108,7 @@ def make_app(cfg: RouterConfig, disc: Discovery):
     fleet = Fleet(disc, ctx, cfg.poll_interval_s)
     metrics = RouterMetrics()
     admission = AdmissionQueue(fleet, metrics, max_queued=cfg.max_queued_requests, max_wait_s=cfg.max_queue_wait_s,
-                               colocated=cfg.colocated)
+                               colocated=cfg.colocated, max_prefill_queue=cfg.max_prefill_queue)
     orch = Orchestrator(fleet, cfg, metrics, admission)
     handlers = Handlers(cfg, orch, metrics, HarmonyFormat())
 

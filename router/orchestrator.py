@@ -106,7 +106,7 @@ class Orchestrator:
                 attempt += 1
                 backoff_s = min(0.05 * 2 ** attempt, 1.0)
             finally:
-                self.admission.release(p.decode, rid)
+                self.admission.release(p, rid)
             if backoff_s:
                 await asyncio.sleep(backoff_s)
         assert last is not None
@@ -146,7 +146,6 @@ class Orchestrator:
 
     async def _prefill(self, job: Job, decode_addr: str, prefill_addr: str, exclude: set[str]) -> PrefillResult:
         decode, prefill = self.fleet.client(decode_addr), self.fleet.client(prefill_addr)
-        pstate = self.fleet.state(prefill_addr)
         prefill_tp = 1  # a prefill worker advertises its TP through the transfer handshake
         rid = job.request_id
         t0 = time.monotonic()
@@ -163,8 +162,6 @@ class Orchestrator:
             exclude.add(decode_addr)
             raise AdmissionRejected(f"decode worker {decode_addr} refused: {reply.reason}")
         assert isinstance(reply, Admitted)
-        pstate.pending_tokens += len(job.prompt_ids)
-        pstate.pending_requests += 1
         try:
             res = await prefill.call(PrefillRequest(rid, job.prompt_ids, job.sampling, reply.kv_target,
                                                     self.cfg.transfer_deadline_s), rid, self.cfg.prefill_timeout_s)
@@ -176,8 +173,7 @@ class Orchestrator:
             self._spawn(self._abort(prefill, rid, "cancelled"))
             raise
         finally:
-            pstate.pending_tokens -= len(job.prompt_ids)
-            pstate.pending_requests -= 1
+            self.admission.prefill_done(prefill_addr, rid)
         assert isinstance(res, PrefillResult)
         if not res.ok:
             exclude.add(prefill_addr)

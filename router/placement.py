@@ -48,15 +48,24 @@ def _pages(tokens: int, page_size: int) -> int:
     return math.ceil(tokens / page_size)
 
 
+def _live(workers: tuple[WorkerView, ...], exclude: frozenset[str]) -> list[WorkerView]:
+    """Live workers, other than the excluded ones (where this request already failed) when possible:
+    a request is retried on the same worker rather than not at all."""
+    live = [w for w in workers if w.healthy and w.ready]
+    return [w for w in live if w.address not in exclude] or live
+
+
 def place(prompt_len: int, max_tokens: int, fleet: FleetSnapshot, exclude: frozenset[str] = frozenset(),
-          colocated: bool = False) -> Placement:
+          colocated: bool = False, max_prefill_queue: int | None = None) -> Placement:
     """Pick (decode, prefill). Raises WorkerUnavailable when no live worker of a needed role exists,
     InvalidRequest when the request is larger than every live decode worker's KV cache, and
-    AdmissionRejected when live decode workers exist but none has room right now."""
-    live_decode = [w for w in fleet.decode if w.healthy and w.ready and w.address not in exclude]
+    AdmissionRejected when live decode workers exist but none has room right now, or every live
+    prefill worker already has `max_prefill_queue` requests (a prefill backlog would spend the
+    decode reservation's transfer deadline in the prefill queue; the router queue holds it instead)."""
+    live_decode = _live(fleet.decode, exclude)
     if not live_decode:
         raise WorkerUnavailable("no decode worker is up and ready")
-    live_prefill = [w for w in fleet.prefill if w.healthy and w.ready and w.address not in exclude]
+    live_prefill = _live(fleet.prefill, exclude)
     if fleet.prefill and not colocated and not live_prefill:
         raise WorkerUnavailable("no prefill worker is up and ready")
     page_size = live_decode[0].page_size
@@ -72,6 +81,10 @@ def place(prompt_len: int, max_tokens: int, fleet: FleetSnapshot, exclude: froze
     decode = max(roomy, key=lambda w: (w.kv_free_pages - need - w.running, -w.running, w.address))
     if colocated or not fleet.prefill:
         return Placement(decode.address, None)
+    if max_prefill_queue is not None:
+        live_prefill = [w for w in live_prefill if w.queue_depth < max_prefill_queue]
+        if not live_prefill:
+            raise AdmissionRejected(f"every prefill worker has {max_prefill_queue} requests queued")
     prefill = min(live_prefill, key=lambda w: (w.queued_tokens, w.queue_depth, w.address))
     return Placement(decode.address, prefill.address)
 

@@ -80,7 +80,8 @@ async def stream_chat(client: httpx.AsyncClient, body: dict) -> dict:
 
 
 def test_burst_of_256_streams_all_complete_with_greedy_outputs(svc, tiny):
-    texts = [f"Tell me fact number {i} about the sea." for i in range(256)]
+    # 32 distinct prompts, 8 streams each: every stream is checked, the replay stays 32 prompts long
+    texts = [f"Tell me fact number {i % 32} about the sea." for i in range(256)]
 
     async def burst():
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
@@ -95,12 +96,12 @@ def test_burst_of_256_streams_all_complete_with_greedy_outputs(svc, tiny):
     assert not bad, f"{len(bad)} of 256 failed, first: {bad[0]}"
     print(f"256 streams in {took:.1f} s", flush=True)
     fmt, today = HarmonyFormat(), time.strftime("%Y-%m-%d")
-    prompts = [fmt.render(ChatPrompt([ChatMessage("user", t)], current_date=today)) for t in texts]
-    llm = LLM(EngineConfig(checkpoint=tiny, kv_cache_bytes=256 << 20))
+    prompts = [fmt.render(ChatPrompt([ChatMessage("user", t)], current_date=today)) for t in texts[:32]]
+    llm = LLM(EngineConfig(checkpoint=tiny, kv_cache_bytes=64 << 20))
     t0 = time.monotonic()
     ref = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, stop_token_ids=STOP))
     print(f"replay in {time.monotonic() - t0:.1f} s", flush=True)
-    mismatched = [i for i, (r, o) in enumerate(zip(results, ref)) if r["ids"] != o.output_ids]
+    mismatched = [i for i, r in enumerate(results) if r["ids"] != ref[i % 32].output_ids]
     assert not mismatched, f"{len(mismatched)} streams differ from single-process greedy, first #{mismatched[0]}"
     metrics = httpx.get(svc.url + "/metrics").text
     assert "tandem_router_queue_wait_seconds_count" in metrics

@@ -14,6 +14,7 @@ from router.admission import AdmissionQueue, Ticket
 from router.errors import QueueFull
 from router.fleet import Discovery, Fleet, WorkerState
 from router.metrics import RouterMetrics
+from router.placement import Placement
 from wire.protocol import WorkerStatus
 
 
@@ -51,7 +52,7 @@ def test_a_burst_is_held_to_the_free_slots_then_leaves_in_priority_order():
         for _ in range(4):  # one request ends: its slot goes to the best waiter
             ended = next(t.request_id for t in tickets if tasks[tickets.index(t)].done() and t.request_id not in order)
             order.append(ended)
-            q.release("d1", ended)
+            q.release(Placement("d1", None), ended)
             await asyncio.sleep(0.01)
         placed = [t.request_id for t in tickets[2:] if tasks[tickets.index(t)].done()]
         assert sorted(placed) == ["r2", "r3", "r4", "r5"]
@@ -75,7 +76,7 @@ def test_a_poll_wakes_waiters_and_reservations_outlive_a_stale_status():
         # an older-looking status (0 running) does not hide our own live request: 1 of 2 slots left
         poll(fleet, running=0)
         assert fleet.snapshot().decode[0].running == 1
-        q.release("d1", "r")
+        q.release(Placement("d1", None), "r")
         assert fleet.snapshot().decode[0].running == 0
 
     asyncio.run(main())
@@ -110,7 +111,7 @@ def test_cancelled_waiters_leave_the_queue_and_no_worker_is_503():
         await asyncio.sleep(0.01)
         assert b.done() and b.result().decode == "d1" and q.depth == 0
         # no live decode worker: a queued request fails with 503, it does not wait for the bound
-        q.release("d1", "b")
+        q.release(Placement("d1", None), "b")
         poll(fleet, running=1, max_seqs=1)
         c = asyncio.create_task(q.admit(Ticket("c", 10, 4)))
         await asyncio.sleep(0.01)
