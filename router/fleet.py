@@ -173,8 +173,8 @@ class Fleet:
             await asyncio.sleep(0.05)
             if st.client.last_heard >= since:
                 return  # slow, not gone: it streamed tokens or answered the last poll late (a loaded host)
-            if time.monotonic() - st.last_poll > 2 * timeout_s:
-                return  # the router was stalled, not the worker
+            if time.monotonic() - st.last_poll > 1.25 * timeout_s + 0.05:
+                return  # the deadline fired late: the router was stalled, not (necessarily) the worker
             st.misses += 1
             if st.misses == MISSES_TO_DOWN:
                 log.warning("%s worker %s missed %d status polls: marking it down", st.client.role, addr, st.misses)

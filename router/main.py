@@ -59,7 +59,7 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
     o = p.add_argument_group("overload, cancellation and shutdown")
     o.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests that may wait for KV room / a sequence slot; past it, 429")
-    o.add_argument("--max-queue-wait-s", type=float, default=120.0, help="longest wait in the queue; past it, 429")
+    o.add_argument("--max-queue-wait-s", type=float, default=600.0, help="longest wait in the queue; past it, 429")
     o.add_argument("--max-prefill-queue", type=int, default=4,
                    help="requests a prefill worker may hold (running + queued); more wait in the router, "
                         "where no decode reservation's transfer deadline runs")

@@ -44,8 +44,10 @@ def tiny(ckpt_factory):
 
 @pytest.fixture(scope="module")
 def svc(tiny):
-    # tandem serve's defaults: 64 sequence slots, the CPU KV budget; a short drain for the last test
-    s = start_service(tiny, max_num_seqs=64, kv_cache_gib=0, extra_router=["--drain-timeout-s", str(DRAIN_S)])
+    # tandem serve's defaults: 64 sequence slots, the CPU KV budget, the router's 1 s fleet poll; a
+    # short drain for the last test
+    s = start_service(tiny, max_num_seqs=64, kv_cache_gib=0,
+                      extra_router=["--poll-interval-s", "1.0", "--drain-timeout-s", str(DRAIN_S)])
     yield s
     s.stop()
 

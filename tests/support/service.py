@@ -62,7 +62,7 @@ def start_service(checkpoint: str, *, num_prefill: int = 1, num_decode: int = 1,
                            base_port=base, port=port, model_name=model_name, colocated=colocated,
                            prefill_tp=1, decode_tp=1, decode_moe_mode="tp")
     cmds = build_commands(a, checkpoint)
-    cmds[-1] += (extra_router or []) + ["--poll-interval-s", "0.25"]
+    cmds[-1] += ["--poll-interval-s", "0.25"] + (extra_router or [])  # (a later flag wins)
     env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1")
     logs = [tempfile.NamedTemporaryFile(prefix=f"tandem-{c[3]}-", suffix=".log", delete=False) for c in cmds]
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.DEVNULL, stderr=f) for c, f in zip(cmds, logs)]
