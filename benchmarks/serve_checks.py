@@ -39,9 +39,13 @@ def classify(served: list[int], ref: list[int]) -> str:
 def replay_greedy(checkpoint: str, planned: list[PlannedRequest], results: list[RequestResult],
                   kv_cache_mib: int = 512, batch: int = 64) -> dict:
     """Compare each completed stream with the offline engine's greedy output of the same prompt."""
+    import torch
+
     from engine.build import EngineConfig
     from engine.llm import LLM
     from engine.sampling import SamplingParams
+
+    torch.set_num_threads(1)  # as the CPU workers run
 
     done = [(p, r) for p, r in zip(planned, results) if r.ok]
     if any(not r.token_ids for _, r in done):

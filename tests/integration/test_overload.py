@@ -23,6 +23,7 @@ import time
 import httpx
 import pytest
 import schemathesis
+import torch
 from hypothesis import HealthCheck, settings
 
 from engine.build import EngineConfig
@@ -99,6 +100,7 @@ def test_burst_of_256_streams_all_complete_with_greedy_outputs(svc, tiny):
     print(f"256 streams in {took:.1f} s", flush=True)
     fmt, today = HarmonyFormat(), time.strftime("%Y-%m-%d")
     prompts = [fmt.render(ChatPrompt([ChatMessage("user", t)], current_date=today)) for t in texts[:32]]
+    torch.set_num_threads(1)  # as the workers run (--cpu-threads 1); two threads crawl on a busy machine
     llm = LLM(EngineConfig(checkpoint=tiny, kv_cache_bytes=64 << 20))
     t0 = time.monotonic()
     ref = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, stop_token_ids=STOP))
