@@ -32,12 +32,22 @@ class SeqStep:
     q_len: int
 
 
+def to_device(a: np.ndarray | list, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host data -> device without a stream sync: on CUDA through pinned memory (a pageable source
+    can make the copy wait for the stream, which would stall the overlapped step loop; PyTorch's
+    pinned caching allocator keeps the staging block until the copy ran)."""
+    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.tensor(a, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _table(rows: list, device: torch.device | str) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0) or 1
     t = np.zeros((len(rows), width), dtype=np.int32)
     for i, r in enumerate(rows):
         t[i, :len(r)] = r
-    return torch.from_numpy(t).to(device)
+    return to_device(t, device)
 
 
 def _flat(rows: list) -> np.ndarray:
@@ -83,13 +93,12 @@ def build_step_meta(steps: list[SeqStep], spec: KVCacheSpec | None, device: torc
             starts = [s.start for s in steps]
             ends = [s.start + s.q_len for s in steps]
             groups[PageGroup.FULL] = GroupMeta(
-                _table(rows, device), torch.tensor(starts, dtype=torch.int32, device=device),
-                torch.tensor(ends, dtype=torch.int32, device=device),
-                torch.from_numpy(np.concatenate(slots)).to(device), True, starts, ends, _flat(rows))
+                _table(rows, device), to_device(starts, device, torch.int32), to_device(ends, device, torch.int32),
+                to_device(np.concatenate(slots), device), True, starts, ends, _flat(rows))
         if spec.sliding_layers:
             groups[PageGroup.SLIDING] = _sliding_meta(steps, spec, device)
-    return StepMeta(torch.from_numpy(positions).to(device), torch.from_numpy(cu).to(device), q_lens,
-                    torch.from_numpy(logits_idx).to(device), tuple(groups))
+    return StepMeta(to_device(positions, device), to_device(cu, device), q_lens, to_device(logits_idx, device),
+                    tuple(groups))
 
 
 def _sliding_meta(steps: list[SeqStep], spec: KVCacheSpec, device: torch.device | str) -> GroupMeta:
@@ -112,6 +121,5 @@ def _sliding_meta(steps: list[SeqStep], spec: KVCacheSpec, device: torch.device 
             slots.append(np.array([slot], dtype=np.int64))
         else:
             slots.append(_ring_slots(s.pages.ring, s.start, end, keep_from, p, r))
-    return GroupMeta(_table(rows, device), torch.tensor(prefix, dtype=torch.int32, device=device),
-                     torch.tensor(kv, dtype=torch.int32, device=device),
-                     torch.from_numpy(np.concatenate(slots)).to(device), hold_all, prefix, kv, _flat(rows))
+    return GroupMeta(_table(rows, device), to_device(prefix, device, torch.int32), to_device(kv, device, torch.int32),
+                     to_device(np.concatenate(slots), device), hold_all, prefix, kv, _flat(rows))

@@ -162,6 +162,7 @@ class Orchestrator:
             exclude.add(decode_addr)
             raise AdmissionRejected(f"decode worker {decode_addr} refused: {reply.reason}")
         assert isinstance(reply, Admitted)
+        t_admitted = time.monotonic()
         try:
             res = await prefill.call(PrefillRequest(rid, job.prompt_ids, job.sampling, reply.kv_target,
                                                     self.cfg.transfer_deadline_s), rid, self.cfg.prefill_timeout_s)
@@ -180,6 +181,8 @@ class Orchestrator:
             raise TransferFailed(f"prefill on {prefill_addr} failed: {res.error}")
         self.metrics.observe_prefill(res.prefill_seconds, res.transfer_bytes, res.transfer_seconds,
                                      time.monotonic() - t0)
+        self.metrics.observe_ttft_parts(t_admitted - t0, res.queue_seconds, res.prefill_seconds, res.tail_seconds,
+                                        time.monotonic() - t_admitted)
         return res
 
     def _spawn(self, coro) -> None:

@@ -40,7 +40,7 @@ class StepEncoder:
             seq, full = it.seq, it.seq.pages.full
             rec = self._sent.get(seq.request_id)
             keep = rec.n if rec is not None and rec.full is full and len(full) >= rec.n else 0
-            seqs.append(m.StepSeq(seq.request_id, seq.all_ids[it.start:it.start + it.q_len], it.start, it.sample,
+            seqs.append(m.StepSeq(seq.request_id, seq.token_slice(it.start, it.start + it.q_len), it.start, it.sample,
                                   keep, full[keep:], list(seq.pages.ring)))
             sent[seq.request_id] = _Sent(full, len(full))
         self._sent = sent
