@@ -217,6 +217,17 @@ def sec_disagg(docs: dict[str, dict]) -> list[str]:
     return out or ["No disaggregated GPU run in this folder.", ""]
 
 
+def _vs_engine(run: dict) -> str:
+    """benchmarks.serve_gpu's comparison with the engine of the same run, when there is one."""
+    v = run.get("vs_engine") or {}
+    if "itl_over_replay" in v and v["itl_over_replay"]:
+        return f"mean ITL {v['itl_over_replay']:.3f}x graph replay (batch 1, {v['context']} ctx)"
+    if "served_over_engine" in v:
+        return (f"steady {v['served_steady_tok_s']:,.0f} tok/s = {v['served_over_engine']:.2f}x bench_model "
+                f"(batch {v['batch']}, {v['context']} ctx); whole run {v['whole_run_tok_s']:,.0f}")
+    return ""
+
+
 def sec_serve(docs: dict[str, dict]) -> list[str]:
     rows = []
     for n, d in docs.items():
@@ -226,7 +237,7 @@ def sec_serve(docs: dict[str, dict]) -> list[str]:
                          f"{ld['input_len']['hi']}", f"{ld['output_len']['lo']}–{ld['output_len']['hi']}",
                          f"{s['completed']}/{s['num_requests']}", s["request_throughput"], s["output_token_throughput"],
                          s["goodput"]["requests_per_s"], s["ttft_ms"]["p50"], s["ttft_ms"]["p99"], s["tpot_ms"]["p50"],
-                         s["tpot_ms"]["p99"], run.get("note") or ""])
+                         s["tpot_ms"]["p99"], _vs_engine(run) or run.get("note") or ""])
     if not rows:
         return ["No serving benchmark in this folder yet. `tandem bench serve --launch both --serve-args "
                 "\"--device cuda --checkpoint DIR\" --request-rate R --out serve_<model>.json` compares colocated "

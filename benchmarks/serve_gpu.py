@@ -7,8 +7,9 @@ a decode process sharing the GPU, KV over `--kv-backend ipc`):
              batch 1 at the nearest context bench_model measured
   sweep      open-loop Poisson at each --rates value with --input-len / --output-len ranges:
              TTFT / ITL / TPOT p50 / p99, output tok/s, goodput under the SLO
-  saturation a closed loop of --sat-batch streams (fixed lengths): served output tok/s against
-             bench_model's tok/s at that batch and the nearest context
+  saturation a closed loop of --sat-batch streams (fixed lengths): served output tok/s while all
+             of them decode (the steady window), against bench_model's tok/s at that batch and the
+             nearest context; the whole run's tok/s (prefill and ramps included) beside it
 The JSON is a `tandem bench serve` document (kind tandem-bench-serve) with a "reference" block.
 
     python -m benchmarks.serve_gpu --model-json OUT/model_gpt-oss-20b-tp1.json --out OUT/serve_gpu.json \
@@ -44,6 +45,28 @@ def nearest(rows: list[dict], batch: int, context: int) -> dict | None:
     return min(cands, key=lambda r: abs(r["context"] - context)) if cands else None
 
 
+def steady_state(requests: list[dict]) -> dict | None:
+    """Output tokens per second while every stream of a closed loop decodes: from the last first
+    token to the first last token (no prefill, no ramp). Each token's time is rebuilt from the
+    request's dispatch, TTFT and inter-token gaps."""
+    ok = [q for q in requests if q["ok"] and q["ttft_s"] is not None]
+    if len(ok) < 2:
+        return None
+    times = []
+    for q in ok:
+        t = q["dispatch_s"] + q["ttft_s"]
+        ts = [t]
+        for gap in q["itl_s"]:
+            t += gap
+            ts.append(t)
+        times.append(ts)
+    start, end = max(ts[0] for ts in times), min(ts[-1] for ts in times)
+    if end - start < 1.0:
+        return None
+    n = sum(1 for ts in times for t in ts if start < t <= end)
+    return {"window_s": end - start, "tokens": n, "output_tok_s": n / (end - start), "streams": len(ok)}
+
+
 def load_args(a: argparse.Namespace, **kw) -> argparse.Namespace:
     """serve_bench's own arguments for one load run."""
     base = ["--url", "http://unused", "--api", "completions", "--seed", str(a.seed), "--slo-ttft-ms",
@@ -62,7 +85,9 @@ def run_mode(mode: str, a: argparse.Namespace, ref: dict) -> list[dict]:
                          a.ready_timeout_s) as svc:
         model = None
         if a.warmup:
-            run_one("warmup", svc.url, load_args(a, num_requests=a.warmup, input_len="512", output_len="16",
+            # every prompt shape the sweep will bring (chunked prefill included), so no first-time
+            # compile or autotune lands inside a measured run
+            run_one("warmup", svc.url, load_args(a, num_requests=a.warmup, input_len=a.input_len, output_len="16",
                                                  max_concurrency=None, request_rate=math.inf, model=model), None)
         single_in = max(1, a.single_context - a.single_output // 2)
         r = run_one(f"{mode} single", svc.url, load_args(
@@ -85,13 +110,15 @@ def run_mode(mode: str, a: argparse.Namespace, ref: dict) -> list[dict]:
         sat_in = max(1, a.sat_context - a.sat_output // 2)
         r = run_one(f"{mode} sat{a.sat_batch}", svc.url, load_args(
             a, num_requests=a.sat_batch * a.sat_rounds, input_len=str(sat_in), output_len=str(a.sat_output),
-            max_concurrency=a.sat_batch, request_rate=math.inf, model=model), None)
+            max_concurrency=a.sat_batch, request_rate=math.inf, model=model, save_requests=True), None)
         r["kind"] = "saturation"
+        r["steady"] = steady_state(r.pop("requests"))
         row = nearest(ref.get("decode", {}).get("rows", []), a.sat_batch, a.sat_context)
-        if row:
-            tps = r["summary"]["output_token_throughput"]
+        if row and r["steady"]:
+            tps = r["steady"]["output_tok_s"]
             r["vs_engine"] = {"engine_tok_s": row["tok_s_per_gpu"], "context": row["context"], "batch": a.sat_batch,
-                              "served_over_engine": tps / row["tok_s_per_gpu"]}
+                              "served_steady_tok_s": tps, "served_over_engine": tps / row["tok_s_per_gpu"],
+                              "whole_run_tok_s": r["summary"]["output_token_throughput"]}
         runs.append(r)
         for run in runs:
             run["launched"] = {"mode": mode, "command": svc.cmd[2:]}
@@ -112,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--single-requests", type=int, default=2)
     p.add_argument("--sat-batch", type=int, default=64)
     p.add_argument("--sat-context", type=int, default=2048)
-    p.add_argument("--sat-output", type=int, default=512)
-    p.add_argument("--sat-rounds", type=int, default=2)
+    p.add_argument("--sat-output", type=int, default=1536)
+    p.add_argument("--sat-rounds", type=int, default=1)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)

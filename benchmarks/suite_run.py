@@ -42,8 +42,12 @@ MIN_STEP_S = 10  # a step is not started with less time than this left
 
 
 def git_state(repo: Path, env: dict[str, str]) -> dict:
-    """The commit the run used. The device copy of the repository has no .git: there the caller's checkout
-    passes it in (TANDEM_GIT_COMMIT / TANDEM_GIT_DIRTY, which --device-call writes into the command)."""
+    """The commit the run used. The caller's TANDEM_GIT_COMMIT / TANDEM_GIT_DIRTY (which --device-call
+    writes into the command) win: the device copy's .git, where there is one, is the session's starting
+    clone, not the checkout that was sent (seen 2026-12-02: it named the session's first commit)."""
+    if env.get("TANDEM_GIT_COMMIT"):
+        return {"commit": env["TANDEM_GIT_COMMIT"], "dirty": env.get("TANDEM_GIT_DIRTY", "1") != "0",
+                "source": "TANDEM_GIT_COMMIT (set by the caller)"}
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=20)
         if head.returncode == 0:
@@ -52,9 +56,6 @@ def git_state(repo: Path, env: dict[str, str]) -> dict:
             return {"commit": head.stdout.strip(), "dirty": bool(st.stdout.strip()), "source": "git"}
     except (FileNotFoundError, subprocess.TimeoutExpired):
         pass
-    if env.get("TANDEM_GIT_COMMIT"):
-        return {"commit": env["TANDEM_GIT_COMMIT"], "dirty": env.get("TANDEM_GIT_DIRTY", "1") != "0",
-                "source": "TANDEM_GIT_COMMIT (set by the caller: no .git here)"}
     return {"commit": None, "dirty": None, "source": "unknown: no .git and no TANDEM_GIT_COMMIT"}
 
 

@@ -205,6 +205,21 @@ SUITES: dict[str, Suite] = {
         steps=(step("serve", "{py} -m benchmarks.serve_gpu --model-json " + SERVED_MODEL_JSON + " --out {out}/serve_gpu.json "
                              "--rates 1,2,4,8,16 --num-requests 24 --serve-args " + shlex.quote(SERVED_ARGS),
                     540, summary=r"single|sat|@|Error|Traceback"),)),
+    "served": Suite(
+        "issue 23 in one call: the overlapped loop's GPU tests, bench_model's engine loop against graph replay "
+        "(20b, 2k/8k x 1/64/128), and the whole stack served on this GPU against those figures (colocated and "
+        "disaggregated: single stream, Poisson sweep 1-16 req/s, steady-state saturation at batch 64)",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("async-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider "
+                                       "tests/integration/test_async_decode_gpu.py", 110, summary=PYTEST),
+               model_step("model-20b", "gpt-oss-20b", "8192", "2048,8192", "1,64,128", 150),
+               step("serve", "{py} -m benchmarks.serve_gpu --model-json "
+                             "{out}/../model-20b/model_gpt-oss-20b-tp1-defaults.json --out {out}/serve_gpu.json "
+                             "--rates 1,2,4,8,16 --num-requests 24 --serve-args " + shlex.quote(SERVED_ARGS),
+                    290, summary=r"single|sat|@|Error|Traceback",
+                    publish={"serve_gpu.json": "serve_gpt-oss-20b-h200.json"})),
+        reproduces=("issue 23: ms_per_step <= 1.05 x replay; served single-stream ITL <= 1.10 x replay; "
+                    "saturation >= 0.90 x bench_model",)),
     "cpu-smoke": Suite(
         "every suite's machinery on a CPU: the benchmarks' own smoke modes on tiny shapes (no GPU set-up)",
         carry=(), gpu=False, kind="cpu",

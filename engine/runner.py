@@ -52,6 +52,7 @@ class ModelRunner:
         self.cuda = self.device.type == "cuda"
         self.graphs = None  # decode_worker.runner.CudaGraphDecoder, set by the decode worker on GPU
         self.supports_overlap = True
+        self.share_inputs: Callable[[torch.Tensor], None] | None = None  # TP rank 0: ids to the followers
         self._inputs_done: torch.cuda.Event | None = None
         self._pinned: list[tuple[torch.Tensor, ...]] = []  # two sets, alternating by step parity
 
@@ -62,6 +63,8 @@ class ModelRunner:
         if self._inputs_done is not None and not self._inputs_done.query():
             self._inputs_done.synchronize()  # the previous step's input copies have run (see module doc)
         input_ids = self._input_ids(items, prev)
+        if self.share_inputs is not None:
+            self.share_inputs(input_ids)
         steps = [SeqStep(it.seq.pages, it.start, it.q_len) for it in items]
         rows = [i for i, it in enumerate(items) if it.sample]
         logits = self.forward(input_ids, steps, rows, on_layer_done)
@@ -129,11 +132,16 @@ class ModelRunner:
             at.append(len(ids))
             rows.append(prev.row_of[id(seq)])
             ids.append(0)
-        input_ids = _dev(torch.tensor(ids, dtype=torch.long), self.device)  # [T]
-        if at:
-            assert prev is not None and prev.token_ids is not None
-            src = _dev(torch.tensor(rows, dtype=torch.long), self.device)
-            input_ids[_dev(torch.tensor(at, dtype=torch.long), self.device)] = prev.token_ids[src]
+        if not at:
+            return _dev(torch.tensor(ids, dtype=torch.long), self.device)  # [T]
+        assert prev is not None and prev.token_ids is not None
+        if len(at) == len(ids):  # a pure decode step: every input is a token the last step sampled
+            if rows == list(range(prev.token_ids.shape[0])):
+                return prev.token_ids  # the same sequences in the same order: no copy at all
+            return prev.token_ids[_dev(torch.tensor(rows, dtype=torch.long), self.device)]
+        input_ids = _dev(torch.tensor(ids, dtype=torch.long), self.device)
+        src = _dev(torch.tensor(rows, dtype=torch.long), self.device)
+        input_ids[_dev(torch.tensor(at, dtype=torch.long), self.device)] = prev.token_ids[src]
         return input_ids
 
     def _to_pinned(self, no: int, parts: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:

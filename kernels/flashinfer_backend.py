@@ -238,7 +238,9 @@ class FlashInferAttention:
             return self._plan_chunk(step, g, window_left, cu_q)
         p, maxp = d.page_size, g.page_table.shape[1]
         num_pages = [-(-n // p) for n in g.kv_lens_host]
-        if g.page_ids_host is not None and len(g.page_ids_host) == sum(num_pages):
+        if g.page_ids is not None and g.page_ids_host is not None and len(g.page_ids_host) == sum(num_pages):
+            indices = g.page_ids  # uploaded with the step's metadata (model.context.Upload)
+        elif g.page_ids_host is not None and len(g.page_ids_host) == sum(num_pages):
             # one host -> device copy of the rows back to back (a per-page gather cost ~10 ms per
             # step at batch 128 x 8k on the H200's host)
             indices = _pinned(torch.from_numpy(g.page_ids_host)).to(d.device, non_blocking=True)

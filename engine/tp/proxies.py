@@ -79,17 +79,22 @@ def _combine(rid: str, outs: list[m.Outcome], cause: int | None = None) -> Trans
 class GroupRunner:
     """ModelRunner.run for the group: STEP to the followers, then rank 0's forward and sampling."""
 
-    # Followers receive token ids on the host (StepEncoder), so every input token must be known
-    # there: the group's steps are synchronous (engine.core collects each right after its launch).
-    # Overlapping them needs the pending tokens broadcast on the device instead.
-    supports_overlap = False
+    # Overlapped like a single rank: when a step's inputs include tokens the step in flight sampled,
+    # the followers get the ids by a device broadcast from rank 0 (Step.ids_on_device).
+    supports_overlap = True
 
     def __init__(self, group: RankGroup, local: ModelRunner) -> None:
         self.group, self.local, self.encoder = group, local, StepEncoder()
 
+    @property
+    def device(self):
+        return self.local.device
+
     def launch(self, items: list[ScheduledSeq], prev: StepHandle | None = None, no: int = 0,
                on_layer_done: Callable[[int], None] | None = None) -> StepHandle:
-        self.group.command(self.encoder.encode(items, on_layer_done is not None))
+        step = self.encoder.encode(items, on_layer_done is not None)
+        self.group.command(step)
+        self.local.share_inputs = self.group.broadcast_inputs if step.ids_on_device else None
         try:
             return self.local.launch(items, prev, no, on_layer_done)
         except RuntimeError as e:  # the forward's all-reduce: a follower died mid-step

@@ -121,10 +121,11 @@ def test_budget_cuts_step_timeouts(tmp_path, monkeypatch):
     assert rc == 1 and rec["steps"][0]["status"].startswith("timeout") and rec["steps"][1]["status"].startswith("not run")
 
 
-def test_git_commit_comes_from_the_caller_where_the_copy_has_no_git(tmp_path):
+def test_git_commit_comes_from_the_caller_first(tmp_path):
     env = {"TANDEM_GIT_COMMIT": "a" * 40, "TANDEM_GIT_DIRTY": "0"}
-    assert suite_run.git_state(tmp_path, env) == {"commit": "a" * 40, "dirty": False,
-                                                  "source": "TANDEM_GIT_COMMIT (set by the caller: no .git here)"}
+    want = {"commit": "a" * 40, "dirty": False, "source": "TANDEM_GIT_COMMIT (set by the caller)"}
+    assert suite_run.git_state(tmp_path, env) == want
+    assert suite_run.git_state(REPO, env) == want  # even where a (possibly stale) .git is present
     assert suite_run.git_state(tmp_path, {})["commit"] is None
 
 
