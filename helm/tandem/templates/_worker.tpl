@@ -34,7 +34,6 @@ Args everywhere: dict "root" $ "role" "prefill"|"decode".
 - --metrics-port={{ $w.metricsPort }}
 - --kv-backend=nixl
 - --device=cuda
-- --drain-timeout-s={{ $v.drain.timeoutSeconds }}
 {{- if $w.fp8 }}
 - --fp8
 {{- end }}
