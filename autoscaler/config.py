@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="queued requests per ready replica that trigger scale-up")
         lim.add_argument(f"--{phase}-queue-down", type=float, default=queue_down,
                          help="queued requests per ready replica below which scale-down may run")
+    lim.add_argument("--decode-router-queue-up", type=float, default=4.0,
+                     help="requests in the routers' admission queues per ready decode replica that trigger "
+                          "decode scale-up (they wait for decode KV room or a slot)")
+    lim.add_argument("--decode-router-queue-down", type=float, default=0.5)
+    lim.add_argument("--decode-router-wait-up-s", type=float, default=5.0,
+                     help="p90 wait in the routers' admission queues that triggers decode scale-up")
+    lim.add_argument("--decode-router-wait-down-s", type=float, default=0.5)
     lim.add_argument("--decode-kv-up", type=float, default=0.85)
     lim.add_argument("--decode-kv-down", type=float, default=0.5)
     lim.add_argument("--max-step-up", type=int, default=2)
@@ -121,7 +128,11 @@ def config_from_args(ns: argparse.Namespace) -> AutoscalerConfig:
                            slo_p50_s=ns.itl_p50_slo_s, slo_p90_s=ns.itl_p90_slo_s,
                            queue_up_per_replica=ns.decode_queue_up,
                            queue_down_per_replica=ns.decode_queue_down,
-                           kv_up_ratio=ns.decode_kv_up, kv_down_ratio=ns.decode_kv_down, **shared),
+                           kv_up_ratio=ns.decode_kv_up, kv_down_ratio=ns.decode_kv_down,
+                           router_queue_up_per_replica=ns.decode_router_queue_up,
+                           router_queue_down_per_replica=ns.decode_router_queue_down,
+                           router_wait_up_s=ns.decode_router_wait_up_s,
+                           router_wait_down_s=ns.decode_router_wait_down_s, **shared),
     )
     return AutoscalerConfig(
         connector=ConnectorKind(ns.connector), namespace=ns.namespace,

@@ -11,10 +11,15 @@ Lifecycle of one tick (driven by autoscaler/main.py):
     -> settle(state, decision, applied) -> the state for the next tick
 
 Policy, the same for both phases (each phase has its own `PhasePolicy`):
-- Signals. prefill: TTFT p50/p90 against its SLO, queue per ready replica. decode: ITL p50/p90
-  against its SLO, KV usage, queue per ready replica. A signal with no data (`None`) never votes
-  for scale-up; missing latency means no traffic (so it does not block scale-down), a missing
-  gauge means we cannot tell (so it does).
+- Signals. prefill: TTFT p50/p90 against its SLO (TTFT after admission: time in the router's
+  queue is decode's doing, not prefill's), queue per ready replica. decode: ITL p50/p90 against
+  its SLO, KV usage, queue per ready replica, and the router's admission queue: requests waiting
+  there wait for decode KV room or a sequence slot, so its depth per ready decode replica and its
+  p90 wait vote for decode, unless prefill is backed up itself (then decode slots are held by
+  requests waiting for prefill, and more decode would not help). A signal with no data (`None`)
+  never votes for scale-up; missing latency means no traffic (so it does not block scale-down), a
+  missing gauge means we cannot tell (so it does); the router-queue signals come from routers
+  that export them and, when absent, neither vote nor block.
 - Hysteresis. Every signal has an up threshold and a lower down threshold. Up if any signal is at
   or above its up threshold; down only if every signal is at or below its down threshold *and*
   queue/KV, projected onto one step fewer replicas, stay below their up thresholds (otherwise the
@@ -80,12 +85,16 @@ class LatencyQuantiles:
 @dataclass(frozen=True, slots=True)
 class PhaseObservation:
     """One phase at one tick. `latency` is None when no request completed in the window;
-    `queue_depth`/`kv_usage_ratio` are None when the router did not report them."""
+    `queue_depth`/`kv_usage_ratio` are None when the router did not report them. The router-queue
+    fields (requests waiting in the routers' admission queues, summed over routers, and the p90
+    of their waits over the window) are filled for the phase they wait on: decode."""
 
     replicas: ReplicaCounts
     latency: LatencyQuantiles | None
     queue_depth: float | None
     kv_usage_ratio: float | None
+    router_queue_depth: float | None = None
+    router_queue_wait_p90_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +121,10 @@ class PhasePolicy:
     queue_down_per_replica: float = 0.5
     kv_up_ratio: float | None = None     # None: KV usage is not a signal for this phase
     kv_down_ratio: float | None = None
+    router_queue_up_per_replica: float | None = None  # None: the router queue is not a signal
+    router_queue_down_per_replica: float | None = None
+    router_wait_up_s: float | None = None  # p90 wait in the router queue
+    router_wait_down_s: float | None = None
     max_step_up: int = 2
     max_step_down: int = 1
     scale_up_cooldown_s: float = 30.0
@@ -136,6 +149,12 @@ class PhasePolicy:
         if self.kv_up_ratio is not None and self.kv_down_ratio is not None:
             if not 0 <= self.kv_down_ratio < self.kv_up_ratio <= 1:
                 raise ConfigError("need 0 <= kv_down_ratio < kv_up_ratio <= 1")
+        for up, down, name in ((self.router_queue_up_per_replica, self.router_queue_down_per_replica, "router_queue"),
+                               (self.router_wait_up_s, self.router_wait_down_s, "router_wait")):
+            if (up is None) != (down is None):
+                raise ConfigError(f"{name} up and down thresholds are set together or not at all")
+            if up is not None and down is not None and not 0 <= down < up:
+                raise ConfigError(f"need 0 <= {name} down < up")
         if self.max_step_up < 1 or self.max_step_down < 1:
             raise ConfigError("max_step_up and max_step_down must be >= 1")
         if min(self.scale_up_cooldown_s, self.scale_down_cooldown_s,
@@ -201,7 +220,7 @@ class _Signals:
     breaching_slo: bool
 
 
-def _signals(obs: PhaseObservation, pol: PhasePolicy, current: int) -> _Signals:
+def _signals(obs: PhaseObservation, pol: PhasePolicy, current: int, upstream_backed_up: bool = False) -> _Signals:
     ratios: list[float] = []
     all_low = True
     breaching = False
@@ -232,6 +251,20 @@ def _signals(obs: PhaseObservation, pol: PhasePolicy, current: int) -> _Signals:
             all_low &= (obs.kv_usage_ratio <= pol.kv_down_ratio
                         and obs.kv_usage_ratio * shrink < pol.kv_up_ratio)
 
+    # The router's admission queue (absent on older routers: no vote, no block). It waits for this
+    # phase's room unless the phase upstream is backed up (`upstream_backed_up`): then it only votes down.
+    if pol.router_queue_up_per_replica is not None and obs.router_queue_depth is not None:
+        assert pol.router_queue_down_per_replica is not None
+        per_replica = obs.router_queue_depth / serving
+        if not upstream_backed_up:
+            ratios.append(per_replica / pol.router_queue_up_per_replica)
+        all_low &= per_replica <= pol.router_queue_down_per_replica
+    if pol.router_wait_up_s is not None and obs.router_queue_wait_p90_s is not None:
+        assert pol.router_wait_down_s is not None
+        if not upstream_backed_up:
+            ratios.append(obs.router_queue_wait_p90_s / pol.router_wait_up_s)
+        all_low &= obs.router_queue_wait_p90_s <= pol.router_wait_down_s
+
     worst = max(ratios, default=0.0)
     return _Signals(worst_ratio=worst, any_high=worst >= 1.0, all_low=all_low and not breaching,
                     breaching_slo=breaching)
@@ -242,9 +275,9 @@ def _since(now_s: float, then_s: float | None) -> float:
 
 
 def _decide_phase(obs: PhaseObservation, pol: PhasePolicy, st: PhaseState,
-                  now_s: float) -> tuple[PhaseDecision, PhaseState]:
+                  now_s: float, upstream_backed_up: bool = False) -> tuple[PhaseDecision, PhaseState]:
     current = obs.replicas.desired
-    sig = _signals(obs, pol, current)
+    sig = _signals(obs, pol, current, upstream_backed_up)
     low_since = (st.low_since_s if st.low_since_s is not None else now_s) if sig.all_low else None
     target, reason = current, Reason.HOLD
 
@@ -296,7 +329,9 @@ def _decide_phase(obs: PhaseObservation, pol: PhasePolicy, st: PhaseState,
 def tick(inp: TickInput, state: State, policy: Policy) -> Decision:
     """One autoscaling decision for both phases; each phase is decided independently."""
     prefill, prefill_state = _decide_phase(inp.prefill, policy.prefill, state.prefill, inp.now_s)
-    decode, decode_state = _decide_phase(inp.decode, policy.decode, state.decode, inp.now_s)
+    backed_up = (inp.prefill.queue_depth is not None and inp.prefill.queue_depth / max(inp.prefill.replicas.ready, 1)
+                 >= policy.prefill.queue_up_per_replica)
+    decode, decode_state = _decide_phase(inp.decode, policy.decode, state.decode, inp.now_s, backed_up)
     return Decision(prefill=prefill, decode=decode,
                     state=State(prefill=prefill_state, decode=decode_state))
 

@@ -13,7 +13,11 @@ fleet, not one router's lifetime (histograms are cumulative counters, one set pe
 
 Metric names (fixed by the router): `tandem_ttft_seconds`, `tandem_itl_seconds` (histograms);
 `tandem_queue_depth{phase}`, `tandem_kv_usage_ratio{phase}`, `tandem_running_seqs{phase}`
-(gauges). Gauges may carry more labels (e.g. one series per worker): if a series has only the
+(gauges). The router's admission queue: `tandem_router_queue_depth` (gauge; each router has its
+own queue, so these are summed over routers, unlike the worker gauges every router repeats) and
+`tandem_router_queue_wait_seconds` (histogram, windowed like the latencies) feed decode;
+`tandem_ttft_placed_seconds` (TTFT after admission), when a router exports it, is prefill's
+latency signal instead of the raw TTFT, which includes the queue wait. Gauges may carry more labels (e.g. one series per worker): if a series has only the
 `phase` label it is taken as the phase aggregate; otherwise queue depth and running seqs are
 summed and KV usage is averaged over the phase's series.
 """
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,7 +34,10 @@ from autoscaler.core import LatencyQuantiles, Phase, PhaseObservation, ReplicaCo
 from common.errors import ConfigError, ProtocolError
 
 TTFT = "tandem_ttft_seconds"
+TTFT_PLACED = "tandem_ttft_placed_seconds"
 ITL = "tandem_itl_seconds"
+ROUTER_QUEUE = "tandem_router_queue_depth"
+ROUTER_WAIT = "tandem_router_queue_wait_seconds"
 QUEUE_DEPTH = "tandem_queue_depth"
 KV_USAGE = "tandem_kv_usage_ratio"
 RUNNING_SEQS = "tandem_running_seqs"
@@ -93,10 +100,12 @@ class PhaseGauges:
 @dataclass(frozen=True, slots=True)
 class RouterScrape:
     at_s: float  # monotonic time of the scrape
-    ttft: Histogram
+    ttft: Histogram  # after admission when the router exports it, else the client-side TTFT
     itl: Histogram
     prefill: PhaseGauges
     decode: PhaseGauges
+    router_queue_depth: float | None = None
+    router_wait: Histogram = Histogram((), ())
 
     def of(self, phase: Phase) -> PhaseGauges:
         return self.prefill if phase is Phase.PREFILL else self.decode
@@ -131,9 +140,9 @@ def _phase_gauge(series: list[tuple[dict[str, str], float]], phase: Phase,
 def parse_router_metrics(text: str, at_s: float) -> RouterScrape:
     """Parse one scrape of the router. Histograms are summed over their label sets (one
     histogram per model, say); a histogram the router has not created yet reads as empty."""
-    buckets: dict[str, dict[float, float]] = {TTFT: {}, ITL: {}}
+    buckets: dict[str, dict[float, float]] = {TTFT: {}, TTFT_PLACED: {}, ITL: {}, ROUTER_WAIT: {}}
     gauges: dict[str, list[tuple[dict[str, str], float]]] = {
-        QUEUE_DEPTH: [], KV_USAGE: [], RUNNING_SEQS: []}
+        QUEUE_DEPTH: [], KV_USAGE: [], RUNNING_SEQS: [], ROUTER_QUEUE: []}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -151,9 +160,12 @@ def parse_router_metrics(text: str, at_s: float) -> RouterScrape:
                            kv_usage_ratio=_phase_gauge(gauges[KV_USAGE], p, average=True),
                            running_seqs=_phase_gauge(gauges[RUNNING_SEQS], p, average=False))
 
-    return RouterScrape(at_s=at_s, ttft=_histogram(buckets[TTFT], TTFT),
+    queue = [v for _, v in gauges[ROUTER_QUEUE] if not math.isnan(v)]
+    ttft = TTFT_PLACED if buckets[TTFT_PLACED] else TTFT
+    return RouterScrape(at_s=at_s, ttft=_histogram(buckets[ttft], ttft),
                         itl=_histogram(buckets[ITL], ITL), prefill=phase(Phase.PREFILL),
-                        decode=phase(Phase.DECODE))
+                        decode=phase(Phase.DECODE), router_queue_depth=sum(queue) if queue else None,
+                        router_wait=_histogram(buckets[ROUTER_WAIT], ROUTER_WAIT))
 
 
 class ScrapeWindow:
@@ -243,14 +255,21 @@ def build_tick_input(windows: RouterWindows, prefill: ReplicaCounts,
     pairs = [(w.latest, w.baseline()) for w in map(windows.window_of, windows.routers)]
     ttft = [now.ttft.since(base.ttft) for now, base in pairs if now and base]
     itl = [now.itl.since(base.itl) for now, base in pairs if now and base]
+    waits = _sum([now.router_wait.since(base.router_wait) for now, base in pairs if now and base])
+    queues = [s.router_queue_depth for s in latest if s is not None and s.router_queue_depth is not None]
 
     def observe(phase: Phase, replicas: ReplicaCounts,
                 deltas: list[Histogram]) -> PhaseObservation:
         gauges = [s.of(phase) for s in latest if s is not None]
-        return PhaseObservation(
+        obs = PhaseObservation(
             replicas=replicas, latency=_quantiles(_sum(deltas)) if deltas else None,
             queue_depth=_mean([g.queue_depth for g in gauges]),
             kv_usage_ratio=_mean([g.kv_usage_ratio for g in gauges]))
+        if phase is Phase.DECODE:  # the router queue waits for decode room
+            # each router has its own queue: summed; no admission in the window: no wait to report
+            obs = replace(obs, router_queue_depth=sum(queues) if queues else None,
+                          router_queue_wait_p90_s=waits.quantile(0.9) if waits.bounds else None)
+        return obs
 
     return TickInput(now_s=now_s, prefill=observe(Phase.PREFILL, prefill, ttft),
                      decode=observe(Phase.DECODE, decode, itl))

@@ -121,6 +121,8 @@ class RequestResult:
     last_token_s: float | None = None  # dispatch -> last event carrying a token
     e2e_s: float | None = None  # dispatch -> end of the stream
     itl_s: list[float] = field(default_factory=list)  # one entry per token after the first
+    token_ids: list[int] = field(default_factory=list)  # when the server returns them (return_token_ids)
+    queue_wait_s: float | None = None  # the server's x-tandem-queue-wait-s header, when it sends one
 
     @property
     def tpot_s(self) -> float | None:
@@ -235,6 +237,8 @@ async def stream_one(client: httpx.AsyncClient, spec: LoadSpec, p: PlannedReques
 async def _stream(client: httpx.AsyncClient, spec: LoadSpec, path: str, body: dict, r: RequestResult,
                   t0: float) -> RequestResult:
     async with client.stream("POST", path, json=body) as resp:
+        wait = resp.headers.get("x-tandem-queue-wait-s")
+        r.queue_wait_s = float(wait) if wait is not None else None
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")
             return r.fail(f"http_{resp.status_code}", text)
@@ -257,6 +261,8 @@ async def _stream(client: httpx.AsyncClient, spec: LoadSpec, path: str, body: di
             if chunk.get("usage"):
                 r.usage_prompt_tokens = chunk["usage"].get("prompt_tokens")
                 r.usage_completion_tokens = chunk["usage"].get("completion_tokens")
+            for choice in chunk.get("choices") or []:
+                r.token_ids += choice.get("token_ids") or []
             k = counter.tokens(chunk)
             if k == 0:
                 continue

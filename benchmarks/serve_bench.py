@@ -10,6 +10,12 @@ a short table to stdout.
 
     tandem bench serve --url http://127.0.0.1:8000 --request-rate 4 --num-requests 200
     tandem bench serve --launch both --request-rate 2 --num-requests 40 --input-len 64:256
+
+Overload figures (issue 24): `--burst N` adds N streams sent at once after the run; `--verify-greedy`
+replays every completed stream in one process (engine.llm.LLM, same checkpoint and prompt ids) and
+counts streams with tokens lost, duplicated or different; the worker status after each run gives
+the KV pages left held (launched services, or `--worker ADDR`); responses' x-tandem-queue-wait-s
+give the longest wait in the router's admission queue.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import httpx
 import numpy as np
 
 from benchmarks.loadgen import LengthRange, LoadSpec, RequestResult, plan_requests, run_load
+from benchmarks.serve_checks import queue_waits, replay_greedy, settled_status
 from common.errors import ConfigError, WorkerUnavailable
 from launcher.cmd_serve import free_base_port, free_port
 
@@ -110,6 +117,16 @@ def format_table(run: dict) -> str:
                  f"{s['total_token_throughput']:.1f} total tok/s; goodput {g['requests_per_s']:.2f} req/s "
                  f"({g['requests_met']}/{s['num_requests']} met TTFT<={g['slo_ttft_ms']:g} ms, "
                  f"TPOT<={g['slo_tpot_ms']:g} ms)")
+    q = s.get("queue_wait") or {}
+    if q.get("max_s") is not None:
+        lines.append(f"router queue wait: max {q['max_s']:.2f} s, p50 {q['p50_s']:.2f} s, p99 {q['p99_s']:.2f} s")
+    if "pages_held_after" in s:
+        lines.append(f"KV pages still held after the run: {s['pages_held_after']}")
+    if "replay" in s:
+        rp = s["replay"]
+        lines.append(f"greedy replay: {rp['equal']}/{rp['streams']} equal, {rp['lost']} lost, {rp['duplicated']} "
+                     f"duplicated, {rp['different']} different ({rp['tokens_lost']} tokens lost, "
+                     f"{rp['tokens_duplicated']} duplicated)")
     if run.get("note"):
         lines.append(f"note: {run['note']}")
     return "\n".join(lines)
@@ -137,6 +154,9 @@ class LaunchedService:
     def __init__(self, mode: str, num_prefill: int, num_decode: int, serve_args: list[str], ready_timeout_s: float):
         self.mode, self.ready_timeout_s = mode, ready_timeout_s
         port, base = free_port(), free_base_port(num_prefill + num_decode)
+        n_decode = num_prefill + num_decode if mode == "colocated" else num_decode
+        self.workers = ([] if mode == "colocated" else [f"tcp://127.0.0.1:{base + 100 + i}" for i in range(num_prefill)])
+        self.workers += [f"tcp://127.0.0.1:{base + 200 + i}" for i in range(n_decode)]
         self.url = f"http://127.0.0.1:{port}"
         workers = (["--colocated", "--num-decode", str(num_prefill + num_decode)] if mode == "colocated"
                    else ["--num-prefill", str(num_prefill), "--num-decode", str(num_decode)])
@@ -192,7 +212,18 @@ def _model_of(url: str, timeout_s: float) -> str:
         raise WorkerUnavailable(f"could not read the model name from {url}/v1/models ({e}); pass --model") from None
 
 
-def run_one(label: str, url: str, a: argparse.Namespace, note: str | None) -> dict:
+def run_one(label: str, url: str, a: argparse.Namespace, note: str | None, workers: list[str] | None = None,
+            checkpoint: str | None = None) -> list[dict]:
+    runs = [_measure(label, url, a, note, workers, checkpoint)]
+    if a.burst:
+        burst = argparse.Namespace(**{**vars(a), "num_requests": a.burst, "request_rate": math.inf,
+                                      "max_concurrency": None, "warmup": 0, "seed": a.seed + 7})
+        runs.append(_measure(f"{label} burst {a.burst}", url, burst, note, workers, checkpoint))
+    return runs
+
+
+def _measure(label: str, url: str, a: argparse.Namespace, note: str | None, workers: list[str] | None,
+             checkpoint: str | None) -> dict:
     spec = LoadSpec(base_url=url, model=a.model or _model_of(url, a.connect_timeout_s), api=a.api,
                     num_requests=a.num_requests, request_rate=a.request_rate, burstiness=a.burstiness,
                     max_concurrency=a.max_concurrency, input_len=LengthRange.parse(a.input_len),
@@ -203,14 +234,33 @@ def run_one(label: str, url: str, a: argparse.Namespace, note: str | None) -> di
         bad = [r for r in asyncio.run(run_load(warm, plan_requests(warm))).results if not r.ok]
         if bad:
             print(f"warm-up: {len(bad)}/{a.warmup} failed, first: {bad[0].error_kind}: {bad[0].error}", flush=True)
-    out = asyncio.run(run_load(spec, plan_requests(spec)))
+    planned = plan_requests(spec)
+    out = asyncio.run(run_load(spec, planned))
     load = asdict(spec)
     load["request_rate"] = None if math.isinf(spec.request_rate) else spec.request_rate  # JSON has no inf
     run = {"label": label, "url": url, "note": note, "load": load,
            "summary": summarize(out.results, out.duration_s, SLO(a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3))}
+    run["summary"]["queue_wait"] = queue_waits(out.results)
+    if workers:
+        run["workers_after"] = settled_status(workers)
+        run["summary"]["pages_held_after"] = sum(w.get("pages_held", 0) + w.get("sliding_pages_held", 0)
+                                                 for w in run["workers_after"])
+    if a.verify_greedy:
+        if spec.api != "completions" or not checkpoint:
+            raise ConfigError("--verify-greedy needs --api completions (token-id prompts) and a checkpoint")
+        run["summary"]["replay"] = replay_greedy(checkpoint, planned, out.results)
     if a.save_requests:
         run["requests"] = [{**{f.name: getattr(r, f.name) for f in fields(r)}, "tpot_s": r.tpot_s} for r in out.results]
     return run
+
+
+def _serve_checkpoint(serve_args: list[str]) -> str:
+    if "--checkpoint" in serve_args:
+        return serve_args[serve_args.index("--checkpoint") + 1]
+    from launcher.cmd_serve import DEFAULT_CACHE
+    from model.checkpoint_io import ensure_checkpoint
+
+    return str(ensure_checkpoint("tiny", DEFAULT_CACHE))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -240,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
     p.add_argument("--out", default=None, help="JSON output path")
     p.add_argument("--save-requests", action="store_true", help="keep every request's timings in the JSON")
+    p.add_argument("--burst", type=int, default=0, help="after the run: N more streams, all sent at once")
+    p.add_argument("--verify-greedy", action="store_true",
+                   help="replay every completed stream in one process (engine.llm.LLM) and count streams with "
+                        "lost, duplicated or different tokens (completions API, greedy)")
+    p.add_argument("--checkpoint", default=None, help="--verify-greedy: the checkpoint the server runs "
+                   "(default with --launch: --serve-args' --checkpoint, else the embedded tiny model)")
+    p.add_argument("--worker", action="append", default=[],
+                   help="--url: a worker tcp://HOST:PORT whose KV pages are checked after each run (repeat)")
     return p
 
 
@@ -252,15 +310,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.url:
         url = a.url.rstrip("/")
         tiny = "tiny" in (a.model or _model_of(url, a.connect_timeout_s))
-        runs.append(run_one(url, url, a, TINY_NOTE if tiny else None))
+        runs += run_one(url, url, a, TINY_NOTE if tiny else None, a.worker, a.checkpoint)
     else:
         serve_args = shlex.split(a.serve_args)
         note = None if "cuda" in a.serve_args else CPU_NOTE
+        checkpoint = a.checkpoint or _serve_checkpoint(serve_args) if a.verify_greedy else None
         for mode in (["disaggregated", "colocated"] if a.launch == "both" else [a.launch]):
             with LaunchedService(mode, a.num_prefill, a.num_decode, serve_args, a.ready_timeout_s) as svc:
-                run = run_one(mode, svc.url, a, note)
-                run["launched"] = {"mode": mode, "command": svc.cmd[2:]}
-                runs.append(run)
+                for run in run_one(mode, svc.url, a, note, svc.workers, checkpoint):
+                    run["launched"] = {"mode": mode, "command": svc.cmd[2:]}
+                    runs.append(run)
     doc = {"kind": "tandem-bench-serve", "version": 1,
            "env": {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
                    "cpus": os.cpu_count(), "python": platform.python_version()},
@@ -273,4 +332,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(doc, indent=1))
         print(f"wrote {a.out}")
-    return 1 if any(r["summary"]["failed"] for r in runs) else 0
+    bad_replay = any(r["summary"].get("replay", {}).get("equal", 0) != r["summary"].get("replay", {}).get(
+        "streams", 0) for r in runs)
+    return 1 if any(r["summary"]["failed"] for r in runs) or bad_replay else 0

@@ -116,7 +116,7 @@ def _worker(role: str, parallelism: Schema, extra: dict[str, Schema]) -> Schema:
         "replicas": _int(minimum=0, description="not applied while autoscaler.enabled"),
         "parallelism": parallelism, "port": _ref("port"), "metricsPort": _ref("port"),
         "fp8": _bool(), "nixl": _ref("nixl"), "resources": _ref("resources"),
-        "probes": _ref("probes"), "terminationGracePeriodSeconds": _int(minimum=0),
+        "probes": _ref("probes"),
         "podDisruptionBudget": _ref("podDisruptionBudget"), **POD_COMMON, **extra,
     }, description=f"{role} workers (mirror image of the other phase)")
 
@@ -143,9 +143,23 @@ ROUTER = _obj({
     "service": _obj({"type": _str(enum=["ClusterIP", "NodePort", "LoadBalancer"]),
                      "port": _ref("port"), "annotations": _ref("stringMap")}),
     "resources": _ref("resources"), "probes": _ref("probes"),
-    "terminationGracePeriodSeconds": _int(minimum=0),
+    "preStopSleepSeconds": _int(minimum=0, description="keep serving while the endpoint leaves the Service"),
+    "admission": _obj({"maxQueuedRequests": _int(minimum=0), "maxQueueWaitSeconds": _pos(),
+                       "maxPrefillQueue": _int(minimum=1)},
+                      description="the router's queue: past either bound, 429 with Retry-After"),
+    "requestTimeoutSeconds": _num(minimum=0, description="abort requests running longer; 0 = no limit"),
+    "maxRequestBytes": _int(minimum=1024, description="larger request bodies get 413"),
+    "apiKeys": _obj({"enabled": _bool(),
+                     "existingSecret": _str(description="a Secret with the keys, comma-separated, under secretKey"),
+                     "secretKey": _str(minLength=1),
+                     "keys": {"type": "array", "items": _str(minLength=8),
+                              "description": "without existingSecret: the chart stores these in a Secret"}}),
     "podDisruptionBudget": _ref("podDisruptionBudget"), **POD_COMMON,
 })
+
+DRAIN = _obj({"timeoutSeconds": _int(minimum=0, description="--drain-timeout-s of router, prefill and decode"),
+              "marginSeconds": _int(minimum=0, description="terminationGracePeriodSeconds = preStop + drain + "
+                                                           "this")})
 
 AUTOSCALER = _obj({
     "enabled": _bool(), "intervalS": _pos(), "windowS": _pos(), "metricsPort": _ref("port"),
@@ -156,7 +170,9 @@ AUTOSCALER = _obj({
     "decode": _obj({"minReplicas": _int(minimum=1), "maxReplicas": _int(minimum=1),
                     "queueUp": _pos(), "queueDown": _num(minimum=0),
                     "kvUp": _num(exclusiveMinimum=0, maximum=1),
-                    "kvDown": _num(minimum=0, maximum=1)}),
+                    "kvDown": _num(minimum=0, maximum=1),
+                    "routerQueueUp": _pos(), "routerQueueDown": _num(minimum=0),
+                    "routerWaitUpS": _pos(), "routerWaitDownS": _num(minimum=0)}),
     "maxStepUp": _int(minimum=1), "maxStepDown": _int(minimum=1),
     "scaleUpCooldownS": _num(minimum=0), "scaleDownCooldownS": _num(minimum=0),
     "scaleDownStabilizationS": _num(minimum=0),
@@ -176,7 +192,7 @@ def schema() -> Schema:
                                        "hostPath": _str(pattern=r"^/"),
                                        "claimName": _str()})}),
         "accelerator": _obj({"resourceName": _ref("resourceName")}),
-        "router": ROUTER, "prefill": PREFILL, "decode": DECODE, "autoscaler": AUTOSCALER,
+        "drain": DRAIN, "router": ROUTER, "prefill": PREFILL, "decode": DECODE, "autoscaler": AUTOSCALER,
         "serviceMonitor": _obj({"enabled": _bool(),
                                 "interval": _str(pattern=r"^[0-9]+(ms|s|m|h)$"),
                                 "labels": _ref("stringMap")}),

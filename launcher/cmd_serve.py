@@ -2,7 +2,9 @@
 
 The embedded default is the tiny checkpoint on the CPU, one prefill and one decode worker, KV over
 NIXL (UCX over TCP loopback). Waits until the router reports ready, prints the URL, and on Ctrl-C
-(or SIGTERM) drains and stops every process it started.
+(or SIGTERM) drains and stops every process it started: the router first (it answers new requests
+with 503 and gives those in flight up to --drain-timeout-s, then ends them with "abort"), then the
+workers; each process gets the drain time plus a margin before it is killed.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ def worker_flags(a: argparse.Namespace, checkpoint: str, *, device: str, kv_back
         flags += ["--checkpoint", checkpoint]
     if a.fp8:
         flags.append("--fp8")
+    flags += ["--drain-timeout-s", str(getattr(a, "drain_timeout_s", 30.0))]
     gib = kv_cache_gib or a.kv_cache_gib
     if gib:
         flags += ["--kv-cache-gib", str(gib)]
@@ -120,7 +123,8 @@ def build_commands(a: argparse.Namespace, checkpoint: str) -> list[list[str]]:
                              tp=a.decode_tp, moe_mode=a.decode_moe_mode)
         cmds.append(exe + ["decode-worker", *flags, "--port", str(port), "--metrics-port", str(a.base_port + 1200 + i),
                            *shlex.split(getattr(a, "decode_args", "") or "")])
-    router = exe + ["router", "--host", a.host, "--port", str(a.port), "--model-name", a.model_name]
+    router = exe + ["router", "--host", a.host, "--port", str(a.port), "--model-name", a.model_name,
+                    "--drain-timeout-s", str(getattr(a, "drain_timeout_s", 30.0))]
     for addr in prefill:
         router += ["--prefill", addr]
     for addr in decode:
@@ -162,6 +166,8 @@ def serve(argv: list[str]) -> int:
     p.add_argument("--prefill-args", default="", help="extra flags for every prefill worker, one string")
     p.add_argument("--decode-args", default="", help="extra flags for every decode worker, one string")
     p.add_argument("--ready-timeout-s", type=float, default=300)
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on Ctrl-C/SIGTERM: how long requests in flight may finish before they end with 'abort'")
     a = p.parse_args(argv)
     if a.num_decode < 1:
         raise ConfigError("--num-decode must be >= 1")
@@ -192,19 +198,21 @@ def serve(argv: list[str]) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        shutdown(procs)
+        shutdown(procs, drain_s=a.drain_timeout_s)
     return 0
 
 
-def shutdown(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
-    """Router first (stops new traffic), then workers drain; kill whatever outlives the grace."""
-    for pr in reversed(procs):
-        if pr.poll() is None:
-            pr.send_signal(signal.SIGTERM)
-    t_end = time.monotonic() + grace_s
-    for pr in procs:
-        try:
-            pr.wait(max(0.1, t_end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pr.kill()
-            pr.wait()
+def shutdown(procs: list[subprocess.Popen], grace_s: float = 20.0, drain_s: float = 0.0) -> None:
+    """Router first (the last process: it stops new traffic and drains up to `drain_s`), then the
+    workers (whatever it aborted is gone from them by then); kill whatever outlives drain + grace."""
+    for group in (procs[-1:], procs[:-1]):
+        for pr in group:
+            if pr.poll() is None:
+                pr.send_signal(signal.SIGTERM)
+        t_end = time.monotonic() + drain_s + grace_s
+        for pr in group:
+            try:
+                pr.wait(max(0.1, t_end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pr.kill()
+                pr.wait()

@@ -171,6 +171,7 @@ class TandemRouter:
         self._server: Any = None  # uvicorn.Server
         self._task: asyncio.Task[None] | None = None
         self._discovery: LiveDiscovery | None = None
+        self._drain: Any = None  # the router's drain coroutine (new requests 503, in-flight ones finish)
 
     async def start(self, spec: RouterLaunch, timeout_s: float) -> str:
         import ray
@@ -185,6 +186,7 @@ class TandemRouter:
         cfg, _static = parse_args(argv)
         self._discovery = LiveDiscovery(spec.prefill, spec.decode)
         app = make_app(cfg, self._discovery)
+        self._drain = app.state.drain
         # Bind here, not in uvicorn: a busy port is an OSError to report, not a sys.exit in
         # uvicorn's start-up, and port 0 tells us which port we got.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -221,9 +223,12 @@ class TandemRouter:
         return "stopped"
 
     async def stop(self) -> None:
-        """Stop accepting, let in-flight requests finish (up to graceful_s), close the fleet."""
+        """Drain (new requests 503, in-flight ones finish up to the router's --drain-timeout-s, the
+        rest end with "abort"), then stop the server and close the fleet."""
         if self._server is None or self._task is None:
             return
+        if self._drain is not None and not self._task.done():
+            await self._drain()
         self._server.should_exit = True
         await self._task
 

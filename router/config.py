@@ -24,6 +24,14 @@ class RouterConfig:
     default_max_tokens: int = 4096
     knowledge_cutoff: str = "2024-06"
     served_models: tuple[str, ...] = field(default=())
+    # overload, cancellation, drain, bounds, auth (issue 24)
+    max_queued_requests: int = 1024  # admission queue bound by count: past it, 429
+    max_queue_wait_s: float = 600.0  # admission queue bound by wait: past it, 429
+    max_prefill_queue: int = 4  # requests per prefill worker (running + queued) before new ones wait here
+    request_timeout_s: float = 0.0  # whole request, arrival to last token; 0 = off
+    drain_timeout_s: float = 60.0  # SIGTERM: in-flight requests get this long, then end with "abort"
+    max_request_bytes: int = 4 << 20  # request bodies above this get 413 before parsing
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # non-empty: /v1/* needs one as a Bearer token
 
     @property
     def model_names(self) -> tuple[str, ...]:

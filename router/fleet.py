@@ -8,6 +8,13 @@ takes it back, and the requests of its previous epoch already failed when the co
 poll that times out while the worker sent something since the previous poll (token chunks, a late
 status reply; also what a starved router finds queued when it wakes) is not a miss: slow is not
 gone. `snapshot()` feeds the pure placement policy.
+
+Router-side reservations: a burst can place many requests between two polls. Each placement on a
+decode worker and each end of one is an event; `snapshot()` applies the events newer than the
+poll that produced the worker's last status (sequence slots and prompt pages), and never shows
+fewer slots or pages taken than this router's own live requests hold. A decode worker that
+answered Rejected is shown full until its next poll. After every poll round `on_poll` callbacks
+run (the admission queue wakes its waiters).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import logging
 import math
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq.asyncio
@@ -36,9 +44,13 @@ class WorkerState:
     client: WorkerClient
     status: WorkerStatus | None = None
     misses: int = 0
-    pending_tokens: int = 0  # prompt tokens sent to this prefill worker, not yet answered
-    pending_requests: int = 0
+    pending: dict[str, int] = field(default_factory=dict)  # prefill: this router's requests placed here, not
+    # yet answered -> prompt tokens (from placement on: a burst sees what it already sent)
     last_poll: float = 0.0  # monotonic time the previous status poll was sent
+    live: dict[str, int] = field(default_factory=dict)  # decode: this router's requests -> prompt pages
+    events: list[tuple[int, int, int]] = field(default_factory=list)  # (event no, +1 placed / -1 ended, pages)
+    next_event: int = 0
+    full_until_poll: bool = False  # answered Rejected: no room until a fresh status says otherwise
 
     @property
     def healthy(self) -> bool:
@@ -78,6 +90,38 @@ class Fleet:
         self.roles: dict[str, str] = {}
         self._task: asyncio.Task | None = None
         self.first_poll = asyncio.Event()
+        self.on_poll: list[Callable[[], None]] = []
+
+    # ---- router-side reservations on decode workers ------------------------------------------
+    def reserve(self, address: str, request_id: str, pages: int) -> None:
+        st = self.workers.get(address)
+        if st is None:
+            return
+        st.live[request_id] = pages
+        st.events.append((st.next_event, 1, pages))
+        st.next_event += 1
+
+    def release(self, address: str, request_id: str) -> None:
+        st = self.workers.get(address)
+        if st is None or request_id not in st.live:
+            return
+        pages = st.live.pop(request_id)
+        st.events.append((st.next_event, -1, pages))
+        st.next_event += 1
+
+    def reserve_prefill(self, address: str, request_id: str, tokens: int) -> None:
+        st = self.workers.get(address)
+        if st is not None:
+            st.pending[request_id] = tokens
+
+    def release_prefill(self, address: str, request_id: str) -> bool:
+        st = self.workers.get(address)
+        return st is not None and st.pending.pop(request_id, None) is not None
+
+    def mark_full(self, address: str) -> None:
+        st = self.workers.get(address)
+        if st is not None:
+            st.full_until_poll = True
 
     def client(self, address: str) -> WorkerClient:
         return self.workers[address].client
@@ -114,17 +158,27 @@ class Fleet:
 
     async def _poll_one(self, addr: str, st: WorkerState) -> None:
         since, st.last_poll = st.last_poll, time.monotonic()  # heard from it since the previous poll?
+        mark = st.next_event  # events before this are taken as reflected in the answer
+        timeout_s = max(MIN_STATUS_TIMEOUT_S, 2 * self.interval)
         try:
-            old, st.status = st.status, await st.client.status(max(MIN_STATUS_TIMEOUT_S, 2 * self.interval))
+            old, st.status = st.status, await st.client.status(timeout_s)
             if old is not None and old.epoch != st.status.epoch:  # its requests failed when the connection dropped
                 log.warning("%s worker %s restarted (epoch %d -> %d)", st.client.role, addr, old.epoch, st.status.epoch)
+            st.events = [e for e in st.events if e[0] >= mark]
+            st.full_until_poll = False
             if st.misses >= MISSES_TO_DOWN:
                 log.info("%s worker %s is back (epoch %d)", st.client.role, addr, st.status.epoch)
             st.misses = 0
             st.client.mark_alive()
         except asyncio.TimeoutError:
+            # A router whose own loop was starved (a burst of requests to render) sees the deadline
+            # fire before it reads replies already in the socket: read them, and do not blame a
+            # worker for a deadline that fired late.
+            await asyncio.sleep(0.05)
             if st.client.last_heard >= since:
                 return  # slow, not gone: it streamed tokens or answered the last poll late (a loaded host)
+            if time.monotonic() - st.last_poll > 1.25 * timeout_s + 0.05:
+                return  # the deadline fired late: the router was stalled, not (necessarily) the worker
             st.misses += 1
             if st.misses == MISSES_TO_DOWN:
                 log.warning("%s worker %s missed %d status polls: marking it down", st.client.role, addr, st.misses)
@@ -137,6 +191,8 @@ class Fleet:
                 self._refresh_members()
             await asyncio.gather(*(self._poll_one(a, s) for a, s in list(self.workers.items())))
             self.first_poll.set()
+            for fn in self.on_poll:
+                fn()
             n += 1
             await asyncio.sleep(self.interval)
 
@@ -144,13 +200,35 @@ class Fleet:
         views: dict[str, list[WorkerView]] = {"prefill": [], "decode": []}
         for addr, st in self.workers.items():
             s = st.status
-            views[self.roles[addr]].append(WorkerView(
+            if self.roles[addr] == "decode":
+                views["decode"].append(self._decode_view(addr, st))
+                continue
+            # the status counts what waits on the worker (others' too); ours counts what we sent that
+            # it may not have seen yet, and the one it runs: the larger is the better estimate
+            views["prefill"].append(WorkerView(
                 address=addr, healthy=st.healthy, ready=bool(s and s.ready and not s.draining),
-                queue_depth=(s.queue_depth if s else 0) + st.pending_requests,
-                queued_tokens=(s.queued_tokens if s else 0) + st.pending_tokens,
+                queue_depth=max(s.queue_depth if s else 0, len(st.pending)),
+                queued_tokens=max(s.queued_tokens if s else 0, sum(st.pending.values())),
                 running=s.running if s else 0, kv_free_pages=s.kv_free_pages if s else 0,
                 page_size=s.page_size if s else 16, max_num_seqs=s.max_num_seqs if s else 0))
         return FleetSnapshot(tuple(views["prefill"]), tuple(views["decode"]))
+
+    @staticmethod
+    def _decode_view(addr: str, st: WorkerState) -> WorkerView:
+        s = st.status
+        if s is None:
+            return WorkerView(addr, st.healthy, False, 0, 0, 0, 0, 16, 0)
+        seqs = s.running + s.queue_depth + sum(kind for _, kind, _ in st.events)
+        free = s.kv_free_pages - sum(kind * pages for _, kind, pages in st.events)
+        # Our own live requests are certainly there, whatever an older status says.
+        seqs = max(seqs, len(st.live))
+        free = min(free, s.kv_total_pages - sum(st.live.values()))
+        if st.full_until_poll:
+            seqs = s.max_num_seqs
+        return WorkerView(address=addr, healthy=st.healthy, ready=s.ready and not s.draining,
+                          queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, running=max(seqs, 0),
+                          kv_free_pages=max(free, 0), page_size=s.page_size, max_num_seqs=s.max_num_seqs,
+                          kv_total_pages=s.kv_total_pages)
 
     def phase_gauges(self) -> dict[str, tuple[float, float, float]]:
         """phase -> (queue depth, KV usage ratio, running) summed over live workers (for /metrics).

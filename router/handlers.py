@@ -8,6 +8,8 @@ request on its workers.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +22,7 @@ from router.harmony import HarmonyFormat
 from router.metrics import RouterMetrics
 from router.openai_models import ChatCompletionRequest, CompletionRequest, sampling_spec, to_chat_prompt
 from router.orchestrator import Job, Orchestrator
+from router.textguard import check_texts, guarded
 from wire.protocol import SamplingSpec, TokenChunk
 from router.tokenizer import VOCAB_SIZE, Tokenizer
 
@@ -96,6 +99,8 @@ class Handlers:
                 now = time.monotonic()
                 if last is None:
                     self.metrics.ttft.observe(now - t0)
+                    if job.trace.placed_at is not None:
+                        self.metrics.ttft_placed.observe(now - job.trace.placed_at)
                 elif chunk.token_ids:
                     for _ in chunk.token_ids:
                         self.metrics.itl.observe((now - last) / len(chunk.token_ids))
@@ -113,6 +118,9 @@ class Handlers:
                 if chunk.finished:
                     status = "ok"
                     return
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
         finally:
             await gen.aclose()  # a stop-string hit or a client disconnect aborts on the workers
             self.metrics.requests.labels(status).inc()
@@ -122,12 +130,13 @@ class Handlers:
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[Job, list[str]]:
         self.check_model(req.model)
         req.check_unsupported()
+        check_texts(_chat_texts(req), self.cfg.max_model_len)  # before the tokenizer sees it
         prompt = to_chat_prompt(req, time.strftime("%Y-%m-%d"), self.cfg.knowledge_cutoff)
-        ids = self.fmt.render(prompt)
+        ids = guarded(self.fmt.render, prompt, param="messages")
         max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens, len(ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         spec = sampling_spec(req, max_tokens, self.fmt.stop_token_ids(), logprobs)
-        return Job(f"chatcmpl-{uuid.uuid4().hex}", ids, spec), req.stop_strings()
+        return Job(f"chatcmpl-{uuid.uuid4().hex}", ids, spec, req.priority), req.stop_strings()
 
     async def chat_events(self, job: Job, stops: list[str]) -> AsyncIterator[tuple[Event, ParsedCompletion | None]]:
         """Events as tokens arrive; the last one carries the ParsedCompletion and the finish reason."""
@@ -180,12 +189,14 @@ class Handlers:
     # ---- completions ------------------------------------------------------------------------------
     def prompts_of(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
+        texts = [p] if isinstance(p, str) else [x for x in p if isinstance(x, str)]
+        check_texts((("prompt", t) for t in texts), self.cfg.max_model_len)
         if isinstance(p, str):
-            prompts = [self.tok.encode(p)]
+            prompts = [guarded(self.tok.encode, p, param="prompt")]
         elif p and isinstance(p[0], int):
             prompts = [list(p)]  # type: ignore[arg-type]
         elif p and isinstance(p[0], str):
-            prompts = [self.tok.encode(s) for s in p]  # type: ignore[union-attr]
+            prompts = [guarded(self.tok.encode, s, param="prompt") for s in p]  # type: ignore[union-attr]
         else:
             prompts = [list(x) for x in p]  # type: ignore[union-attr]
         if not prompts or any(not x for x in prompts):
@@ -202,7 +213,8 @@ class Handlers:
         jobs = []
         for ids in self.prompts_of(req):
             max_tokens = self._max_tokens(req.max_tokens if req.max_tokens is not None else 16, len(ids))
-            jobs.append(Job(f"cmpl-{uuid.uuid4().hex}", ids, sampling_spec(req, max_tokens, [], req.logprobs)))
+            jobs.append(Job(f"cmpl-{uuid.uuid4().hex}", ids, sampling_spec(req, max_tokens, [], req.logprobs),
+                            req.priority))
         return jobs, req.stop_strings()
 
     async def completion_events(self, job: Job, stops: list[str], skip_special: bool) -> AsyncIterator[Event]:
@@ -227,3 +239,23 @@ class Handlers:
             yield ev
         tail = "" if stop_hit[0] else stop.feed(detok.flush())[0] + stop.flush()
         yield Event(text=tail, finish_reason=finish)
+
+
+def _chat_texts(req: ChatCompletionRequest):
+    """(param, text) of everything in a chat request that the tokenizer will see."""
+    for i, m in enumerate(req.messages):
+        where = f"messages[{i}]"
+        if isinstance(m.content, str):
+            yield f"{where}.content", m.content
+        elif m.content:
+            for part in m.content:
+                yield f"{where}.content", part.text
+        for text in (m.reasoning_content, m.reasoning, m.name, m.tool_call_id):
+            if text:
+                yield where, text
+        for c in m.tool_calls or []:
+            yield f"{where}.tool_calls", c.function.arguments
+    for t in req.tools or []:
+        yield "tools", t.function.description
+        if t.function.parameters is not None:
+            yield "tools", json.dumps(t.function.parameters)

@@ -1,6 +1,11 @@
-"""`tandem router`: flags -> RouterConfig -> fleet + orchestrator + handlers -> uvicorn.
+"""`tandem router`: flags -> RouterConfig -> fleet + admission queue + orchestrator + handlers -> uvicorn.
 
 Never imports torch (a test enforces it): the router runs on CPU-only pods.
+
+Shutdown (SIGTERM or SIGINT): drain. New requests get 503 and /ready 503 at once (the Kubernetes
+endpoint goes), requests in flight (queued or running) get up to --drain-timeout-s to finish, what
+remains then ends with finish_reason "abort" and a message, Aborts reach the workers, and the
+process exits. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -9,16 +14,22 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
+import time
 
 import uvicorn
 import zmq.asyncio
 
 from common.errors import ConfigError
-from router.api import build_app
+from router.admission import AdmissionQueue
+from router.api import Serving, build_app
 from router.config import RouterConfig
+from router.edge import ApiKeys, BodyLimit
+from router.errors import ServiceDraining
 from router.fleet import Discovery, Fleet
 from router.handlers import Handlers
 from router.harmony import HarmonyFormat
+from router.lifecycle import InFlight
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 
@@ -45,7 +56,30 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
     p.add_argument("--transfer-deadline-s", type=float, default=60.0)
     p.add_argument("--prefill-timeout-s", type=float, default=600.0)
     p.add_argument("--stream-timeout-s", type=float, default=300.0)
+    o = p.add_argument_group("overload, cancellation and shutdown")
+    o.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests that may wait for KV room / a sequence slot; past it, 429")
+    o.add_argument("--max-queue-wait-s", type=float, default=600.0, help="longest wait in the queue; past it, 429")
+    o.add_argument("--max-prefill-queue", type=int, default=4,
+                   help="requests a prefill worker may hold (running + queued); more wait in the router, "
+                        "where no decode reservation's transfer deadline runs")
+    o.add_argument("--request-timeout-s", type=float, default=0.0,
+                   help="abort a request running longer than this (arrival to last token); 0 = no limit")
+    o.add_argument("--drain-timeout-s", type=float, default=60.0,
+                   help="on SIGTERM: how long requests in flight may still run before they end with 'abort'")
+    o.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    o.add_argument("--api-key", action="append", default=[],
+                   help="require Authorization: Bearer KEY on /v1/* (repeat for several; also env TANDEM_API_KEYS, "
+                        "comma-separated)")
     a = p.parse_args(argv)
+    if a.max_prefill_queue < 1:
+        raise ConfigError("--max-prefill-queue must be >= 1")
+    if a.max_queued_requests < 0 or a.max_queue_wait_s <= 0 or a.drain_timeout_s < 0 or a.request_timeout_s < 0:
+        raise ConfigError("--max-queued-requests, --request-timeout-s and --drain-timeout-s must be >= 0, "
+                          "--max-queue-wait-s > 0")
+    if a.max_request_bytes < 1024:
+        raise ConfigError("--max-request-bytes must be at least 1024")
+    keys = tuple(k for k in [*a.api_key, *os.environ.get("TANDEM_API_KEYS", "").split(",")] if k.strip())
     if a.discovery == "k8s":
         if not a.decode_service:
             raise ConfigError("--discovery k8s needs --decode-service (and --prefill-service unless colocated)")
@@ -60,15 +94,23 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
                        decode=tuple(disc.decode), dns_discovery=disc.dns, colocated=a.colocated,
                        poll_interval_s=a.poll_interval_s, transfer_deadline_s=a.transfer_deadline_s,
                        prefill_timeout_s=a.prefill_timeout_s, stream_timeout_s=a.stream_timeout_s,
-                       max_model_len=a.max_model_len)
+                       max_model_len=a.max_model_len, max_queued_requests=a.max_queued_requests,
+                       max_queue_wait_s=a.max_queue_wait_s, max_prefill_queue=a.max_prefill_queue,
+                       request_timeout_s=a.request_timeout_s,
+                       drain_timeout_s=a.drain_timeout_s, max_request_bytes=a.max_request_bytes,
+                       api_keys=tuple(k.strip() for k in keys))
     return cfg, disc
 
 
 def make_app(cfg: RouterConfig, disc: Discovery):
+    """The ASGI app; `app.state.drain()` (a coroutine) drains it for shutdown."""
     ctx = zmq.asyncio.Context()
     fleet = Fleet(disc, ctx, cfg.poll_interval_s)
     metrics = RouterMetrics()
-    handlers = Handlers(cfg, Orchestrator(fleet, cfg, metrics), metrics, HarmonyFormat())
+    admission = AdmissionQueue(fleet, metrics, max_queued=cfg.max_queued_requests, max_wait_s=cfg.max_queue_wait_s,
+                               colocated=cfg.colocated, max_prefill_queue=cfg.max_prefill_queue)
+    orch = Orchestrator(fleet, cfg, metrics, admission)
+    handlers = Handlers(cfg, orch, metrics, HarmonyFormat())
 
     def ready() -> tuple[bool, str]:
         snap = fleet.snapshot()
@@ -78,7 +120,28 @@ def make_app(cfg: RouterConfig, disc: Discovery):
             return False, "no prefill worker ready"
         return True, ""
 
-    app = build_app(handlers, ready, lambda: metrics.render(fleet.phase_gauges()))
+    serving = Serving(ready, lambda: metrics.render(fleet.phase_gauges()),
+                      InFlight(cfg.request_timeout_s, metrics.inflight.set))
+    app = build_app(handlers, serving)
+
+    async def drain() -> None:
+        if serving.draining:
+            return
+        serving.draining = True
+        metrics.draining.set(1)
+        t_end = time.monotonic() + cfg.drain_timeout_s
+        log.info("draining: no new requests; %d in flight get up to %g s", len(serving.inflight), cfg.drain_timeout_s)
+        while len(serving.inflight) and time.monotonic() < t_end:
+            await asyncio.sleep(0.05)
+        n = serving.inflight.cancel_all(ServiceDraining(
+            f"the server is shutting down: the request was still running at the end of the drain period "
+            f"({cfg.drain_timeout_s:g} s) and was aborted"))
+        if n:
+            log.warning("drain deadline: ended %d requests with finish_reason abort", n)
+        t_end = time.monotonic() + 5.0  # their tails written, their Aborts sent
+        while len(serving.inflight) and time.monotonic() < t_end:
+            await asyncio.sleep(0.02)
+        await orch.settle(2.0)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -90,13 +153,44 @@ def make_app(cfg: RouterConfig, disc: Discovery):
         ctx.term()
 
     app.router.lifespan_context = lifespan
-    return app
+    app.state.drain = drain
+    app.state.serving = serving
+    outer = BodyLimit(app, cfg.max_request_bytes)
+    outer = ApiKeys(outer, cfg.api_keys)
+    outer.state = app.state  # type: ignore[attr-defined]  # for main() and tests
+    return outer
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains (router keeps its socket and answers 503)
+    before the server stops; a second signal stops it at once."""
+
+    def __init__(self, config: uvicorn.Config, drain) -> None:
+        super().__init__(config)
+        self._drain, self._draining = drain, False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._draining:
+            self.force_exit = True
+            self.should_exit = True
+            return
+        self._draining = True
+        loop = asyncio.get_event_loop()
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain_then_exit()))
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._drain()
+        finally:
+            self.should_exit = True
 
 
 def main(argv: list[str]) -> int:
     cfg, disc = parse_args(argv)
     app = make_app(cfg, disc)
-    log.info("router on http://%s:%d, prefill %s, decode %s%s", cfg.host, cfg.port, list(cfg.prefill),
-             list(cfg.decode), " (colocated)" if cfg.colocated else "")
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=30)
+    log.info("router on http://%s:%d, prefill %s, decode %s%s%s", cfg.host, cfg.port, list(cfg.prefill),
+             list(cfg.decode), " (colocated)" if cfg.colocated else "", ", API keys required" if cfg.api_keys else "")
+    server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                                           timeout_graceful_shutdown=5), app.state.drain)
+    server.run()
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_WAIT = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
 
 
@@ -16,10 +17,20 @@ class RouterMetrics:
         self.ttft = Histogram("tandem_ttft_seconds", "time to first token, router view", buckets=_LAT, registry=r)
         self.itl = Histogram("tandem_itl_seconds", "inter-token latency", buckets=_ITL, registry=r)
         self.e2e = Histogram("tandem_e2e_latency_seconds", "request latency", buckets=_LAT, registry=r)
-        self.requests = Counter("tandem_requests_total", "finished requests", ["status"], registry=r)
+        self.requests = Counter("tandem_requests_total", "finished requests (ok, error, cancelled)", ["status"], registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens_total", "prompt tokens", registry=r)
         self.generation_tokens = Counter("tandem_generation_tokens_total", "generated tokens", registry=r)
         self.retries = Counter("tandem_retries_total", "transparent retries before the first token", registry=r)
+        self.router_queue = Gauge("tandem_router_queue_depth", "requests waiting in the router's admission queue",
+                                  registry=r)
+        self.router_queue_wait = Histogram("tandem_router_queue_wait_seconds", "time a request waited in the "
+                                           "router's admission queue (0: placed at once)", buckets=_WAIT, registry=r)
+        self.ttft_placed = Histogram("tandem_ttft_placed_seconds", "time to first token after admission (TTFT "
+                                     "less the router queue wait: what prefill scaling should see)",
+                                     buckets=_LAT, registry=r)
+        self.inflight = Gauge("tandem_router_inflight_requests", "requests the router is serving (queued or running)",
+                              registry=r)
+        self.draining = Gauge("tandem_router_draining", "1 while the router drains for shutdown", registry=r)
         self.queue = Gauge("tandem_queue_depth", "queued requests per phase", ["phase"], registry=r)
         self.kv_usage = Gauge("tandem_kv_usage_ratio", "KV pages in use per phase", ["phase"], registry=r)
         self.running = Gauge("tandem_running_seqs", "running sequences per phase", ["phase"], registry=r)

@@ -70,28 +70,31 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
-NonNegInt = Annotated[int, Field(ge=0)]
+# Every integer has an upper bound too: the values cross the wire as msgpack (64-bit at most).
+INT32 = 2**31 - 1
+NonNegInt = Annotated[int, Field(ge=0, le=INT32)]
 
 
 class _SamplingFields(_Model):
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT32)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: NonNegInt | None = None  # vLLM extension
     min_tokens: NonNegInt = 0  # vLLM extension
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegInt] | None = None  # vLLM extension
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=128)] = 1
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (as a string) -> bias
     user: str | None = None
     return_token_ids: bool = False  # vLLM extension: generated ids on each choice
+    priority: Annotated[int, Field(ge=-INT32, le=INT32)] = 0  # vLLM extension: lower is admitted sooner when queued
 
     def check_unsupported(self) -> None:
         if self.n != 1:
@@ -110,14 +113,14 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoiceIn | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[Annotated[int, Field(ge=0, le=INT32)]] | list[str] | list[list[Annotated[int, Field(ge=0, le=INT32)]]]
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     suffix: str | None = None

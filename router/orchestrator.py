@@ -1,12 +1,20 @@
-"""One request's path through the fleet: place -> admit on decode -> prefill (KV pushed into the
-reserved pages) -> start decode -> stream tokens. Colocated: place -> generate on decode.
+"""One request's path through the fleet: wait for a placement (router.admission) -> admit on decode
+-> prefill (KV pushed into the reserved pages) -> start decode -> stream tokens. Colocated: wait for
+a placement -> generate on decode.
 
     async for chunk in orchestrator.generate(job): ...
 
-Failures before the first token (a worker down, a rejected admission, a failed transfer) are
-retried transparently on other workers, up to `max_attempts`; after that the caller gets a typed
-error (503 with a reason). Once tokens have been streamed, a failure ends the stream with an error.
-Every wait has a deadline. Leaving early (client disconnect) aborts the request on its workers.
+Failures before the first token (a worker down, a failed transfer) are retried transparently on
+other workers, up to `max_attempts`; after that the caller gets a typed error (503 with a reason).
+A decode worker that answers Rejected (no room after all: another router's burst, KV grown since
+the poll) costs no attempt: the request re-enters the admission queue at its place. Once tokens
+have been streamed, a failure ends the stream with an error. Every wait has a deadline.
+
+One cancellation path: the caller stops iterating or its task is cancelled (client gone, request
+timeout, drain deadline) wherever the request is (queued, waiting for prefill, streaming); the
+`finally` of `_attempt` then sends Abort to the decode worker (and `_prefill` to the prefill
+worker), which frees the request's pages at its next step, and the placement is released so the
+queue can place the next request.
 """
 
 from __future__ import annotations
@@ -15,13 +23,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.errors import AdmissionRejected, TandemError, TransferFailed, WorkerUnavailable
 from router.config import RouterConfig
 from router.fleet import Fleet
 from router.metrics import RouterMetrics
-from router.placement import place
+from router.admission import AdmissionQueue, Ticket
+from router.placement import Placement
 from wire.protocol import (
     Abort,
     AdmitRequest,
@@ -38,41 +47,72 @@ from wire.protocol import (
 log = logging.getLogger("tandem.router")
 
 
+MAX_REQUEUES = 64  # Rejected races in a row before the request gives up (each waits for a poll)
+
+
+@dataclass(slots=True)
+class Trace:
+    """What the HTTP layer reports about one request's path (queue wait header, TTFT after admission)."""
+
+    queue_wait_s: float = 0.0
+    placed_at: float | None = None  # monotonic time of the last placement
+    decode: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingSpec
+    priority: int = 0  # lower runs sooner (vLLM's convention)
+    trace: Trace = field(default_factory=Trace, compare=False)
+
+
+class _Requeue(Exception):
+    """The decode worker refused for lack of room: wait in the queue again (no attempt used)."""
 
 
 class Orchestrator:
-    def __init__(self, fleet: Fleet, cfg: RouterConfig, metrics: RouterMetrics) -> None:
-        self.fleet, self.cfg, self.metrics = fleet, cfg, metrics
+    def __init__(self, fleet: Fleet, cfg: RouterConfig, metrics: RouterMetrics, admission: AdmissionQueue) -> None:
+        self.fleet, self.cfg, self.metrics, self.admission = fleet, cfg, metrics, admission
+        self._tasks: set[asyncio.Task] = set()  # fire-and-forget aborts, kept alive until sent
 
     async def generate(self, job: Job) -> AsyncIterator[TokenChunk]:
         exclude: set[str] = set()
         last: TandemError | None = None
-        for attempt in range(self.cfg.max_attempts):
+        ticket = Ticket(job.request_id, len(job.prompt_ids), job.sampling.max_tokens, job.priority)
+        attempt = requeues = 0
+        while attempt < self.cfg.max_attempts:
             rid = job.request_id if attempt == 0 else f"{job.request_id}.r{attempt}"
-            streamed = False
+            ticket.request_id, ticket.exclude = rid, frozenset(exclude)
+            p = await self.admission.admit(ticket)
+            job.trace.queue_wait_s, job.trace.placed_at, job.trace.decode = ticket.waited_s, time.monotonic(), p.decode
+            streamed, backoff_s = False, 0.0
             try:
-                async for chunk in self._attempt(Job(rid, job.prompt_ids, job.sampling), exclude):
+                async for chunk in self._attempt(Job(rid, job.prompt_ids, job.sampling), p, exclude):
                     streamed = True
                     yield chunk
                 return
+            except _Requeue:
+                requeues += 1
+                if requeues > MAX_REQUEUES:
+                    raise AdmissionRejected(f"decode workers refused this request {requeues} times") from None
             except (WorkerUnavailable, AdmissionRejected, TransferFailed) as e:
                 if streamed:
                     raise
                 last = e
                 log.warning("request %s attempt %d failed before its first token: %s", job.request_id, attempt, e.message)
                 self.metrics.retries.inc()
-                await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
+                attempt += 1
+                backoff_s = min(0.05 * 2 ** attempt, 1.0)
+            finally:
+                self.admission.release(p, rid)
+            if backoff_s:
+                await asyncio.sleep(backoff_s)
         assert last is not None
         raise last
 
-    async def _attempt(self, job: Job, exclude: set[str]) -> AsyncIterator[TokenChunk]:
-        p = place(len(job.prompt_ids), job.sampling.max_tokens, self.fleet.snapshot(), frozenset(exclude),
-                  colocated=self.cfg.colocated)
+    async def _attempt(self, job: Job, p: Placement, exclude: set[str]) -> AsyncIterator[TokenChunk]:
         decode = self.fleet.client(p.decode)
         rid = job.request_id
         stream = decode.open_stream(rid)
@@ -101,12 +141,11 @@ class Orchestrator:
                 yield item
         finally:
             decode.close_stream(rid)
-            if not finished:  # failure or client gone: free the request's pages on the worker
-                asyncio.get_running_loop().create_task(self._abort(decode, rid, "router abort"))
+            if not finished:  # failure, cancellation or client gone: free the request's pages on the worker
+                self._spawn(self._abort(decode, rid, "router abort"))
 
     async def _prefill(self, job: Job, decode_addr: str, prefill_addr: str, exclude: set[str]) -> PrefillResult:
         decode, prefill = self.fleet.client(decode_addr), self.fleet.client(prefill_addr)
-        pstate = self.fleet.state(prefill_addr)
         prefill_tp = 1  # a prefill worker advertises its TP through the transfer handshake
         rid = job.request_id
         t0 = time.monotonic()
@@ -117,12 +156,13 @@ class Orchestrator:
             exclude.add(decode_addr)
             raise
         if isinstance(reply, Rejected):
+            if reply.retryable:  # no room after all: shown full until its next poll, back into the queue
+                self.fleet.mark_full(decode_addr)
+                raise _Requeue(reply.reason)
             exclude.add(decode_addr)
             raise AdmissionRejected(f"decode worker {decode_addr} refused: {reply.reason}")
         assert isinstance(reply, Admitted)
         t_admitted = time.monotonic()
-        pstate.pending_tokens += len(job.prompt_ids)
-        pstate.pending_requests += 1
         try:
             res = await prefill.call(PrefillRequest(rid, job.prompt_ids, job.sampling, reply.kv_target,
                                                     self.cfg.transfer_deadline_s), rid, self.cfg.prefill_timeout_s)
@@ -130,9 +170,11 @@ class Orchestrator:
             exclude.add(prefill_addr)
             await self._abort(prefill, rid, "prefill timed out")
             raise
+        except asyncio.CancelledError:  # client gone / timeout / drain while queued or computing on prefill
+            self._spawn(self._abort(prefill, rid, "cancelled"))
+            raise
         finally:
-            pstate.pending_tokens -= len(job.prompt_ids)
-            pstate.pending_requests -= 1
+            self.admission.prefill_done(prefill_addr, rid)
         assert isinstance(res, PrefillResult)
         if not res.ok:
             exclude.add(prefill_addr)
@@ -142,6 +184,16 @@ class Orchestrator:
         self.metrics.observe_ttft_parts(t_admitted - t0, res.queue_seconds, res.prefill_seconds, res.tail_seconds,
                                         time.monotonic() - t_admitted)
         return res
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (bounded) until every Abort has been sent: used before the router exits."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
     async def _abort(self, client, rid: str, reason: str) -> None:
         try:

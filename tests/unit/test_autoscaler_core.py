@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from autoscaler.core import (LatencyQuantiles, Phase, PhaseObservation, PhasePolicy, Policy,
+from autoscaler.core import (Decision, LatencyQuantiles, Phase, PhaseObservation, PhasePolicy, Policy,
                              Reason, ReplicaCounts, State, TickInput, settle, tick)
 from common.errors import ConfigError
 
@@ -251,3 +251,36 @@ def test_oscillating_load_does_not_flap() -> None:
                       scale_up_cooldown_s=0.0, scale_down_cooldown_s=0.0,
                       scale_down_stabilization_s=0.0)
     assert direction_changes(simulate(wave, Policy(prefill=twitchy, decode=DECODE))) >= 10
+
+
+ROUTER_QUEUE_DECODE = replace(DECODE, router_queue_up_per_replica=4.0, router_queue_down_per_replica=0.5,
+                              router_wait_up_s=5.0, router_wait_down_s=0.5)
+
+
+def _decode_with_router_queue(depth: float | None, wait: float | None, prefill_queue: float = 0.0,
+                              current: int = 2) -> Decision:
+    pol = Policy(prefill=PREFILL, decode=ROUTER_QUEUE_DECODE)
+    decode = replace(obs(current, queue=0.0, kv=0.3), router_queue_depth=depth, router_queue_wait_p90_s=wait)
+    return tick(TickInput(1000.0, obs(1, queue=prefill_queue), decode), State(), pol)
+
+
+def test_router_queue_scales_decode_unless_prefill_is_backed_up() -> None:
+    # 16 requests wait in the routers for decode room: 8 per ready decode replica, twice the threshold
+    d = _decode_with_router_queue(16.0, 1.0).decode
+    assert (d.reason, d.desired, d.worst_ratio) == (Reason.SCALE_UP, 4, 2.0)
+    # the p90 wait alone (10 s against 5 s) says the same
+    assert _decode_with_router_queue(0.0, 10.0).decode.desired == 4
+    # prefill backed up (3 queued per prefill replica >= 2): decode slots hold requests waiting for
+    # prefill, so the router queue is prefill's doing: decode holds, prefill scales
+    both = _decode_with_router_queue(16.0, 10.0, prefill_queue=3.0)
+    assert both.decode.reason is Reason.HOLD and both.prefill.reason is Reason.SCALE_UP
+
+
+def test_router_queue_blocks_decode_scale_down_and_absent_means_no_vote() -> None:
+    # everything else idle, but requests still wait in the routers: decode must not shrink
+    assert _decode_with_router_queue(2.0, 0.1).decode.reason is Reason.HOLD
+    assert _decode_with_router_queue(0.0, 2.0).decode.reason is Reason.HOLD
+    # no router-queue data (older routers): it neither votes up nor blocks the scale-down path
+    assert _decode_with_router_queue(None, None).decode.reason is Reason.STABILIZING
+    with pytest.raises(ConfigError):
+        replace(DECODE, router_queue_up_per_replica=1.0)

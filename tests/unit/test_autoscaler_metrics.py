@@ -182,3 +182,38 @@ def test_missing_or_nan_gauges_read_as_unknown() -> None:
 def test_malformed_text_raises_protocol_error(text: str) -> None:
     with pytest.raises(ProtocolError):
         parse_router_metrics(text, at_s=0.0)
+
+
+def test_router_queue_is_summed_over_routers_and_its_wait_windowed() -> None:
+    def router(depth: float, waits: list[float], placed_ttft: list[float]) -> str:
+        reg = CollectorRegistry()
+        Gauge("tandem_router_queue_depth", "q", registry=reg).set(depth)
+        h = PromHistogram("tandem_router_queue_wait_seconds", "w", registry=reg, buckets=(0.0, 1, 5, 10, 30))
+        for w in waits:
+            h.observe(w)
+        t = PromHistogram("tandem_ttft_placed_seconds", "t", registry=reg, buckets=BUCKETS)
+        raw = PromHistogram("tandem_ttft_seconds", "raw", registry=reg, buckets=BUCKETS)
+        for v in placed_ttft:
+            t.observe(v)
+            raw.observe(v + 20.0)  # the raw TTFT includes the queue wait
+        return generate_latest(reg).decode()
+
+    windows = RouterWindows(window_s=30.0)
+    windows.add({"a": parse_router_metrics(router(0, [0.0] * 10, [0.2]), 0.0),
+                 "b": parse_router_metrics(router(0, [], []), 0.0)})
+    windows.add({"a": parse_router_metrics(router(5, [0.0] * 10 + [20.0] * 10, [0.2] * 11), 30.0),
+                 "b": parse_router_metrics(router(7, [25.0] * 10, [0.3] * 10), 30.0)})
+    inp = build_tick_input(windows, ReplicaCounts(1, 1), ReplicaCounts(2, 2), now_s=30.0)
+    assert inp.decode.router_queue_depth == 12  # 5 + 7: each router has its own queue
+    assert 10.0 < inp.decode.router_queue_wait_p90_s <= 30.0  # only the 20 waits of the window count
+    assert inp.prefill.router_queue_depth is None
+    assert inp.prefill.latency is not None and inp.prefill.latency.p90_s < 1.0  # TTFT after admission
+    # a router that does not export the queue: unknown, not zero
+    assert build_tick_input(_one(FakeRouter().text()), ReplicaCounts(1, 1), ReplicaCounts(1, 1),
+                            now_s=0.0).decode.router_queue_depth is None
+
+
+def _one(text: str) -> RouterWindows:
+    w = RouterWindows(window_s=30.0)
+    w.add({"r": parse_router_metrics(text, 0.0)})
+    return w

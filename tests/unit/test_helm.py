@@ -198,11 +198,12 @@ def test_gpus_per_pod_follow_parallelism_and_flags_match_the_workers() -> None:
     assert _gpus(prefill) == (2, 2) and _gpus(decode) == (4, 4)
     assert prefill["command"] == ["tandem"] and prefill["args"] == [
         "prefill-worker", "--checkpoint=/models/gpt-oss-20b", "--tp=2", "--host=0.0.0.0",
-        "--advertise-host=$(POD_IP)", "--port=7100", "--metrics-port=9100", "--kv-backend=nixl", "--device=cuda", "--fp8"]
+        "--advertise-host=$(POD_IP)", "--port=7100", "--metrics-port=9100", "--kv-backend=nixl", "--device=cuda",
+        "--drain-timeout-s=300", "--fp8"]
     assert decode["args"] == [
         "decode-worker", "--checkpoint=/models/gpt-oss-20b", "--tp=4", "--moe-mode=ep",
         "--host=0.0.0.0", "--advertise-host=$(POD_IP)", "--port=7200", "--metrics-port=9200", "--kv-backend=nixl",
-        "--device=cuda", "--fp8", "--max-num-seqs=256", "--kv-cache-fraction=0.85",
+        "--device=cuda", "--drain-timeout-s=300", "--fp8", "--max-num-seqs=256", "--kv-cache-fraction=0.85",
         "--cuda-graphs"]
 
 
@@ -224,9 +225,15 @@ def test_rendered_commands_parse_with_the_real_clis(values: list[str]) -> None:
         add_worker_args(parser, port=port, metrics_port=port + 2000)
         ns = parser.parse_args([a.replace("$(POD_IP)", "10.1.2.3") for a in c["args"][1:]])
         assert ns.advertise_host == "10.1.2.3" and ns.device == "cuda" and ns.fp8
+        pod = find(docs, "Deployment", f"{RELEASE}-{role}")["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] > getattr(ns, "drain_timeout_s", 0)  # the drain fits
         assert ns.port == c["ports"][0]["containerPort"]
     cfg, disc = router_parse_args(container(docs, "router")["args"][1:])
     assert disc.dns and cfg.decode == (f"{RELEASE}-decode.{NAMESPACE}.svc:7200",)
+    router_pod = find(docs, "Deployment", f"{RELEASE}-router")["spec"]["template"]["spec"]
+    pre_stop = container(docs, "router")["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert router_pod["terminationGracePeriodSeconds"] > pre_stop + cfg.drain_timeout_s
+    assert cfg.host == "0.0.0.0" and cfg.max_queued_requests > 0 and cfg.max_request_bytes == 4 << 20
     autoscaler = [d for d in docs if d["metadata"]["name"] == f"{RELEASE}-autoscaler"]
     if autoscaler:
         config_from_args(build_parser().parse_args(container(docs, "autoscaler")["args"][1:]))
@@ -234,7 +241,7 @@ def test_rendered_commands_parse_with_the_real_clis(values: list[str]) -> None:
 
 def test_worker_pods_probe_drain_and_mount_as_designed() -> None:
     docs = render()
-    for role, grace in (("prefill", 300), ("decode", 600)):
+    for role, grace in (("prefill", 315), ("decode", 315)):  # drain 300 + margin 15
         pod = find(docs, "Deployment", f"{RELEASE}-{role}")["spec"]["template"]["spec"]
         c = pod["containers"][0]
         assert pod["terminationGracePeriodSeconds"] == grace
@@ -339,3 +346,35 @@ def test_pdbs_and_service_monitor_toggle() -> None:
             component = svc["spec"]["selector"]["app.kubernetes.io/component"]
             scraped[component] = scraped.get(component, 0) + 1
     assert scraped == {"router": 1, "prefill": 1, "decode": 1}
+
+
+def test_one_drain_timeout_for_every_role() -> None:
+    docs = render("--set", "drain.timeoutSeconds=40", "--set", "drain.marginSeconds=10",
+                  "--set", "router.preStopSleepSeconds=7")
+    graces = {role: find(docs, "Deployment", f"{RELEASE}-{role}")["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"] for role in ("router", "prefill", "decode")}
+    assert graces == {"router": 57, "prefill": 50, "decode": 50}
+    assert "--drain-timeout-s=40" in container(docs, "router")["args"]  # (workers: once they take the flag)
+    assert container(docs, "router")["lifecycle"] == {"preStop": {"sleep": {"seconds": 7}}}
+    assert "lifecycle" not in container(render("--set", "router.preStopSleepSeconds=0"), "router")
+
+
+def test_api_keys_come_from_a_secret_never_the_args() -> None:
+    assert not [d for d in render() if d["kind"] == "Secret"]
+    assert "env" not in container(render(), "router")
+    made = render("--set", "router.apiKeys.enabled=true", "--set", "router.apiKeys.keys={key-one-abc,key-two-xyz}")
+    secret = find(made, "Secret", f"{RELEASE}-router-api-keys")
+    assert secret["stringData"] == {"api-keys": "key-one-abc,key-two-xyz"}
+    c = container(made, "router")
+    env = {e["name"]: e for e in c["env"]}
+    assert env["TANDEM_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": f"{RELEASE}-router-api-keys",
+                                                                    "key": "api-keys"}
+    assert not any("key-one" in a for a in c["args"])
+    kubernetes_validate.validate(secret, KUBE_VERSION, strict=True)
+    theirs = render("--set", "router.apiKeys.enabled=true", "--set", "router.apiKeys.existingSecret=mine",
+                    "--set", "router.apiKeys.secretKey=k")
+    assert not [d for d in theirs if d["kind"] == "Secret"]
+    ref = {e["name"]: e for e in container(theirs, "router")["env"]}["TANDEM_API_KEYS"]["valueFrom"]
+    assert ref["secretKeyRef"] == {"name": "mine", "key": "k"}
+    proc = helm("template", RELEASE, str(CHART), "--set", "router.apiKeys.enabled=true", check=False)
+    assert proc.returncode != 0 and "existingSecret or router.apiKeys.keys" in proc.stderr

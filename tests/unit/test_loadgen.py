@@ -239,3 +239,18 @@ def test_open_loop_run_counts_failures_by_kind(fake_url):
     # Open loop: requests were sent on schedule, not after the earlier ones finished (each takes > 0.9 s).
     assert max(r.dispatch_s for r in out.results) < 0.9
     assert all(r.dispatch_s >= r.scheduled_s - 1e-3 for r in out.results)
+
+
+def test_replay_classification_and_queue_waits():
+    from benchmarks.serve_checks import classify, queue_waits
+
+    ref = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    assert classify(list(ref), ref) == "equal"
+    assert classify(ref[:7], ref) == "lost"  # the stream stopped early
+    assert classify(ref + [15], ref) == "duplicated"
+    assert classify([5, 6, 6, 7, 8, 9, 10, 11, 12, 13], ref) == "duplicated"  # a token delivered twice
+    assert classify([5, 6, 8, 9, 10, 11, 12, 13, 14, 15], ref) == "lost"  # a token skipped
+    assert classify([5, 6, 99, 8, 9, 10, 11, 12, 13, 14], ref) == "different"
+    rs = [RequestResult(i, 1, 1, 0.0, queue_wait_s=w) for i, w in enumerate([0.0, 0.5, 2.0, None])]
+    q = queue_waits(rs)
+    assert q["count"] == 3 and q["max_s"] == 2.0 and q["p50_s"] == 0.5

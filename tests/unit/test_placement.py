@@ -1,6 +1,6 @@
 import pytest
 
-from common.errors import AdmissionRejected, WorkerUnavailable
+from common.errors import AdmissionRejected, InvalidRequest, WorkerUnavailable
 from router.placement import FleetSnapshot, WorkerView, place
 
 
@@ -31,3 +31,18 @@ def test_errors_distinguish_down_from_full():
         place(10, 10, FleetSnapshot((w("p1"),), (w("d1", running=64),)))
     with pytest.raises(WorkerUnavailable, match="prefill"):
         place(10, 10, FleetSnapshot((w("p1", ready=False),), (w("d1"),)))
+
+
+def test_prefill_backlog_bound_and_retry_on_the_only_worker():
+    busy = FleetSnapshot(prefill=(WorkerView("p1", True, True, 4, 400, 0, 1000, 16, 64),
+                                  WorkerView("p2", True, True, 1, 900, 0, 1000, 16, 64)), decode=(w("d1"),))
+    assert place(10, 10, busy, max_prefill_queue=4).prefill == "p2"  # p1 is at the bound, despite fewer tokens
+    assert place(10, 10, busy).prefill == "p1"
+    full = FleetSnapshot(prefill=(WorkerView("p1", True, True, 4, 400, 0, 1000, 16, 64),), decode=(w("d1"),))
+    with pytest.raises(AdmissionRejected, match="prefill"):
+        place(10, 10, full, max_prefill_queue=4)
+    # excluded (it failed this request once) but the only live one: retried there rather than refused
+    one = FleetSnapshot(prefill=(w("p1"),), decode=(w("d1"),))
+    assert place(10, 10, one, exclude=frozenset({"p1", "d1"})) == type(place(10, 10, one))("d1", "p1")
+    with pytest.raises(InvalidRequest):  # larger than the whole KV cache of every decode worker
+        place(2000, 100, FleetSnapshot((w("p1"),), (WorkerView("d1", True, True, 0, 0, 0, 100, 16, 64, 100),)))

@@ -111,3 +111,8 @@ spec:
       {{- include "tandem.selectorLabels" . | nindent 6 }}
 {{- end }}
 {{- end }}
+
+{{/* The Secret holding the router's API keys: the user's, or the one the chart makes from values. */}}
+{{- define "tandem.apiKeysSecret" -}}
+{{- default (include "tandem.componentName" (dict "root" . "component" "router-api-keys")) .Values.router.apiKeys.existingSecret }}
+{{- end }}

@@ -34,6 +34,7 @@ Args everywhere: dict "root" $ "role" "prefill"|"decode".
 - --metrics-port={{ $w.metricsPort }}
 - --kv-backend=nixl
 - --device=cuda
+- --drain-timeout-s={{ $v.drain.timeoutSeconds }}
 {{- if $w.fp8 }}
 - --fp8
 {{- end }}
@@ -94,8 +95,9 @@ spec:
         {{- toYaml . | nindent 8 }}
       {{- end }}
     spec:
-      # Drain on SIGTERM: /ready turns 503, in-flight requests finish, then the process exits.
-      terminationGracePeriodSeconds: {{ $w.terminationGracePeriodSeconds }}
+      # Drain on SIGTERM: /ready turns 503, in-flight requests get drain.timeoutSeconds to finish,
+      # the rest end with "abort", then the process exits; Kubernetes waits that plus a margin.
+      terminationGracePeriodSeconds: {{ add $root.Values.drain.timeoutSeconds $root.Values.drain.marginSeconds }}
       enableServiceLinks: false
       {{- with include "tandem.scheduling" $ctx | trim }}{{ . | nindent 6 }}{{ end }}
       containers:
