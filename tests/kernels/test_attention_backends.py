@@ -44,14 +44,14 @@ class _Broken(TorchAttention):
         super().__init__()
         self.flaw = flaw
 
-    def forward(self, group, q, k, v, kv, sinks, sm_scale, window):
+    def forward(self, group, q, k, v, kv, sinks, sm_scale, window, kv_scale=None):
         if self.flaw == "window+1" and window is not None:
             window += 1
         if self.flaw == "no-sink":
             sinks = torch.full_like(sinks, -1e4)
         if self.flaw == "scaled-sink":
             sinks = sinks * sm_scale
-        out = super().forward(group, q, k, v, kv, sinks, sm_scale, window)
+        out = super().forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale)
         if self.flaw == "no-store" and kv is not None:
             kv[0].zero_()
         return out
