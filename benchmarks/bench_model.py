@@ -4,7 +4,8 @@ MXFP4 tensors generated in GPU memory, then converted to FP8 128x128 exactly lik
 Sections (each saved as it finishes, so a failure keeps the rest):
   ceilings   copy bandwidth and bf16 / FP8 matmul rates measured in this run
   prefill    batch-1 prefill latency by prompt length: TFLOP/s vs FP8 peak, $/M input tokens
-  decode     decode step time by (context, batch) with CUDA graphs: ms/token, tokens/s per GPU and
+  decode     decode step time by (context, batch): the decode worker's overlapped engine loop (ms_per_step)
+             next to its CUDA-graph replay and the synchronous loop; ms/token, tokens/s per GPU and
              per user, $/M output tokens, ratio to the HBM floor (bytes that must be read / bandwidth)
   hf_peer    HF transformers GptOssForCausalLM (bf16, eager) on the same weights: 8k prefill and
              batch-1 decode, plus top-1 agreement of our FP8 model with it
@@ -23,6 +24,7 @@ import torch
 
 from benchmarks.common import (Results, dollars_per_million, environment, markdown_table, measure_ceilings, out_dir,
                                time_cuda)
+from benchmarks.engine_loop import EXTRA_TOKENS, engine_loop_ms
 from benchmarks.model_setup import build, decode_state, fill_random, floor_bytes_decode, prefill_flops
 from model.context import SeqStep, build_step_meta
 from model.kv_cache import KVManager, KVPool, SeqPages
@@ -72,7 +74,7 @@ def decode_section(res: Results, model, contexts: list[int], batches: list[int],
                 if need > 0.85 * free:
                     sec["rows"].append({"context": ctx, "batch": b, "skipped": f"KV needs {need / 2**30:.0f} GiB"})
                     continue
-                spec, pool, kv = decode_state(model, ctx + 32, b, kv_dtype)
+                spec, pool, kv = decode_state(model, ctx + EXTRA_TOKENS, b, kv_dtype)
                 seqs = []
                 for _ in range(b):
                     p = SeqPages()
@@ -85,7 +87,7 @@ def decode_section(res: Results, model, contexts: list[int], batches: list[int],
                 if graphs:
                     from decode_worker.runner import CudaGraphDecoder
 
-                    runner = CudaGraphDecoder(model, pool, kv, b, ctx + 64, buckets=(b,))
+                    runner = CudaGraphDecoder(model, pool, kv, b, ctx + EXTRA_TOKENS + 16, buckets=(b,))
                     runner.capture()
                     fn = lambda: runner.run(ids, steps).argmax(-1)  # noqa: E731
                     runner.prepare(ids, steps)
@@ -94,15 +96,22 @@ def decode_section(res: Results, model, contexts: list[int], batches: list[int],
                     meta = build_step_meta(steps, spec, model.device)
                     fn = lambda: model.compute_logits(model(ids, meta, pool)).argmax(-1)  # noqa: E731
                     gpu_ms = None
-                ms = time_cuda(fn, warmup=3, iters=20)  # the whole step: host metadata + plan + forward
+                # one synchronous step without the engine: host metadata + plan + forward + argmax
+                bare_ms = time_cuda(fn, warmup=3, iters=20)
+                # the decode worker's loop (engine.core): overlapped, and synchronous for the A/B
+                ms = engine_loop_ms(model, pool, kv, seqs, runner, ctx, overlap=True)
+                sync_ms = engine_loop_ms(model, pool, kv, seqs, runner, ctx, overlap=False)
                 floor_ms = floor_bytes_decode(model.cfg, b, ctx, kv_elt) / tp / (ceil["copy_GBps"] * 1e9) * 1e3
                 row = {"context": ctx, "batch": b, "kv_dtype": str(spec.dtype).removeprefix("torch."),
-                       "ms_per_step": ms, "tok_s_per_user": 1e3 / ms,
+                       "ms_per_step": ms, "ms_per_step_sync_loop": sync_ms,
+                       "ms_per_step_bare": bare_ms, "step_to_replay": ms / gpu_ms if gpu_ms else None,
+                       "tok_s_per_user": 1e3 / ms,
                        "tok_s_per_gpu": b * 1e3 / ms / tp, "usd_per_M_output": dollars_per_million(b * 1e3 / ms / tp),
                        "hbm_floor_ms": floor_ms, "ratio_to_floor": floor_ms / ms, "cuda_graphs": graphs,
                        "gpu_ms_graph_replay": gpu_ms}
                 sec["rows"].append(row)
-                print(f"decode ctx {ctx:>6} batch {b:>4}: {ms:7.3f} ms/step (replay {gpu_ms or 0:.3f})  "
+                print(f"decode ctx {ctx:>6} batch {b:>4}: {ms:7.3f} ms/step (replay {gpu_ms or 0:.3f}, sync loop "
+                      f"{sync_ms:.3f}, bare {bare_ms:.3f})  "
                       f"{row['tok_s_per_gpu']:8.0f} tok/s/GPU "
                       f"{row['tok_s_per_user']:6.1f} tok/s/user  floor {floor_ms:.3f} ms ({row['ratio_to_floor']:.0%})",
                       flush=True)
@@ -154,7 +163,8 @@ def main() -> None:
                         res.data.get("decode", {}).get("rows", []))
     res.save()
     for name, cols in (("prefill", ["tokens", "ms", "TFLOPs", "ratio_fp8_peak", "usd_per_M_input"]),
-                       ("decode", ["context", "batch", "ms_per_step", "gpu_ms_graph_replay", "tok_s_per_gpu", "tok_s_per_user",
+                       ("decode", ["context", "batch", "ms_per_step", "gpu_ms_graph_replay", "step_to_replay",
+                                   "ms_per_step_sync_loop", "tok_s_per_gpu", "tok_s_per_user",
                                    "usd_per_M_output", "ratio_to_floor"]),
                        ("hf_peer", ["what", "hf_ms", "tandem_ms", "speedup"])):
         rows = [r for r in res.data.get(name, {}).get("rows", []) if "skipped" not in r]

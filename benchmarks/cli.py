@@ -5,6 +5,7 @@
   transfer  kv_transfer (GPU0 -> GPU1 over NIXL; `--devices cpu cpu` for a CPU smoke run)
   serve     the open-loop serving benchmark (serve_bench), against --url or a service it launches
   report    plots + benchmarks/results/README.md from the committed JSON (report.py)
+  suite     a named GPU suite (benchmarks/suites.py): set-up, every step with its timeout, suite.json
 
 Flags not listed here pass through unchanged, e.g.
     tandem bench prefill --preset gpt-oss-120b --tp 2 --prefill-lens 2048,8192
@@ -21,7 +22,7 @@ import sys
 
 from common.errors import ConfigError
 
-SUBCOMMANDS = ("prefill", "decode", "transfer", "serve", "report")
+SUBCOMMANDS = ("prefill", "decode", "transfer", "serve", "report", "suite")
 
 
 def visible_gpus() -> int:
@@ -88,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.report import main as report_main
 
         return report_main(rest)
+    if sub == "suite":
+        from benchmarks.suite_run import main as suite_main
+
+        return suite_main(rest)
     p = argparse.ArgumentParser(prog=f"tandem bench {sub}", add_help=False)
     p.add_argument("--tp", type=int, default=1, help="GPUs (torchrun, one process each)")
     p.add_argument("--print", action="store_true", help="print the command instead of running it")

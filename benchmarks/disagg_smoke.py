@@ -20,7 +20,7 @@ import zmq
 
 from benchmarks.common import environment
 from wire.protocol import (AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult, SamplingSpec,
-                             StartDecode, StatusRequest, TokenChunk, WorkerStatus, decode, encode)
+                             StartDecode, StatusRequest, TokenBatch, TokenChunk, WorkerStatus, decode, encode)
 
 
 class Peer:
@@ -28,14 +28,22 @@ class Peer:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(addr)
+        self.queued: list[TokenChunk] = []
 
     def send(self, msg) -> None:
         self.sock.send(encode(msg))
 
-    def recv(self, timeout_s: float):
+    def recv(self, timeout_s: float = 60.0) -> object:
+        """The next message; a decode step's TokenBatch is handed out one TokenChunk at a time."""
+        if self.queued:
+            return self.queued.pop(0)
         if not self.sock.poll(int(timeout_s * 1000)):
             raise TimeoutError("no reply")
-        return decode(self.sock.recv())
+        msg = decode(self.sock.recv())
+        if isinstance(msg, TokenBatch):
+            self.queued = list(msg.chunks[1:])
+            return msg.chunks[0]
+        return msg
 
 
 def wait_ready(p: Peer, timeout_s: float) -> WorkerStatus:

@@ -50,3 +50,14 @@ def save_cache(out_dir: str) -> dict | None:
         for i in range(0, len(blob), chunk):
             open(f"{name}.part{i // chunk}", "wb").write(blob[i:i + chunk])
     return meta
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="save this machine's built FlashInfer sink modules")
+    ap.add_argument("--save", required=True, help="folder for flashinfer-cache.tar.xz (parts when large)")
+    a = ap.parse_args()
+    os.makedirs(a.save, exist_ok=True)
+    print(json.dumps(save_cache(a.save)))

@@ -2,14 +2,15 @@
 against ceilings measured in the same run. Unattended: each section runs in try/except (a failure
 is recorded, the rest goes on); prints a table; writes $OUT/gemm.json.
 
-    python -m benchmarks.gemm [--quick]
+    python -m benchmarks.gemm [--quick] [--clock]
 
 Shapes are gpt-oss attention projections (identical for 20b and 120b): qkv N=5120 K=2880 and
 o N=2880 K=4096, M = tokens 1..16k. Backends: scaled_mm (torch._scaled_mm + bias), triton
 (kernels.fp8_gemm), deepgemm (DeepGEMM's SM90 kernel, kernels/deepgemm_linear.py), bf16 torch
 (F.linear, the unquantised baseline). Timing: CUDA-graph replay of R calls over R distinct
 weight/input sets (R chosen so the set exceeds the 60 MiB L2 when the call is bandwidth-bound),
-median of 5 trials after warm-up.
+median of 5 trials after warm-up. `--clock`: each row also records the SM clock and board power
+nvidia-smi sampled while it was timed (benchmarks/clock.py).
 The helpers here (ceilings, bench, Report) are shared by benchmarks/moe.py and tune_moe.py.
 """
 
@@ -32,6 +33,20 @@ import torch.nn.functional as F
 
 DEVICE = "cuda"  # a module constant so a CPU smoke run can swap it
 L2_BYTES = 60 * 2**20
+
+
+@dataclass
+class _Clock:
+    sampler: object | None = None  # a benchmarks.clock.ClockSampler under --clock
+    last: tuple[float, float] = (0.0, 0.0)  # host time span of the last bench()'s timed trials
+
+
+CLOCK = _Clock()
+
+
+def clock_fields() -> dict[str, float]:
+    """SM clock / power while the last bench() ran its timed trials ({} without --clock)."""
+    return CLOCK.sampler.window(*CLOCK.last) if CLOCK.sampler is not None else {}
 
 
 # ---- shared helpers --------------------------------------------------------------------------
@@ -107,6 +122,7 @@ def bench(calls: list[Callable[[], object]], trials: int = 5, min_ms: float = 20
     torch.cuda.synchronize()
     reps = max(1, math.ceil(min_ms / max(start.elapsed_time(end), 1e-3)))
     times = []
+    t_host = time.time()
     for _ in range(trials):
         start.record()
         for _ in range(reps):
@@ -114,6 +130,7 @@ def bench(calls: list[Callable[[], object]], trials: int = 5, min_ms: float = 20
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / (reps * len(calls)))
+    CLOCK.last = (t_host, time.time())
     return statistics.median(times)
 
 
@@ -215,7 +232,7 @@ def run_shape(rep: Report, shape: str, n: int, k: int, m_values: list[int], back
                 nbytes += x.numel() * 2 + m * n * 2
                 ms = bench(calls)
                 row = {"shape": shape, "M": m, "backend": name, "ms": ms,
-                       "TFLOPs": flops / ms / 1e9, "TBps": nbytes / ms / 1e9}
+                       "TFLOPs": flops / ms / 1e9, "TBps": nbytes / ms / 1e9, **clock_fields()}
                 row["pct_fp8_peak"] = 100 * row["TFLOPs"] / ceil["fp8_blockscaled_TFLOPs"]
                 row["pct_copy_bw"] = 100 * row["TBps"] / ceil["copy_TBps"]
                 if check:
@@ -260,7 +277,7 @@ def _dg_gemm_only_rows(shape: str, x, w, ws, bias, ws_sets, flops: int, ceil: di
         ms = bench(calls)
         row = {"shape": shape, "M": m, "backend": label, "ms": ms, "TFLOPs": flops / ms / 1e9,
                "mode": f"{cfg.block_m}x{cfg.block_n} mcast {cfg.mcast}, K={k} -> {augs[0].w.shape[1]} "
-                       f"(row stride {augs[0].w.stride(0)}, constant columns {augs[0].ones})"}
+                       f"(row stride {augs[0].w.stride(0)}, constant columns {augs[0].ones})", **clock_fields()}
         row["pct_fp8_peak"] = 100 * row["TFLOPs"] / ceil["fp8_blockscaled_TFLOPs"]
         out.append(row)
     return out
@@ -284,7 +301,7 @@ def _gemm_only_rows(rep: Report, lin, shape: str, x, w, ws, bias, ws_sets, flops
                                                                  out_dtype=torch.bfloat16) for wq, wsq in padded]
         ms = bench(calls)
         row = {"shape": shape, "M": m, "backend": label, "ms": ms, "TFLOPs": flops / ms / 1e9,
-               "mode": f"K={k} padded to {kp}"}
+               "mode": f"K={k} padded to {kp}", **clock_fields()}
         row["pct_fp8_peak"] = 100 * row["TFLOPs"] / ceil["fp8_blockscaled_TFLOPs"]
         out.append(row)
     qms = bench([lambda: quantize_act_1x128(x, k_pad=kp)])
@@ -296,7 +313,11 @@ def _gemm_only_rows(rep: Report, lin, shape: str, x, w, ws, bias, ws_sets, flops
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer M values")
+    ap.add_argument("--clock", action="store_true", help="record the SM clock and power per row (nvidia-smi)")
     args = ap.parse_args()
+    if args.clock:
+        from benchmarks.clock import ClockSampler
+        CLOCK.sampler = ClockSampler()
     rep = Report("gemm")
     rep.data["env"] = rep.section("environment", environment)
     rep.data["ceilings"] = rep.section("ceilings", measure_ceilings) or {
@@ -314,7 +335,9 @@ def main() -> None:
             targets[f"dense_fp8_bias_M8192_{r['shape']}_{r['backend']}_TFLOPs>=1100"] = r["TFLOPs"] >= 1100
     rep.data["targets"] = targets
     print_table(rows, ["shape", "M", "backend", "ms", "TFLOPs", "pct_fp8_peak", "TBps", "pct_copy_bw",
-                       "err_vs_ref", "err_vs_fp32"])
+                       "err_vs_ref", "err_vs_fp32", *(["sm_mhz", "watts"] if CLOCK.sampler else [])])
+    if CLOCK.sampler:
+        CLOCK.sampler.close()
     modes = {r["backend"] + " " + r["shape"]: r["mode"] for r in rows if "mode" in r}
     print("modes:", json.dumps(modes, indent=0))
     print("targets:", targets)

@@ -1,7 +1,7 @@
 """The gpt-oss MoE layer on the H200: Triton FP8 and bf16 against references and against ceilings
 measured in the same run. Unattended: sections in try/except; prints tables; writes $OUT/moe.json.
 
-    python -m benchmarks.moe [--quick]
+    python -m benchmarks.moe [--quick] [--profile 1,8192]
 
 Models: 20b (32 experts) and 120b (128 experts), hidden = intermediate = 2880, top-4, all experts
 on one GPU. Weights: random bf16 masters (std 0.02) and their FP8 128x128 quantisation; routing:
@@ -13,7 +13,9 @@ bytes of the selected experts' weights read per call and % of the measured copy 
 accuracy at a few T: FP8 vs the FP8-activation reference (same math in fp32), FP8 and bf16 vs fp32
 math on the bf16 masters. Targets: 20b at 8k tokens >= 50% of FP8 peak; batch 1 reads the 4
 experts' weights at >= 60% of copy bandwidth. Also a per-stage breakdown (route, group, quantise,
-gate_up, down, combine) at T = 1 and 8192 for 20b.
+gate_up, down, combine) at T = 1 and 8192 for 20b. `--profile T,..` instead: per-kernel CUDA time
+of the 20b layer through the workers' backend (was diag_dg3.py, diag_dg11.py and diag_w.py, now in
+benchmarks/results/2026-12-01/dg3/, dg11/ and runs/).
 """
 
 from __future__ import annotations
@@ -252,6 +254,37 @@ def breakdown(rep: Report, t: int) -> dict[str, float]:
     return {k: round(bench([f], trials=3), 4) for k, f in stages.items()} | {"config": str(cfg)}
 
 
+def profile(t: int) -> list[dict]:
+    """Per-kernel CUDA time of one 20b layer call at T tokens through the backend a worker picks
+    (kernels.registry: DeepGEMM at prefill sizes, handing small batches to the Triton few-token path),
+    5 calls under torch.profiler after warm-up, us per call, largest first."""
+    from kernels.registry import auto_moe_backend, make_moe
+    e = MODELS["20b"]
+    fp8_w, _ = make_experts(e, seed=11)
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    x = torch.randn(t, H, device=DEVICE, generator=gen).to(torch.bfloat16)
+    logits = logit_sets(t, e, gen)[0]
+    backend = auto_moe_backend(DEVICE, fp8=True, whole_experts=True)
+    impl = make_moe(backend)
+    for _ in range(3):
+        impl(x, logits, TOP_K, fp8_w)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            impl(x, logits, TOP_K, fp8_w)
+        torch.cuda.synchronize()
+    rows = [{"T": t, "backend": backend, "kernel": k.key[:90], "us_per_call": k.self_device_time_total / 5,
+             "launches_per_call": k.count / 5} for k in prof.key_averages() if k.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r["us_per_call"])
+    total = sum(r["us_per_call"] for r in rows)
+    for r in rows:
+        print(f"profile T={t} {backend}: {r['us_per_call']:8.1f} us {100 * r['us_per_call'] / total:5.1f}% "
+              f"x{r['launches_per_call']:g}  {r['kernel']}", flush=True)
+    del fp8_w
+    torch.cuda.empty_cache()
+    return rows
+
+
 def small_configs() -> list:
     """Few-token path candidates: both MMA orientations (16-row mma.sync tiles that convert the
     weights to f16; swapped wgmma tiles that read e4m3 from shared memory) over explicit K splits
@@ -303,6 +336,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep-small", action="store_true", help="time few-token path configs at T = 1, 2 first")
+    ap.add_argument("--profile", default="", help="T,..: only the per-kernel CUDA time of the 20b layer")
     args = ap.parse_args()
     rep = Report("moe")
     rep.data["env"] = rep.section("environment", environment)
@@ -310,6 +344,11 @@ def main() -> None:
         "copy_TBps": 4.08, "fp8_blockscaled_TFLOPs": 1334.0, "bf16_TFLOPs": 767.0, "assumed": True}
     print("ceilings:", rep.data["ceilings"])
     t_values = [1, 2, 4, 128, 8192] if args.quick else T_VALUES
+    if args.profile:  # a diagnostic on its own: where the layer's time goes, nothing else
+        rep.data["profile"] = {t: rep.section(f"profile T={t}", lambda: profile(t))
+                               for t in [int(v) for v in args.profile.split(",")]}
+        rep.write()
+        sys.exit(0)
     if args.sweep_small:
         rep.data["few_token_sweep"] = rep.section("few-token sweep", lambda: sweep_small(rep))
     rows: list[dict] = []

@@ -5,9 +5,10 @@ speed, one series per model / parallelism, each point labelled with its input le
   decode_ctx<N>.png       decode at context N: tokens/s per user vs $/M output tokens (left) and vs
                           tokens/s per GPU (right), over batch sizes
 
-Input is the list of `ModelSeries` report.py builds from the committed JSON; nothing is computed
-here beyond what is drawn. The PNGs carry no timestamp, so re-running on the same JSON gives the
-same files.
+Input is the list of `ModelSeries` report.py builds from the committed JSON: one line per
+configuration, its newest run, whose run and date the legend names. Nothing is computed here beyond
+what is drawn. The PNGs carry matplotlib's version and no timestamp, so re-running on the same JSON
+with the same matplotlib gives the same bytes.
 """
 
 from __future__ import annotations
@@ -21,12 +22,18 @@ from common.errors import ConfigError
 
 @dataclass(slots=True)
 class ModelSeries:
-    """All rows of one model / parallelism configuration, merged across result files."""
+    """One model / parallelism configuration: for prefill and for each decode context, the rows of one
+    run (the newest that measured it; report.build_series), never several runs on one line."""
 
     label: str  # "gpt-oss-20b TP1"
     gpus: int
     prefill: list[dict] = field(default_factory=list)  # bench_model prefill rows
     decode: list[dict] = field(default_factory=list)  # bench_model decode rows (no skipped ones)
+    sources: dict[str | int, str] = field(default_factory=dict)  # "prefill" / context -> "run DG10, 2026-12-02"
+
+    def legend(self, key: str | int) -> str:
+        gpus = f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}"
+        return f"{self.label} ({gpus}; {self.sources[key]})" if key in self.sources else f"{self.label} ({gpus})"
 
 
 def _pyplot():
@@ -47,7 +54,9 @@ def _short(n: int) -> str:
 
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight", metadata={"Software": None})  # no version stamp: reproducible bytes
+    import matplotlib  # the version, not a timestamp: the same JSON and matplotlib give the same bytes
+
+    fig.savefig(path, dpi=120, bbox_inches="tight", metadata={"Software": f"matplotlib {matplotlib.__version__}"})
 
 
 def prefill_plot(series: list[ModelSeries], path: Path, price: float) -> Path | None:
@@ -55,11 +64,11 @@ def prefill_plot(series: list[ModelSeries], path: Path, price: float) -> Path | 
     rows = [s for s in series if s.prefill]
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    fig, ax = plt.subplots(figsize=(10, 5.5))
     for i, s in enumerate(rows):
         pts = sorted(s.prefill, key=lambda r: r["tokens"])
         xs, ys = [r["ms"] for r in pts], [r["usd_per_M_input"] for r in pts]
-        ax.plot(xs, ys, "o-", label=f"{s.label} ({s.gpus} GPU{'s' if s.gpus > 1 else ''})")
+        ax.plot(xs, ys, "o-", label=s.legend("prefill"))
         for r, x, y in zip(pts, xs, ys):
             ax.annotate(_short(r["tokens"]), (x, y), textcoords="offset points", xytext=(4, 4 if i % 2 else -11),
                         fontsize=8)  # alternate above/below so close series keep readable labels
@@ -85,8 +94,7 @@ def decode_plot(series: list[ModelSeries], context: int, path: Path, price: floa
     fig, (cost, tput) = plt.subplots(1, 2, figsize=(12, 5))
     for s, pts in rows:
         user = [r["tok_s_per_user"] for r in pts]
-        line, = cost.plot(user, [r["usd_per_M_output"] for r in pts], "o-",
-                          label=f"{s.label} ({s.gpus} GPU{'s' if s.gpus > 1 else ''})")
+        line, = cost.plot(user, [r["usd_per_M_output"] for r in pts], "o-", label=s.legend(context))
         tput.plot(user, [r["tok_s_per_gpu"] for r in pts], "o-", color=line.get_color())
         for r in pts:
             for ax, y in ((cost, r["usd_per_M_output"]), (tput, r["tok_s_per_gpu"])):
@@ -99,7 +107,7 @@ def decode_plot(series: list[ModelSeries], context: int, path: Path, price: floa
     for ax in (cost, tput):
         ax.set_xlabel("output tokens/s per user")
         ax.grid(True, which="both", alpha=0.3)
-    fig.legend(*cost.get_legend_handles_labels(), loc="lower center", bbox_to_anchor=(0.5, -0.06), ncol=3, fontsize=9)
+    fig.legend(*cost.get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, fontsize=9)
     fig.suptitle(f"Decode at context {_short(context)}: speed vs cost over batch sizes (H200, CUDA graphs)")
     _save(fig, path)
     plt.close(fig)

@@ -6,101 +6,47 @@ to benchmarks/results/; `--results FOLDER` reads that folder alone and writes in
 `--readme`). Every number comes from those JSON files; derived numbers (percentages, ratios across
 files) say how they were derived. Targets are the ones each benchmark recorded in its JSON
 (kernels), plus the KV-transfer targets below (kv_transfer records none). Re-running on the same
-files gives the same README and PNGs.
+files gives the same README and PNGs (tests/unit/test_report_regenerates.py checks the committed ones).
+The plots draw one line per configuration: its newest run, named with its date in the legend. The
+merged page also writes the short performance table into the project README (report_summary.py).
+Each file's run, suite and command come from the folder's suite.json (report_load.py).
 
-    tandem bench report [--results benchmarks/results/2026-11-30 --readme PATH] [--no-plots]
+    tandem bench report [--results benchmarks/results/2026-11-30 --readme PATH] [--no-plots] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import re
 from pathlib import Path
 
+from benchmarks import report_load
 from benchmarks.plots import ModelSeries, write_all
 from benchmarks.report_fmt import fmt, last_line, pct, table
+from benchmarks.report_load import Run, load, runs_of
+from benchmarks.report_series import _is_model, build_series, label_of, model_docs, peers
+from benchmarks.report_summary import perf_summary, update_readme
 from benchmarks.report_targets import (KV_MAX_OVERLAP_SHARE, KV_MIN_GBPS, Target, allreduce_docs, allreduce_targets,
                                        kernel_targets, kv_targets, missed_goals)
-from common.errors import ConfigError
 
 RESULTS = Path(__file__).parent / "results"
+README = Path(__file__).parents[1] / "README.md"
 PRICE_PER_GPU_HOUR = 3.00  # the seed's nominal H200 price; benchmarks/common.py computes $/M with it
 
 
-# ---- loading -------------------------------------------------------------------------------------------
+# ---- loading (report_load.py) --------------------------------------------------------------------------
 def dated_folders(root: Path = RESULTS) -> list[Path]:
-    """Dated result folders, newest first."""
-    dated = sorted((p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"\d{4}-\d{2}-\d{2}", p.name)),
-                   reverse=True)
-    if not dated:
-        raise ConfigError(f"no dated results folder under {root}")
-    return dated
-
-
-def load(folder: Path) -> dict[str, dict]:
-    docs = {}
-    for p in sorted(folder.glob("*.json")):
-        try:
-            docs[p.name] = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: not JSON ({e})") from None
-    if not docs:
-        raise ConfigError(f"no JSON results in {folder}")
-    return docs
+    return report_load.dated_folders(root)
 
 
 def load_merged(folders: list[Path]) -> tuple[dict[str, dict], dict[str, str]]:
-    """folders newest first -> (docs, folder name of each file). An older folder's file is left out when
-    a newer folder has a file of that name, or a model run of the same configuration (label_of): the
-    page shows the latest of every kind of result, and the older ones only where nothing replaced them."""
-    docs: dict[str, dict] = {}
-    origin: dict[str, str] = {}
-    labels: set[str] = set()
-    for folder in folders:
-        seen_here = set()
-        for name, d in load(folder).items():
-            label = label_of(d)[0] if _is_model(d) else None
-            if name in docs or label in labels:
-                continue
-            docs[name], origin[name] = d, folder.name
-            if label is not None:
-                seen_here.add(label)
-        labels |= seen_here  # added after the folder: its own reruns of one configuration all stay
-    return docs, origin
-
-
-def _is_model(d: dict) -> bool:
-    return "preset" in d.get("args", {}) and ("prefill" in d or "decode" in d)
-
-
-def model_docs(docs: dict[str, dict]) -> list[tuple[str, dict]]:
-    """Model benchmark files, ordered by GPUs then model (a model's reruns stay next to each other)."""
-    runs = [(n, d) for n, d in docs.items() if _is_model(d)]
-    return sorted(runs, key=lambda nd: (nd[1].get("world", 1), nd[1]["args"]["preset"], nd[0]))
-
-
-def label_of(d: dict) -> tuple[str, int]:
-    tp = int(d.get("world", 1))
-    moe = f" MoE-{d['args']['moe_mode'].upper()}" if tp > 1 and d["args"].get("moe_mode") else ""
-    backend = d["args"].get("moe")  # the Triton MoE was the only one before DeepGEMM's: unlabelled
-    kernels = f" · MoE {backend}" if backend not in (None, "triton") else ""
-    return f"{d['args']['preset']} TP{tp}{moe} · {d['args'].get('attention', '?')}{kernels}", tp
-
-
-def build_series(docs: dict[str, dict]) -> list[ModelSeries]:
-    """One series per model/parallelism; rows from several files (e.g. a rerun of one context) merge."""
-    out: dict[str, ModelSeries] = {}
-    for _, d in model_docs(docs):
-        label, tp = label_of(d)
-        s = out.setdefault(label, ModelSeries(label, tp))
-        s.prefill += d.get("prefill", {}).get("rows", [])
-        s.decode += [r for r in d.get("decode", {}).get("rows", []) if "skipped" not in r]
-    return sorted(out.values(), key=lambda s: (s.gpus, s.label))
+    return report_load.load_merged(folders, label_of, _is_model)
 
 
 # ---- sections ------------------------------------------------------------------------------------------
-def sec_runs(docs: dict[str, dict], folder: str, origin: dict[str, str] | None = None) -> list[str]:
+def sec_runs(docs: dict[str, dict], folder: str, origin: dict[str, str] | None = None,
+             runs: dict[str, Run] | None = None) -> list[str]:
     rows = []
     for n, d in docs.items():
         where = (origin or {}).get(n, folder)
@@ -125,12 +71,28 @@ def sec_runs(docs: dict[str, dict], folder: str, origin: dict[str, str] | None =
                          if isinstance(v, float) and k != "seconds")
         gpus = d.get("world") or env.get("gpus") or (2 if "kv_transfer" in n else 1)
         gpu = env.get("gpu") or env.get("device") or "H200 (not recorded)"
-        rows.append([f"`{where}/{n}`" if origin else f"`{n}`", what, gpu, gpus,
+        run = (runs or {}).get(n)
+        rows.append([f"`{where}/{n}`" if origin else f"`{n}`", run.run if run else "–", what, gpu, gpus,
                      env.get("torch"), env.get("triton"),
                      env.get("flashinfer") or env.get("flashinfer_build", {}).get("version"), env.get("cuda"),
                      env.get("date", where), cfg, ceil])
-    return table(rows, ["file", "what", "GPU", "GPUs", "torch", "triton", "flashinfer", "CUDA", "date", "config",
-                        "ceilings measured in the run"])
+    return table(rows, ["file", "run", "what", "GPU", "GPUs", "torch", "triton", "flashinfer", "CUDA", "date",
+                        "config", "ceilings measured in the run"])
+
+
+def sec_suites(docs: dict[str, dict], runs: dict[str, Run]) -> list[str]:
+    """The suite (or dated script) and command behind every file on the page, from suite.json."""
+    used: dict[Run, list[str]] = {}
+    for n in docs:
+        if n in runs:
+            used.setdefault(runs[n], []).append(n)
+    rows = [[r.run, f"`{r.where}/suite.json`", r.suite, f"`{r.command}`", (r.commit or "not recorded")[:12],
+             f"`{r.where}/{r.script}`" if r.script else "–", ", ".join(f"`{n}`" for n in sorted(files))]
+            for r, files in used.items()]
+    missing = sorted(set(docs) - set(runs))
+    return (table(sorted(rows, key=lambda r: r[1] + r[0]),
+                  ["run", "record", "suite", "command", "at commit", "script kept here", "files"])
+            + ([f"No run recorded for: {', '.join(f'`{n}`' for n in missing)}.", ""] if missing else []))
 
 
 def sec_prefill(docs: dict[str, dict]) -> list[str]:
@@ -255,6 +217,17 @@ def sec_disagg(docs: dict[str, dict]) -> list[str]:
     return out or ["No disaggregated GPU run in this folder.", ""]
 
 
+def _vs_engine(run: dict) -> str:
+    """benchmarks.serve_gpu's comparison with the engine of the same run, when there is one."""
+    v = run.get("vs_engine") or {}
+    if "itl_over_replay" in v and v["itl_over_replay"]:
+        return f"mean ITL {v['itl_over_replay']:.3f}x graph replay (batch 1, {v['context']} ctx)"
+    if "served_over_engine" in v:
+        return (f"steady {v['served_steady_tok_s']:,.0f} tok/s = {v['served_over_engine']:.2f}x bench_model "
+                f"(batch {v['batch']}, {v['context']} ctx); whole run {v['whole_run_tok_s']:,.0f}")
+    return ""
+
+
 def sec_serve(docs: dict[str, dict]) -> list[str]:
     rows = []
     for n, d in docs.items():
@@ -264,7 +237,7 @@ def sec_serve(docs: dict[str, dict]) -> list[str]:
                          f"{ld['input_len']['hi']}", f"{ld['output_len']['lo']}–{ld['output_len']['hi']}",
                          f"{s['completed']}/{s['num_requests']}", s["request_throughput"], s["output_token_throughput"],
                          s["goodput"]["requests_per_s"], s["ttft_ms"]["p50"], s["ttft_ms"]["p99"], s["tpot_ms"]["p50"],
-                         s["tpot_ms"]["p99"], run.get("note") or ""])
+                         s["tpot_ms"]["p99"], _vs_engine(run) or run.get("note") or ""])
     if not rows:
         return ["No serving benchmark in this folder yet. `tandem bench serve --launch both --serve-args "
                 "\"--device cuda --checkpoint DIR\" --request-rate R --out serve_<model>.json` compares colocated "
@@ -278,13 +251,13 @@ def headline(series: list[ModelSeries], docs: dict[str, dict]) -> list[str]:
     for s in series:
         p8 = next((r for r in s.prefill if r["tokens"] == 8192), None)
         if p8:
-            out.append(f"- **{s.label}** prefill of 8k tokens: {p8['ms']:.1f} ms, {p8['TFLOPs']:.0f} TFLOP/s per GPU "
+            out.append(f"- **{s.label}** ({s.sources['prefill']}) prefill of 8k tokens: {p8['ms']:.1f} ms, {p8['TFLOPs']:.0f} TFLOP/s per GPU "
                        f"({pct(p8['ratio_fp8_peak'])} of the run's FP8 peak), "
                        f"${p8['usd_per_M_input']:.4f}/M input tokens")
         for ctx in sorted({r["context"] for r in s.decode}):
             rows = sorted((r for r in s.decode if r["context"] == ctx), key=lambda r: r["batch"])
             b1, best = rows[0], max(rows, key=lambda r: r["tok_s_per_gpu"])
-            out.append(f"- **{s.label}** decode at {ctx} context: batch {b1['batch']} {b1['tok_s_per_user']:.0f} tok/s "
+            out.append(f"- **{s.label}** ({s.sources[ctx]}) decode at {ctx} context: batch {b1['batch']} {b1['tok_s_per_user']:.0f} tok/s "
                        f"per user ({pct(b1['ratio_to_floor'])} of the HBM floor), ${b1['usd_per_M_output']:.2f}/M; "
                        f"batch {best['batch']} {best['tok_s_per_gpu']:,.0f} tok/s per GPU at "
                        f"{best['tok_s_per_user']:.0f} "
@@ -303,10 +276,13 @@ def summarised(docs: dict[str, dict]) -> set[str]:
                     or "rows" in d.get("parity", {}) or d.get("kind") == "tandem-bench-serve"}
 
 
-def render(folder: Path, docs: dict[str, dict], plots: list[Path], origin: dict[str, str] | None = None
-           ) -> tuple[str, list[str], list[Target]]:
-    """folder: the results folder (one-folder page), or benchmarks/results/ with `origin` (merged page)."""
-    series = build_series(docs)
+def render(folder: Path, docs: dict[str, dict], plots: list[Path], origin: dict[str, str] | None = None,
+           runs: dict[str, Run] | None = None, peer: dict[str, tuple[str, dict]] | None = None,
+           page_dir: Path | None = None) -> tuple[str, list[str], list[Target]]:
+    """folder: the results folder (one-folder page), or benchmarks/results/ with `origin` (merged page);
+    runs: what produced each file (report_load.runs_of); page_dir: where the page goes (image links)."""
+    runs = runs or {}
+    series = build_series(docs, runs)
     ktargets = kernel_targets(docs)
     kv_lines, kvt = kv_targets(docs)
     art = allreduce_targets(docs)
@@ -314,10 +290,10 @@ def render(folder: Path, docs: dict[str, dict], plots: list[Path], origin: dict[
     missed = missed_goals(targets)
     n_goals = len({t.group or t.what for t in targets})
     rel = folder.name
-    img = {p.name: f"![{p.stem}]({p.name if origin else rel + '/' + p.name})" for p in plots}
+    img = {p.name: f"![{p.stem}]({os.path.relpath(p, page_dir or folder)})" for p in plots}
     head = headline(series, docs)
     used = sorted(set((origin or {}).values()), reverse=True)
-    source = (f"the JSON files in [`{rel}/`]({rel}/)" if not origin else
+    source = (f"the JSON files in [`{rel}/`](./)" if not origin else
               "the newest result of each kind across " + ", ".join(f"[`{f}/`]({f}/)" for f in used)
               + " (a newer folder's file of the same name, or model run of the same configuration, replaces an "
                 "older one; the file column says which folder each came from)")
@@ -331,12 +307,17 @@ def render(folder: Path, docs: dict[str, dict], plots: list[Path], origin: dict[
              "$/M tokens = price / 3600 / (tokens/s per GPU) × 10⁶. Roofline ratios use the ceilings each run "
              "measured itself (FP8 matmul peak for prefill; the bytes decode must read over the measured copy "
              "bandwidth, the *HBM floor*, for decode).", "",
+             "## Summary: one H200, the workers' defaults", "",
+             *perf_summary(series, peer if peer is not None else peers(list(docs.items()), runs)), "",
              "## Headline", "", *head,
              f"## Targets: {n_goals - len(missed)} of {n_goals} met", "",
              *(["Missed (the closest backend or case shown):", ""]
                + [f"- **{t.area}** — {t.what}: {t.value} (target {t.target})" for t in missed] + [""]
                if missed else ["All met.", ""]),
-             "## Runs", "", *sec_runs(docs, rel, origin),
+             "## Runs", "", *sec_runs(docs, rel, origin, runs),
+             "## Suites and commands", "", "What produced each file above: the suite (or, before `tandem bench suite`, "
+             "the dated run script, run from scripts/gpu/ at the commit shown) and its command, from the folder's "
+             "`suite.json`.", "", *sec_suites(docs, runs),
              "## Prefill (batch 1)", "", *([img["prefill.png"], ""] if "prefill.png" in img else []),
              *sec_prefill(docs),
              "## Decode (CUDA graphs)", "",
@@ -360,28 +341,52 @@ def render(folder: Path, docs: dict[str, dict], plots: list[Path], origin: dict[
     return "\n".join(lines).rstrip() + "\n", head, missed
 
 
+def generate(results: Path | None, out: Path | None = None, readme: Path | None = None, plots: bool = True
+             ) -> tuple[Path, str, list[Path], list[str], list[str], list[Target]]:
+    """The page (and plots) for one dated folder, or the merged page when `results` is None, written into
+    `out` (default: the folder itself / benchmarks/results). Returns (page, text, plots, summary table,
+    headline, missed targets)."""
+    if results:
+        folder, docs, origin = results, load(results), None
+        runs = runs_of(results, RESULTS)
+        peer = peers(list(docs.items()), runs)
+    else:
+        folder = RESULTS
+        folders = dated_folders()
+        docs, origin = load_merged(folders)
+        by_folder = {f.name: runs_of(f, RESULTS) for f in folders}
+        runs = {n: by_folder[origin[n]][n] for n in docs if n in by_folder[origin[n]]}
+        every = [(n, d) for f in folders for n, d in load(f).items()]
+        peer = peers(every, {n: r for f in folders for n, r in by_folder[f.name].items()})
+    out = out or folder
+    out.mkdir(parents=True, exist_ok=True)
+    page = readme or out / "README.md"
+    series = build_series(docs, runs)
+    pngs = write_all(series, out, PRICE_PER_GPU_HOUR) if plots else sorted(out.glob("*.png"))
+    text, head, missed = render(folder, docs, pngs, origin, runs, peer, page_dir=page.parent)
+    page.write_text(text)
+    return page, text, pngs, perf_summary(series, peer), head, missed
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tandem bench report", description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, default=None,
                    help="one dated results folder (default: all of them, the newest result of each kind)")
     p.add_argument("--readme", type=Path, default=None,
-                   help="default: benchmarks/results/README.md, or the folder's README.md with --results")
-    p.add_argument("--no-plots", action="store_true")
+                   help="default: README.md in the output folder")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write the page and plots here (default: the results folder itself)")
+    p.add_argument("--no-plots", action="store_true", help="keep the plots already in the output folder")
     a = p.parse_args(argv)
-    if a.results:
-        folder, docs, origin = a.results, load(a.results), None
-    else:
-        folder = RESULTS
-        docs, origin = load_merged(dated_folders())
-    readme = a.readme or folder / "README.md"
-    plots = [] if a.no_plots else write_all(build_series(docs), folder, PRICE_PER_GPU_HOUR)
-    if a.no_plots:  # keep the links to plots made earlier
-        plots = sorted(folder.glob("*.png"))
-    text, head, missed = render(folder, docs, plots, origin)
-    readme.write_text(text)
+    page, _, pngs, summary, head, missed = generate(a.results, a.out, a.readme, plots=not a.no_plots)
     print("\n".join(head))
     print(f"{len(missed)} goal(s) missed (closest case shown):" if missed else "all targets met")
     for t in missed:
         print(f"  {t.area}: {t.what}: {t.value} (target {t.target})")
-    print(f"wrote {readme}" + (f" and {len(plots)} plot(s) in {folder}" if plots and not a.no_plots else ""))
+    print(f"wrote {page}" + (f" and {len(pngs)} plot(s) in {page.parent}" if pngs and not a.no_plots else ""))
+    if a.results is None and a.out is None:  # the merged page: the project README's table too
+        if update_readme(README, summary):
+            print(f"wrote the performance table into {README}")
+        else:
+            print(f"{README} has no perf-summary markers: table not written")
     return 0

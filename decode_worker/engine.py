@@ -8,6 +8,7 @@ Request lifecycle on a decode worker:
   FAILED / deadline / Abort -> the request ends with an error; its pages return to the pool only
                    when the receiver says no peer can still write into them (fail-closed)
   GenerateRequest (colocated) -> a normal sequence that prefills here
+Steps run overlapped (engine.core): each returns one TokenBatch per router connection.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from common.errors import InvalidRequest, TandemError
 from engine.build import EngineParts
+from engine.core import EngineCore
 from engine.sampling import to_params
 from engine.sequence import FinishReason, Sequence, TokenLogprob
 from kv_transfer.interface import KVReceiver, TransferStatus
@@ -29,6 +31,7 @@ from wire.protocol import (
     GenerateRequest,
     Rejected,
     StartDecode,
+    TokenBatch,
     TokenChunk,
     TopLogprob,
 )
@@ -57,9 +60,10 @@ def chunk_of(seq: Sequence, n_new: int) -> TokenChunk:
 
 
 class DecodeEngine:
-    def __init__(self, parts: EngineParts, receiver: KVReceiver | None) -> None:
+    def __init__(self, parts: EngineParts, receiver: KVReceiver | None, overlap: bool = True) -> None:
         self.parts, self.rx = parts, receiver
         self.kv, self.scheduler = parts.kv, parts.scheduler
+        self.core = EngineCore(parts.scheduler, parts.runner, overlap)
         self.pending: dict[str, Pending] = {}
         self.peers: dict[str, bytes] = {}  # request id -> router socket identity
         self.seqs: dict[str, Sequence] = {}
@@ -116,7 +120,7 @@ class DecodeEngine:
             self.pending.pop(request_id)
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
-            self.scheduler.finish(seq, FinishReason.ABORT)
+            self.core.abort(seq)
             self.parts.sampler.forget(request_id)
         self.peers.pop(request_id, None)
 
@@ -160,24 +164,21 @@ class DecodeEngine:
         self.scheduler.add_running(seq)
         return []
 
-    def step(self) -> list[tuple[bytes, TokenChunk]]:
-        if not self.scheduler.has_work:
+    def step(self) -> list[tuple[bytes, TokenBatch]]:
+        """One engine iteration; the new tokens as one TokenBatch per router connection."""
+        if not self.core.has_work:
             return []
-        items = self.scheduler.schedule()
-        if not items:
-            return []
-        tokens, lps = self.parts.runner.run(items)
-        out = []
-        for seq in self.scheduler.postprocess(items, tokens, lps):
+        by_peer: dict[bytes, list[TokenChunk]] = {}
+        for seq in self.core.step():
             peer = self.peers.get(seq.request_id)
             if peer is not None:
-                out.append((peer, chunk_of(seq, 1)))
+                by_peer.setdefault(peer, []).append(chunk_of(seq, 1))
             if seq.finished:
                 self.seqs.pop(seq.request_id, None)
                 self.peers.pop(seq.request_id, None)
                 self.parts.sampler.forget(seq.request_id)
-        return out
+        return [(peer, TokenBatch(chunks)) for peer, chunks in by_peer.items()]
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self.pending)
+        return self.core.has_work or bool(self.pending)

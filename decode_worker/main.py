@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     wid, epoch = worker_id(a, "decode"), new_epoch()
     with RankGroup.launch(a, "decode", wid, setup_rank) as group:
         rp = lead(group, setup_rank(a, wid, group))
-        server = DecodeServer(DecodeEngine(rp.parts, rp.receiver), None, wid, epoch)
+        server = DecodeServer(DecodeEngine(rp.parts, rp.receiver, overlap=a.async_decode == "on"), None, wid, epoch)
         try:
             return serve(a, server, f"tcp://{a.host}:{a.port}")
         finally:

@@ -23,7 +23,7 @@ from common.stall import StallWatch
 from common.worker_io import WorkerIO
 from decode_worker.engine import DecodeEngine
 from model.kv_cache import PageGroup
-from wire.protocol import Abort, AdmitRequest, GenerateRequest, Rejected, StartDecode, WorkerStatus
+from wire.protocol import Abort, AdmitRequest, GenerateRequest, Rejected, StartDecode, TokenChunk, WorkerStatus
 
 log = logging.getLogger("tandem.decode")
 
@@ -66,7 +66,7 @@ class DecodeServer:
         return WorkerStatus(
             role="decode", worker_id=self.worker_id, epoch=self.epoch, ready=self.ready,
             draining=self.draining.is_set(), queue_depth=len(sched.waiting) + len(e.pending),
-            queued_tokens=sum(s.num_uncached for s in sched.waiting), running=len(sched.running),
+            queued_tokens=sched.waiting_tokens, running=len(sched.running),
             kv_free_pages=free_full, kv_total_pages=total, kv_free_sliding_pages=e.kv.num_free()[PageGroup.SLIDING],
             kv_total_sliding_pages=e.kv.spec.num_pages[PageGroup.SLIDING], page_size=e.kv.spec.page_size,
             max_num_seqs=sched.cfg.max_num_seqs, busy_seconds=self.busy_seconds)
@@ -82,7 +82,6 @@ class DecodeServer:
                 self.io.send(peer, chunk)
         elif isinstance(msg, GenerateRequest):
             if self.draining.is_set():
-                from wire.protocol import TokenChunk
                 self.io.send(peer, TokenChunk(msg.request_id, [], [], [], True, "abort", "worker is draining"))
                 return
             chunk = e.generate(peer, msg)
@@ -101,7 +100,7 @@ class DecodeServer:
             watch.tick()
             # runnable sequences: no wait; only KV transfers in flight: poll them every 0.5 ms (as the
             # prefill side does) instead of spinning a core; idle: 20 ms
-            wait = 0.0 if e.scheduler.has_work else 0.0005 if e.pending else 0.02
+            wait = 0.0 if e.core.has_work else 0.0005 if e.pending else 0.02
             for peer, msg in self.io.drain(wait):
                 self.handle(peer, msg)
             for peer, chunk in e.poll_transfers():
@@ -112,9 +111,9 @@ class DecodeServer:
                 dt = time.perf_counter() - t0
                 self.busy_seconds += dt
                 STEP.observe(dt)
-                TOKENS.inc(sum(len(c.token_ids) for _, c in out))
-            for peer, chunk in out:
-                self.io.send(peer, chunk)
+                TOKENS.inc(sum(len(c.token_ids) for _, b in out for c in b.chunks))
+            for peer, batch in out:
+                self.io.send(peer, batch)
             self._status = self._snapshot()
             RUNNING.set(self._status.running)
             KV_USED.set(1 - self._status.kv_free_pages / max(self._status.kv_total_pages, 1))

@@ -54,6 +54,7 @@ class EngineConfig:
     cache_dir: str = str(DEFAULT_CACHE)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     progress: bool = False
+    async_decode: bool = True  # overlapped step loop (engine.core); False: every step synchronous
 
 
 @dataclass(slots=True)
@@ -146,7 +147,7 @@ def build_engine_parts(cfg: EngineConfig, model: GptOss | None = None) -> Engine
     pool = KVPool(spec, cfg.device, scales=scales, kv_heads=model.par.kv_heads(model.cfg))
     kv = KVManager(spec)
     scheduler = Scheduler(cfg.scheduler, kv, model.cfg.eos_token_ids)
-    sampler = Sampler(torch.device(cfg.device), cfg.seed)
+    sampler = Sampler(torch.device(cfg.device), cfg.seed, model.cfg.eos_token_ids)
     return EngineParts(model, spec, pool, kv, scheduler, ModelRunner(model, pool, sampler), sampler)
 
 

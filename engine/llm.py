@@ -1,8 +1,6 @@
 """LLMEngine (the single-process engine: add_request / step) and LLM (the offline generate API).
 
-    engine.step():  items = scheduler.schedule()
-                    tokens = runner.run(items)
-                    done = scheduler.postprocess(items, tokens)
+    engine.step():  done = core.step()     # engine.core: schedule, launch, collect the step before
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ from dataclasses import dataclass
 
 from common.errors import InvalidRequest
 from engine.build import EngineConfig, build_engine_parts
+from engine.core import EngineCore
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason, Sequence, TokenLogprob
 
@@ -44,6 +43,7 @@ class LLMEngine:
         self.cfg, self.model, self.kv, self.scheduler, self.runner = (
             cfg, parts.model, parts.kv, parts.scheduler, parts.runner)
         self.sampler = parts.sampler
+        self.core = EngineCore(self.scheduler, self.runner, overlap=cfg.async_decode)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
@@ -60,18 +60,14 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
-            self.scheduler.finish(seq, FinishReason.ABORT)
+            self.core.abort(seq)
             self.sampler.forget(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.core.has_work
 
     def step(self) -> list[StepOutput]:
-        items = self.scheduler.schedule()
-        if not items:
-            return []
-        tokens, lps = self.runner.run(items)
-        done = self.scheduler.postprocess(items, tokens, lps)
+        done = self.core.step()
         outs = []
         for seq in done:
             lp = [seq.logprobs[-1]] if seq.params.logprobs is not None and seq.logprobs else []

@@ -1,16 +1,30 @@
-"""ModelRunner: turns a scheduled batch into model inputs, runs one forward, samples.
+"""ModelRunner: turns a scheduled batch into model inputs, runs one forward, samples on the device.
 
 Inputs are packed: every scheduled sequence contributes its q_len new tokens; logits are computed
 only for sequences whose chunk reaches their last token (the others are mid-prompt chunks).
+
+Two halves, so the host can prepare step N+1 while the GPU runs step N (engine.core):
+  launch(items, prev) -> StepHandle   inputs, metadata, forward (CUDA graph or eager), sampling and
+                                      a non-blocking copy of the sampled ids into pinned memory; a
+                                      token sampled by `prev` that the host has not seen yet is
+                                      gathered on the device from prev's output (no round trip)
+  collect(handle) -> tokens, logprobs waits for that step's copy (an event), reads pinned memory
+`run(items)` is both at once (the prefill worker, tests).
+
+Host buffers the GPU reads (pinned staging, FlashInfer's plan buffers) are reused step after step:
+a launch first waits for the previous launch's input copies to have executed (`_inputs_done`), so
+it never overwrites a buffer a queued copy still reads. That wait is normally already over: it
+trails the GPU by one whole step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import Sampler
+from engine.sampling import Sampler, SampleRow, _dev
 from engine.scheduler import ScheduledSeq
 from engine.sequence import TokenLogprob
 from model.context import SeqStep, build_step_meta
@@ -18,51 +32,167 @@ from model.gpt_oss import GptOss
 from model.kv_cache import KVPool
 
 
+@dataclass(slots=True)
+class StepHandle:
+    """A launched step: what it ran, where its sampled ids are (device and pinned host copies)."""
+
+    no: int
+    items: list[ScheduledSeq]
+    rows: list[int]  # indices of the items that sample, in row order
+    row_of: dict[int, int]  # id(seq) -> its row in `token_ids` (for the next step's input gather)
+    token_ids: torch.Tensor | None  # [R] int64 on the device
+    host: tuple[torch.Tensor, ...] | None  # pinned (ids, logprob, top ids, top logprobs) views
+    event: torch.cuda.Event | None  # recorded after the device -> host copies
+
+
 class ModelRunner:
     def __init__(self, model: GptOss, pool: KVPool, sampler: Sampler) -> None:
         self.model, self.pool, self.sampler = model, pool, sampler
         self.device = model.device
+        self.cuda = self.device.type == "cuda"
         self.graphs = None  # decode_worker.runner.CudaGraphDecoder, set by the decode worker on GPU
+        self.supports_overlap = True
+        self.share_inputs: Callable[[torch.Tensor], None] | None = None  # TP rank 0: ids to the followers
+        self._inputs_done: torch.cuda.Event | None = None
+        self._pinned: list[tuple[torch.Tensor, ...]] = []  # two sets, alternating by step parity
 
+    # ---- the two halves ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, items: list[ScheduledSeq], on_layer_done: Callable[[int], None] | None = None
-            ) -> tuple[list[int | None], list[TokenLogprob | None]]:
-        ids = [t for it in items for t in it.seq.all_ids[it.start:it.start + it.q_len]]
+    def launch(self, items: list[ScheduledSeq], prev: StepHandle | None = None, no: int = 0,
+               on_layer_done: Callable[[int], None] | None = None) -> StepHandle:
+        if self._inputs_done is not None and not self._inputs_done.query():
+            self._inputs_done.synchronize()  # the previous step's input copies have run (see module doc)
+        input_ids = self._input_ids(items, prev)
+        if self.share_inputs is not None:
+            self.share_inputs(input_ids)
         steps = [SeqStep(it.seq.pages, it.start, it.q_len) for it in items]
         rows = [i for i, it in enumerate(items) if it.sample]
-        tokens: list[int | None] = [None] * len(items)
-        lps: list[TokenLogprob | None] = [None] * len(items)
-        logits = self.forward(ids, steps, rows, on_layer_done)
+        logits = self.forward(input_ids, steps, rows, on_layer_done)
+        handle = StepHandle(no, items, rows, {}, None, None, None)
         if logits is None:
-            return tokens, lps
+            return handle
+        sample_rows = []
+        for i in rows:
+            seq = items[i].seq
+            if seq.noise_seed is None:
+                seq.noise_seed = seq.params.seed if seq.params.seed is not None else self.sampler.draw_seed()
+            sample_rows.append(SampleRow(seq.request_id, seq.params, seq.noise_seed, items[i].start + items[i].q_len,
+                                         len(seq.output_ids) + seq.num_pending,
+                                         seq.output_ids if seq.params.penalized else None))
         with torch.profiler.record_function("sample"):
-            out = self.sampler(logits, [(items[i].seq.request_id, items[i].seq.params) for i in rows])
-        sampled = out.token_ids.tolist()  # the step's one host sync
-        want_lp = out.logprobs is not None
+            out = self.sampler.sample(logits, sample_rows)
+        handle.token_ids = out.token_ids
+        handle.row_of = {id(items[i].seq): r for r, i in enumerate(rows)}
+        parts = [out.token_ids] + ([] if out.logprobs is None else [out.logprobs, out.top_ids, out.top_logprobs])
+        if self.cuda:
+            handle.host = self._to_pinned(no, parts)
+            handle.event = torch.cuda.Event()
+            handle.event.record()
+        else:
+            handle.host = tuple(parts)
+        return handle
+
+    def collect(self, h: StepHandle) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        tokens: list[int | None] = [None] * len(h.items)
+        lps: list[TokenLogprob | None] = [None] * len(h.items)
+        if h.host is None:
+            return tokens, lps
+        if h.event is not None:
+            with torch.profiler.record_function("wait_tokens"):
+                h.event.synchronize()
+        sampled = h.host[0].tolist()
+        want_lp = len(h.host) > 1
         if want_lp:
-            lp, top_ids, top_lp = out.logprobs.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
-        for j, i in enumerate(rows):
+            lp, top_ids, top_lp = (t.tolist() for t in h.host[1:])
+        for j, i in enumerate(h.rows):
             tokens[i] = sampled[j]
-            n = items[i].seq.params.logprobs
+            n = h.items[i].seq.params.logprobs
             if want_lp and n is not None:
                 lps[i] = TokenLogprob(sampled[j], lp[j], list(zip(top_ids[j][:n], top_lp[j][:n])))
         return tokens, lps
 
+    def run(self, items: list[ScheduledSeq], on_layer_done: Callable[[int], None] | None = None
+            ) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        """One synchronous step (every input token known on the host)."""
+        return self.collect(self.launch(items, None, 0, on_layer_done))
+
+    # ---- pieces ------------------------------------------------------------------------------------
+    def _input_ids(self, items: list[ScheduledSeq], prev: StepHandle | None) -> torch.Tensor:
+        """[T] token ids; a decode token the previous step sampled comes from its device output."""
+        ids: list[int] = []
+        at, rows = [], []  # positions in `ids` to fill from prev.token_ids[rows]
+        for it in items:
+            seq = it.seq
+            end, known = it.start + it.q_len, seq.num_tokens
+            if end <= known:
+                ids += seq.token_slice(it.start, end)
+                continue
+            # The overlapped loop's case: the token at `start` was sampled by the step in flight.
+            assert prev is not None and it.q_len == 1 and end == known + 1, "input token not sampled yet"
+            at.append(len(ids))
+            rows.append(prev.row_of[id(seq)])
+            ids.append(0)
+        if not at:
+            return _dev(torch.tensor(ids, dtype=torch.long), self.device)  # [T]
+        assert prev is not None and prev.token_ids is not None
+        if len(at) == len(ids):  # a pure decode step: every input is a token the last step sampled
+            if rows == list(range(prev.token_ids.shape[0])):
+                return prev.token_ids  # the same sequences in the same order: no copy at all
+            return prev.token_ids[_dev(torch.tensor(rows, dtype=torch.long), self.device)]
+        input_ids = _dev(torch.tensor(ids, dtype=torch.long), self.device)
+        src = _dev(torch.tensor(rows, dtype=torch.long), self.device)
+        input_ids[_dev(torch.tensor(at, dtype=torch.long), self.device)] = prev.token_ids[src]
+        return input_ids
+
+    def _to_pinned(self, no: int, parts: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Non-blocking device -> host copies into this step parity's pinned buffers (a step's
+        buffers are read by collect() before the step two launches later copies into them)."""
+        rows = parts[0].shape[0]
+        width = parts[2].shape[1] if len(parts) > 1 else 1
+        if not self._pinned or self._pinned[0][0].shape[0] < rows or self._pinned[0][2].shape[1] < width:
+            cap, w = max(256, 2 * rows), max(width, 21)
+            self._pinned = [(torch.empty(cap, dtype=torch.int64, pin_memory=True),
+                             torch.empty(cap, dtype=torch.float32, pin_memory=True),
+                             torch.empty(cap, w, dtype=torch.int64, pin_memory=True),
+                             torch.empty(cap, w, dtype=torch.float32, pin_memory=True)) for _ in range(2)]
+        buf = self._pinned[no % 2]
+        out = []
+        for dst, src in zip(buf, parts):
+            view = dst[:rows] if src.dim() == 1 else dst[:rows, :src.shape[1]]
+            view.copy_(src, non_blocking=True)
+            out.append(view)
+        return tuple(out)
+
     @torch.inference_mode()
-    def forward(self, ids: list[int], steps: list[SeqStep], rows: list[int],
+    def forward(self, input_ids: torch.Tensor | list[int], steps: list[SeqStep], rows: list[int],
                 on_layer_done: Callable[[int], None] | None = None, want_logits: bool = True) -> torch.Tensor | None:
         """The step's forward; logits [len(rows), V] of the sampled rows (None when none or not
         wanted). Every TP rank runs this with the same arguments (followers without logits), so the
         graph-or-eager choice and the all-reduces match on all ranks."""
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        if not isinstance(input_ids, torch.Tensor):
+            input_ids = _dev(torch.tensor(input_ids, dtype=torch.long), self.device)  # [T]
         if self.graphs is not None and on_layer_done is None and len(rows) == len(steps):
             with torch.profiler.record_function("decode_graph"):
-                logits = self.graphs.run(input_ids, steps)  # [B, V] or None when not graphable
-            if logits is not None:
-                return logits
+                b = self.graphs.prepare(input_ids, steps)
+                self._mark_inputs()
+                if b is not None:
+                    return self.graphs.replay(b, len(steps))  # [B, V]
         meta = build_step_meta(steps, self.pool.spec, self.device)
+        self.model.backends.attention.plan(meta)  # the forward's own plan() is then a no-op
+        self._mark_inputs()
         with torch.profiler.record_function("forward"):
             hidden = self.model(input_ids, meta, self.pool, on_layer_done)  # [T, H]
         if not rows or not want_logits:
             return None
-        return self.model.compute_logits(hidden[meta.logits_indices[rows]])  # [B', V]
+        last = meta.logits_indices  # [B] each sequence's last new token
+        if len(rows) != len(steps):  # mid-prompt chunks sample nothing (a device index: no pageable copy)
+            last = last[_dev(torch.tensor(rows, dtype=torch.long), self.device)]
+        return self.model.compute_logits(hidden[last])  # [B', V]
+
+    def _mark_inputs(self) -> None:
+        """Every input copy of this step is queued: the next launch may reuse host buffers once
+        this event passed (the attention backend plans, and so copies, inside graphs.prepare or
+        the model's forward before its first layer)."""
+        if self.cuda:
+            self._inputs_done = torch.cuda.Event()
+            self._inputs_done.record()

@@ -1,22 +1,37 @@
-"""Sampling parameters and the batched sampler.
+"""Sampling parameters and the batched sampler, on the device with no host sync and no
+per-sequence Python on the hot path.
 
-The sampler makes no host syncs of its own: greedy is an argmax; stochastic sampling draws
-exponential noise and takes argmax(p / q) (the Gumbel/exponential race, as gpt-fast and nano-vllm
-do) after temperature, top-k and top-p filtering, all as per-row tensors. The engine reads the
-sampled ids (and logprobs) back once per step, which is the one sync a step needs anyway.
-Requests with a seed get their own generator, so their samples do not depend on batch composition.
+One step samples R rows (the sequences whose chunk reaches their last token):
+  logits [R, V] fp32
+    -> penalties (presence / frequency over each sequence's generated tokens, counted on the device)
+    -> logit bias and min_tokens masking (sparse, only for the rows that ask)
+    -> greedy rows: argmax
+    -> stochastic rows: softmax(logits / T), top-k / top-p filtered when any row asks, then the
+       exponential race argmax(p / q), q ~ Exp(1) (gpt-fast, nano-vllm)
+    -> logprobs of the raw distribution when any row asks (sampled token + top-n)
+The noise is counter-based: q for (seed, position, token) is a hash, not a generator's stream, so
+a sequence's samples depend only on its seed and positions, never on which other sequences share
+the batch or on how many steps ran before (seeded requests reproduce across runs and batch
+compositions; disaggregated prefill and decode draw the same noise for the same position).
+Unseeded sequences get a seed drawn once from the sampler's own generator.
+
+Per-row parameter tensors are cached by batch composition: a decode batch that did not change
+since the last step reuses them and only uploads the new positions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from common.errors import InvalidRequest
 from wire.protocol import SamplingSpec
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
+_MASK32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +45,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n >= 0: sampled token's logprob plus top-n
     min_tokens: int = 0
+    presence_penalty: float = 0.0  # OpenAI semantics, over generated tokens
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -44,72 +62,220 @@ class SamplingParams:
             raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest("min_tokens must be in [0, max_tokens]", param="min_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}", param=name)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
+        for tok, bias in self.logit_bias:
+            if tok < 0 or not -100.0 <= bias <= 100.0:
+                raise InvalidRequest(f"logit_bias entry {tok}: {bias} is out of range (bias in [-100, 100])",
+                                     param="logit_bias")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def to_params(s: SamplingSpec) -> SamplingParams:
     """The wire's sampling spec as the engine's (validated) parameters."""
     return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                           seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                          logprobs=s.logprobs, min_tokens=s.min_tokens)
+                          logprobs=s.logprobs, min_tokens=s.min_tokens, presence_penalty=s.presence_penalty,
+                          frequency_penalty=s.frequency_penalty,
+                          logit_bias=tuple((b.token_id, b.bias) for b in s.logit_bias))
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """One row to sample: who, with what, at which position (the index the new token will have)."""
+
+    request_id: str
+    params: SamplingParams
+    seed: int
+    position: int
+    num_generated: int  # tokens this sequence generated before this one (min_tokens masking)
+    output_ids: list[int] | None = None  # read once, when a penalised sequence first gets a slot
 
 
 @dataclass(slots=True)
 class SampleOutput:
-    token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None  # [B] fp32 logprob of the sampled token
-    top_ids: torch.Tensor | None  # [B, n]
-    top_logprobs: torch.Tensor | None  # [B, n]
+    token_ids: torch.Tensor  # [R] int64
+    logprobs: torch.Tensor | None  # [R] fp32 logprob of the sampled token
+    top_ids: torch.Tensor | None  # [R, n]
+    top_logprobs: torch.Tensor | None  # [R, n]
 
 
 @dataclass(slots=True)
-class Sampler:
-    device: torch.device
-    seed: int = 0
-    _gen: torch.Generator = field(init=False)
-    _seq_gens: dict[str, torch.Generator] = field(init=False, default_factory=dict)
+class _RowTensors:
+    """Device tensors of one batch composition."""
 
-    def __post_init__(self) -> None:
-        self._gen = torch.Generator(device=self.device)
-        self._gen.manual_seed(self.seed)
+    key: tuple
+    greedy: torch.Tensor  # [R] bool
+    temp: torch.Tensor  # [R] fp32
+    top_p: torch.Tensor
+    top_k: torch.Tensor  # [R] int64 (V when off)
+    seeds: torch.Tensor  # [R] int64
+    all_greedy: bool
+    any_filter: bool
+    max_logprobs: int | None
+    penal_rows: torch.Tensor | None  # [Rp] rows with penalties
+    penal_slots: torch.Tensor | None  # [Rp] their count rows
+    presence: torch.Tensor | None  # [Rp]
+    frequency: torch.Tensor | None
+
+
+def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """q ~ Exp(1) of shape [R, V] from (seed, position, token) alone: a 64-bit mix of seed and
+    position per row, then murmur3's 32-bit finaliser over the token index (int64 arithmetic
+    masked to 32 bits, so the shifts are logical on every backend)."""
+    dev = seeds.device
+    key = seeds * -7046029254386353131 + positions * -4658895280553007687  # wrapping int64 products
+    key = (key ^ (key >> 31)) & _MASK32  # [R]
+    h = (key[:, None] + torch.arange(vocab, device=dev, dtype=torch.int64)[None, :] * 0x9E3779B9) & _MASK32
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    h = h ^ (h >> 16)
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
+    return -torch.log(u)
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0, eos_ids: tuple[int, ...] = ()) -> None:
+        self.device = device
+        self.eos_ids = tuple(eos_ids)
+        self._rng = np.random.default_rng(seed)
+        self._rows: _RowTensors | None = None
+        self._counts: torch.Tensor | None = None  # [S, V] int32 generated-token counts (penalties)
+        self._slot_of: dict[str, int] = {}
+        self._free_slots: list[int] = []
+
+    def draw_seed(self) -> int:
+        """A seed for an unseeded sequence (drawn once per sequence, kept on it)."""
+        return int(self._rng.integers(0, 2**62))
 
     def forget(self, request_id: str) -> None:
-        self._seq_gens.pop(request_id, None)
+        slot = self._slot_of.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
 
-    def _noise(self, shape: tuple[int, int], rows: list[tuple[str, SamplingParams]]) -> torch.Tensor:
-        q = torch.empty(shape, device=self.device).exponential_(1, generator=self._gen)
-        for i, (rid, p) in enumerate(rows):
-            if p.seed is not None:
-                g = self._seq_gens.get(rid)
-                if g is None:
-                    g = self._seq_gens[rid] = torch.Generator(device=self.device)
-                    g.manual_seed(p.seed)
-                q[i].exponential_(1, generator=g)
-        return q
+    # ---- per-composition state ---------------------------------------------------------------------
+    def _row_tensors(self, rows: list[SampleRow], vocab: int) -> _RowTensors:
+        key = tuple(r.request_id for r in rows)
+        cached = self._rows
+        if cached is not None and cached.key == key:
+            return cached
+        dev = self.device
+        ps = [r.params for r in rows]
+        penal = [i for i, p in enumerate(ps) if p.penalized]
+        slots = [self._slot(rows[i], vocab) for i in penal]
+        t = _RowTensors(
+            key, _dev(torch.tensor([p.greedy for p in ps]), dev),
+            _dev(torch.tensor([max(p.temperature, 1e-5) for p in ps], dtype=torch.float32), dev),
+            _dev(torch.tensor([p.top_p for p in ps], dtype=torch.float32), dev),
+            _dev(torch.tensor([p.top_k if p.top_k > 0 else vocab for p in ps], dtype=torch.int64), dev),
+            _dev(torch.tensor([r.seed for r in rows], dtype=torch.int64), dev),
+            all(p.greedy for p in ps), any((p.top_p < 1.0 or p.top_k > 0) and not p.greedy for p in ps),
+            max((p.logprobs for p in ps if p.logprobs is not None), default=None),
+            None, None, None, None)
+        if penal:
+            t.penal_rows = _dev(torch.tensor(penal, dtype=torch.int64), dev)
+            t.penal_slots = _dev(torch.tensor(slots, dtype=torch.int64), dev)
+            t.presence = _dev(torch.tensor([ps[i].presence_penalty for i in penal], dtype=torch.float32), dev)
+            t.frequency = _dev(torch.tensor([ps[i].frequency_penalty for i in penal], dtype=torch.float32), dev)
+        self._rows = t
+        return t
 
-    def __call__(self, logits: torch.Tensor, rows: list[tuple[str, SamplingParams]]) -> SampleOutput:
-        """logits [B, V] fp32 -> sampled ids (+ logprobs when any row asks)."""
-        b, v = logits.shape
-        dev = logits.device
-        greedy = torch.tensor([p.greedy for _, p in rows], device=dev)
-        temp = torch.tensor([max(p.temperature, 1e-5) for _, p in rows], device=dev)
-        top_p = torch.tensor([p.top_p for _, p in rows], device=dev)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else v for _, p in rows], device=dev)
-        ids = logits.argmax(-1)
-        if not all(p.greedy for _, p in rows):  # known on the host: no device sync
-            probs = torch.softmax(logits / temp[:, None], dim=-1)
-            probs = _filter_top_k_top_p(probs, top_k, top_p)
-            sampled = (probs / self._noise((b, v), rows)).argmax(-1)
-            ids = torch.where(greedy, ids, sampled)
-        n = max((p.logprobs for _, p in rows if p.logprobs is not None), default=None)
-        if n is None:
+    def _slot(self, row: SampleRow, vocab: int) -> int:
+        """The counts row of a penalised sequence, assigned on first sight and filled with the
+        tokens it already generated (a first token from a prefill worker, output before a preemption)."""
+        slot = self._slot_of.get(row.request_id)
+        if slot is not None:
+            return slot
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            slot = len(self._slot_of)
+            if self._counts is None or slot >= self._counts.shape[0]:
+                grown = torch.zeros(max(16, 2 * slot), vocab, dtype=torch.int32, device=self.device)
+                if self._counts is not None:
+                    grown[:self._counts.shape[0]] = self._counts
+                self._counts = grown
+        self._slot_of[row.request_id] = slot
+        assert self._counts is not None
+        self._counts[slot].zero_()
+        if row.output_ids:
+            ids = torch.tensor(row.output_ids, dtype=torch.int64)
+            self._counts[slot].index_add_(0, _dev(ids, self.device), torch.ones_like(ids, dtype=torch.int32,
+                                                                                   device=self.device))
+        return slot
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
+        """logits [R, V] fp32 -> sampled ids (+ logprobs when any row asks). No host sync."""
+        r, v = logits.shape
+        assert r == len(rows)
+        t = self._row_tensors(rows, v)
+        raw = logits
+        logits = self._adjust(logits, rows, t)
+        ids = logits.argmax(-1)  # [R]
+        if not t.all_greedy:
+            positions = _dev(torch.tensor([x.position for x in rows], dtype=torch.int64), self.device)
+            probs = torch.softmax(logits / t.temp[:, None], dim=-1)
+            if t.any_filter:
+                probs = _filter_top_k_top_p(probs, t.top_k, t.top_p)
+            sampled = (probs / exponential_noise(t.seeds, positions, v)).argmax(-1)
+            ids = torch.where(t.greedy, ids, sampled)
+        if t.penal_rows is not None:  # count the new tokens (dropped surplus tokens too: harmless)
+            assert self._counts is not None
+            self._counts.index_put_((t.penal_slots, ids[t.penal_rows]),
+                                    torch.ones_like(t.penal_slots, dtype=torch.int32), accumulate=True)
+        if t.max_logprobs is None:
             return SampleOutput(ids, None, None, None)
-        lp = torch.log_softmax(logits, dim=-1)
-        top_lp, top_ids = lp.topk(max(n, 1), dim=-1)
+        lp = torch.log_softmax(raw.float(), dim=-1)
+        top_lp, top_ids = lp.topk(max(t.max_logprobs, 1), dim=-1)
         return SampleOutput(ids, lp.gather(1, ids[:, None])[:, 0], top_ids, top_lp)
+
+    def _adjust(self, logits: torch.Tensor, rows: list[SampleRow], t: _RowTensors) -> torch.Tensor:
+        """Penalties, logit bias and min_tokens masking; the input is left as is (logprobs read it)."""
+        sparse = [(i, x) for i, x in enumerate(rows) if x.params.logit_bias
+                  or x.num_generated < x.params.min_tokens]
+        if t.penal_rows is None and not sparse:
+            return logits
+        logits = logits.clone()
+        if t.penal_rows is not None:
+            assert self._counts is not None
+            c = self._counts[t.penal_slots].to(logits.dtype)  # [Rp, V]
+            logits[t.penal_rows] -= t.presence[:, None] * (c > 0) + t.frequency[:, None] * c
+        if sparse:
+            ri, ti, vals = [], [], []
+            for i, x in sparse:
+                for tok, bias in x.params.logit_bias:
+                    if tok < logits.shape[1]:
+                        ri.append(i), ti.append(tok), vals.append(bias)
+                if x.num_generated < x.params.min_tokens:  # no stop before min_tokens (vLLM semantics)
+                    stops = set(x.params.stop_token_ids) | (set() if x.params.ignore_eos else set(self.eos_ids))
+                    for tok in stops:
+                        ri.append(i), ti.append(tok), vals.append(float("-inf"))
+            if ri:
+                idx = (_dev(torch.tensor(ri, dtype=torch.int64), self.device),
+                       _dev(torch.tensor(ti, dtype=torch.int64), self.device))
+                logits.index_put_(idx, _dev(torch.tensor(vals, dtype=logits.dtype), self.device), accumulate=True)
+        return logits
+
+
+def _dev(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without a stream sync: through pinned memory on CUDA (a pageable source can
+    make the copy wait for the stream, which would undo the overlapped step loop)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,15 @@ Each step spends a token budget (max_num_batched_tokens):
      keeping one page of headroom per running sequence so admissions do not immediately force
      preemptions.
 `postprocess` applies the sampled tokens: appends, checks stop conditions, frees finished pages.
+
+Overlapped steps (engine.core): step N+1 is scheduled and launched before step N's tokens reach the
+host. `on_launch` books a launched step (KV cached, a token pending); a sequence whose pending token
+is its last by length (max_tokens, context) is not scheduled again; a stop token is seen one step
+late and the token sampled meanwhile is dropped. Pages released while a step is in flight may
+still be written by it, so they return to the free lists only once that step completed
+(`release_completed`): a KV transfer must never land in a page a running step still writes.
+Preemption frees pages at once, so `schedule(preempt_ok=False)` returns None instead of preempting
+while a step is in flight; the caller completes that step first.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from dataclasses import dataclass
 
 from common.errors import InvalidRequest
 from engine.sequence import FinishReason, Sequence, SeqStatus, TokenLogprob
-from model.kv_cache import KVManager, PageGroup
+from model.kv_cache import KVManager, PageGroup, SeqPages
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +51,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.waiting_tokens = 0  # uncached tokens of WAITING sequences, kept as they move (status is O(1))
+        self.launched = 0  # number of the latest launched step
+        self.completed = 0  # number of the latest step whose tokens reached the host
+        self._fenced: deque[tuple[int, SeqPages]] = deque()  # (step that may still write them, pages)
 
     # ---- admission ------------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -60,6 +73,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.check_fits(len(seq.prompt_ids), seq.params.max_tokens)
         self.waiting.append(seq)
+        self.waiting_tokens += seq.num_uncached
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose pages are already reserved and filled (KV from a prefill worker)."""
@@ -71,30 +85,61 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step -------------------------------------------------------------------------------
-    def schedule(self) -> list[ScheduledSeq]:
+    def schedule(self, preempt_ok: bool = True) -> list[ScheduledSeq] | None:
+        """The next step's batch; None when it needs a preemption and `preempt_ok` is False."""
         budget = self.cfg.max_num_batched_tokens
         items: list[ScheduledSeq] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            i += 1
+            if seq.num_pending and self._last_by_length(seq):
+                continue  # its pending token is its last: nothing more to compute
             q = min(seq.num_uncached, budget)
+            if not self.kv.can_grow(seq.pages, seq.num_cached + q) and not preempt_ok:
+                return None  # pages grown so far stay with their sequences: they need them next time anyway
             if not self._make_room(seq, seq.num_cached + q):
                 break  # seq itself was preempted (it was the newest)
             items.append(ScheduledSeq(seq, seq.num_cached, q, q == seq.num_uncached))
             budget -= q
-            i += 1
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             q = min(seq.num_uncached, budget)
             if not self._fits_with_headroom(seq, seq.num_cached + q):
                 break
             self.waiting.popleft()
+            self.waiting_tokens -= seq.num_uncached
             self.kv.grow(seq.pages, seq.num_cached + q)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             items.append(ScheduledSeq(seq, seq.num_cached, q, q == seq.num_uncached))
             budget -= q
         return items
+
+    def _last_by_length(self, seq: Sequence) -> bool:
+        return (len(seq.output_ids) + seq.num_pending >= seq.params.max_tokens
+                or seq.total_len >= self.cfg.max_model_len)
+
+    def on_launch(self, items: list[ScheduledSeq], step: int) -> None:
+        """A step was launched: its KV will be cached and its sampled rows hold a pending token."""
+        self.launched = step
+        for it in items:
+            it.seq.num_cached = it.start + it.q_len
+            if it.sample:
+                it.seq.num_pending += 1
+
+    def release_completed(self, step: int) -> None:
+        """Step `step` completed: pages released while it (or an earlier step) was in flight are free."""
+        self.completed = step
+        while self._fenced and self._fenced[0][0] <= step:
+            self.kv.release(self._fenced.popleft()[1])
+
+    def _release(self, seq: Sequence) -> None:
+        if self.launched == self.completed:
+            self.kv.release(seq.pages)
+        else:  # a launched step may still write these pages: hand them back when it completed
+            self._fenced.append((self.launched, seq.pages))
+            seq.pages = SeqPages()
 
     def _fits_with_headroom(self, seq: Sequence, total: int) -> bool:
         full, sliding = self.kv.pages_needed(seq.pages, total)
@@ -111,26 +156,31 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        assert seq.num_pending == 0, "preemption with a token in flight (schedule(preempt_ok=False) prevents it)"
         self.running.remove(seq)
-        self.kv.release(seq.pages)
+        self._release(seq)
         seq.num_cached = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        self.waiting_tokens += seq.num_uncached
 
     # ---- results --------------------------------------------------------------------------------
     def postprocess(self, items: list[ScheduledSeq], tokens: list[int | None],
                     logprobs: list[TokenLogprob | None]) -> list[Sequence]:
-        """Apply one step's sampled tokens (None for chunks that sample nothing). Returns the
-        sequences that produced a token this step (finished ones included)."""
+        """Apply one launched step's sampled tokens (None for chunks that sample nothing). Returns
+        the sequences that produced a token this step (finished ones included). A sequence that
+        finished (stop token, abort) after this step was launched drops its token here."""
         out = []
         for it, tok, lp in zip(items, tokens, logprobs, strict=True):
             seq = it.seq
-            seq.num_cached = it.start + it.q_len
             if not it.sample:
                 continue
             assert tok is not None
+            if seq.status == SeqStatus.FINISHED:
+                continue  # the surplus token of the overlapped loop
+            seq.num_pending -= 1
             seq.output_ids.append(tok)
             if lp is not None:
                 seq.logprobs.append(lp)
@@ -152,10 +202,12 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status == SeqStatus.FINISHED:
             return
-        if seq in self.running:
+        if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        elif seq.status == SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.release(seq.pages)
+            self.waiting_tokens -= seq.num_uncached
+        self._release(seq)
+        seq.num_pending = 0
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

@@ -1,6 +1,9 @@
 """A sequence: one request's tokens, pages and progress through the engine.
 
 Lifecycle: WAITING (no KV) -> RUNNING (prefill chunks, then one token per step) -> FINISHED.
+With the overlapped step loop a token is sampled on the device one step before the host sees it:
+`num_pending` counts those (0-2); `total_len` is what the scheduler plans with, `num_tokens` what
+the host holds.
 A decode worker also admits sequences whose KV arrives from a prefill worker: TRANSFERRING (pages
 reserved, KV being written by the peer) -> RUNNING. Preemption frees the pages and sends a RUNNING
 sequence back to WAITING with num_cached = 0: its prompt and generated tokens are recomputed.
@@ -48,6 +51,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    num_pending: int = 0  # tokens sampled on the device, not yet appended here (engine.core)
+    noise_seed: int | None = None  # the sampler's per-sequence seed (params.seed, else drawn once)
 
     @property
     def all_ids(self) -> list[int]:
@@ -58,8 +63,22 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
     def num_uncached(self) -> int:
-        return self.num_tokens - self.num_cached
+        return self.total_len - self.num_cached
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without building all_ids (a decode step reads one token of a long
+        prompt + output: concatenating both per sequence per step cost milliseconds at batch 128)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
 
     @property
     def finished(self) -> bool:

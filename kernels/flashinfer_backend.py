@@ -89,7 +89,14 @@ def import_flashinfer(cache_dir: str | None = None):
 
 def _host_cu(step: StepMeta) -> torch.Tensor:
     """cu_seqlens_q on the host without a device sync."""
-    return torch.tensor([0] + step.q_lens_host, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return _pinned(torch.tensor([0] + step.q_lens_host, dtype=torch.int32).cumsum(0, dtype=torch.int32))
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """Host tensors the plan copies to the device (index buffers of the graph wrappers) live in
+    pinned memory: a copy from pageable memory may wait for the stream, and the overlapped decode
+    loop plans step N+1 while step N still runs."""
+    return t.pin_memory() if torch.cuda.is_available() else t
 
 
 def _jit_args(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool, kv_dtype: torch.dtype | None = None
@@ -295,15 +302,17 @@ class FlashInferAttention:
             return self._plan_fp8_prefill(g, window_left, cu_q)
         p, maxp = d.page_size, g.page_table.shape[1]
         num_pages = [-(-n // p) for n in g.kv_lens_host]
-        if g.page_ids_host is not None and len(g.page_ids_host) == sum(num_pages):
+        if g.page_ids is not None and g.page_ids_host is not None and len(g.page_ids_host) == sum(num_pages):
+            indices = g.page_ids  # uploaded with the step's metadata (model.context.Upload)
+        elif g.page_ids_host is not None and len(g.page_ids_host) == sum(num_pages):
             # one host -> device copy of the rows back to back (a per-page gather cost ~10 ms per
             # step at batch 128 x 8k on the H200's host)
-            indices = torch.from_numpy(g.page_ids_host).to(d.device, non_blocking=True)
+            indices = _pinned(torch.from_numpy(g.page_ids_host)).to(d.device, non_blocking=True)
         else:
             flat = [b * maxp + j for b, n in enumerate(num_pages) for j in range(n)]
             indices = g.page_table.flatten()[torch.tensor(flat, dtype=torch.long).to(d.device)]
-        indptr = torch.tensor([0] + num_pages, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        last = torch.tensor([n - (k - 1) * p for n, k in zip(g.kv_lens_host, num_pages)], dtype=torch.int32)
+        indptr = _pinned(torch.tensor([0] + num_pages, dtype=torch.int32).cumsum(0, dtype=torch.int32))
+        last = _pinned(torch.tensor([n - (k - 1) * p for n, k in zip(g.kv_lens_host, num_pages)], dtype=torch.int32))
         decode = step.is_decode
         graph = step.num_seqs if decode and step.num_seqs in self._graph_sizes else 0
         w = self._wrapper("decode" if decode else "prefill", "paged", window_left, graph)

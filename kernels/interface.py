@@ -27,6 +27,7 @@ class GroupMeta:
     # ceil(kv_lens[b] / P) pages of its view): backends that want flat page lists (FlashInfer) take
     # them from here in one copy instead of gathering per page. None: not built (tests, benchmarks).
     page_ids_host: np.ndarray | None = None
+    page_ids: torch.Tensor | None = None  # the same on the device (uploaded with the step's metadata)
 
 
 @dataclass(slots=True)

@@ -259,7 +259,7 @@ class AttnBatch:
             acc += n
         # Dense keys of a sequence are its new tokens: they start where its queries start.
         rows = [q_start, list(q_lens), list(paged_lens), list(kv_lens), q_start]
-        info = torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True)
+        info = _upload(torch.tensor(rows, dtype=torch.int32), device)
         return cls(info, page_table, list(q_lens), list(kv_lens))
 
     @property
@@ -280,9 +280,16 @@ class AttnBatch:
                 nt = -(-n // tokens_per_tile)
                 seq += [b] * nt
                 tok += [(nt - 1 - i) * tokens_per_tile for i in range(nt)]
-            t = torch.tensor([seq, tok], dtype=torch.int32).reshape(2, -1).to(self.seq_info.device, non_blocking=True)
+            t = _upload(torch.tensor([seq, tok], dtype=torch.int32).reshape(2, -1), self.seq_info.device)
             self._tiles[tokens_per_tile] = t
         return t
+
+
+def _upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Through pinned memory on CUDA: a pageable source may make the copy wait for the stream."""
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:

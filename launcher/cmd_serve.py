@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -75,14 +76,19 @@ def free_base_port(workers_per_role: int) -> int:
 
 
 def worker_flags(a: argparse.Namespace, checkpoint: str, *, device: str, kv_backend: str, tp: int,
-                 moe_mode: str) -> list[str]:
+                 moe_mode: str, kv_cache_gib: float | None = None) -> list[str]:
     """The flags every worker of a local deployment shares (tandem serve, tandem ray-launch)."""
-    flags = ["--checkpoint", checkpoint, "--device", device, "--host", a.host, "--kv-backend", kv_backend,
+    flags = ["--device", device, "--host", a.host, "--kv-backend", kv_backend,
              "--max-num-seqs", str(a.max_num_seqs), "--tp", str(tp), "--moe-mode", moe_mode]
+    if getattr(a, "random_weights", None):  # generated on the worker's device, no checkpoint
+        flags += ["--random-weights", a.random_weights]
+    else:
+        flags += ["--checkpoint", checkpoint]
     if a.fp8:
         flags.append("--fp8")
-    if a.kv_cache_gib:
-        flags += ["--kv-cache-gib", str(a.kv_cache_gib)]
+    gib = kv_cache_gib or a.kv_cache_gib
+    if gib:
+        flags += ["--kv-cache-gib", str(gib)]
     if getattr(a, "kv_cache_dtype", "auto") != "auto":  # both roles alike: the KV handshake compares them
         flags += ["--kv-cache-dtype", a.kv_cache_dtype]
     if getattr(a, "kv_scale_calibration", 0):
@@ -97,7 +103,7 @@ def build_commands(a: argparse.Namespace, checkpoint: str) -> list[list[str]]:
 
     def device(tp: int) -> str:  # on GPUs each worker takes the next tp devices (rank r on base + r)
         nonlocal next_gpu
-        if not gpu:
+        if not gpu or getattr(a, "share_gpu", False):
             return a.device
         base, next_gpu = next_gpu, next_gpu + tp
         return f"cuda:{base}"
@@ -108,14 +114,16 @@ def build_commands(a: argparse.Namespace, checkpoint: str) -> list[list[str]]:
         port = a.base_port + 100 + i
         prefill.append(f"tcp://{a.host}:{port}")
         flags = worker_flags(a, checkpoint, device=device(a.prefill_tp), kv_backend=a.kv_backend, tp=a.prefill_tp,
-                             moe_mode="tp")
-        cmds.append(exe + ["prefill-worker", *flags, "--port", str(port), "--metrics-port", str(a.base_port + 1100 + i)])
+                             moe_mode="tp", kv_cache_gib=getattr(a, "prefill_kv_cache_gib", None))
+        cmds.append(exe + ["prefill-worker", *flags, "--port", str(port), "--metrics-port", str(a.base_port + 1100 + i),
+                           *shlex.split(getattr(a, "prefill_args", "") or "")])
     for i in range(a.num_decode):
         port = a.base_port + 200 + i
         decode.append(f"tcp://{a.host}:{port}")
         flags = worker_flags(a, checkpoint, device=device(a.decode_tp), kv_backend="none" if a.colocated else a.kv_backend,
                              tp=a.decode_tp, moe_mode=a.decode_moe_mode)
-        cmds.append(exe + ["decode-worker", *flags, "--port", str(port), "--metrics-port", str(a.base_port + 1200 + i)])
+        cmds.append(exe + ["decode-worker", *flags, "--port", str(port), "--metrics-port", str(a.base_port + 1200 + i),
+                           *shlex.split(getattr(a, "decode_args", "") or "")])
     router = exe + ["router", "--host", a.host, "--port", str(a.port), "--model-name", a.model_name]
     for addr in prefill:
         router += ["--prefill", addr]
@@ -151,13 +159,23 @@ def serve(argv: list[str]) -> int:
     p.add_argument("--decode-tp", type=int, default=1, help="GPUs (processes) per decode worker")
     p.add_argument("--decode-moe-mode", choices=["tp", "ep"], default="tp",
                    help="ep: whole experts per rank, one all-reduce as combine (the seed's EP4-TP4)")
+    p.add_argument("--random-weights", default=None, metavar="PRESET",
+                   help="full-size random weights generated on each worker's device instead of a checkpoint "
+                        "(benchmarks), e.g. gpt-oss-20b")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="every worker on --device (one GPU, memory split by the KV budgets) instead of one "
+                        "device per worker rank")
+    p.add_argument("--prefill-kv-cache-gib", type=float, default=None, help="prefill workers' KV budget "
+                   "(default: --kv-cache-gib)")
+    p.add_argument("--prefill-args", default="", help="extra flags for every prefill worker, one string")
+    p.add_argument("--decode-args", default="", help="extra flags for every decode worker, one string")
     p.add_argument("--ready-timeout-s", type=float, default=300)
     a = p.parse_args(argv)
     if a.num_decode < 1:
         raise ConfigError("--num-decode must be >= 1")
     if a.colocated:
         a.num_prefill = 0
-    if a.checkpoint is None:
+    if a.checkpoint is None and not a.random_weights:
         from model.checkpoint_io import ensure_checkpoint
 
         a.checkpoint = str(ensure_checkpoint("tiny", DEFAULT_CACHE))

@@ -32,12 +32,54 @@ class SeqStep:
     q_len: int
 
 
-def _table(rows: list, device: torch.device | str) -> torch.Tensor:
+def to_device(a: np.ndarray | list, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host data -> device without a stream sync: on CUDA through pinned memory (a pageable source
+    can make the copy wait for the stream, which would stall the overlapped step loop; PyTorch's
+    pinned caching allocator keeps the staging block until the copy ran)."""
+    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.tensor(a, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class Upload:
+    """A step's host arrays gathered into one int32 and one int64 buffer: two host -> device copies
+    instead of one per array (a decode step's metadata was a dozen tiny copies, each a few us of
+    stream time between two graph replays). `add` returns a callable giving the device view after
+    `run()`; segments start on 128-byte boundaries."""
+
+    _ALIGN = {np.dtype(np.int32): 32, np.dtype(np.int64): 16}
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._parts: dict[np.dtype, list[np.ndarray]] = {np.dtype(np.int32): [], np.dtype(np.int64): []}
+        self._size = {k: 0 for k in self._parts}
+        self._dev: dict[np.dtype, torch.Tensor] = {}
+
+    def add(self, a: np.ndarray | list, dtype=np.int32):
+        a = np.asarray(a, dtype=dtype)
+        dt = a.dtype
+        off, n = self._size[dt], a.size
+        self._parts[dt].append(a.reshape(-1))
+        pad = -n % self._ALIGN[dt]
+        if pad:
+            self._parts[dt].append(np.zeros(pad, dtype=dt))
+        self._size[dt] = off + n + pad
+        shape = a.shape
+        return lambda: self._dev[dt][off:off + n].view(shape)
+
+    def run(self) -> None:
+        for dt, parts in self._parts.items():
+            if parts:
+                self._dev[dt] = to_device(np.concatenate(parts), self.device)
+
+
+def _table(rows: list) -> np.ndarray:
     width = max((len(r) for r in rows), default=0) or 1
     t = np.zeros((len(rows), width), dtype=np.int32)
     for i, r in enumerate(rows):
         t[i, :len(r)] = r
-    return torch.from_numpy(t).to(device)
+    return t
 
 
 def _flat(rows: list) -> np.ndarray:
@@ -61,13 +103,16 @@ def _ring_slots(ring: list[int], start: int, end: int, keep_from: int, p: int, r
 
 def build_step_meta(steps: list[SeqStep], spec: KVCacheSpec | None, device: torch.device | str = "cpu"
                     ) -> StepMeta:
-    """Host-side metadata of one step, vectorised with numpy (O(pages) per step, in C)."""
+    """Host-side metadata of one step, vectorised with numpy (O(pages) per step, in C), uploaded in
+    two copies (Upload)."""
+    up = Upload(device)
     q_lens = [s.q_len for s in steps]
     positions = np.concatenate([np.arange(s.start, s.start + s.q_len) for s in steps])
     cu = np.zeros(len(steps) + 1, dtype=np.int32)
     cu[1:] = np.cumsum(q_lens)
     logits_idx = (cu[1:] - 1).astype(np.int64)
-    groups: list[GroupMeta | None] = [None, None]
+    views = {"positions": up.add(positions, np.int64), "cu": up.add(cu), "logits": up.add(logits_idx, np.int64)}
+    groups: list = [None, None]
     if spec is not None:
         p = spec.page_size
         if spec.full_layers:
@@ -82,17 +127,18 @@ def build_step_meta(steps: list[SeqStep], spec: KVCacheSpec | None, device: torc
                     slots.append(_full_slots(arr, s.start, s.start + s.q_len, p))
             starts = [s.start for s in steps]
             ends = [s.start + s.q_len for s in steps]
-            groups[PageGroup.FULL] = GroupMeta(
-                _table(rows, device), torch.tensor(starts, dtype=torch.int32, device=device),
-                torch.tensor(ends, dtype=torch.int32, device=device),
-                torch.from_numpy(np.concatenate(slots)).to(device), True, starts, ends, _flat(rows))
+            flat = _flat(rows)
+            groups[PageGroup.FULL] = (up.add(_table(rows)), up.add(starts), up.add(ends),
+                                      up.add(np.concatenate(slots), np.int64), True, starts, ends, flat, up.add(flat))
         if spec.sliding_layers:
-            groups[PageGroup.SLIDING] = _sliding_meta(steps, spec, device)
-    return StepMeta(torch.from_numpy(positions).to(device), torch.from_numpy(cu).to(device), q_lens,
-                    torch.from_numpy(logits_idx).to(device), tuple(groups))
+            groups[PageGroup.SLIDING] = _sliding_meta(steps, spec, up)
+    up.run()
+    metas = tuple(None if g is None else GroupMeta(g[0](), g[1](), g[2](), g[3](), g[4], g[5], g[6], g[7], g[8]())
+                  for g in groups)
+    return StepMeta(views["positions"](), views["cu"](), q_lens, views["logits"](), metas)
 
 
-def _sliding_meta(steps: list[SeqStep], spec: KVCacheSpec, device: torch.device | str) -> GroupMeta:
+def _sliding_meta(steps: list[SeqStep], spec: KVCacheSpec, up: Upload) -> tuple:
     p, w, r = spec.page_size, spec.sliding_window, spec.ring_pages
     # Write-then-read is valid only if, for every sequence, the oldest key the first new token needs
     # and the newest new token fit the ring together.
@@ -112,6 +158,6 @@ def _sliding_meta(steps: list[SeqStep], spec: KVCacheSpec, device: torch.device 
             slots.append(np.array([slot], dtype=np.int64))
         else:
             slots.append(_ring_slots(s.pages.ring, s.start, end, keep_from, p, r))
-    return GroupMeta(_table(rows, device), torch.tensor(prefix, dtype=torch.int32, device=device),
-                     torch.tensor(kv, dtype=torch.int32, device=device),
-                     torch.from_numpy(np.concatenate(slots)).to(device), hold_all, prefix, kv, _flat(rows))
+    flat = _flat(rows)
+    return (up.add(_table(rows)), up.add(prefix), up.add(kv), up.add(np.concatenate(slots), np.int64), hold_all,
+            prefix, kv, flat, up.add(flat))

@@ -93,7 +93,7 @@ class PrefillEngine:
         lp = lps[0]
         return PrefillResult(m.request_id, True, int(tokens[0]), lp.logprob if lp else None,
                              [TopLogprob(t, v) for t, v in lp.top] if lp else [], "", compute_s,
-                             outcome.num_bytes, outcome.seconds)
+                             outcome.num_bytes, outcome.seconds, 0.0, time.monotonic() - t0 - compute_s)
 
     def _wait_terminal(self, rid: str, deadline: float, aborted: Callable[[], bool] = lambda: False) -> TransferStatus:
         while True:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -35,6 +36,7 @@ class PrefillServer:
         self.engine, self.io, self.worker_id, self.epoch = engine, io, worker_id, epoch
         self.queue: deque[tuple[bytes, PrefillRequest]] = deque()
         self.aborted: set[str] = set()
+        self.arrived: dict[str, float] = {}  # request id -> when it was queued (TTFT breakdown)
         self.draining = threading.Event()
         self.ready = False
         self.busy_seconds = 0.0
@@ -71,6 +73,7 @@ class PrefillServer:
                                                      0.0, 0, 0.0))
                 else:
                     self.queue.append((peer, msg))
+                    self.arrived[msg.request_id] = time.monotonic()
             elif isinstance(msg, Abort):
                 self.aborted.add(msg.request_id)
             else:
@@ -87,11 +90,13 @@ class PrefillServer:
             if not self.queue:
                 continue
             peer, m = self.queue.popleft()
+            queued = time.monotonic() - self.arrived.pop(m.request_id, time.monotonic())
             if m.request_id in self.aborted:
                 self.aborted.discard(m.request_id)
                 continue
             t0 = time.perf_counter()
             result = self.engine.run(m, aborted=lambda rid=m.request_id: self._check_abort(rid))
+            result = dataclasses.replace(result, queue_seconds=queued)
             dt = time.perf_counter() - t0
             self.busy_seconds += dt
             PREFILL.observe(dt)

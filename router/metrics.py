@@ -27,6 +27,19 @@ class RouterMetrics:
         self.xfer_bytes = Counter("tandem_kv_transfer_bytes_total", "KV bytes pushed prefill -> decode", registry=r)
         self.xfer_seconds = Histogram("tandem_kv_transfer_seconds", "KV transfer duration", buckets=_LAT, registry=r)
         self.xfer_gbps = Gauge("tandem_kv_transfer_gbps", "throughput of the last KV transfer (GB/s)", registry=r)
+        # Where a disaggregated request's time to first token goes, one observation per component:
+        # decode_admission (reserve pages), prefill_queue, prefill_compute, kv_transfer_tail (what the
+        # layer-by-layer transfer adds after compute), result_to_router (the reply's way back).
+        self.ttft_part = Histogram("tandem_ttft_breakdown_seconds", "time to first token by component",
+                                   ["component"], buckets=_ITL[:3] + _LAT, registry=r)
+
+    def observe_ttft_parts(self, admission_s: float, queue_s: float, compute_s: float, tail_s: float,
+                           rpc_s: float) -> None:
+        """rpc_s: the prefill call as the router timed it; what the worker did not account for is the
+        way back (network, the worker's reply, the router's event loop)."""
+        for part, v in (("decode_admission", admission_s), ("prefill_queue", queue_s), ("prefill_compute", compute_s),
+                        ("kv_transfer_tail", tail_s), ("result_to_router", rpc_s - queue_s - compute_s - tail_s)):
+            self.ttft_part.labels(part).observe(max(0.0, v))
 
     def observe_prefill(self, prefill_s: float, xfer_bytes: int, xfer_s: float, total_s: float) -> None:
         self.prefill.observe(prefill_s)

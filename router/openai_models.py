@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import InvalidRequest
 from router.chat_types import ChatMessage, ChatPrompt, NamedToolChoice, ToolCall, ToolDef
-from wire.protocol import SamplingSpec
+from wire.protocol import LogitBias, SamplingSpec
 from router.tokenizer import VOCAB_SIZE
 
 
@@ -87,16 +87,15 @@ class _SamplingFields(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1)] = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (as a string) -> bias
     user: str | None = None
     return_token_ids: bool = False  # vLLM extension: generated ids on each choice
 
     def check_unsupported(self) -> None:
         if self.n != 1:
             raise InvalidRequest("only n=1 is supported", param="n")
-        if self.presence_penalty or self.frequency_penalty:
-            raise InvalidRequest("presence/frequency penalties are not supported", param="presence_penalty")
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -171,4 +170,21 @@ def sampling_spec(req: _SamplingFields, max_tokens: int, stop_ids: list[int], lo
         max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
         stop_token_ids=sorted(set(stop_ids + extra)), ignore_eos=req.ignore_eos, logprobs=logprobs,
-        min_tokens=req.min_tokens)
+        min_tokens=req.min_tokens, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        logit_bias=_logit_bias(req.logit_bias))
+
+
+def _logit_bias(bias: dict[str, float] | None) -> list[LogitBias]:
+    """OpenAI's {"token id": bias} map, checked against the vocabulary (the engine adds it to the logits)."""
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+        if not 0 <= tok < VOCAB_SIZE:
+            raise InvalidRequest(f"logit_bias token {tok} is outside the vocabulary", param="logit_bias")
+        out.append(LogitBias(tok, float(value)))
+    if len(out) > 1024:
+        raise InvalidRequest("logit_bias takes at most 1024 entries", param="logit_bias")
+    return out

@@ -120,6 +120,7 @@ class Orchestrator:
             exclude.add(decode_addr)
             raise AdmissionRejected(f"decode worker {decode_addr} refused: {reply.reason}")
         assert isinstance(reply, Admitted)
+        t_admitted = time.monotonic()
         pstate.pending_tokens += len(job.prompt_ids)
         pstate.pending_requests += 1
         try:
@@ -138,6 +139,8 @@ class Orchestrator:
             raise TransferFailed(f"prefill on {prefill_addr} failed: {res.error}")
         self.metrics.observe_prefill(res.prefill_seconds, res.transfer_bytes, res.transfer_seconds,
                                      time.monotonic() - t0)
+        self.metrics.observe_ttft_parts(t_admitted - t0, res.queue_seconds, res.prefill_seconds, res.tail_seconds,
+                                        time.monotonic() - t_admitted)
         return res
 
     async def _abort(self, client, rid: str, reason: str) -> None:

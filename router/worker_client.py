@@ -1,7 +1,8 @@
 """Async RPC to one worker over ZMQ (DEALER -> the worker's ROUTER), with deadlines everywhere.
 
 One socket per worker; a background task receives every frame and routes it: replies to the future
-waiting on (kind, request_id), TokenChunks to the request's stream queue, status to the poller.
+waiting on (kind, request_id), TokenChunks (one TokenBatch per decode step) to each request's stream
+queue, status to the poller.
 When the fleet marks a worker dead, `fail_all` wakes every waiter with WorkerUnavailable, so no
 client request outlives its worker by more than one poll interval.
 """
@@ -24,6 +25,7 @@ from wire.protocol import (
     PrefillResult,
     Rejected,
     StatusRequest,
+    TokenBatch,
     TokenChunk,
     WorkerStatus,
     decode,
@@ -69,7 +71,12 @@ class WorkerClient:
                 log.error("bad frame from %s: %s", self.address, e)
                 continue
             self.last_heard = time.monotonic()  # liveness: token chunks and late status replies count
-            if isinstance(msg, TokenChunk):
+            if isinstance(msg, TokenBatch):
+                for chunk in msg.chunks:
+                    q = self._streams.get(chunk.request_id)
+                    if q is not None:
+                        q.put_nowait(chunk)
+            elif isinstance(msg, TokenChunk):
                 q = self._streams.get(msg.request_id)
                 if q is not None:
                     q.put_nowait(msg)

@@ -2,7 +2,7 @@
 # Packs what the GPU machine needs to run the DeepGEMM paths into .cache/dgcarry/ (~1.5 MB, so it
 # fits beside the 57 MB NIXL wheels in one device call's 64 MiB carry): the sgl-deep-gemm wheel's
 # headers + VERSION (xz), and the launchers the default paths load, built here (scripts/gpu/dg_build.py).
-# On the GPU machine: `source scripts/gpu/dg_unpack.sh` (sets TANDEM_DEEPGEMM_INCLUDE, TANDEM_CACHE).
+# On the GPU machine the suite runner unpacks it (benchmarks/gpu_env.py; for ad-hoc commands scripts/gpu/env.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 whl=$(ls .whl/sgl_deep_gemm-*.whl 2>/dev/null | head -1)

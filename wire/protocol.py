@@ -11,7 +11,7 @@ Request lifecycle (disaggregated):
   router -> prefill PrefillRequest      prefill computes the prompt and writes KV into those pages
   prefill -> router PrefillResult       first token once the transfer is DONE (or an error)
   router -> decode  StartDecode         decode waits for the KV-landed notification and this message
-  decode -> router  TokenChunk ...      streamed until finished
+  decode -> router  TokenBatch ...      each step: a TokenChunk per sequence of that router, until finished
   router -> any     Abort               client gone / failure; frees or quarantines pages
 Colocated: router -> decode GenerateRequest, then TokenChunks.
 """
@@ -24,8 +24,14 @@ from dataclasses import dataclass, field
 from common.errors import ProtocolError
 from wire.codec import build, pack, to_wire, unpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: sampling penalties and logit bias; TokenBatch (one frame per step)
 MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
+
+
+@dataclass(frozen=True, slots=True)
+class LogitBias:
+    token_id: int
+    bias: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +45,9 @@ class SamplingSpec:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: list[LogitBias] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +120,11 @@ class PrefillResult:
     first_logprob: float | None
     first_top: list[TopLogprob]
     error: str
-    prefill_seconds: float
+    prefill_seconds: float  # compute, first chunk to sampled token
     transfer_bytes: int
     transfer_seconds: float
+    queue_seconds: float = 0.0  # waiting in the prefill worker's queue
+    tail_seconds: float = 0.0  # compute done -> the KV transfer terminal (what the transfer added to TTFT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +156,14 @@ class TokenChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenBatch:
+    """One decode step's new tokens for every sequence of one router connection: one frame per step
+    per peer instead of one per sequence (batch 128 sent 128 frames a step)."""
+
+    chunks: list[TokenChunk]
+
+
+@dataclass(frozen=True, slots=True)
 class Abort:
     request_id: str
     reason: str
@@ -156,7 +175,8 @@ class Ack:
 
 
 MESSAGES: tuple[type, ...] = (SamplingSpec, TopLogprob, StatusRequest, WorkerStatus, AdmitRequest, Admitted, Rejected,
-                              PrefillRequest, PrefillResult, StartDecode, GenerateRequest, TokenChunk, Abort, Ack)
+                              PrefillRequest, PrefillResult, StartDecode, GenerateRequest, TokenChunk, Abort, Ack,
+                              LogitBias, TokenBatch)
 _TAGS = {cls: i for i, cls in enumerate(MESSAGES)}
 
 

@@ -6,7 +6,8 @@
             command = wait for rank 0's next one (keeping this rank's KV transfers moving meanwhile)
             STEP      -> rebuild the batch from the page mirror; the same forward as rank 0 (its
                          all-reduces are the synchronisation), with this rank's KV sender attached
-                         when rank 0's has one; no sampling, no answer
+                         when rank 0's has one; input ids sampled by rank 0's step in flight come
+                         by a device broadcast; no sampling, no answer
             SHUTDOWN  -> answer Bye (this rank's leftover transfer state), close, exit
             KV        -> LocalKV.handle, the same code rank 0 runs for its share; answer
 A follower never decides anything: no scheduling, no page allocation, no sampling. When rank 0
@@ -62,6 +63,10 @@ class Follower:
             match cmd:
                 case m.Step():
                     ids, steps, rows = self.mirror.apply(cmd)
+                    if cmd.ids_on_device:  # rank 0's overlapped loop: the ids come as a device broadcast
+                        t = torch.empty(len(ids), dtype=torch.long, device=self.runner.device)  # [T]
+                        self.group.broadcast_inputs(t)
+                        ids = t
                     on_layer_done = self.kv.tx.layer_done if cmd.layer_done else None
                     self.runner.forward(ids, steps, rows, on_layer_done, want_logits=False)
                 case m.Shutdown():

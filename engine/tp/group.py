@@ -192,6 +192,11 @@ class RankGroup:
         work.wait()
         return msgs.decode(self._rest(head, self._cmd))
 
+    def broadcast_inputs(self, ids: torch.Tensor) -> None:
+        """A step's [T] input ids from rank 0 to every rank, on the device (stream-ordered on GPUs: no
+        host sync, so rank 0's overlapped loop keeps its tokens on the GPU)."""
+        dist.broadcast(ids, 0, group=self.model_group)
+
     def reply(self, answer: Any) -> None:
         """Follower: this rank's answer to the current command."""
         self._gather(answer, self._reply)

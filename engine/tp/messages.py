@@ -88,6 +88,10 @@ class Step:
     KIND: ClassVar[int] = Command.STEP
     seqs: list[StepSeq]
     layer_done: bool  # pass this rank's KV sender's layer_done to the forward
+    # Some input tokens were sampled by the step still in flight (the overlapped loop): rank 0 does
+    # not know them yet, their token_ids are placeholders, and the whole [T] id tensor arrives by a
+    # device broadcast from rank 0 before the forward (RankGroup.broadcast_inputs)
+    ids_on_device: bool = False
 
 
 @dataclass(frozen=True, slots=True)

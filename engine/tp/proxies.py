@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from common.errors import ConfigError, ProtocolError, WorkerUnavailable
 from engine.build import EngineParts
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, StepHandle
 from engine.scheduler import ScheduledSeq
 from engine.sequence import TokenLogprob
 from engine.tp import messages as m
@@ -79,19 +79,36 @@ def _combine(rid: str, outs: list[m.Outcome], cause: int | None = None) -> Trans
 class GroupRunner:
     """ModelRunner.run for the group: STEP to the followers, then rank 0's forward and sampling."""
 
+    # Overlapped like a single rank: when a step's inputs include tokens the step in flight sampled,
+    # the followers get the ids by a device broadcast from rank 0 (Step.ids_on_device).
+    supports_overlap = True
+
     def __init__(self, group: RankGroup, local: ModelRunner) -> None:
         self.group, self.local, self.encoder = group, local, StepEncoder()
 
-    def run(self, items: list[ScheduledSeq], on_layer_done: Callable[[int], None] | None = None
-            ) -> tuple[list[int | None], list[TokenLogprob | None]]:
-        self.group.command(self.encoder.encode(items, on_layer_done is not None))
+    @property
+    def device(self):
+        return self.local.device
+
+    def launch(self, items: list[ScheduledSeq], prev: StepHandle | None = None, no: int = 0,
+               on_layer_done: Callable[[int], None] | None = None) -> StepHandle:
+        step = self.encoder.encode(items, on_layer_done is not None)
+        self.group.command(step)
+        self.local.share_inputs = self.group.broadcast_inputs if step.ids_on_device else None
         try:
-            return self.local.run(items, on_layer_done)
+            return self.local.launch(items, prev, no, on_layer_done)
         except RuntimeError as e:  # the forward's all-reduce: a follower died mid-step
             lost = self.group.lost(wait_s=2.0)
             if lost is None:
                 raise
             raise lost from e
+
+    def collect(self, h: StepHandle) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        return self.local.collect(h)
+
+    def run(self, items: list[ScheduledSeq], on_layer_done: Callable[[int], None] | None = None
+            ) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        return self.collect(self.launch(items, None, 0, on_layer_done))
 
 
 class GroupReceiver(KVReceiver):

@@ -35,16 +35,20 @@ class StepEncoder:
         self._sent: dict[str, _Sent] = {}
 
     def encode(self, items: list[ScheduledSeq], layer_done: bool) -> m.Step:
-        seqs, sent = [], {}
+        seqs, sent, on_device = [], {}, False
         for it in items:
             seq, full = it.seq, it.seq.pages.full
             rec = self._sent.get(seq.request_id)
             keep = rec.n if rec is not None and rec.full is full and len(full) >= rec.n else 0
-            seqs.append(m.StepSeq(seq.request_id, seq.all_ids[it.start:it.start + it.q_len], it.start, it.sample,
-                                  keep, full[keep:], list(seq.pages.ring)))
+            end = it.start + it.q_len
+            if end > seq.num_tokens:  # its input token is still on the device (overlapped loop)
+                ids, on_device = [0] * it.q_len, True
+            else:
+                ids = seq.token_slice(it.start, end)
+            seqs.append(m.StepSeq(seq.request_id, ids, it.start, it.sample, keep, full[keep:], list(seq.pages.ring)))
             sent[seq.request_id] = _Sent(full, len(full))
         self._sent = sent
-        return m.Step(seqs, layer_done)
+        return m.Step(seqs, layer_done, on_device)
 
 
 class StepMirror:

@@ -82,6 +82,23 @@ def test_completions_with_token_ids_and_logprobs(client, reference):
     assert all(len(t) <= 3 for t in lp.top_logprobs)
 
 
+def test_penalties_logit_bias_and_seeds_reach_the_sampler(client):
+    prompt = [200006, 17360, 200008, 3, 99, 1234, 200007]
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, logit_bias={"4321": 100},
+                                  extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == [4321] * 4
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0, frequency_penalty=2.0,
+                                  presence_penalty=1.0, logit_bias={"4321": 100}, extra_body={"return_token_ids": True})
+    ids = r.choices[0].model_extra["token_ids"]
+    assert ids[0] == 4321 and len(ids) == 8  # accepted and applied (a +100 bias outweighs 8 tokens of penalty)
+    seeded = [client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=1.0, seed=7,
+                                        extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"]
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    with pytest.raises(Exception, match="logit_bias"):
+        client.completions.create(model="m", prompt=prompt, max_tokens=2, logit_bias={"999999999": 1})
+
+
 def test_sixteen_concurrent_streams(client, reference):
     prompts = [[200006, 17360, 200008] + [1000 + 37 * i + j for j in range(3 + i)] for i in range(16)]
 
@@ -94,6 +111,19 @@ def test_sixteen_concurrent_streams(client, reference):
         got = list(ex.map(one, prompts))
     for p, ids in zip(prompts, got):
         assert ids == reference(p, 12, stop=())
+
+
+def test_ttft_breakdown_metrics(client, svc):
+    import re
+    import urllib.request
+
+    client.completions.create(model="m", prompt=[1, 2, 3, 4], max_tokens=2, temperature=0)
+    text = urllib.request.urlopen(svc.url + "/metrics", timeout=10).read().decode()
+    for part in ("decode_admission", "prefill_queue", "prefill_compute", "kv_transfer_tail", "result_to_router"):
+        m = re.search(rf'tandem_ttft_breakdown_seconds_count{{component="{part}"}} (\S+)', text)
+        assert m and float(m.group(1)) >= 1, part
+    compute = re.search(r'tandem_ttft_breakdown_seconds_sum{component="prefill_compute"} (\S+)', text)
+    assert float(compute.group(1)) > 0
 
 
 def test_pages_all_returned(client, svc):

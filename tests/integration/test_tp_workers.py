@@ -43,7 +43,7 @@ from engine.tp.group import RankGroup
 from router.chat_types import ChatMessage, ChatPrompt
 from router.harmony import HarmonyFormat
 from wire.protocol import (Abort, AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult,
-                             SamplingSpec, StartDecode, StatusRequest, TokenChunk, WorkerStatus, decode, encode)
+                             SamplingSpec, StartDecode, StatusRequest, TokenBatch, TokenChunk, WorkerStatus, decode, encode)
 from router.tokenizer import CALL, RETURN
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
@@ -95,15 +95,23 @@ class Peer:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(addr)
+        self.queued: list[TokenChunk] = []
 
     def ask(self, msg: object, timeout_s: float = 60.0) -> object:
         self.sock.send(encode(msg))
         return self.recv(timeout_s)
 
     def recv(self, timeout_s: float = 60.0) -> object:
+        """The next message; a decode step's TokenBatch is handed out one TokenChunk at a time."""
+        if self.queued:
+            return self.queued.pop(0)
         if not self.sock.poll(int(timeout_s * 1000)):
             raise TimeoutError("no reply")
-        return decode(self.sock.recv())
+        msg = decode(self.sock.recv())
+        if isinstance(msg, TokenBatch):
+            self.queued = list(msg.chunks[1:])
+            return msg.chunks[0]
+        return msg
 
     def status(self) -> WorkerStatus:
         while self.sock.poll(0):  # late answers

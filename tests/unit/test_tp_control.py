@@ -76,6 +76,22 @@ class ScriptedGroup:
         return [local(), self.answers.pop(0)]
 
 
+def test_step_with_tokens_still_on_the_device_asks_for_the_id_broadcast():
+    """The overlapped loop: a decode input sampled by the step in flight is not on rank 0's host yet:
+    the Step carries placeholders and ids_on_device, so followers take the [T] ids by broadcast."""
+    kv, enc = KVManager(_spec(1)), StepEncoder()
+    a = Sequence("a", [5, 6, 7], SamplingParams(max_tokens=50))
+    b = Sequence("b", [8, 9], SamplingParams(max_tokens=50))
+    kv.grow(a.pages, 4)
+    kv.grow(b.pages, 2)
+    known = enc.encode([ScheduledSeq(b, 0, 2, True)], False)
+    assert not known.ids_on_device and known.seqs[0].token_ids == [8, 9]
+    a.num_cached, a.num_pending = 3, 1  # its 4th token was sampled by the step in flight
+    step = enc.encode([ScheduledSeq(a, 3, 1, True), ScheduledSeq(b, 0, 2, True)], False)
+    assert step.ids_on_device and step.seqs[0].token_ids == [0] and step.seqs[1].token_ids == [8, 9]
+    assert tm.decode(tm.encode(step)).ids_on_device  # it survives the control plane's codec
+
+
 def test_receiver_proxy_min_status_first_cause_and_release_by_every_rank():
     group, hub = ScriptedGroup(), LoopbackHub()
     spec = _spec(2)

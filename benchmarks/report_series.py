@@ -1,0 +1,64 @@
+"""The model runs on a results page: which files are model runs, their configuration label, and the
+series the plots and tables draw (one per configuration: its newest run for prefill and for each
+decode context, never a merge of runs), plus the newest HF-peer run of each model."""
+
+from __future__ import annotations
+
+from benchmarks.plots import ModelSeries
+from benchmarks.report_load import Run
+
+
+def _is_model(d: dict) -> bool:
+    return "preset" in d.get("args", {}) and ("prefill" in d or "decode" in d)
+
+
+def model_docs(docs: dict[str, dict]) -> list[tuple[str, dict]]:
+    """Model benchmark files, ordered by GPUs then model (a model's reruns stay next to each other)."""
+    runs = [(n, d) for n, d in docs.items() if _is_model(d)]
+    return sorted(runs, key=lambda nd: (nd[1].get("world", 1), nd[1]["args"]["preset"], nd[0]))
+
+
+def label_of(d: dict) -> tuple[str, int]:
+    tp = int(d.get("world", 1))
+    moe = f" MoE-{d['args']['moe_mode'].upper()}" if tp > 1 and d["args"].get("moe_mode") else ""
+    backend = d["args"].get("moe")  # the Triton MoE was the only one before DeepGEMM's: unlabelled
+    kernels = f" · MoE {backend}" if backend not in (None, "triton") else ""
+    return f"{d['args']['preset']} TP{tp}{moe} · {d['args'].get('attention', '?')}{kernels}", tp
+
+
+def run_date(d: dict) -> str:
+    return str((d.get("env") or {}).get("date") or "")
+
+
+def source(name: str, d: dict, runs: dict[str, Run]) -> str:
+    """How a legend or headline names a file: its run (or file name) and the date it ran."""
+    run = runs.get(name)
+    return f"{'run ' + run.run if run else name}, {run_date(d)[:10] or 'undated'}"
+
+
+def build_series(docs: dict[str, dict], runs: dict[str, Run] | None = None) -> list[ModelSeries]:
+    """One series per configuration (label_of): for prefill and for each decode context, the rows of the
+    newest run that measured it, never a mix of runs (several runs on one line read as a zig-zag)."""
+    out: dict[str, ModelSeries] = {}
+    newest_first = sorted(model_docs(docs), key=lambda nd: (run_date(nd[1]), nd[0]), reverse=True)
+    for n, d in newest_first:
+        label, tp = label_of(d)
+        s = out.setdefault(label, ModelSeries(label, tp))
+        src = source(n, d, runs or {})
+        prefill = d.get("prefill", {}).get("rows", [])
+        if prefill and "prefill" not in s.sources:
+            s.prefill, s.sources["prefill"] = list(prefill), src
+        decode = [r for r in d.get("decode", {}).get("rows", []) if "skipped" not in r]
+        for ctx in sorted({r["context"] for r in decode} - set(s.sources)):
+            s.decode += [r for r in decode if r["context"] == ctx]
+            s.sources[ctx] = src
+    return sorted(out.values(), key=lambda s: (s.gpus, s.label))
+
+
+def peers(docs_newest_first: list[tuple[str, dict]], runs: dict[str, Run]) -> dict[str, tuple[str, dict]]:
+    """preset -> (source, doc) of the newest model run that timed HF transformers beside it."""
+    out: dict[str, tuple[str, dict]] = {}
+    for n, d in sorted(docs_newest_first, key=lambda nd: run_date(nd[1]), reverse=True):
+        if _is_model(d) and d.get("hf_peer", {}).get("rows"):
+            out.setdefault(d["args"]["preset"], (source(n, d, runs), d))
+    return out

@@ -1,0 +1,231 @@
+"""GPU suites: every GPU run is a named suite of steps (benchmarks with their flags, GPU test files,
+smoke runs of workers), run by one entry point that sets the machine up, gives each step its own
+timeout, and records what ran (benchmarks/suite_run.py):
+
+    tandem bench suite NAME [--out DIR] [--tar]     # on the GPU machine (through the device tool)
+    tandem bench suite --list                       # suites, steps, budgets, what each reproduces
+    tandem bench suite NAME --device-call           # here: the exact device-tool call for NAME
+
+The device tool copies the repository; what the machine lacks travels in ignored folders named in
+`carry` (fetch them once here: scripts/fetch_gpu_wheels.sh + scripts/fetch_deepgemm_wheel.sh -> .whl,
+scripts/fetch_nixl_wheel.sh -> .whl-nixl, scripts/pack_deepgemm_carry.sh -> .cache/dgcarry; .cache/fi
+holds flashinfer-cache.tar.xz from an earlier `kernels` run, kernels/attention/ in its tarball, which
+spares the FlashInfer JIT builds, ~2 min). A carried path that is missing here is left out there, and
+the suite records what its set-up found. The call, e.g. for `model`:
+
+    run(kind="nvidia-h200", timeout_s=600, carry=[".whl", ".cache/dgcarry", ".cache/fi"],
+        command="TANDEM_GIT_COMMIT=<sha> TANDEM_GIT_DIRTY=0 python3 -m launcher.cli bench suite model --out $OUT/model --tar")
+
+(`--device-call` prints it with the commit filled in, since the device copy need not hold .git, and
+the carried sizes against the call's 64 MiB.) `--tar` leaves one
+file, $OUT/model.tgz (the tool returns at most 8 files); unpack it into benchmarks/results/DATE/ and
+run `tandem bench report`. A suite must fit one device call (600 s, set-up included): the sum of its
+step timeouts stays under SUITE_BUDGET_S (tests/unit/test_suites.py checks it).
+
+Adding a suite is a few lines: `SUITES["name"] = Suite(description, carry, steps=(step(...), ...))`.
+In a step's command `{py}` is the interpreter and `{out}` the step's own output folder (also $OUT for
+the step, where the benchmarks write their JSON); `publish` names the JSON files the results report
+reads, as the report names them (e.g. gemm.json -> kernels_gemm.json).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+SUITE_BUDGET_S = 560  # of the device tool's 600 s per call: set-up, the version probe and the tarball
+PYTEST = r"\d+ (passed|failed|error)|no tests ran"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    name: str  # also the step's output folder
+    argv: tuple[str, ...]  # {py} and {out} are filled in when the step runs
+    timeout_s: int
+    summary: str = ""  # regex: the last matching log line goes into the table (default: the last line)
+    background: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (name, argv): started first, stopped after
+    env: tuple[tuple[str, str], ...] = ()
+    publish: tuple[tuple[str, str], ...] = ()  # (file the step writes, name the report reads it by)
+    gpus: int = 1  # skipped (and said so) where fewer GPUs are visible
+
+
+def step(name: str, cmd: str, timeout_s: int, *, summary: str = "", background: dict[str, str] | None = None,
+         env: dict[str, str] | None = None, publish: dict[str, str] | None = None, gpus: int = 1) -> Step:
+    return Step(name, tuple(shlex.split(cmd)), timeout_s, summary,
+                tuple((k, tuple(shlex.split(v))) for k, v in (background or {}).items()),
+                tuple((env or {}).items()), tuple((publish or {}).items()), gpus)
+
+
+@dataclass(frozen=True, slots=True)
+class Suite:
+    description: str
+    carry: tuple[str, ...]  # the device call's carry list (ignored folders; see the module docstring)
+    steps: tuple[Step, ...]
+    kind: str = "nvidia-h200"  # the device tool's machine kind
+    gpu: bool = True  # False: no GPU set-up (CPU suites)
+    reproduces: tuple[str, ...] = ()  # committed results the suite re-measures
+    budget_s: int = SUITE_BUDGET_S
+
+    def total_timeout_s(self) -> int:
+        return sum(s.timeout_s for s in self.steps)
+
+
+def model_step(name: str, preset: str, prefill: str, contexts: str, batches: str, timeout_s: int,
+               extra: str = "") -> Step:
+    """bench_model with the workers' defaults (FlashInfer attention, bf16 QKV/O, MoE auto -> DeepGEMM);
+    its JSON goes into the results report as model_<preset>-tp1-defaults.json."""
+    tag = f"{preset}-tp1-defaults"
+    return step(name, f"{{py}} -m benchmarks.bench_model --preset {preset} --bf16-attention --prefill-lens {prefill} "
+                      f"--contexts {contexts} --batches {batches} --tag {tag} {extra}", timeout_s,
+                summary=r"^decode ctx|^prefill|FAILED", publish={f"model_{tag}.json": f"model_{tag}.json"})
+
+
+def smoke_step(name: str, worker_flags: str = "", timeout_s: int = 150, lengths: str = "2048,8192", burst: int = 4,
+               tp: int = 1, kv: str = "ipc", decode_device: str = "cuda:0") -> Step:
+    """Disaggregated == colocated on GPUs (run DG15's `smoke`): a prefill and a decode worker as real
+    processes, driven through the wire protocol by benchmarks.disagg_smoke."""
+    w = (f"--random-weights gpt-oss-20b --fp8 --attention-backend triton --kv-backend {kv} --metrics-port 0 "
+         f"--host 127.0.0.1 --max-model-len 16384 --kv-cache-gib 12{f' --tp {tp}' if tp > 1 else ''} {worker_flags}")
+    return step(name, f"{{py}} -m benchmarks.disagg_smoke --lengths {lengths} --burst {burst} "
+                      f"--out {{out}}/disagg_smoke_{name}.json", timeout_s,
+                summary=r"pages returned|identical=|Error",
+                publish={f"disagg_smoke_{name}.json": f"disagg_smoke_{name}.json"},
+                background={"prefill": f"{{py}} -m launcher.cli prefill-worker {w} --device cuda:0 --port 7100",
+                            "decode": f"{{py}} -m launcher.cli decode-worker {w} --device {decode_device} --port 7200 "
+                                      "--cuda-graphs --max-num-seqs 16"},
+                gpus=2 if decode_device != "cuda:0" or tp > 1 else 1)
+
+
+# The served benchmark (issue 23): one H200, 20b random weights, the decode worker with CUDA graphs; the
+# prefill worker shares the GPU (memory split by the KV budgets). The engine reference is the JSON of
+# the latest served-engine run, committed before the served-stack call (it travels with the repo).
+SERVED_ARGS = ("--device cuda --fp8 --random-weights gpt-oss-20b --share-gpu --kv-backend ipc --kv-cache-gib 32 "
+               "--prefill-kv-cache-gib 4 --max-num-seqs 128 --decode-args '--cuda-graphs --max-model-len 16384 "
+               "--max-num-batched-tokens 4096' --prefill-args '--max-model-len 16384'")
+SERVED_MODEL_JSON = "benchmarks/results/2026-12-02/served-engine/model-20b/model_gpt-oss-20b-tp1-defaults.json"
+
+TP = "{py} -m torch.distributed.run --nproc-per-node 2 -m benchmarks.bench_tp --bf16-attention"
+
+SUITES: dict[str, Suite] = {
+    "kernels": Suite(
+        "attention, FP8 GEMM and MoE kernel benchmarks, each with parity at real dims and the ceilings of the run",
+        carry=(".whl", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("attention", "{py} -m benchmarks.attention", 200, summary=r"target|TFLOP/s",
+                    publish={"attention.json": "kernels_attention.json"}),
+               step("gemm", "{py} -m benchmarks.gemm --quick --clock", 150, summary=r"targets|8192",
+                    publish={"gemm.json": "kernels_gemm.json"}),
+               step("moe", "{py} -m benchmarks.moe --quick", 170, summary=r"targets|8192",
+                    publish={"moe.json": "kernels_moe.json"})),
+        reproduces=("2026-11-30/kernels_attention.json", "2026-12-01/kernels_moe.json (DG11)",
+                    "2026-12-01/dg16/gemm.json (the quick sweep; `gemm-sweep` for kernels_gemm.json)")),
+    "gemm-sweep": Suite(
+        "the full FP8 GEMM sweep (M = 1..16k, every backend)", carry=(".whl", ".cache/dgcarry"),
+        steps=(step("gemm", "{py} -m benchmarks.gemm --clock", 400, summary=r"targets|8192",
+                    publish={"gemm.json": "kernels_gemm.json"}),),
+        reproduces=("2026-12-01/kernels_gemm.json (DG14)",)),
+    "moe-profile": Suite(
+        "where the 20b MoE layer's time goes, per kernel, at 1 and 8192 tokens (the workers' backend)",
+        carry=(".whl", ".cache/dgcarry"),
+        steps=(step("moe-profile", "{py} -m benchmarks.moe --profile 1,8192", 200, summary=r"^profile"),),
+        reproduces=("2026-12-01/dg11/diag_dg11.log (layer profile)", "2026-12-01/dg4/profile.log")),
+    "model": Suite(
+        "gpt-oss-20b and -120b on one H200 with the workers' defaults: prefill, decode (CUDA graphs), HF peer",
+        carry=(".whl", ".cache/dgcarry", ".cache/fi"),
+        steps=(model_step("model-20b", "gpt-oss-20b", "2048,8192,32768", "8192", "1,32,128", 330, "--hf-peer"),
+               model_step("model-120b", "gpt-oss-120b", "8192", "8192", "1,32", 170)),
+        reproduces=("2026-12-01/dg10_dg10-20b-moe_deepgemm.json", "2026-12-01/dg10_dg10-120b-moe_deepgemm.json",
+                    "2026-11-30/model_gpt-oss-20b-tp1.json (hf_peer)")),
+    "model-tp2": Suite(
+        "gpt-oss-120b and -20b over two H200s (attention TP2, MoE EP2, one-shot all-reduce up to 1 MiB)",
+        carry=(".whl", ".cache/fi"), kind="nvidia-h200-x2",
+        steps=(step("tp2-120b", f"{TP} --preset gpt-oss-120b --moe-mode ep --skip-allreduce --fast-allreduce-kib 1024 "
+                                "--prefill-lens 8192 --contexts 8192 --batches 1,8,64,128", 260,
+                    summary=r"^decode|^prefill", gpus=2, publish={
+                        "model_gpt-oss-120b-tp2-ep-oneshot1024k.json": "model_gpt-oss-120b-tp2-ep-oneshot1024k.json"}),
+               step("tp2-20b", f"{TP} --preset gpt-oss-20b --moe-mode ep --fast-allreduce-kib 1024 "
+                               "--prefill-lens 8192 --contexts 8192 --batches 1,64,128", 220,
+                    summary=r"^decode|^prefill|^all-reduce", gpus=2, publish={
+                        "model_gpt-oss-20b-tp2-ep-oneshot1024k.json": "model_gpt-oss-20b-tp2-ep-oneshot1024k.json"})),
+        reproduces=("2026-12-01/i_model_gpt-oss-120b-tp2-ep-oneshot1024k.json", "2026-12-01/i_model_gpt-oss-20b-tp2-ep.json")),
+    "gpu-tests": Suite(
+        "the GPU-marked kernel test files (GEMM/MoE incl. DeepGEMM, attention incl. FlashInfer)",
+        carry=(".whl", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("gemm-moe", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemm_moe_gpu.py", 260,
+                    summary=PYTEST),
+               step("attention", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_gpu.py", 280,
+                    summary=PYTEST)),
+        reproduces=("2026-12-01/dg18/gpu_tests.log (33 passed)", "2026-12-01/p_attention_gpu.log (19 passed)")),
+    "gpu-tests-x2": Suite(
+        "the GPU tests that need two GPUs: our one-shot all-reduce, the IPC KV data path GPU0 -> GPU1",
+        carry=(".whl-nixl",), kind="nvidia-h200-x2",
+        steps=(step("two-gpu", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_allreduce.py "
+                               "tests/integration/test_kv_transfer_ipc_gpu.py", 240, summary=PYTEST, gpus=2),)),
+    "disagg-smoke": Suite(
+        "disaggregated == colocated greedy tokens on one GPU (prefill and decode workers on cuda:0, KV over the "
+        "IPC data path), the default path and FP8 QKV/O on DeepGEMM; every page back",
+        carry=(".whl-nixl", ".cache/dgcarry"),
+        steps=(smoke_step("default"), smoke_step("fp8attn", "--fp8-attention on --linear-backend deepgemm")),
+        reproduces=("2026-12-01/dg15/disagg_smoke_default.json", "2026-12-01/dg15/disagg_smoke_fp8attn.json")),
+    "kv-transfer": Suite(
+        "KV transfer of a 120b-shaped KV between two processes on one H200: copy_, NIXL and the IPC data path into "
+        "contiguous / 16-page-run / scattered decode pages, alone and overlapped with a stand-in prefill",
+        carry=(".whl-nixl",),
+        steps=(step("kv-transfer", "{py} -m benchmarks.kv_transfer --devices cuda:0 cuda:0 --iters 3 --nixl-timeout 160",
+                    380, summary=r"wrote|ERROR"),  # not published: the report's KV targets are GPU0 -> GPU1
+               step("ipc-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_kv_transfer_ipc_gpu.py",
+                    120, summary=PYTEST)),
+        reproduces=("2026-12-01/ipc1/kv_transfer_1gpu.json",)),
+    "kv-transfer-x2": Suite(
+        "KV transfer GPU0 -> GPU1 (the 300 GB/s target): copy_ p2p, NIXL, the IPC data path",
+        carry=(".whl-nixl",), kind="nvidia-h200-x2",
+        steps=(step("kv-transfer", "{py} -m benchmarks.kv_transfer --iters 3 --nixl-timeout 200", 420,
+                    summary=r"wrote|ERROR", publish={"kv_transfer.json": "x2_kv_transfer.json"}, gpus=2),),
+        reproduces=("2026-11-30/x2_kv_transfer.json",)),
+    "parity": Suite(
+        "numerics at real widths: 2 layers in fp32 against HF transformers, and the full depth in bf16 / FP8",
+        carry=(".whl",),
+        steps=(step("parity", "{py} -m benchmarks.parity_real", 240, summary=r"rel|agreement|Error",
+                    publish={"parity_gpt-oss-20b.json": "parity_gpt-oss-20b.json"}),),
+        reproduces=("2026-12-01/n_parity_gpt-oss-20b.json",)),
+    "served-engine": Suite(
+        "the overlapped decode loop on the H200: its GPU tests (greedy == synchronous loop, no host sync at launch, "
+        "seeded sampling) and bench_model's engine loop next to graph replay (20b, contexts 2k/8k, batch 1/64/128); "
+        "saves FlashInfer's built modules to $OUT/fi for the next call",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("async-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider "
+                                       "tests/integration/test_async_decode_gpu.py", 200, summary=PYTEST),
+               model_step("model-20b", "gpt-oss-20b", "8192", "2048,8192", "1,64,128", 280),
+               step("fi-save", "{py} -m benchmarks.flashinfer_cache --save {out}/../../fi", 60, summary=r"modules")),
+        reproduces=("issue 23: ms_per_step <= 1.05 x graph replay at batch 1 and 128",)),
+    "served-stack": Suite(
+        "the whole stack served on ONE H200 (router + workers as real processes, 20b random weights): colocated "
+        "and disaggregated (two processes sharing the GPU, KV over the IPC data path); single stream, a Poisson "
+        "sweep (1k-8k in, 256-1k out), saturation at batch 64; against bench_model of served-engine",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("serve", "{py} -m benchmarks.serve_gpu --model-json " + SERVED_MODEL_JSON + " --out {out}/serve_gpu.json "
+                             "--rates 1,2,4,8,16 --num-requests 24 --serve-args " + shlex.quote(SERVED_ARGS),
+                    540, summary=r"single|sat|@|Error|Traceback"),)),
+    "served": Suite(
+        "issue 23 in one call: the overlapped loop's GPU tests, bench_model's engine loop against graph replay "
+        "(20b, 2k/8k x 1/64/128), and the whole stack served on this GPU against those figures (colocated and "
+        "disaggregated: single stream, Poisson sweep 1-16 req/s, steady-state saturation at batch 64)",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("async-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider "
+                                       "tests/integration/test_async_decode_gpu.py", 110, summary=PYTEST),
+               model_step("model-20b", "gpt-oss-20b", "8192", "2048,8192", "1,64,128", 150),
+               step("serve", "{py} -m benchmarks.serve_gpu --model-json "
+                             "{out}/../model-20b/model_gpt-oss-20b-tp1-defaults.json --out {out}/serve_gpu.json "
+                             "--rates 1,2,4,8,16 --num-requests 24 --serve-args " + shlex.quote(SERVED_ARGS),
+                    290, summary=r"single|sat|@|Error|Traceback",
+                    publish={"serve_gpu.json": "serve_gpt-oss-20b-h200.json"})),
+        reproduces=("issue 23: ms_per_step <= 1.05 x replay; served single-stream ITL <= 1.10 x replay; "
+                    "saturation >= 0.90 x bench_model",)),
+    "cpu-smoke": Suite(
+        "every suite's machinery on a CPU: the benchmarks' own smoke modes on tiny shapes (no GPU set-up)",
+        carry=(), gpu=False, kind="cpu",
+        steps=(step("model-tiny", "{py} -m benchmarks.bench_model --device cpu --preset tiny --attention torch "
+                                  "--prefill-lens 64 --contexts 64 --batches 1,2 --tag tiny", 240, summary=r"^decode ctx|^prefill", gpus=0),
+               step("kv-transfer-cpu", "{py} -m benchmarks.kv_transfer --devices cpu cpu --tokens 64 --layers 2 "
+                                       "--iters 1 --placements contig --data-paths ipc --prefill-gflop-per-token 0.001", 240,
+                    summary=r"wrote|ERROR", gpus=0))),
+}

@@ -1,0 +1,74 @@
+"""EngineCore: the step loop the offline engine and the decode worker share, overlapped.
+
+    step():  items = scheduler.schedule()            # step N+1, planned with the lengths the host knows
+             h = runner.launch(items, inflight)      # its inputs, forward and sampling queued on the GPU
+             done = collect(inflight)                # step N's tokens (the GPU finished it meanwhile)
+             inflight = h
+
+The GPU never waits for the host between steps: while step N runs, the host schedules step N+1,
+builds its metadata and plans attention; step N's sampled tokens feed step N+1 on the device and
+reach the host one step later (engine.runner). Consequences, handled in engine.scheduler:
+  * a stop token is seen one step late: the token sampled meanwhile is dropped;
+  * a length stop (max_tokens, context) is known at launch: no surplus step;
+  * pages released while a step is in flight return once it completed (a KV transfer must not land
+    in a page that step still writes);
+  * a preemption needs the in-flight step completed first (it frees pages at once).
+With `overlap=False` (or a runner that cannot overlap, such as a tensor-parallel group's) every
+step is collected right after its launch: the same code, synchronous.
+"""
+
+from __future__ import annotations
+
+from engine.runner import ModelRunner, StepHandle
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool = True) -> None:
+        self.scheduler, self.runner = scheduler, runner
+        self.overlap = overlap and getattr(runner, "supports_overlap", False)
+        self.inflight: StepHandle | None = None
+        self.num_steps = 0
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self.inflight is not None
+
+    def step(self) -> list[Sequence]:
+        """One iteration. Returns the sequences that received a token (finished ones included)."""
+        prev = self.inflight
+        done: list[Sequence] = []
+        items = self.scheduler.schedule(preempt_ok=prev is None)
+        if items is None:  # a preemption is due: complete the step in flight, then preempt
+            done += self._collect(prev)
+            prev = None
+            items = self.scheduler.schedule(preempt_ok=True)
+        handle = None
+        if items:
+            self.num_steps += 1
+            handle = self.runner.launch(items, prev, self.num_steps)
+            self.scheduler.on_launch(items, self.num_steps)
+        if prev is not None:
+            done += self._collect(prev)
+        self.inflight = handle
+        if handle is not None and not self.overlap:
+            done += self._collect(handle)
+        return done
+
+    def flush(self) -> list[Sequence]:
+        """Complete the step in flight (drain, shutdown)."""
+        return self._collect(self.inflight) if self.inflight is not None else []
+
+    def abort(self, seq: Sequence) -> None:
+        """End a sequence now; its pages return once no launched step can still write them."""
+        self.scheduler.finish(seq, FinishReason.ABORT)
+
+    def _collect(self, h: StepHandle | None) -> list[Sequence]:
+        assert h is not None
+        tokens, lps = self.runner.collect(h)
+        if self.inflight is h:
+            self.inflight = None
+        done = self.scheduler.postprocess(h.items, tokens, lps)
+        self.scheduler.release_completed(h.no)
+        return done

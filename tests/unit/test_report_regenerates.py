@@ -1,0 +1,66 @@
+"""`tandem bench report` reproduces what is committed: the merged results page, each dated folder's
+page, the project README's performance table, and (with the matplotlib that drew them) the plots'
+bytes. Regenerated into a temporary folder and compared, so an edit by hand or a stale page fails."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report
+from benchmarks.report_summary import block_of
+
+RESULTS = report.RESULTS
+FOLDERS = [None] + [p.name for p in report.dated_folders()]
+
+
+def png_software(path: Path) -> str | None:
+    """The PNG's tEXt 'Software' value (plots.py writes the matplotlib version there)."""
+    data = path.read_bytes()
+    pos = 8
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"tEXt" and body.startswith(b"Software\0"):
+            return body.split(b"\0", 1)[1].decode()
+        if kind == b"zTXt" and body.startswith(b"Software\0"):
+            return zlib.decompress(body.split(b"\0", 1)[1][1:]).decode()
+        pos += 12 + length
+    return None
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda f: f or "merged")
+def test_page_and_plots_regenerate_unchanged(folder: str | None, tmp_path: Path):
+    import matplotlib
+
+    src = RESULTS / folder if folder else RESULTS
+    page, text, pngs, _, _, _ = report.generate(src if folder else None, out=tmp_path)
+    assert text == (src / "README.md").read_text(), f"{src}/README.md is stale: run `tandem bench report" + (
+        f" --results {src}`" if folder else "`")
+    assert sorted(p.name for p in pngs) == sorted(p.name for p in src.glob("*.png"))
+    mine = f"matplotlib {matplotlib.__version__}"
+    for p in pngs:
+        committed = src / p.name
+        if png_software(committed) != mine:
+            pytest.skip(f"{committed} was drawn by {png_software(committed)}, this is {mine}: bytes not compared")
+        assert p.read_bytes() == committed.read_bytes(), f"{committed} differs from what the report draws"
+
+
+def test_readme_performance_table_is_the_generated_one(tmp_path: Path):
+    _, _, _, summary, _, _ = report.generate(None, out=tmp_path, plots=False)
+    assert block_of(report.README.read_text()) == summary
+    assert all("not measured" in line or "run " in line for line in summary[2:7])  # each row names its run
+
+
+def test_plot_lines_are_one_run_each():
+    """Several runs of one configuration used to be drawn as one zig-zag line: now each line is the
+    newest run that measured it, so its rows have one batch (decode) or length (prefill) each."""
+    docs, _ = report.load_merged(report.dated_folders())
+    for s in report.build_series(docs):
+        assert len({r["tokens"] for r in s.prefill}) == len(s.prefill)
+        keys = [(r["context"], r["batch"]) for r in s.decode]
+        assert len(set(keys)) == len(keys), s.label
+        assert set(s.sources) == ({"prefill"} if s.prefill else set()) | {r["context"] for r in s.decode}
