@@ -30,9 +30,9 @@ from model.context import SeqStep, build_step_meta
 from model.kv_cache import KVManager, KVPool, SeqPages
 
 
-def prefill_section(res: Results, model, lens: list[int], ceil: dict, tp: int, kv_dtype: torch.dtype | None = None
-                    ) -> None:
-    with res.section("prefill") as sec:
+def prefill_section(res: Results, model, lens: list[int], ceil: dict, tp: int, kv_dtype: torch.dtype | None = None,
+                    name: str = "prefill") -> None:
+    with res.section(name) as sec:
         for n in lens:
             spec, pool, kv = decode_state(model, n + 16, 1, kv_dtype)
             pages = SeqPages()
@@ -60,9 +60,9 @@ def prefill_section(res: Results, model, lens: list[int], ceil: dict, tp: int, k
 
 
 def decode_section(res: Results, model, contexts: list[int], batches: list[int], ceil: dict, tp: int,
-                   graphs: bool, kv_dtype: torch.dtype | None = None) -> None:
+                   graphs: bool, kv_dtype: torch.dtype | None = None, name: str = "decode") -> None:
     kv_elt = torch.empty((), dtype=kv_dtype or model.dtype).element_size()  # 1 for e4m3 pages
-    with res.section("decode") as sec:
+    with res.section(name) as sec:
         for ctx in contexts:
             for b in batches:
                 free = torch.cuda.mem_get_info()[0] if model.device.type == "cuda" else 8 << 30
