@@ -11,6 +11,7 @@ Sections (each saved as it finishes, so a failure keeps the rest):
              batch-1 decode, plus top-1 agreement of our FP8 model with it
 
     python -m benchmarks.bench_model --preset gpt-oss-20b [--attention flashinfer] [--quick]
+    python -m benchmarks.bench_model --preset gpt-oss-20b --kv-cache-dtype fp8   # e4m3 KV pages (issue 26)
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from model.context import SeqStep, build_step_meta
 from model.kv_cache import KVManager, KVPool, SeqPages
 
 
-def prefill_section(res: Results, model, lens: list[int], ceil: dict, tp: int) -> None:
-    with res.section("prefill") as sec:
+def prefill_section(res: Results, model, lens: list[int], ceil: dict, tp: int, kv_dtype: torch.dtype | None = None,
+                    name: str = "prefill") -> None:
+    with res.section(name) as sec:
         for n in lens:
-            spec, pool, kv = decode_state(model, n + 16, 1)
+            spec, pool, kv = decode_state(model, n + 16, 1, kv_dtype)
             pages = SeqPages()
             kv.grow(pages, n)
             ids = torch.randint(0, model.cfg.vocab_size, (n,), device=model.device)
@@ -45,7 +47,8 @@ def prefill_section(res: Results, model, lens: list[int], ceil: dict, tp: int) -
             ms = time_cuda(run, warmup=1, iters=3 if n >= 16384 else 5)
             fl = prefill_flops(model.cfg, n)
             tps = n / (ms * 1e-3)
-            row = {"tokens": n, "ms": ms, "TFLOPs": fl / (ms * 1e-3) / 1e12 / tp,
+            row = {"tokens": n, "ms": ms, "kv_dtype": str(spec.dtype).removeprefix("torch."),
+                   "TFLOPs": fl / (ms * 1e-3) / 1e12 / tp,
                    "ratio_fp8_peak": fl / (ms * 1e-3) / 1e12 / tp / ceil["fp8_TFLOPs"],
                    "tokens_per_s_per_gpu": tps / tp, "usd_per_M_input": dollars_per_million(tps / tp)}
             sec["rows"].append(row)
@@ -57,8 +60,9 @@ def prefill_section(res: Results, model, lens: list[int], ceil: dict, tp: int) -
 
 
 def decode_section(res: Results, model, contexts: list[int], batches: list[int], ceil: dict, tp: int,
-                   graphs: bool) -> None:
-    with res.section("decode") as sec:
+                   graphs: bool, kv_dtype: torch.dtype | None = None, name: str = "decode") -> None:
+    kv_elt = torch.empty((), dtype=kv_dtype or model.dtype).element_size()  # 1 for e4m3 pages
+    with res.section(name) as sec:
         for ctx in contexts:
             for b in batches:
                 free = torch.cuda.mem_get_info()[0] if model.device.type == "cuda" else 8 << 30
@@ -66,11 +70,11 @@ def decode_section(res: Results, model, contexts: list[int], batches: list[int],
                     t = torch.tensor([free], dtype=torch.int64, device=model.device)
                     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
                     free = int(t.item())
-                need = b * (ctx + 32) * model.cfg.kv_bytes_per_token(2) / 2 / tp
+                need = b * (ctx + 32) * model.cfg.kv_bytes_per_token(kv_elt) / 2 / tp
                 if need > 0.85 * free:
                     sec["rows"].append({"context": ctx, "batch": b, "skipped": f"KV needs {need / 2**30:.0f} GiB"})
                     continue
-                spec, pool, kv = decode_state(model, ctx + EXTRA_TOKENS, b)
+                spec, pool, kv = decode_state(model, ctx + EXTRA_TOKENS, b, kv_dtype)
                 seqs = []
                 for _ in range(b):
                     p = SeqPages()
@@ -97,8 +101,9 @@ def decode_section(res: Results, model, contexts: list[int], batches: list[int],
                 # the decode worker's loop (engine.core): overlapped, and synchronous for the A/B
                 ms = engine_loop_ms(model, pool, kv, seqs, runner, ctx, overlap=True)
                 sync_ms = engine_loop_ms(model, pool, kv, seqs, runner, ctx, overlap=False)
-                floor_ms = floor_bytes_decode(model.cfg, b, ctx) / tp / (ceil["copy_GBps"] * 1e9) * 1e3
-                row = {"context": ctx, "batch": b, "ms_per_step": ms, "ms_per_step_sync_loop": sync_ms,
+                floor_ms = floor_bytes_decode(model.cfg, b, ctx, kv_elt) / tp / (ceil["copy_GBps"] * 1e9) * 1e3
+                row = {"context": ctx, "batch": b, "kv_dtype": str(spec.dtype).removeprefix("torch."),
+                       "ms_per_step": ms, "ms_per_step_sync_loop": sync_ms,
                        "ms_per_step_bare": bare_ms, "step_to_replay": ms / gpu_ms if gpu_ms else None,
                        "tok_s_per_user": 1e3 / ms,
                        "tok_s_per_gpu": b * 1e3 / ms / tp, "usd_per_M_output": dollars_per_million(b * 1e3 / ms / tp),
@@ -128,13 +133,15 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--bf16-attention", action="store_true", help="QKV/O projections in bf16 (experts stay FP8)")
     ap.add_argument("--hf-peer", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"],
+                    help="KV pages of the prefill and decode sections (auto = the model dtype, bf16)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
     a = ap.parse_args()
     if a.moe == "auto":  # recorded as the backend it resolved to
         from kernels.registry import auto_moe_backend
         a.moe = auto_moe_backend(a.device, fp8=True, whole_experts=True)
-    tag = a.tag or f"{a.preset}-tp1"
+    tag = a.tag or f"{a.preset}-tp1" + ("" if a.kv_cache_dtype == "auto" else f"-kv{a.kv_cache_dtype}")
     res = Results(out_dir() / f"model_{tag}.json", {"env": environment(), "args": vars(a)})
     with res.section("ceilings") as sec:
         ceil = measure_ceilings(a.device) if a.device == "cuda" else measure_ceilings(a.device, 1 << 24, 256)
@@ -144,9 +151,11 @@ def main() -> None:
     model = build(a.preset, a.attention, a.linear, a.moe, device=a.device, fp8_attention=not a.bf16_attention)
     res.data["load_seconds"] = round(time.monotonic() - t0, 1)
     print(f"loaded {a.preset} FP8 in {res.data['load_seconds']} s; {model.backends.describe()}", flush=True)
-    prefill_section(res, model, [int(x) for x in a.prefill_lens.split(",") if x], ceil, 1)
+    from model.kv_cache import resolve_kv_dtype
+    kv_dtype = resolve_kv_dtype(a.kv_cache_dtype, model.dtype)
+    prefill_section(res, model, [int(x) for x in a.prefill_lens.split(",") if x], ceil, 1, kv_dtype)
     decode_section(res, model, [int(x) for x in a.contexts.split(",") if x], [int(x) for x in a.batches.split(",") if x],
-                   ceil, 1, not a.no_graphs and a.device == "cuda")
+                   ceil, 1, not a.no_graphs and a.device == "cuda", kv_dtype)
     if a.hf_peer:
         from benchmarks.hf_peer import hf_peer_section
 

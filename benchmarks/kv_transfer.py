@@ -1,5 +1,5 @@
 """KV transfer GPU0 -> GPU1 for gpt-oss-120b-shaped KV (36 layers, half sliding, 8 KV heads, d 64,
-bf16, page 16, window 128), on `nvidia-h200-x2`. Unattended: every section runs in try/except, a
+bf16 or e4m3 (--kv-cache-dtype fp8: half the bytes per request), page 16, window 128), on `nvidia-h200-x2`. Unattended: every section runs in try/except, a
 short table is printed and everything goes to $OUT/kv_transfer.json.
 
 Sections (one run):
@@ -18,7 +18,7 @@ Every NIXL and loopback transfer the table reports was checked byte-exact on the
 (first timed iteration; the overlap run always), against a hash pattern of (layer, K/V, source
 page, head, token, dim) that also proves each layer was written after its store completed.
 
-    python -m benchmarks.kv_transfer [--tokens 8192 32768] [--iters 5]
+    python -m benchmarks.kv_transfer [--tokens 8192 32768] [--iters 5] [--kv-cache-dtype fp8]
     python -m benchmarks.kv_transfer --devices cpu cpu --tokens 256 --layers 4 --iters 1 \
         --prefill-gflop-per-token 0.001  # CPU smoke (UCX_TLS=tcp UCX_NET_DEVICES=lo)
 """
@@ -41,9 +41,10 @@ from benchmarks.kv_layout import (HEADS, HEAD_DIM, HIDDEN, MODEL, PAGE, RING, WI
 from kv_transfer.interface import TransferConfig, TransferStatus
 from kv_transfer.messages import TransferRequest, decode, encode
 from kv_transfer.plan import GroupGeometry, head_runs, layer_copies, page_pairs
-from model.kv_cache import KVPool, PageGroup, SeqPages
+from model.kv_cache import KV_DTYPES, KVPool, PageGroup, SeqPages
 
 WAIT = 120.0
+KV_ELT = {"bf16": 2, "fp8": 1}
 
 def sync(devices: list[str]) -> None:
     for d in devices:
@@ -53,7 +54,7 @@ def sync(devices: list[str]) -> None:
 
 # ---- in-process baselines ---------------------------------------------------------------------
 def bench_copy(args: argparse.Namespace, n: int) -> dict:
-    nbytes = transfer_bytes(n, args.layers)
+    nbytes = transfer_bytes(n, args.layers, KV_ELT[args.kv_cache_dtype])
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=args.devices[0])
     dst = torch.empty(nbytes, dtype=torch.uint8, device=args.devices[1])
     times = []
@@ -72,7 +73,8 @@ def bench_copy(args: argparse.Namespace, n: int) -> dict:
 def bench_loopback(args: argparse.Namespace, n: int, placement: str) -> dict:
     from kv_transfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
     nf = -(-n // PAGE)
-    pspec, dspec = make_spec(args.layers, nf, RING), make_spec(args.layers, 2 * nf, 8 * RING)
+    dt = KV_DTYPES[args.kv_cache_dtype]
+    pspec, dspec = make_spec(args.layers, nf, RING, dt), make_spec(args.layers, 2 * nf, 8 * RING, dt)
     ppool, dpool = KVPool(pspec, args.devices[0]), KVPool(dspec, args.devices[1])
     for layer in range(args.layers):
         fill_layer(ppool, layer, 0)
@@ -117,7 +119,7 @@ def _decode_loop(args: argparse.Namespace, cmd_q, req_q, done_q, data_path: str)
     dev = args.devices[1]
     _set_device(dev)
     nf_max = -(-max(args.tokens) // PAGE)
-    pool = KVPool(make_spec(args.layers, 2 * nf_max, 8 * RING), dev)
+    pool = KVPool(make_spec(args.layers, 2 * nf_max, 8 * RING, KV_DTYPES[args.kv_cache_dtype]), dev)
     rx = NixlReceiver(pool, TransferConfig("bench-dec", MODEL, probe_interval_s=1.0), data_path=data_path)
     done_q.put(("ready", pool.spec.num_pages))
     active: dict[str, tuple[SeqPages, int, int, bool]] = {}
@@ -166,7 +168,7 @@ def _prefill_run(args: argparse.Namespace, cmd_q, req_q, done_q, data_path: str)
     _set_device(dev)
     _, dnum = _from_decode(done_q)
     nf_max = -(-max(args.tokens) // PAGE)
-    pool = KVPool(make_spec(args.layers, nf_max, RING), dev)
+    pool = KVPool(make_spec(args.layers, nf_max, RING, KV_DTYPES[args.kv_cache_dtype]), dev)
     for layer in range(args.layers):
         fill_layer(pool, layer, 0)
     tx = NixlSender(pool, TransferConfig("bench-pre", MODEL, max_layers_ahead=2), data_path=data_path)
@@ -304,6 +306,8 @@ def main() -> None:
     ap.add_argument("--data-paths", nargs="+", default=["nixl", "ipc"], choices=["nixl", "ipc"],
                     help="sender/receiver data paths to measure, each in its own pair of processes")
     ap.add_argument("--nixl-timeout", type=float, default=420.0, help="per data path")
+    ap.add_argument("--kv-cache-dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="page dtype on both sides (fp8: e4m3, half the bytes per request)")
     args = ap.parse_args()
     report: dict = {"args": vars(args), "ucx_env": {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))},
                     "torch": torch.__version__, "errors": []}
@@ -336,8 +340,12 @@ def main() -> None:
     _print_table(report["rows"])
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_transfer.json").write_text(json.dumps(report, indent=1, default=str))
-    print(f"wrote {out / 'kv_transfer.json'}; {len(report['errors'])} error(s)")
+    name = "kv_transfer.json" if args.kv_cache_dtype == "bf16" else f"kv_transfer_{args.kv_cache_dtype}.json"
+    report["bytes_per_request"] = {n: transfer_bytes(n, args.layers, KV_ELT[args.kv_cache_dtype]) for n in args.tokens}
+    (out / name).write_text(json.dumps(report, indent=1, default=str))
+    print(f"bytes per request ({args.kv_cache_dtype} pages): " +
+          ", ".join(f"{n} tokens {b / 2**20:.1f} MiB" for n, b in report["bytes_per_request"].items()))
+    print(f"wrote {out / name}; {len(report['errors'])} error(s)")
     for e in report["errors"]:
         print("ERROR", e.splitlines()[0])
 

@@ -3,6 +3,8 @@ step must read (the HBM floor), KV state with random contents."""
 
 from __future__ import annotations
 
+import torch
+
 from engine.build import EngineConfig, load_model
 from model.config import GptOssConfig
 from model.gpt_oss import GptOss
@@ -18,25 +20,32 @@ def build(preset: str, attention: str, linear: str, moe: str, parallel: Parallel
     return load_model(cfg)
 
 
-def decode_state(model: GptOss, tokens_per_seq: int, num_seqs: int) -> tuple:
-    """A KV pool just large enough for num_seqs sequences of tokens_per_seq tokens."""
+def decode_state(model: GptOss, tokens_per_seq: int, num_seqs: int, kv_dtype: torch.dtype | None = None) -> tuple:
+    """A KV pool just large enough for num_seqs sequences of tokens_per_seq tokens, in kv_dtype (None:
+    the model dtype; e4m3 pools get the default scales, 1.0)."""
     cfg = model.cfg
+    kv_dtype = kv_dtype or model.dtype
     probe = plan_kv_cache(cfg, 1 << 40, page_size=16, max_num_seqs=num_seqs + 1, tp_size=model.par.tp_size,
-                          dtype=model.dtype)
+                          dtype=kv_dtype)
     full_pages = num_seqs * (-(-tokens_per_seq // 16)) + 2
     budget = (full_pages * probe.page_bytes(PageGroup.FULL)
               + (num_seqs + 1) * probe.ring_pages * probe.page_bytes(PageGroup.SLIDING))
     spec = plan_kv_cache(cfg, budget + probe.page_bytes(PageGroup.FULL), page_size=16, max_num_seqs=num_seqs + 1,
-                         tp_size=model.par.tp_size, dtype=model.dtype)
-    return spec, KVPool(spec, model.device), KVManager(spec)
+                         tp_size=model.par.tp_size, dtype=kv_dtype)
+    return spec, KVPool(spec, model.device, kv_heads=model.par.kv_heads(cfg)), KVManager(spec)
 
 
 def fill_random(pool: KVPool) -> None:
-    """Random K/V (never time on zeros), in chunks to bound temporaries."""
+    """Random K/V (never time on zeros), in chunks to bound temporaries (e4m3 pools: N(0, 1) values
+    rounded to e4m3, as a store with scale 1.0 would write them)."""
     for p in pool.pools:
         flat = p.view(-1)
         for i in range(0, flat.numel(), 1 << 28):
-            flat[i:i + (1 << 28)].normal_()
+            chunk = flat[i:i + (1 << 28)]
+            if chunk.dtype == torch.float8_e4m3fn:
+                chunk.copy_(torch.randn(chunk.shape, device=chunk.device, dtype=torch.bfloat16))
+            else:
+                chunk.normal_()
 
 
 def active_linear_params(cfg: GptOssConfig) -> int:

@@ -3,6 +3,12 @@ transformers GptOssForCausalLM (bf16, eager) holding the same random weights, on
 Reports logits relative error and top-1 agreement per pair.
 
     python -m benchmarks.parity_real --preset gpt-oss-20b --tokens 512
+
+KV-dtype mode (CPU or GPU; benchmarks/parity_kv.py): the fp32 model at real widths with few layers
+scores the same context + continuation with fp32, bf16 and FP8 (e4m3) KV pages:
+
+    python -m benchmarks.parity_real --kv-dtypes --device cpu --layers 2 --context 8192 --decode 32
+    python -m benchmarks.parity_real --kv-amax --device cpu       # K/V amax: tiny and real-dims models
 """
 
 from __future__ import annotations
@@ -32,7 +38,19 @@ def main() -> None:
     ap.add_argument("--fp32-layers", type=int, default=2,
                     help="also check an N-layer model at real widths in fp32 against HF fp32 (0 = skip)")
     ap.add_argument("--skip-full", action="store_true", help="skip the full-depth bf16 comparison")
+    ap.add_argument("--kv-dtypes", action="store_true", help="FP8 / bf16 / fp32 KV pages (benchmarks/parity_kv.py)")
+    ap.add_argument("--kv-amax", action="store_true", help="max |K|, |V| the random models reach (FP8 KV scales)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=2, help="KV modes: layers at real widths (1 sliding + 1 full...)")
+    ap.add_argument("--context", type=int, default=8192, help="--kv-dtypes: context tokens before the scored ones")
+    ap.add_argument("--decode", type=int, default=32, help="--kv-dtypes: teacher-forced decode steps scored")
+    ap.add_argument("--chunk", type=int, default=256, help="--kv-dtypes: prefill chunk (bounds attention memory)")
+    ap.add_argument("--calibration", type=int, default=1, help="--kv-dtypes: prompts for the calibrated FP8 row")
     a = ap.parse_args()
+    if a.kv_dtypes or a.kv_amax:
+        from benchmarks.parity_kv import run
+        run(a)
+        return
     res = Results(out_dir() / f"parity_{a.preset}.json", {"env": environment(), "args": vars(a)})
     ids = torch.randint(0, 201088, (a.tokens,), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     if not a.skip_full:

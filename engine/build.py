@@ -1,5 +1,6 @@
 """Build an engine's parts from one frozen EngineConfig: load the checkpoint, choose and log the
-backends, size the KV cache (logging the capacity of each page group), wire scheduler and runner."""
+backends, size the KV cache in its dtype (logging the capacity of each page group, and what the other
+KV dtype would give), pick the FP8 KV scales (engine/kv_calibration.py), wire scheduler and runner."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from kernels.registry import Backends, make_backends
 from model.checkpoint_io import ensure_checkpoint
 from model.gpt_oss import GptOss
-from model.kv_cache import KVCacheSpec, KVManager, KVPool, PageGroup, plan_kv_cache
+from model.config import GptOssConfig
+from model.kv_cache import (KVCacheSpec, KVManager, KVPool, PageGroup, kv_dtype_name, plan_kv_cache,
+                            resolve_kv_dtype)
+from model.kv_scales import FP8_KV_DTYPE, is_fp8
 from model.loader import load_weights
 from model.parallel import ParallelConfig
 from model.weights import RandomSource, SafetensorsSource, TensorSource
@@ -41,6 +45,8 @@ class EngineConfig:
     linear_backend: str = "torch"
     moe_backend: str = "torch"
     page_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto (= dtype) | bf16 | fp8 (e4m3, per layer/head scales) | fp32
+    kv_scale_calibration: int = 0  # FP8 KV without checkpoint scales: calibrate on this many prompts (0 = 1.0)
     kv_cache_bytes: int | None = None  # explicit budget; else kv_cache_fraction of free memory (GPU)
     kv_cache_fraction: float = 0.85
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -130,18 +136,44 @@ def kv_budget(cfg: EngineConfig) -> int:
 
 def build_engine_parts(cfg: EngineConfig, model: GptOss | None = None) -> EngineParts:
     model = model or load_model(cfg)
-    spec = plan_kv_cache(model.cfg, kv_budget(cfg), page_size=cfg.page_size,
-                         max_num_seqs=cfg.scheduler.max_num_seqs, tp_size=cfg.parallel.tp_size, dtype=model.dtype)
-    pool = KVPool(spec, cfg.device)
-    log_kv_capacity(spec)
+    spec = plan_and_log_kv(model.cfg, kv_budget(cfg), resolve_kv_dtype(cfg.kv_cache_dtype, model.dtype),
+                           page_size=cfg.page_size, max_num_seqs=cfg.scheduler.max_num_seqs,
+                           tp_size=cfg.parallel.tp_size)
+    scales = None
+    if is_fp8(spec.dtype):
+        from engine.kv_calibration import kv_scales_for
+
+        scales = kv_scales_for(model, cfg.kv_scale_calibration)
+    pool = KVPool(spec, cfg.device, scales=scales, kv_heads=model.par.kv_heads(model.cfg))
     kv = KVManager(spec)
     scheduler = Scheduler(cfg.scheduler, kv, model.cfg.eos_token_ids)
     sampler = Sampler(torch.device(cfg.device), cfg.seed, model.cfg.eos_token_ids)
     return EngineParts(model, spec, pool, kv, scheduler, ModelRunner(model, pool, sampler), sampler)
 
 
-def log_kv_capacity(spec: KVCacheSpec) -> None:
+def plan_and_log_kv(model_cfg: GptOssConfig, budget: int, dtype: torch.dtype, *, page_size: int, max_num_seqs: int,
+                    tp_size: int) -> KVCacheSpec:
+    """The KV spec a worker starts with, logged; also logs what the same budget gives in the other
+    KV dtype (bf16 <-> FP8), so an operator sees the trade at start-up. Needs no weights
+    (benchmarks/kv_capacity.py runs it for the real presets on a CPU)."""
+    spec = plan_kv_cache(model_cfg, budget, page_size=page_size, max_num_seqs=max_num_seqs, tp_size=tp_size,
+                         dtype=dtype)
+    log_kv_capacity(spec)
+    other = torch.bfloat16 if is_fp8(dtype) else FP8_KV_DTYPE
+    try:
+        log_kv_capacity(plan_kv_cache(model_cfg, budget, page_size=page_size, max_num_seqs=max_num_seqs,
+                                      tp_size=tp_size, dtype=other), alternative=True)
+    except ConfigError as e:
+        log.info("KV cache would not fit in %s: %s", kv_dtype_name(other), e)
+    return spec
+
+
+def log_kv_capacity(spec: KVCacheSpec, alternative: bool = False) -> None:
     full, sliding = spec.num_pages[PageGroup.FULL], spec.num_pages[PageGroup.SLIDING]
-    log.info("KV cache: %.2f GiB; full-attention group %d pages = %d tokens; sliding group %d pages = "
-             "%d rings of %d pages (window %d, page %d)", spec.total_bytes() / 2**30, full, full * spec.page_size,
-             sliding, sliding // max(spec.ring_pages, 1), spec.ring_pages, spec.sliding_window, spec.page_size)
+    per_token = spec.page_bytes(PageGroup.FULL) // spec.page_size
+    log.info("%s %s: %.2f GiB; full-attention group %d pages = %d tokens (%d bytes/token); sliding group %d "
+             "pages = %d rings of %d pages (window %d, page %d, %.2f MiB/ring)",
+             "KV cache would be, in" if alternative else "KV cache", kv_dtype_name(spec.dtype),
+             spec.total_bytes() / 2**30, full, full * spec.page_size, per_token, sliding,
+             sliding // max(spec.ring_pages, 1), spec.ring_pages, spec.sliding_window, spec.page_size,
+             spec.ring_pages * spec.page_bytes(PageGroup.SLIDING) / 2**20)

@@ -6,6 +6,8 @@ window kinds, GQA, sinks large and small, a fresh prefill longer than the slidin
 top of a cached prefix, mixed decode) must match `TorchAttention` run in fp32 on the same inputs,
 and the caches it writes must be bit-identical. Anything off raises `AttentionSelfTestFailed`
 with the case and the error, so a broken kernel stops the worker instead of serving garbage.
+With `kv_dtype` e4m3 the pages are FP8 under random per-head scales and the reference quantises and
+dequantises them itself (the ground truth of kernels/reference.py).
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def self_test_attention(impl: AttentionImpl, device: torch.device | str, dtype: torch.dtype, *,
-                        shape: SelfTestShape | None = None, seed: int = 0) -> None:
+                        shape: SelfTestShape | None = None, seed: int = 0, kv_dtype: torch.dtype | None = None) -> None:
     s = shape or SelfTestShape()
+    kv_dtype = kv_dtype or dtype
+    fp8 = kv_dtype == torch.float8_e4m3fn
     device = torch.device(device)
     tol = _TOLERANCE[dtype]
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -62,14 +66,19 @@ def self_test_attention(impl: AttentionImpl, device: torch.device | str, dtype: 
     sched = s.schedule()
     max_len = sum(n for step in sched for seq, n in step if seq == 0) + 2 * s.page_size
     num_pages = 3 * (max_len // s.page_size + 2)
-    spec = KVCacheSpec(s.page_size, s.num_kv_heads, s.head_dim, dtype, s.window, full_layers=(1,),
+    spec = KVCacheSpec(s.page_size, s.num_kv_heads, s.head_dim, kv_dtype, s.window, full_layers=(1,),
                        sliding_layers=(0,), num_pages=(num_pages, num_pages))
     mgr = KVManager(spec)
     for alloc in mgr.alloc:  # scatter: hand the pages back in a random order
         pages = alloc.allocate(alloc.num_pages)
         alloc.free([pages[i] for i in torch.randperm(len(pages), generator=gen).tolist()])
     pool = KVPool(spec, device)
-    ref_pools = [p.to(torch.float32, copy=True) for p in pool.pools]  # same zeros, fp32, never aliased
+    # same zeros, never aliased; fp32 unless the pages are FP8 (then the reference writes e4m3 too)
+    ref_pools = [p.clone() if fp8 else p.to(torch.float32, copy=True) for p in pool.pools]
+    kv_scale = None
+    if fp8:  # per-head scales, neither 1 nor powers of two, so a kernel ignoring them fails
+        kv_scale = ((torch.rand(s.num_kv_heads, generator=gen) * 0.2 + 0.01).to(device),
+                    (torch.rand(s.num_kv_heads, generator=gen) * 0.01 + 0.002).to(device))
     ref_impl = TorchAttention()
     sinks = rand(s.num_q_heads, scale=2.0).float()
     sinks[0], sinks[-1] = 8.0, -8.0  # a sink that dominates and one that vanishes
@@ -101,8 +110,9 @@ def self_test_attention(impl: AttentionImpl, device: torch.device | str, dtype: 
             v = rand(t, s.num_kv_heads, s.head_dim).to(dtype)
             kv = (pool.pools[g][0, 0], pool.pools[g][0, 1]) if cached else None
             ref_kv = (ref_pools[g][0, 0], ref_pools[g][0, 1]) if cached else None
-            out = impl.forward(g, q, k, v, kv, sinks, sm_scale, windows[g])
-            ref = ref_impl.forward(g, q.float(), k.float(), v.float(), ref_kv, sinks, sm_scale, windows[g])
+            out = impl.forward(g, q, k, v, kv, sinks, sm_scale, windows[g], kv_scale=kv_scale)
+            ref = ref_impl.forward(g, q.float(), k.float(), v.float(), ref_kv, sinks, sm_scale, windows[g],
+                                   kv_scale=kv_scale)
             what = f"{name}, {g.name.lower()} layer (window {windows[g]})"
             if out.shape != q.shape or out.dtype != dtype:
                 failures.append(f"{what}: output {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {dtype}")
@@ -110,8 +120,11 @@ def self_test_attention(impl: AttentionImpl, device: torch.device | str, dtype: 
             err = _rel_err(out, ref)
             if not torch.isfinite(out).all() or not err <= tol:
                 failures.append(f"{what}: relative error {err:.3g} > {tol:g}")
-            if cached and not torch.equal(pool.pools[g].float(), ref_pools[g]):
+            same = (torch.equal(pool.pools[g].view(torch.uint8), ref_pools[g].view(torch.uint8)) if fp8
+                    else torch.equal(pool.pools[g].float(), ref_pools[g]))
+            if cached and not same:
                 failures.append(f"{what}: KV cache contents differ from the reference store")
     if failures:
         raise AttentionSelfTestFailed(
-            f"attention backend {impl.name!r} failed its self-test on {device} ({dtype}): " + "; ".join(failures))
+            f"attention backend {impl.name!r} failed its self-test on {device} ({dtype}, KV {kv_dtype}): "
+            + "; ".join(failures))

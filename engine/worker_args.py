@@ -49,6 +49,12 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                    help="KV transfer (kv_transfer.factory.TransferBackend): nixl; ipc = NIXL control plane, "
                         "same-node data path through shared/IPC-mapped pools (CUDA IPC on GPU, shared memory "
                         "on CPU); loopback (in-process); none")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8", "fp32"],
+                   help="KV pages: auto = the model dtype; fp8 = e4m3 with per-layer/head scales (half of bf16's "
+                        "bytes per token). Prefill and decode workers must agree (the KV handshake refuses otherwise)")
+    p.add_argument("--kv-scale-calibration", type=int, default=0, metavar="N",
+                   help="FP8 KV without scales in the checkpoint: measure K/V amax on N built-in prompts at start-up "
+                        "(power-of-two scales); 0 = scales of 1.0. Both roles must use the same N")
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--kv-cache-fraction", type=float, default=0.85)
     p.add_argument("--page-size", type=int, default=16)
@@ -85,7 +91,8 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         linear_backend=a.linear_backend or ("scaled_mm" if gpu and a.fp8 else "torch"),
         moe_backend=a.moe_backend or auto_moe_backend(rank_device(a.device, tp_rank), a.fp8,
                                                       a.tp == 1 or a.moe_mode == MoEMode.EP.value),
-        page_size=a.page_size, kv_cache_bytes=int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None,
+        page_size=a.page_size, kv_cache_dtype=a.kv_cache_dtype, kv_scale_calibration=max(0, a.kv_scale_calibration),
+        kv_cache_bytes=int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None,
         kv_cache_fraction=a.kv_cache_fraction,
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),
         seed=a.seed, progress=tp_rank == 0, async_decode=a.async_decode == "on",

@@ -45,8 +45,8 @@ def build_parts(a: argparse.Namespace, role: str, group: RankGroup) -> EnginePar
     if cfg.attention_backend != "torch":
         from engine.selftest import self_test_attention
 
-        self_test_attention(parts.model.backends.attention, cfg.device, parts.model.dtype)
-        log.info("attention self-test passed (%s)", cfg.attention_backend)
+        self_test_attention(parts.model.backends.attention, cfg.device, parts.model.dtype, kv_dtype=parts.spec.dtype)
+        log.info("attention self-test passed (%s, KV %s)", cfg.attention_backend, parts.spec.dtype)
     return parts
 
 

@@ -95,6 +95,12 @@ DEFS: dict[str, Schema] = {
     "extraEnv": {"type": "array", "items": _ref("envVar")},
     "tensorParallel": _int(enum=[1, 2, 4, 8],
                            description="TP ranks = GPUs per pod (8 KV heads, so TP <= 8)"),
+    "kvCache": _obj({
+        "dtype": _str(enum=["auto", "bf16", "fp8"],
+                      description="--kv-cache-dtype; auto = the model dtype; fp8 = e4m3 pages (half the bytes)"),
+        "scaleCalibration": _int(minimum=0, maximum=64,
+                                 description="--kv-scale-calibration: FP8 KV scales from N prompts (0: checkpoint or 1.0)"),
+    }, description="KV cache pages; prefill and decode must agree"),
     "nixl": _obj({
         "ucxTls": _str(minLength=1, description="UCX_TLS"),
         "ucxNetDevices": _str(description="UCX_NET_DEVICES; empty lets UCX choose"),
@@ -115,7 +121,7 @@ def _worker(role: str, parallelism: Schema, extra: dict[str, Schema]) -> Schema:
     return _obj({
         "replicas": _int(minimum=0, description="not applied while autoscaler.enabled"),
         "parallelism": parallelism, "port": _ref("port"), "metricsPort": _ref("port"),
-        "fp8": _bool(), "nixl": _ref("nixl"), "resources": _ref("resources"),
+        "fp8": _bool(), "kvCache": _ref("kvCache"), "nixl": _ref("nixl"), "resources": _ref("resources"),
         "probes": _ref("probes"),
         "podDisruptionBudget": _ref("podDisruptionBudget"), **POD_COMMON, **extra,
     }, description=f"{role} workers (mirror image of the other phase)")

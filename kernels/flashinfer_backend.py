@@ -17,6 +17,12 @@ Lifecycle:
   * `plan(step)` plans each page group once; every layer of the group reuses that plan.
   * `forward`: no cache -> ragged causal over the step's tokens; pages_hold_all -> store, then
     paged; otherwise -> gather [prefix from pages ; new K/V] densely, ragged, then store.
+  * FP8 (e4m3) pages (`FP8_KV` below): decode reads them with fa2 (FlashInfer 0.6.6's fa2 template
+    widens e4m3 K/V tiles to the query dtype in registers, head_dim 64 included; its fa3/sm90 mainloop
+    has no bf16 x e4m3 GMMA and its FP8 path wants q in e4m3 too), through our variant of the sink
+    template with per-KV-head K/V scales; prefill steps store, then read their keys back dequantised
+    (`gather_kv`) into the bf16 ragged kernel (fa3), so prefill keeps fa3's speed. If the FP8 variant
+    cannot be built, FP8 layers run on TritonAttention and the log says why.
   * decode CUDA graphs: `enable_cuda_graphs(batch_sizes, max_pages_per_seq)`; a pure-decode step
     of one of those batch sizes then runs on wrappers with static index buffers (page indices,
     indptrs, last-page lengths, and the slot_mapping the store reads). plan() runs outside the
@@ -37,8 +43,9 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import ConfigError
+from kernels.flashinfer_fp8kv import FP8_KV, FP8_VARIANT, fp8_variant_decl, read_slots
 from kernels.interface import GroupMeta, StepMeta
-from kernels.triton_store_kv import store_kv
+from kernels.triton_store_kv import gather_kv, store_kv
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,11 @@ class AttentionDims:
     page_size: int
     dtype: torch.dtype
     device: torch.device
+    kv_dtype: torch.dtype | None = None  # the pages' dtype; None = dtype
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.kv_dtype == torch.float8_e4m3fn
 
 
 def import_flashinfer(cache_dir: str | None = None):
@@ -87,20 +99,28 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory() if torch.cuda.is_available() else t
 
 
-def _jit_args(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool) -> list:
+def _jit_args(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool, kv_dtype: torch.dtype | None = None
+              ) -> list:
     from flashinfer.jit.attention.variants import attention_sink_decl
     name = str(dtype).removeprefix("torch.")
+    if kv_dtype == FP8_KV:  # paged reads of e4m3 pages: fa2 only (see the module docstring)
+        assert backend == "fa2", "FlashInfer reads bf16 queries against e4m3 pages with fa2 only"
+        uri = f"tandem_attention_sink_{name}_kv_e4m3_d{head_dim}_swa{int(sliding)}_{backend}"
+        return [uri, dtype, FP8_KV, dtype, torch.int32, head_dim, head_dim, ["sink", "k_scale", "v_scale"],
+                ["float", "float", "float"], ["sm_scale"], ["double"], FP8_VARIANT,
+                fp8_variant_decl(attention_sink_decl["fa2"])]
     uri = f"tandem_attention_sink_{name}_d{head_dim}_swa{int(sliding)}_{backend}"
     return [uri, dtype, dtype, dtype, torch.int32, head_dim, head_dim, ["sink"], ["float"], ["sm_scale"],
             ["double"], "AttentionSink", attention_sink_decl[backend]]
 
 
-def build_variant(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool) -> None:
+def build_variant(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool,
+                  kv_dtype: torch.dtype | None = None) -> None:
     """Compile (or load from the JIT cache) one AttentionSink variant exactly as the wrappers will
     ask for it (FlashInfer caches the module by these arguments), so start-up can build several
     variants in parallel threads: each build is a ninja/nvcc subprocess."""
     from flashinfer.prefill import get_customize_batch_prefill_module
-    get_customize_batch_prefill_module(backend, *_jit_args(backend, dtype, head_dim, sliding),
+    get_customize_batch_prefill_module(backend, *_jit_args(backend, dtype, head_dim, sliding, kv_dtype),
                                        use_sliding_window=sliding)
 
 
@@ -113,6 +133,7 @@ class _GroupPlan:
     slots: torch.Tensor | None = None  # [T] int64 slot_mapping to store with (static when graphed)
     gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     num_keys: int = 0  # rows of the gathered dense K/V (ragged with a cached prefix)
+    read_slots: torch.Tensor | None = None  # FP8 prefill: store first, then every key read back from pages
 
 
 class FlashInferAttention:
@@ -135,6 +156,9 @@ class FlashInferAttention:
         self._graph_slots: dict[tuple[int, int], torch.Tensor] = {}  # (batch, window_left) -> [B] int64
         self._step: StepMeta | None = None
         self._plans: dict[int, _GroupPlan] = {}
+        self._fp8_checked: set[tuple] = set()  # (dtype, head_dim) whose FP8-KV variants were built
+        self._fp8_fallback = None  # TritonAttention when FlashInfer cannot read e4m3 pages here
+        self._unit: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     @property
     def cache_dir(self) -> str:
@@ -148,15 +172,48 @@ class FlashInferAttention:
         self._set_dims(dims)
         for g, w in windows.items():
             self._windows[g] = -1 if w is None else w - 1
+        if self._fp8_fallback is not None:
+            return
         for role in ("prefill", "decode"):
             for wl in set(self._windows.values()):
-                self._wrapper(role, "paged", wl)
+                if not (role == "prefill" and self._dims.fp8_kv):  # FP8 prefill reads pages densely (ragged)
+                    self._wrapper(role, "paged", wl)
                 if role == "prefill":
                     self._wrapper(role, "ragged", wl)
 
     def enable_cuda_graphs(self, batch_sizes: Sequence[int], max_pages_per_seq: int) -> None:
         self._graph_sizes = set(batch_sizes)
         self._graph_max_pages = max_pages_per_seq
+        if self._fp8_fallback is not None:
+            self._fp8_fallback.enable_cuda_graphs(batch_sizes, max_pages_per_seq)
+
+    def _check_fp8_kv(self, dims: AttentionDims) -> None:
+        """Build the FP8-KV decode variants (both window kinds) once per (dtype, head_dim); when they
+        do not build, every layer from now on runs on TritonAttention (which reads e4m3 pages), and
+        the log says why."""
+        key = (dims.dtype, dims.head_dim)
+        if key in self._fp8_checked or self._fp8_fallback is not None:
+            return
+        try:
+            for sliding in (False, True):
+                build_variant("fa2", dims.dtype, dims.head_dim, sliding, FP8_KV)
+        except Exception as e:  # a JIT build error, or FlashInfer's template text changed (ConfigError)
+            from kernels.triton_attention_backend import TritonAttention
+            log.warning("FlashInfer cannot read e4m3 KV pages here (%s: %s); FP8-KV attention runs on Triton",
+                        type(e).__name__, str(e)[-300:])
+            self._fp8_fallback = TritonAttention()
+            if self._graph_sizes:
+                self._fp8_fallback.enable_cuda_graphs(sorted(self._graph_sizes), self._graph_max_pages)
+            if self._step is not None:
+                self._fp8_fallback.plan(self._step)
+            return
+        self._fp8_checked.add(key)
+
+    def _unit_scales(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._unit.get((n, device))
+        if t is None:
+            t = self._unit[(n, device)] = torch.ones(n, dtype=torch.float32, device=device)
+        return t, t
 
     def _set_dims(self, dims: AttentionDims) -> None:
         dev = torch.device(dims.device)
@@ -172,6 +229,8 @@ class FlashInferAttention:
             self._graph_slots.clear()
             self._plans = {}
         self._dims = dims
+        if dims.fp8_kv:
+            self._check_fp8_kv(dims)
         if self._workspace is None:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dims.device)
             from flashinfer.utils import is_sm90a_supported
@@ -187,7 +246,7 @@ class FlashInferAttention:
             return w
         d = self._dims
         assert d is not None and self._workspace is not None
-        backend = self._backend[role]
+        backend = "fa2" if kind == "paged" and d.fp8_kv else self._backend[role]
         try:
             w = self._make_wrapper(backend, kind, window_left, graph_batch)
         except Exception as e:  # a failed fa3 JIT build: fall back to fa2 for good
@@ -201,7 +260,7 @@ class FlashInferAttention:
 
     def _make_wrapper(self, backend: str, kind: str, window_left: int, graph_batch: int):
         fi, d = self._fi, self._dims
-        jit_args = _jit_args(backend, d.dtype, d.head_dim, window_left >= 0)
+        jit_args = _jit_args(backend, d.dtype, d.head_dim, window_left >= 0, d.kv_dtype if kind == "paged" else None)
         jit_kwargs = {"use_sliding_window": window_left >= 0}
         if kind == "ragged":
             return fi.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD", backend=backend,
@@ -224,6 +283,9 @@ class FlashInferAttention:
             return  # already planned: GptOss.forward re-plans inside a CUDA-graph capture, where host work is illegal
         self._step = step
         self._plans = {}
+        if self._fp8_fallback is not None:
+            self._fp8_fallback.plan(step)
+            return
         if self._dims is None:
             return  # shapes unknown until the first forward: planned lazily there
         for gi, g in enumerate(step.groups):
@@ -236,6 +298,8 @@ class FlashInferAttention:
         cu_q = _host_cu(step)
         if not g.pages_hold_all:
             return self._plan_chunk(step, g, window_left, cu_q)
+        if d.fp8_kv and not step.is_decode:
+            return self._plan_fp8_prefill(g, window_left, cu_q)
         p, maxp = d.page_size, g.page_table.shape[1]
         num_pages = [-(-n // p) for n in g.kv_lens_host]
         if g.page_ids is not None and g.page_ids_host is not None and len(g.page_ids_host) == sum(num_pages):
@@ -253,7 +317,7 @@ class FlashInferAttention:
         graph = step.num_seqs if decode and step.num_seqs in self._graph_sizes else 0
         w = self._wrapper("decode" if decode else "prefill", "paged", window_left, graph)
         w.plan(cu_q, indptr, indices, last, d.num_q_heads, d.num_kv_heads, d.head_dim, p, causal=True,
-               window_left=window_left, q_data_type=d.dtype, kv_data_type=d.dtype)
+               window_left=window_left, q_data_type=d.dtype, kv_data_type=d.kv_dtype or d.dtype)
         slots = g.slot_mapping
         if graph:  # the captured store must read this step's slots: copy them into a static buffer
             slots = self._graph_slots.get((graph, window_left))
@@ -284,6 +348,18 @@ class FlashInferAttention:
                window_left=window_left, q_data_type=d.dtype, kv_data_type=d.dtype)
         return _GroupPlan("ragged", w, gather=gather if flat else None, num_keys=cu_k[-1])
 
+    def _plan_fp8_prefill(self, g: GroupMeta, window_left: int, cu_q: torch.Tensor) -> _GroupPlan:
+        """A prefill step over e4m3 pages: forward stores, then reads every key of each view back
+        dequantised (`gather_kv`) and runs the bf16 ragged kernel (fa3 on sm90a): the keys are
+        exactly what the paged read would see, at ragged-kernel speed."""
+        d = self._dims
+        slots = torch.from_numpy(read_slots(g, d.page_size)).to(d.device, non_blocking=True)
+        cu_k = torch.tensor([0] + list(g.kv_lens_host), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        w = self._wrapper("prefill", "ragged", window_left)
+        w.plan(cu_q, cu_k, d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True, window_left=window_left,
+               q_data_type=d.dtype, kv_data_type=d.dtype)
+        return _GroupPlan("ragged", w, g.slot_mapping, read_slots=slots, num_keys=int(cu_k[-1]))
+
     def _plan_dense(self, step: StepMeta, window_left: int) -> _GroupPlan:
         d = self._dims
         cu = _host_cu(step)
@@ -295,12 +371,15 @@ class FlashInferAttention:
     # ---- per layer ---------------------------------------------------------------------------------
     def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
-                window: int | None) -> torch.Tensor:
+                window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         step = self._step
         assert step is not None, "plan() must run before forward()"
         window_left = -1 if window is None else window - 1
         page = kv[0].shape[2] if kv is not None else (self._dims.page_size if self._dims else 16)
-        self._set_dims(AttentionDims(q.shape[1], k.shape[1], q.shape[2], page, q.dtype, q.device))
+        kv_dtype = kv[0].dtype if kv is not None else (self._dims.kv_dtype if self._dims else None)
+        self._set_dims(AttentionDims(q.shape[1], k.shape[1], q.shape[2], page, q.dtype, q.device, kv_dtype))
+        if self._fp8_fallback is not None:
+            return self._fp8_fallback.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale)
         if self._windows.get(group) != window_left:  # learned from the first layer of the group
             self._windows[group] = window_left
             self._plans.pop(group, None)
@@ -317,18 +396,31 @@ class FlashInferAttention:
         if plan is None:
             plan = self._plans[group] = self._plan_group(step, g, window_left)
         k_cache, v_cache = kv
+        fp8 = k_cache.dtype == FP8_KV
+        if fp8 and kv_scale is None:
+            kv_scale = self._unit_scales(k.shape[1], k.device)
         if plan.kind == "paged":
-            store_kv(k, v, k_cache, v_cache, plan.slots)
+            store_kv(k, v, k_cache, v_cache, plan.slots, kv_scale)
+            if fp8:
+                return plan.wrapper.run(q, (k_cache, v_cache), sinks, kv_scale[0], kv_scale[1], sm_scale, out=out)
             return plan.wrapper.run(q, (k_cache, v_cache), sinks, sm_scale, out=out)
+        if plan.read_slots is not None:  # FP8 prefill: store, then every key back from the pages
+            store_kv(k, v, k_cache, v_cache, plan.slots, kv_scale)
+            keys, vals = gather_kv(k_cache, v_cache, plan.read_slots, kv_scale, q.dtype)
+            return plan.wrapper.run(q, keys, vals, sinks, sm_scale, out=out)
         keys, vals = k.contiguous(), v.contiguous()
         if plan.gather is not None:  # some sequence has a cached prefix: build [prefix ; new] per sequence
             pages, offs, dst_pre, dst_new = plan.gather
             keys = torch.empty(plan.num_keys, *k.shape[1:], dtype=k.dtype, device=k.device)  # [Tk, Hkv, D]
             vals = torch.empty_like(keys)
-            keys[dst_pre] = k_cache[pages, :, offs]
-            vals[dst_pre] = v_cache[pages, :, offs]
+            if fp8:  # the prefix dequantised (the chunk's own K/V stay unquantised, as in the reference)
+                keys[dst_pre], vals[dst_pre] = gather_kv(k_cache, v_cache, pages * k_cache.shape[2] + offs,
+                                                         kv_scale, k.dtype)
+            else:
+                keys[dst_pre] = k_cache[pages, :, offs]
+                vals[dst_pre] = v_cache[pages, :, offs]
             keys[dst_new] = k
             vals[dst_new] = v
         out = plan.wrapper.run(q, keys, vals, sinks, sm_scale, out=out)
-        store_kv(k, v, k_cache, v_cache, g.slot_mapping)
+        store_kv(k, v, k_cache, v_cache, g.slot_mapping, kv_scale)
         return out

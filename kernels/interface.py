@@ -55,10 +55,11 @@ class AttentionImpl(Protocol):
 
     def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
-                window: int | None) -> torch.Tensor:
+                window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q [T,Hq,D], k/v [T,Hkv,D] (RoPE applied); kv = (k_cache, v_cache) [NP,Hkv,P,D] of this
         layer or None (no cache: attend over the step's own tokens). Stores the new K/V per the
-        group's slot_mapping. Returns [T,Hq,D]."""
+        group's slot_mapping. Returns [T,Hq,D]. FP8 (e4m3) caches: kv_scale = (k_scale, v_scale)
+        [Hkv] fp32 of this layer (None = 1.0); stores quantise, reads dequantise (model/kv_scales.py)."""
 
 
 @dataclass(slots=True)

@@ -78,31 +78,53 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return out
 
 
-def gather_pages(cache: torch.Tensor, pages: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """cache [NP,Hkv,P,D] (HND), pages [n] logical order -> [num_tokens,Hkv,D]."""
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x [T,Hkv,D] -> e4m3 with one scale per KV head (scale [Hkv] fp32; None = 1.0):
+    RTNE(clamp(x / scale, +-448)). Exact division, like the store kernel's div_rn."""
+    xf = x.float()
+    if scale is not None:
+        xf = xf / scale.float().to(x.device)[None, :, None]
+    return xf.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cached rows [N,Hkv,D] -> fp32 values: e4m3 codes times their head's scale; other dtypes as stored."""
+    if x.dtype != torch.float8_e4m3fn:
+        return x
+    xf = x.float()
+    return xf if scale is None else xf * scale.float().to(x.device)[None, :, None]
+
+
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor, num_tokens: int,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+    """cache [NP,Hkv,P,D] (HND), pages [n] logical order -> [num_tokens,Hkv,D]; FP8 caches come back
+    dequantised to fp32 with `scale` [Hkv]."""
     np_, hkv, p, d = cache.shape
     sel = cache[pages.long()]  # [n,Hkv,P,D]
-    return sel.permute(0, 2, 1, 3).reshape(-1, hkv, d)[:num_tokens]
+    return dequantize_kv(sel.permute(0, 2, 1, 3).reshape(-1, hkv, d)[:num_tokens], scale)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
-                    sinks: torch.Tensor, sm_scale: float, window: int | None) -> torch.Tensor:
+                    sinks: torch.Tensor, sm_scale: float, window: int | None,
+                    kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention whose keys all live in pages (the query tokens' own K/V already stored).
 
     q [T,Hq,D]; caches [NP,Hkv,P,D]; page_table [B,maxp] (logical order); kv_lens [B] tokens in
     each sequence's view. Queries are aligned to the end of the view, as in `varlen_attention`.
+    FP8 caches are read through `kv_scale` = (k_scale, v_scale) [Hkv] (None = 1.0).
     """
     out = torch.empty_like(q)
     cq, lens = cu_seqlens_q.tolist(), kv_lens.tolist()
     p = k_cache.shape[2]
+    ks, vs = kv_scale if kv_scale is not None else (None, None)
     for b in range(len(cq) - 1):
         lq, lk = cq[b + 1] - cq[b], lens[b]
         if lq == 0:
             continue
         n = (lk + p - 1) // p
-        k = gather_pages(k_cache, page_table[b, :n], lk)
-        v = gather_pages(v_cache, page_table[b, :n], lk)
+        k = gather_pages(k_cache, page_table[b, :n], lk, ks)
+        v = gather_pages(v_cache, page_table[b, :n], lk, vs)
         q_pos = torch.arange(lk - lq, lk, device=q.device)
         k_pos = torch.arange(lk, device=q.device)
         out[cq[b]:cq[b + 1]] = _attend_one(q[cq[b]:cq[b + 1]], k, v, q_pos, k_pos, sinks, sm_scale, window)
@@ -110,12 +132,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter k/v [T,Hkv,D] into caches [NP,Hkv,P,D] at slot = page * P + offset; -1 skips."""
+             slot_mapping: torch.Tensor, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Scatter k/v [T,Hkv,D] into caches [NP,Hkv,P,D] at slot = page * P + offset; -1 skips. FP8
+    caches get `quantize_kv` with kv_scale = (k_scale, v_scale) [Hkv] (None = 1.0)."""
     p = k_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     pages, offs = slots // p, slots % p
+    if k_cache.dtype == torch.float8_e4m3fn:
+        ks, vs = kv_scale if kv_scale is not None else (None, None)
+        k_cache[pages, :, offs] = quantize_kv(k[keep], ks)
+        v_cache[pages, :, offs] = quantize_kv(v[keep], vs)
+        return
     k_cache[pages, :, offs] = k[keep].to(k_cache.dtype)
     v_cache[pages, :, offs] = v[keep].to(v_cache.dtype)
 

@@ -1,5 +1,6 @@
 """The torch reference backend: the ground truth, on any device and dtype (fp32, bf16, FP8 weights
-dequantised). Slow by design; every fast backend is tested against it."""
+dequantised, FP8 KV pages quantised on store and dequantised on read). Slow by design; every fast
+backend is tested against it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class TorchAttention:
 
     def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
-                window: int | None) -> torch.Tensor:
+                window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         step = self._step
         assert step is not None, "plan() must run before forward()"
         g = step.groups[group]
@@ -29,21 +30,24 @@ class TorchAttention:
             return ref.varlen_attention(q, k, v, cu, cu, sinks, sm_scale, window)
         k_cache, v_cache = kv
         if g.pages_hold_all:
-            ref.store_kv(k, v, k_cache, v_cache, g.slot_mapping)
-            return ref.paged_attention(q, k_cache, v_cache, g.page_table, cu, g.kv_lens, sinks, sm_scale, window)
+            ref.store_kv(k, v, k_cache, v_cache, g.slot_mapping, kv_scale)
+            return ref.paged_attention(q, k_cache, v_cache, g.page_table, cu, g.kv_lens, sinks, sm_scale, window,
+                                       kv_scale)
         # Prefix from pages, new tokens as given; store only after attending (the ring is smaller
-        # than the chunk, so storing first would overwrite keys the chunk still needs).
+        # than the chunk, so storing first would overwrite keys the chunk still needs). With FP8
+        # pages the prefix is read dequantised and the chunk's own K/V at full precision.
         page = k_cache.shape[2]
+        k_s, v_s = kv_scale if kv_scale is not None else (None, None)
         ks, vs, cuk = [], [], [0]
         cq = cu.tolist()
         for b, pre in enumerate(g.prefix_lens_host):
             pages = g.page_table[b, : -(-pre // page)]
-            ks += [ref.gather_pages(k_cache, pages, pre), k[cq[b]:cq[b + 1]]]
-            vs += [ref.gather_pages(v_cache, pages, pre), v[cq[b]:cq[b + 1]]]
+            ks += [ref.gather_pages(k_cache, pages, pre, k_s).float(), k[cq[b]:cq[b + 1]].float()]
+            vs += [ref.gather_pages(v_cache, pages, pre, v_s).float(), v[cq[b]:cq[b + 1]].float()]
             cuk.append(cuk[-1] + pre + cq[b + 1] - cq[b])
         cu_k = torch.tensor(cuk, dtype=torch.int32, device=q.device)
         out = ref.varlen_attention(q, torch.cat(ks), torch.cat(vs), cu, cu_k, sinks, sm_scale, window)
-        ref.store_kv(k, v, k_cache, v_cache, g.slot_mapping)
+        ref.store_kv(k, v, k_cache, v_cache, g.slot_mapping, kv_scale)
         return out
 
 

@@ -20,6 +20,11 @@ With split-KV only split 0 starts from the sink; the others start empty (m = -in
 `_merge_splits` combines the partial (m, l, acc). KV blocks outside the causal / sliding band are
 never visited; blocks fully inside it run without masks.
 
+FP8 (e4m3) pages: the paged range loads e4m3 tiles and widens them to q's dtype in registers (exact:
+e4m3 fits bf16); the program's KV head has one K and one V scale, so K's is folded into the QK
+multiplier and V's into the softmax weights of the PV product (l is summed before it). Dense keys
+(the step's own K/V) are never quantised.
+
 Shape legend: T query tokens (packed), B sequences, Hq / Hkv heads, G = Hq / Hkv, D head dim,
 P page size, NP pages, S splits.
 """
@@ -38,10 +43,10 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_block(acc, m_i, l_i, q, q_pos, j0, end, window, k_base, v_base, pt_row, dense_row0,
-                  stride_k, stride_v, stride_cp, stride_ct, qk_scale,
+                  stride_k, stride_v, stride_cp, stride_ct, qk_scale, v_scale,
                   PAGED: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                  DOT_PREC: tl.constexpr):
+                  DOT_PREC: tl.constexpr, DEQUANT: tl.constexpr):
     j = j0 + tl.arange(0, BLOCK_N)  # [N] key indices in the view
     d = tl.arange(0, HEAD_DIM)
     if PAGED:
@@ -61,7 +66,10 @@ def _attend_block(acc, m_i, l_i, q, q_pos, j0, end, window, k_base, v_base, pt_r
     else:
         k = tl.load(k_base + k_off[:, None] + d[None, :])
         v = tl.load(v_base + v_off[:, None] + d[None, :])
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [M, N], log2 domain
+    if DEQUANT:  # e4m3 codes -> q's dtype (exact); the scales are applied to qk and p below
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [M, N], log2 domain (x k_scale)
     if MASK:
         ok = (j[None, :] < end) & (j[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
@@ -73,15 +81,17 @@ def _attend_block(acc, m_i, l_i, q, q_pos, j0, end, window, k_base, v_base, pt_r
     alpha = tl.math.exp2(m_i - m_safe)
     p = tl.math.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    if DEQUANT:
+        p = p * v_scale
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _attend_range(acc, m_i, l_i, q, q_pos, start, end, int_lo, int_hi, window, k_base, v_base, pt_row,
-                  dense_row0, stride_k, stride_v, stride_cp, stride_ct, qk_scale,
+                  dense_row0, stride_k, stride_v, stride_cp, stride_ct, qk_scale, v_scale,
                   PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr, DEQUANT: tl.constexpr):
     """Keys [start, end) of one source: masked blocks up to the interior [int_lo, int_hi) (keys every
     row of the tile may see), unmasked full blocks inside it, masked blocks after it."""
     il = tl.maximum(int_lo, start)
@@ -95,27 +105,27 @@ def _attend_range(acc, m_i, l_i, q, q_pos, start, end, int_lo, int_hi, window, k
     n_tail = tl.cdiv(tl.maximum(end - t0, 0), BLOCK_N)
     for i in range(0, n_pre):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_pos, start + i * BLOCK_N, end, window, k_base, v_base,
-                                      pt_row, dense_row0, stride_k, stride_v, stride_cp, stride_ct, qk_scale,
-                                      PAGED, True, HAS_WINDOW, BLOCK_N, HEAD_DIM, PAGE, DOT_PREC)
+                                      pt_row, dense_row0, stride_k, stride_v, stride_cp, stride_ct, qk_scale, v_scale,
+                                      PAGED, True, HAS_WINDOW, BLOCK_N, HEAD_DIM, PAGE, DOT_PREC, DEQUANT)
     for i in range(0, n_mid):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_pos, u0 + i * BLOCK_N, end, window, k_base, v_base,
-                                      pt_row, dense_row0, stride_k, stride_v, stride_cp, stride_ct, qk_scale,
-                                      PAGED, False, HAS_WINDOW, BLOCK_N, HEAD_DIM, PAGE, DOT_PREC)
+                                      pt_row, dense_row0, stride_k, stride_v, stride_cp, stride_ct, qk_scale, v_scale,
+                                      PAGED, False, HAS_WINDOW, BLOCK_N, HEAD_DIM, PAGE, DOT_PREC, DEQUANT)
     for i in range(0, n_tail):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_pos, t0 + i * BLOCK_N, end, window, k_base, v_base,
-                                      pt_row, dense_row0, stride_k, stride_v, stride_cp, stride_ct, qk_scale,
-                                      PAGED, True, HAS_WINDOW, BLOCK_N, HEAD_DIM, PAGE, DOT_PREC)
+                                      pt_row, dense_row0, stride_k, stride_v, stride_cp, stride_ct, qk_scale, v_scale,
+                                      PAGED, True, HAS_WINDOW, BLOCK_N, HEAD_DIM, PAGE, DOT_PREC, DEQUANT)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, KC, VC, PT, Sinks, Out, PartAcc, PartM, PartL, SeqInfo, Tiles,
+def _attn_fwd(Q, K, V, KC, VC, PT, Sinks, Out, PartAcc, PartM, PartL, SeqInfo, Tiles, KScale, VScale,
               num_seqs, num_tiles, num_tokens, num_q_heads, num_splits, qk_scale, window,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
               stride_cp, stride_ch, stride_ct, stride_pt, stride_ot, stride_oh,
               GROUP: tl.constexpr, HPP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-              DOT_PREC: tl.constexpr):
+              DOT_PREC: tl.constexpr, KV_WIDEN: tl.constexpr):
     TPT: tl.constexpr = BLOCK_M // HPP  # tokens per tile
     SUBG: tl.constexpr = GROUP // HPP  # programs per KV head
     tile = tl.program_id(0)
@@ -168,13 +178,20 @@ def _attn_fwd(Q, K, V, KC, VC, PT, Sinks, Out, PartAcc, PartM, PartL, SeqInfo, T
 
     kv_off = kvh.to(tl.int64) * stride_ch
     pt_row = PT + b.to(tl.int64) * stride_pt
+    if KV_WIDEN:  # pages in another dtype (e4m3): this KV head's scales, K's into the QK multiplier, V's into p
+        paged_qk_scale = qk_scale * tl.load(KScale + kvh)
+        v_scale = tl.load(VScale + kvh)
+    else:
+        paged_qk_scale = qk_scale
+        v_scale = 1.0
     acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, q_pos, s_lo, tl.minimum(s_hi, paged_len), int_lo, int_hi,
                                   window, KC + kv_off, VC + kv_off, pt_row, 0, 0, 0, stride_cp, stride_ct,
-                                  qk_scale, True, HAS_WINDOW, BLOCK_N, HEAD_DIM, PAGE, DOT_PREC)
+                                  paged_qk_scale, v_scale, True, HAS_WINDOW, BLOCK_N, HEAD_DIM, PAGE, DOT_PREC,
+                                  KV_WIDEN)
     acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, q_pos, tl.maximum(s_lo, paged_len), s_hi, int_lo, int_hi,
                                   window, K + kvh.to(tl.int64) * stride_kh, V + kvh.to(tl.int64) * stride_vh,
                                   pt_row, dense_start - paged_len, stride_kt, stride_vt, stride_cp, stride_ct,
-                                  qk_scale, False, HAS_WINDOW, BLOCK_N, HEAD_DIM, PAGE, DOT_PREC)
+                                  qk_scale, 1.0, False, HAS_WINDOW, BLOCK_N, HEAD_DIM, PAGE, DOT_PREC, False)
 
     if SPLIT:
         idx = (split * num_tokens + q_row) * num_q_heads + head  # [M]
@@ -310,9 +327,11 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    kv_cache: tuple[torch.Tensor, torch.Tensor] | None, batch: AttnBatch, sinks: torch.Tensor,
                    sm_scale: float, window: int | None, *, config: KernelConfig | None = None,
                    num_splits: int | None = None, target_programs: int = 264,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None,
+                   kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [T, Hq, D]; k/v [T, Hkv, D] dense keys (any row/head strides, last dim contiguous);
-    kv_cache (k_cache, v_cache) [NP, Hkv, P, D] or None; sinks [Hq] fp32 raw logits.
+    kv_cache (k_cache, v_cache) [NP, Hkv, P, D] or None; sinks [Hq] fp32 raw logits. e4m3 caches
+    are read through kv_scale = (k_scale, v_scale) [Hkv] fp32 (None = 1.0).
     Returns [T, Hq, D] in q's dtype."""
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -325,10 +344,19 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out = torch.empty_like(q)
     if t == 0:
         return out
+    widen = False  # pages in another dtype than q (e4m3, or bf16 under an fp32 model): widened in registers
+    ks = vs = sinks  # any fp32 pointer where unused
     if kv_cache is not None:
         kc, vc = kv_cache
         assert kc.stride() == vc.stride() and kc.stride(3) == 1 and batch.page_table is not None
+        assert vc.dtype == kc.dtype
         page, pt = kc.shape[2], batch.page_table
+        widen = kc.dtype != q.dtype
+        if widen:
+            if kv_scale is None or kc.dtype != torch.float8_e4m3fn:  # scales only mean something for e4m3
+                kv_scale = (torch.ones(hkv, dtype=torch.float32, device=q.device),) * 2
+            ks, vs = kv_scale
+            assert ks.dtype == vs.dtype == torch.float32 and ks.shape == vs.shape == (hkv,)
     else:  # no pages: the paged range is empty, any valid pointers do
         kc, vc, page, pt = k, v, 16, batch.seq_info
     tiles = batch.tiles(cfg.block_m // cfg.heads_per_program)
@@ -342,13 +370,13 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         part_acc = part_m = part_l = out
     _attn_fwd[(num_tiles, hgroups, splits)](
-        q, k, v, kc, vc, pt, sinks, out, part_acc, part_m, part_l, batch.seq_info, tiles,
+        q, k, v, kc, vc, pt, sinks, out, part_acc, part_m, part_l, batch.seq_info, tiles, ks, vs,
         batch.num_seqs, num_tiles, t, hq, splits, sm_scale * LOG2E, window or 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), pt.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HPP=cfg.heads_per_program, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
         PAGE=page, SPLIT=splits > 1, HAS_WINDOW=window is not None,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_WIDEN=widen,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         block_h = min(16, triton.next_power_of_2(hq))

@@ -8,6 +8,8 @@ small host->device copy each); `forward` is then called per layer:
   * otherwise (a sliding layer fed a prefill chunk larger than its ring): attend over the prefix
     from pages plus the new K/V given densely, and only then store (storing first would overwrite
     ring slots the chunk still needs).
+FP8 (e4m3) pages: the store quantises with the layer's per-head scales, the kernel dequantises the
+paged range in registers (kernels/triton_attention.py); plan() does not depend on the KV dtype.
 
 Decode CUDA graphs: after `enable_cuda_graphs(batch_sizes, max_pages_per_seq)`, a pure-decode
 step of one of those batch sizes plans into static buffers (sequence table, page table, slots)
@@ -112,7 +114,7 @@ class TritonAttention:
 
     def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
-                window: int | None) -> torch.Tensor:
+                window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         step = self._step
         assert step is not None, "plan() must run before forward()"
         g = step.groups[group]
@@ -126,11 +128,11 @@ class TritonAttention:
         if not batch.kv_lens:  # a graph table
             batch.kv_lens = [self._graph_max_pages * k_cache.shape[2]] * batch.num_seqs
         if g.pages_hold_all:
-            store_kv(k, v, k_cache, v_cache, slots)
+            store_kv(k, v, k_cache, v_cache, slots, kv_scale)
             return sink_attention(q, k, v, kv, batch, sinks, sm_scale, window, config=cfg, num_splits=splits,
-                                  target_programs=target)
+                                  target_programs=target, kv_scale=kv_scale)
         out = sink_attention(q, k, v, kv, batch, sinks, sm_scale, window, config=cfg, num_splits=splits,
-                             target_programs=target)
-        store_kv(k, v, k_cache, v_cache, slots)
+                             target_programs=target, kv_scale=kv_scale)
+        store_kv(k, v, k_cache, v_cache, slots, kv_scale)
         return out
 

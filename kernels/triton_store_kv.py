@@ -1,5 +1,6 @@
 """Store-KV and RoPE in Triton: scatter new K/V into the paged caches by slot_mapping, optionally
-rotating K on the way (NeoX half-split RoPE, MODEL_SPEC.md §1.2), plus a RoPE-only variant for Q.
+rotating K on the way (NeoX half-split RoPE, MODEL_SPEC.md §1.2), plus a RoPE-only variant for Q,
+and the inverse of the store (`gather_kv`: rows of the caches by slot, dequantised, made dense).
 
 Role: the write half of every attention backend (TritonAttention, FlashInferAttention). Called once
 per layer per step, before (pages_hold_all) or after (prefix + dense) the attention read.
@@ -8,6 +9,9 @@ slot = page * P + offset; -1 skips the token (a sliding layer's prefill chunk ke
 tail). Caches are HND: [NP, Hkv, P, D], so token t of head h lands at cache[page, h, offset, :].
 RoPE mirrors `kernels.reference.apply_rope` op for op (cos/sin cast to x's dtype, products and
 sums rounded in that dtype, no FMA contraction), so fused and unfused paths store identical bits.
+FP8 (e4m3) caches: each value is divided exactly (div_rn) by its KV head's scale and rounded to
+nearest-even with saturation, the bits of `kernels.reference.quantize_kv` (compiled: one cvt per
+pair; interpreter: `round_e4m3` on the e4m3 grid in fp32, then an exact cast).
 
 Shape legend: T tokens, H heads (Hkv for K/V, Hq for Q), D head dim, P page size, NP pages.
 """
@@ -18,15 +22,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_quant import cast_e4m3
+
 
 @triton.jit
-def _rope_store_kernel(X, V, XC, VC, Slots, Cos, Sin, XOut, num_tokens, num_heads,
+def _rope_store_kernel(X, V, XC, VC, Slots, Cos, Sin, XOut, KScale, VScale, num_tokens, num_heads,
                        stride_xt, stride_xh, stride_vt, stride_vh, stride_cp, stride_ch, stride_ct,
                        stride_cos, stride_ot, stride_oh,
                        HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                       ROPE: tl.constexpr, STORE: tl.constexpr, WRITE_X: tl.constexpr):
+                       ROPE: tl.constexpr, STORE: tl.constexpr, WRITE_X: tl.constexpr, QUANT: tl.constexpr,
+                       HW_CVT: tl.constexpr):
     """A program owns BLOCK_T tokens x all heads; columns e index (head, i) with i < D/2, so each
-    column loads both halves it rotates together."""
+    column loads both halves it rotates together. QUANT: the caches are e4m3 with per-head scales."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     e = tl.arange(0, BLOCK_E)  # [BE]
     h = e // HALF
@@ -55,18 +62,31 @@ def _rope_store_kernel(X, V, XC, VC, Slots, Cos, Sin, XOut, num_tokens, num_head
         keep = ok & (slot >= 0)[:, None]
         page = slot // PAGE
         c_dst = (page * stride_cp + (slot % PAGE) * stride_ct)[:, None] + (h * stride_ch + i)[None, :]
-        tl.store(XC + c_dst, y1.to(XC.dtype.element_ty), mask=keep)
-        tl.store(XC + c_dst + HALF, y2.to(XC.dtype.element_ty), mask=keep)
         v_off = t64[:, None] * stride_vt + (h * stride_vh + i)[None, :]
         v1 = tl.load(V + v_off, mask=keep, other=0.0)
         v2 = tl.load(V + v_off + HALF, mask=keep, other=0.0)
-        tl.store(VC + c_dst, v1.to(VC.dtype.element_ty), mask=keep)
-        tl.store(VC + c_dst + HALF, v2.to(VC.dtype.element_ty), mask=keep)
+        if QUANT:
+            h_ok = h < num_heads
+            ks = tl.load(KScale + h, mask=h_ok, other=1.0)[None, :]  # [1, BE] fp32
+            vs = tl.load(VScale + h, mask=h_ok, other=1.0)[None, :]
+            tl.store(XC + c_dst, cast_e4m3(tl.math.div_rn(y1.to(tl.float32), ks), HW_CVT).to(XC.dtype.element_ty),
+                     mask=keep)
+            tl.store(XC + c_dst + HALF,
+                     cast_e4m3(tl.math.div_rn(y2.to(tl.float32), ks), HW_CVT).to(XC.dtype.element_ty), mask=keep)
+            tl.store(VC + c_dst, cast_e4m3(tl.math.div_rn(v1.to(tl.float32), vs), HW_CVT).to(VC.dtype.element_ty),
+                     mask=keep)
+            tl.store(VC + c_dst + HALF,
+                     cast_e4m3(tl.math.div_rn(v2.to(tl.float32), vs), HW_CVT).to(VC.dtype.element_ty), mask=keep)
+        else:
+            tl.store(XC + c_dst, y1.to(XC.dtype.element_ty), mask=keep)
+            tl.store(XC + c_dst + HALF, y2.to(XC.dtype.element_ty), mask=keep)
+            tl.store(VC + c_dst, v1.to(VC.dtype.element_ty), mask=keep)
+            tl.store(VC + c_dst + HALF, v2.to(VC.dtype.element_ty), mask=keep)
 
 
 def _launch(x: torch.Tensor, v: torch.Tensor | None, caches: tuple[torch.Tensor, torch.Tensor] | None,
             slot_mapping: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
-            x_out: torch.Tensor | None) -> None:
+            x_out: torch.Tensor | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     t, h, d = x.shape
     assert d % 2 == 0 and x.stride(2) == 1
     half = d // 2
@@ -84,28 +104,48 @@ def _launch(x: torch.Tensor, v: torch.Tensor | None, caches: tuple[torch.Tensor,
         assert sin is not None and cos.shape == (t, half) and cos.stride(1) == 1 and sin.stride() == cos.stride()
     vv = v if v is not None else dummy
     out = x_out if x_out is not None else dummy
+    quant = caches is not None and xc.dtype == torch.float8_e4m3fn
+    if quant:
+        assert vc.dtype == xc.dtype
+        ks, vs = kv_scale if kv_scale is not None else (_ones(h, x.device),) * 2
+        assert ks.dtype == vs.dtype == torch.float32 and ks.shape == vs.shape == (h,) and ks.is_contiguous()
+    else:
+        ks = vs = dummy
     _rope_store_kernel[(triton.cdiv(t, block_t),)](
         x, vv, xc, vc, slot_mapping if slot_mapping is not None else dummy,
-        cos if cos is not None else dummy, sin if sin is not None else dummy, out, t, h,
+        cos if cos is not None else dummy, sin if sin is not None else dummy, out, ks, vs, t, h,
         x.stride(0), x.stride(1), vv.stride(0), vv.stride(1), xc.stride(0), xc.stride(1), xc.stride(2),
         cos.stride(0) if cos is not None else 0, out.stride(0), out.stride(1),
         HALF=half, PAGE=xc.shape[2] if caches is not None else 1, BLOCK_T=block_t, BLOCK_E=block_e,
-        ROPE=cos is not None, STORE=caches is not None, WRITE_X=x_out is not None,
-        num_warps=4, enable_fp_fusion=False)
+        ROPE=cos is not None, STORE=caches is not None, WRITE_X=x_out is not None, QUANT=quant,
+        HW_CVT=x.is_cuda, num_warps=4, enable_fp_fusion=False)
+
+
+_ONES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _ones(n: int, device: torch.device) -> torch.Tensor:
+    t = _ONES.get((n, device))
+    if t is None:
+        t = _ONES[(n, device)] = torch.ones(n, dtype=torch.float32, device=device)
+    return t
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k/v [T, Hkv, D] -> caches [NP, Hkv, P, D] at slot_mapping [T] (int64, -1 skips)."""
-    _launch(k, v, (k_cache, v_cache), slot_mapping, None, None, None)
+             slot_mapping: torch.Tensor, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """k/v [T, Hkv, D] -> caches [NP, Hkv, P, D] at slot_mapping [T] (int64, -1 skips). e4m3 caches
+    are quantised with kv_scale = (k_scale, v_scale) [Hkv] fp32 (None = 1.0)."""
+    _launch(k, v, (k_cache, v_cache), slot_mapping, None, None, None, kv_scale)
 
 
 def rope_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on k (cos/sin [T, D/2], mscale included), store rotated k and v; returns rotated k
-    [T, Hkv, D] (the attention of the same step still reads it densely)."""
+                  slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """RoPE on k (cos/sin [T, D/2], mscale included), store rotated k and v (quantised after RoPE
+    into e4m3 caches); returns rotated k [T, Hkv, D] (the attention of the same step still reads it
+    densely)."""
     k_rot = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    _launch(k, v, (k_cache, v_cache), slot_mapping, cos, sin, k_rot)
+    _launch(k, v, (k_cache, v_cache), slot_mapping, cos, sin, k_rot, kv_scale)
     return k_rot
 
 
@@ -116,3 +156,52 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch(x, None, None, None, cos, sin, out)
     return out
+
+
+@triton.jit
+def _gather_kv_kernel(KC, VC, Slots, KScale, VScale, KOut, VOut, num_rows, num_heads,
+                      stride_cp, stride_ch, stride_ct, stride_kn, stride_kh, stride_vn, stride_vh,
+                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                      SCALED: tl.constexpr):
+    """A program owns BLOCK_T rows x all heads: out[n, h, :] = cache[page, h, offset, :] * scale[h]."""
+    n = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    e = tl.arange(0, BLOCK_E)
+    h = e // HEAD_DIM
+    i = e % HEAD_DIM
+    n_ok = n < num_rows
+    ok = n_ok[:, None] & (h < num_heads)[None, :]
+    slot = tl.load(Slots + n, mask=n_ok, other=0)  # [BT] int64
+    src = ((slot // PAGE) * stride_cp + (slot % PAGE) * stride_ct)[:, None] + (h * stride_ch + i)[None, :]
+    n64 = n.to(tl.int64)[:, None]
+    kx = tl.load(KC + src, mask=ok, other=0.0).to(tl.float32)
+    vx = tl.load(VC + src, mask=ok, other=0.0).to(tl.float32)
+    if SCALED:
+        kx = kx * tl.load(KScale + h, mask=h < num_heads, other=1.0)[None, :]
+        vx = vx * tl.load(VScale + h, mask=h < num_heads, other=1.0)[None, :]
+    tl.store(KOut + n64 * stride_kn + (h * stride_kh + i)[None, :], kx.to(KOut.dtype.element_ty), mask=ok)
+    tl.store(VOut + n64 * stride_vn + (h * stride_vh + i)[None, :], vx.to(VOut.dtype.element_ty), mask=ok)
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+              kv_scale: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of caches [NP, Hkv, P, D] at `slots` [N] (int64, page * P + offset) -> dense (k, v)
+    [N, Hkv, D] in `dtype`: e4m3 codes times their head's scale (kv_scale [Hkv] fp32 each; None =
+    1.0), rounded once to `dtype` -- `kernels.reference.dequantize_kv(...).to(dtype)` bit for bit.
+    The dense attention paths (FlashInfer's ragged kernels) read FP8 pages through this."""
+    npg, h, page, d = k_cache.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and slots.dtype == torch.int64
+    n = slots.shape[0]
+    k_out = torch.empty(n, h, d, dtype=dtype, device=k_cache.device)
+    v_out = torch.empty_like(k_out)
+    if n == 0:
+        return k_out, v_out
+    scaled = k_cache.dtype == torch.float8_e4m3fn and kv_scale is not None
+    ks, vs = kv_scale if scaled else (k_out, k_out)
+    block_e = triton.next_power_of_2(h * d)
+    block_t = max(1, min(16, 4096 // block_e))
+    _gather_kv_kernel[(triton.cdiv(n, block_t),)](
+        k_cache, v_cache, slots, ks, vs, k_out, v_out, n, h, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
+        HEAD_DIM=d, PAGE=page, BLOCK_T=block_t, BLOCK_E=block_e, SCALED=scaled, num_warps=4)
+    return k_out, v_out

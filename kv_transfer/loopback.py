@@ -65,7 +65,7 @@ class LoopbackReceiver(KVReceiver):
         self.pool, self.config, self.hub = pool, config, hub or default_hub()
         self._epoch = new_epoch()
         self.agent_name = f"{config.engine_id}/decode/{config.tp_rank}/{self._epoch}"
-        self.compat = KVCompat.from_spec(pool.spec, config.model_name, config.tp_size)
+        self.compat = KVCompat.from_pool(pool, config.model_name, config.tp_size)
         self.book = ReceiverBook(self._epoch, config.tp_rank, config.tp_size, self.compat,
                                  on_terminal=lambda o: metrics.record_outcome("decode", o))
         self._endpoint = self.hub.add_receiver(self)
@@ -176,7 +176,7 @@ class LoopbackSender(KVSender):
         self.spec = pool.spec
         self.epoch = new_epoch()
         self.agent_name = f"{config.engine_id}/prefill/{config.tp_rank}/{self.epoch}"
-        self.compat = KVCompat.from_spec(self.spec, config.model_name, config.tp_size)
+        self.compat = KVCompat.from_pool(pool, config.model_name, config.tp_size)
         self.layers = frozenset(self.spec.full_layers) | frozenset(self.spec.sliding_layers)
         self._txs: dict[str, _Tx] = {}
         self.hub.add_sender(self)

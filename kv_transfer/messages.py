@@ -31,12 +31,13 @@ import msgpack
 import torch
 
 from common.errors import ProtocolError
-from model.kv_cache import KVCacheSpec
+from model.kv_cache import KVCacheSpec, KVPool
 from wire.codec import brief, unpack
 
 # 2: LayerDone names the layers one WRITE carried (one WRITE may carry several).
 # 3: Handshake.ipc: a decode rank may export its pools for same-node writers (TransferBackend.IPC).
-PROTOCOL_VERSION = 3
+# 4: KVCompat.kv_scales: FP8 pages are only meaningful with the writer's scales (and dtype names e4m3).
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 4 << 20  # a 128k-token request names ~8k pages (~40 KB); metadata is KBs
 MAX_ID_CHARS = 256
 # What a side channel binds (nixl_backend) or the in-process hub names (loopback)
@@ -89,7 +90,10 @@ def _check_id(name: str, value: str) -> None:
 # ---- messages ------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class KVCompat(Message):
-    """What two workers must agree on before one writes into the other's pages."""
+    """What two workers must agree on before one writes into the other's pages. Pages are bytes:
+    the KV dtype (`dtype`, e.g. float8_e4m3fn vs bfloat16) and, for FP8, the table of dequantisation
+    scales (`kv_scales`: source and digest, model.kv_scales.KVScales.tag; "none" otherwise) must be
+    the same on both sides, or every value the reader decodes is wrong."""
 
     model_name: str
     dtype: str
@@ -100,11 +104,17 @@ class KVCompat(Message):
     total_num_kv_heads: int
     full_layers: tuple[int, ...]
     sliding_layers: tuple[int, ...]
+    kv_scales: str = "none"
 
     @classmethod
-    def from_spec(cls, spec: KVCacheSpec, model_name: str, tp_size: int) -> KVCompat:
+    def from_spec(cls, spec: KVCacheSpec, model_name: str, tp_size: int, kv_scales: str = "none") -> KVCompat:
         return cls(model_name, dtype_name(spec.dtype), spec.page_size, spec.sliding_window,
-                   KV_LAYOUT, spec.head_dim, spec.num_kv_heads * tp_size, spec.full_layers, spec.sliding_layers)
+                   KV_LAYOUT, spec.head_dim, spec.num_kv_heads * tp_size, spec.full_layers, spec.sliding_layers,
+                   kv_scales)
+
+    @classmethod
+    def from_pool(cls, pool: KVPool, model_name: str, tp_size: int) -> KVCompat:
+        return cls.from_spec(pool.spec, model_name, tp_size, pool.scales_tag)
 
     def digest(self) -> str:
         return hashlib.sha256(msgpack.packb(_to_wire(self), use_bin_type=True)).hexdigest()[:32]

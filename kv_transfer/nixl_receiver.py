@@ -45,7 +45,7 @@ class NixlReceiver(KVReceiver):
         self.config = config
         self._epoch = new_epoch()
         self.agent_name = f"{config.engine_id}/decode/{config.tp_rank}/{self._epoch}"
-        self.compat = KVCompat.from_spec(pool.spec, config.model_name, config.tp_size)
+        self.compat = KVCompat.from_pool(pool, config.model_name, config.tp_size)
         self.book = ReceiverBook(self._epoch, config.tp_rank, config.tp_size, self.compat,
                                  on_terminal=lambda o: metrics.record_outcome("decode", o))
         # Before NIXL registers the pools: on CPU the export moves them into shared memory.

@@ -116,7 +116,7 @@ class NixlSender(KVSender):
         self.pool, self.spec, self.config = pool, pool.spec, config
         self.epoch = new_epoch()
         self.agent_name = f"{config.engine_id}/prefill/{config.tp_rank}/{self.epoch}"
-        self.compat = KVCompat.from_spec(self.spec, config.model_name, config.tp_size)
+        self.compat = KVCompat.from_pool(pool, config.model_name, config.tp_size)
         self.layers = frozenset(self.spec.full_layers) | frozenset(self.spec.sliding_layers)
         self.nixl = NixlAgent(self.agent_name, pool, config.backends)
         self._metadata = self.nixl.metadata()

@@ -20,6 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear-backend", default=None, choices=["torch", "scaled_mm", "triton", "deepgemm"])
     p.add_argument("--moe-backend", default=None, choices=["torch", "triton", "deepgemm"])
     p.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8", "fp32"])
+    p.add_argument("--kv-scale-calibration", type=int, default=0, metavar="N")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=131072)
@@ -35,6 +37,7 @@ def engine_config(a: argparse.Namespace, **extra) -> EngineConfig:
         linear_backend=a.linear_backend or ("scaled_mm" if gpu and a.fp8 else "torch"),
         moe_backend=a.moe_backend or auto_moe_backend(a.device, a.fp8, whole_experts=True),
         kv_cache_bytes=int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None,
+        kv_cache_dtype=a.kv_cache_dtype, kv_scale_calibration=a.kv_scale_calibration,
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),
         seed=a.seed, progress=True, **extra)
 

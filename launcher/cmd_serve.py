@@ -92,6 +92,10 @@ def worker_flags(a: argparse.Namespace, checkpoint: str, *, device: str, kv_back
     gib = kv_cache_gib or a.kv_cache_gib
     if gib:
         flags += ["--kv-cache-gib", str(gib)]
+    if getattr(a, "kv_cache_dtype", "auto") != "auto":  # both roles alike: the KV handshake compares them
+        flags += ["--kv-cache-dtype", a.kv_cache_dtype]
+    if getattr(a, "kv_scale_calibration", 0):
+        flags += ["--kv-scale-calibration", str(a.kv_scale_calibration)]
     return flags
 
 
@@ -150,6 +154,10 @@ def serve(argv: list[str]) -> int:
                    help="ipc: NIXL control plane, KV bytes copied straight into the decode worker's "
                         "IPC-mapped pools (workers on this machine)")
     p.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8", "fp32"],
+                   help="every worker's KV pages (fp8: e4m3, half the bytes)")
+    p.add_argument("--kv-scale-calibration", type=int, default=0, metavar="N",
+                   help="FP8 KV: scales from N built-in prompts at start-up (every worker alike)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--prefill-tp", type=int, default=1, help="GPUs (processes) per prefill worker")
     p.add_argument("--decode-tp", type=int, default=1, help="GPUs (processes) per decode worker")

@@ -60,7 +60,8 @@ class Attention(nn.Module):
         self.sinks = _empty((self.num_heads,), torch.float32, device)  # raw logits, never scaled
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, be: Backends,
-                kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor] | None,
+                kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         t = x.shape[0]
         qkv = be.linear(x, self.qkv_w, self.qkv_s, self.qkv_b)  # [T, (Hq + 2 Hkv) D]
         q_sz, kv_sz = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -75,7 +76,7 @@ class Attention(nn.Module):
             q, k = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
         # v stays a strided view of qkv (no copy kernel): the store kernels and the Triton attention
         # take row/head strides, FlashInfer's dense paths make their own contiguous copies
-        o = be.attention.forward(self.group, q, k, v, kv, self.sinks, self.sm_scale, self.window)
+        o = be.attention.forward(self.group, q, k, v, kv, self.sinks, self.sm_scale, self.window, kv_scale=kv_scale)
         out = be.linear(o.reshape(t, q_sz), self.o_w, self.o_s, self.o_b)  # [T, H]
         return self.par.all_reduce(out)
 
@@ -122,13 +123,13 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, par, dtype, fp8, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, be: Backends,
-                kv: tuple[torch.Tensor, torch.Tensor] | None, pending: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                kv: tuple[torch.Tensor, torch.Tensor] | None, pending: torch.Tensor | None = None,
+                kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (residual stream, pending). With fused norms the MoE output is returned as `pending`
         and added by the next layer's (or the final) residual-add + RMSNorm kernel: one pass fewer
         per layer, the same bits as adding it here."""
         if not be.fused_norm:
-            x = x + self.attn(ref.rms_norm(x, self.attn_norm, self.eps), cos, sin, be, kv)
+            x = x + self.attn(ref.rms_norm(x, self.attn_norm, self.eps), cos, sin, be, kv, kv_scale)
             return x + self.mlp(ref.rms_norm(x, self.mlp_norm, self.eps), be), None
         from kernels.norm import add_rms_norm, rms_norm
 
@@ -136,7 +137,7 @@ class Block(nn.Module):
             h = rms_norm(x, self.attn_norm, self.eps)
         else:
             x, h = add_rms_norm(x, pending, self.attn_norm, self.eps)
-        a = self.attn(h, cos, sin, be, kv)
+        a = self.attn(h, cos, sin, be, kv, kv_scale)
         x, h = add_rms_norm(x, a, self.mlp_norm, self.eps)  # residual add and the next norm, one pass
         return x, self.mlp(h, be)
 
@@ -163,6 +164,7 @@ class GptOss(nn.Module):
         # untied; [V / tp, H] when vocab-parallel (ParallelConfig.vocab_parallel)
         self.lm_head = _empty((len(self.par.vocab_rows(cfg)), cfg.hidden_size), dtype, device)
         self.rotary = Rotary(cfg, device)
+        self.checkpoint_kv_scales = None  # model.kv_scales.KVScales when the checkpoint has FP8 KV scales
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: StepMeta, kv: KVPool | None,
@@ -175,7 +177,8 @@ class GptOss(nn.Module):
         pending = None  # the last MoE output, not yet added to x (fused norms only)
         for i, block in enumerate(self.layers):
             with torch.profiler.record_function(f"layer{i}"):
-                x, pending = block(x, cos, sin, self.backends, kv.layer_kv(i) if kv is not None else None, pending)
+                x, pending = block(x, cos, sin, self.backends, kv.layer_kv(i) if kv is not None else None, pending,
+                                   kv.layer_scales(i) if kv is not None else None)
             if on_layer_done is not None:
                 on_layer_done(i)
         if self.backends.fused_norm:

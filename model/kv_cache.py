@@ -15,6 +15,9 @@ Groups:
 Page size 16 (default): the sliding ring is then 9 pages (144 slots for a 128-token window, 11 %
 waste), the partial last page of a full-attention sequence wastes <= 15 tokens, and a page of one
 layer's K for 8 heads x 64 dims is 16 KiB in bf16, large enough for efficient NIXL descriptors.
+
+KV dtype (`resolve_kv_dtype`): the model dtype ("auto"), bf16, or FP8 e4m3 ("fp8"), which halves every
+page against bf16; FP8 pools carry fp32 scales per layer and KV head beside the pages (model/kv_scales.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,22 @@ import torch
 
 from common.errors import ConfigError
 from model.config import GptOssConfig
+from model.kv_scales import FP8_KV_DTYPE, KVScales, is_fp8
+
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_KV_DTYPE, "fp32": torch.float32}
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: auto (= the model dtype) | bf16 | fp8 (e4m3) | fp32."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_DTYPES:
+        raise ConfigError(f"KV cache dtype must be auto or one of {sorted(KV_DTYPES)}, got {name!r}")
+    return KV_DTYPES[name]
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in KV_DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
 
 
 class PageGroup(IntEnum):
@@ -97,16 +116,42 @@ def plan_kv_cache(cfg: GptOssConfig, budget_bytes: int, *, page_size: int = 16, 
 
 
 class KVPool:
-    """The cache tensors. pools[g]: [L_g, 2, NP_g, Hkv, P, D]."""
+    """The cache tensors. pools[g]: [L_g, 2, NP_g, Hkv, P, D].
 
-    def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu") -> None:
+    FP8 pools also hold k_scale / v_scale [layers, Hkv] fp32 on the pool's device (indexed by the
+    global layer id; this rank's heads `kv_heads` of the global table `scales`, default 1.0)."""
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu", *, scales: KVScales | None = None,
+                 kv_heads: range | None = None) -> None:
         self.spec = spec
         self.pools = [torch.zeros(len(spec.layers(g)), 2, spec.num_pages[g], spec.num_kv_heads, spec.page_size,
                                   spec.head_dim, dtype=spec.dtype, device=device) for g in PageGroup]
+        self.scales: KVScales | None = None
+        self.k_scale = self.v_scale = None
+        if is_fp8(spec.dtype):
+            num_layers = len(spec.full_layers) + len(spec.sliding_layers)
+            heads = kv_heads if kv_heads is not None else range(spec.num_kv_heads)
+            self.scales = scales or KVScales.default(num_layers, heads.stop)
+            k, v = self.scales.heads(heads)
+            if tuple(k.shape) != (num_layers, spec.num_kv_heads):
+                raise ConfigError(f"KV scales {tuple(self.scales.k.shape)} do not cover {num_layers} layers x "
+                                  f"KV heads {heads.start}..{heads.stop - 1}")
+            self.k_scale, self.v_scale = k.contiguous().to(device), v.contiguous().to(device)
+
+    @property
+    def scales_tag(self) -> str:
+        """Names the dequantisation scales in the KV handshake ("none" for bf16/fp32 pages)."""
+        return self.scales.tag if self.scales is not None else "none"
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         g, i = self.spec.group_of(layer)
         return self.pools[g][i, 0], self.pools[g][i, 1]
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k_scale, v_scale) [Hkv] fp32 of one layer, or None when the pages are not FP8."""
+        if self.k_scale is None:
+            return None
+        return self.k_scale[layer], self.v_scale[layer]
 
 
 class PageAllocator:

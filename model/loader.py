@@ -22,6 +22,7 @@ from common.errors import CheckpointError
 from kernels.reference import dequantize_fp8_blockwise, quantize_fp8_blockwise
 from model.config import GptOssConfig
 from model.gpt_oss import GptOss
+from model.kv_scales import scales_from_checkpoint
 from model.quant import Fp8ConversionStats, dequantize_mxfp4, quantize_fp8_pow2
 from model.weights import TensorSource, expected_tensors
 
@@ -105,7 +106,8 @@ def _linear(w_param, s_param, w: torch.Tensor) -> None:
 
 def load_weights(model: GptOss, src: TensorSource, *, progress: bool = True,
                  expert_chunk: int = 8) -> Fp8ConversionStats:
-    """Returns the FP8 conversion statistics of the expert weights (empty when not FP8)."""
+    """Returns the FP8 conversion statistics of the expert weights (empty when not FP8). FP8 KV scales
+    the checkpoint carries (vLLM's names) land in `model.checkpoint_kv_scales` (None when absent)."""
     validate_source(src)
     cfg, par, dev = model.cfg, model.par, model.device
     if src.config.num_hidden_layers != cfg.num_hidden_layers or src.config.hidden_size != cfg.hidden_size:
@@ -117,6 +119,8 @@ def load_weights(model: GptOss, src: TensorSource, *, progress: bool = True,
     q_rows, kv_rows = range(qh.start * d, qh.stop * d), range(kvh.start * d, kvh.stop * d)
     e_rng, i_rng = par.experts(cfg), par.intermediate(cfg)
 
+    model.checkpoint_kv_scales = scales_from_checkpoint(set(src.names()), lambda n: src.get(n, "cpu"),
+                                                        cfg.num_hidden_layers, cfg.num_key_value_heads)
     _copy(model.embed, rd.dense("model.embed_tokens.weight"))
     _copy(model.lm_head, rd.dense("lm_head.weight", par.vocab_rows(cfg)))
     _copy(model.norm, rd.dense("model.norm.weight"))

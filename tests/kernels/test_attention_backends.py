@@ -44,14 +44,14 @@ class _Broken(TorchAttention):
         super().__init__()
         self.flaw = flaw
 
-    def forward(self, group, q, k, v, kv, sinks, sm_scale, window):
+    def forward(self, group, q, k, v, kv, sinks, sm_scale, window, kv_scale=None):
         if self.flaw == "window+1" and window is not None:
             window += 1
         if self.flaw == "no-sink":
             sinks = torch.full_like(sinks, -1e4)
         if self.flaw == "scaled-sink":
             sinks = sinks * sm_scale
-        out = super().forward(group, q, k, v, kv, sinks, sm_scale, window)
+        out = super().forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale)
         if self.flaw == "no-store" and kv is not None:
             kv[0].zero_()
         return out
@@ -196,14 +196,22 @@ class _FakeWrapper:
     def __init__(self, ragged, workspace, layout, use_cuda_graph=False, qo_indptr_buf=None, paged_kv_indptr_buf=None,
                  paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None, backend="auto", jit_args=None,
                  jit_kwargs=None):
-        assert jit_args[11] == "AttentionSink" and jit_args[7] == ["sink"] and jit_args[9] == ["sm_scale"]
+        self.fp8 = jit_args[2] == torch.float8_e4m3fn
+        if self.fp8:  # our FP8-KV variant: paged, fa2, K/V scales as extra tensors, derived declaration
+            assert not ragged and backend == "fa2" and jit_args[11] == "AttentionSinkKVScale"
+            assert jit_args[7] == ["sink", "k_scale", "v_scale"] and "params.k_scale[kv_head_idx]" in jit_args[12]
+        else:
+            assert jit_args[11] == "AttentionSink" and jit_args[7] == ["sink"] and jit_args[2] == jit_args[1]
+        assert jit_args[9] == ["sm_scale"]
         assert layout == ("NHD" if ragged else "HND") and backend in ("fa2", "fa3")
+        self.kv_dtype = jit_args[2]
         self.ragged, self.sliding, self.graph = ragged, jit_kwargs["use_sliding_window"], use_cuda_graph
         self.bufs = (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf)
         _FakeWrapper.log.append((backend, "ragged" if ragged else "paged", self.sliding, use_cuda_graph))
 
     def plan(self, qo_indptr, kv_indptr, *args, causal, window_left, q_data_type, kv_data_type):
         assert causal and (window_left >= 0) == self.sliding and qo_indptr.device.type == "cpu"
+        assert kv_data_type == self.kv_dtype, (kv_data_type, self.kv_dtype)
         self.window_left = window_left
         if self.ragged:
             self.qo, self.kv = qo_indptr, kv_indptr
@@ -222,13 +230,18 @@ class _FakeWrapper:
         if self.ragged:
             k, v, sink, sm_scale = kv_and_extra
             return out.copy_(ref.varlen_attention(q, k, v, self.qo, self.kv, sink, sm_scale, window))
-        (k_cache, v_cache), sink, sm_scale = kv_and_extra
+        if self.fp8:
+            (k_cache, v_cache), sink, k_scale, v_scale, sm_scale = kv_and_extra
+            assert k_scale.dtype == v_scale.dtype == torch.float32 and k_cache.dtype == torch.float8_e4m3fn
+        else:
+            (k_cache, v_cache), sink, sm_scale = kv_and_extra
+            k_scale = v_scale = None
         qo, kvp, idx, last = self.bufs
         p = k_cache.shape[2]
         for b in range(len(qo) - 1):
             pages = idx[kvp[b]:kvp[b + 1]]
             n = (len(pages) - 1) * p + int(last[b])
-            ks, vs = ref.gather_pages(k_cache, pages, n), ref.gather_pages(v_cache, pages, n)
+            ks, vs = ref.gather_pages(k_cache, pages, n, k_scale), ref.gather_pages(v_cache, pages, n, v_scale)
             cq = torch.tensor([0, int(qo[b + 1] - qo[b])], dtype=torch.int32)
             ck = torch.tensor([0, n], dtype=torch.int32)
             out[qo[b]:qo[b + 1]] = ref.varlen_attention(q[qo[b]:qo[b + 1]], ks, vs, cq, ck, sink, sm_scale, window)
@@ -241,12 +254,26 @@ def fake_flashinfer(monkeypatch):
     fi.BatchPrefillWithPagedKVCacheWrapper = lambda *a, **kw: _FakeWrapper(False, *a, **kw)
     fi.BatchPrefillWithRaggedKVCacheWrapper = lambda *a, **kw: _FakeWrapper(True, *a, **kw)
     variants = types.ModuleType("flashinfer.jit.attention.variants")
-    variants.attention_sink_decl = {"fa2": "decl-fa2", "fa3": "decl-fa3"}
+    # the three places our FP8-KV variant edits, as in FlashInfer 0.6.6's fa2 declaration
+    variants.attention_sink_decl = {"fa2": "struct AttentionSink : Base {\n  REGISTER_LOGITS_MASK(p, {})\n"
+                                           "  OUT({ return output * scale * d_rcp; })\n};", "fa3": "decl-fa3"}
     utils = types.ModuleType("flashinfer.utils")
     utils.is_sm90a_supported = lambda device: True
+    prefill = types.ModuleType("flashinfer.prefill")
+    prefill.built = []
+
+    def get_module(backend, *jit_args, use_sliding_window):  # the JIT build: record, or fail on demand
+        if prefill.fail:
+            raise RuntimeError("ninja: build stopped: subcommand failed")
+        prefill.built.append((backend, jit_args[0], use_sliding_window))
+
+    prefill.fail = False
+    prefill.get_customize_batch_prefill_module = get_module
+    fi.prefill = prefill
     for name, mod in (("flashinfer", fi), ("flashinfer.jit", types.ModuleType("flashinfer.jit")),
                       ("flashinfer.jit.attention", types.ModuleType("flashinfer.jit.attention")),
-                      ("flashinfer.jit.attention.variants", variants), ("flashinfer.utils", utils)):
+                      ("flashinfer.jit.attention.variants", variants), ("flashinfer.utils", utils),
+                      ("flashinfer.prefill", prefill)):
         monkeypatch.setitem(sys.modules, name, mod)
     import kernels.flashinfer_backend as fb
     monkeypatch.setattr(fb, "import_flashinfer", lambda cache_dir=None: fi)
@@ -288,3 +315,36 @@ def test_flashinfer_prepare_builds_every_variant_up_front(fake_flashinfer):
                                      ("fa2", "ragged", True, False), ("fa2", "ragged", False, False)}
     with pytest.raises(ConfigError, match="unknown FlashInfer backend"):
         fake_flashinfer.FlashInferAttention(decode_backend="fa4")
+
+
+def test_flashinfer_fp8_kv_planning_matches_torch(fake_flashinfer):
+    """e4m3 pages: decode through the FP8 variant (fa2, per-head K/V scales), prefill stores and
+    reads its keys back dequantised into the ragged kernel (fa3), chunks dequantise their prefix;
+    caches bit-equal to the reference's and outputs within the self-test's tolerance."""
+    fp8 = torch.float8_e4m3fn
+    impl = fake_flashinfer.FlashInferAttention()
+    impl.enable_cuda_graphs([3], max_pages_per_seq=64)
+    self_test_attention(impl, "cpu", torch.float32, shape=SMALL, kv_dtype=fp8)
+    assert impl._fp8_fallback is None
+    kinds = set(_FakeWrapper.log)
+    assert {("fa2", "paged", True, True), ("fa2", "paged", False, True),  # decode of 3: graph wrappers
+            ("fa3", "ragged", True, False), ("fa3", "ragged", False, False)} <= kinds
+    assert not any(b == "fa3" and kind == "paged" for b, kind, _, _ in kinds)  # fa3 cannot read e4m3 pages
+    built = sys.modules["flashinfer.prefill"].built
+    assert {(b, sliding) for b, uri, sliding in built if "e4m3" in uri} == {("fa2", False), ("fa2", True)}
+    self_test_attention(impl, "cpu", torch.float32, shape=SMALL)  # back to fp32 pages: new wrappers
+
+
+def test_flashinfer_fp8_kv_falls_back_to_triton_when_the_variant_does_not_build(fake_flashinfer, caplog):
+    sys.modules["flashinfer.prefill"].fail = True
+    impl = fake_flashinfer.FlashInferAttention()
+    with caplog.at_level("WARNING"):
+        self_test_attention(impl, "cpu", torch.float32, shape=SMALL, kv_dtype=torch.float8_e4m3fn)
+    assert impl._fp8_fallback is not None and impl._fp8_fallback.name == "triton"
+    assert "FP8-KV attention runs on Triton" in caplog.text and "ninja" in caplog.text
+
+
+def test_fp8_kv_variant_refuses_an_unknown_declaration():
+    from kernels.flashinfer_fp8kv import fp8_variant_decl
+    with pytest.raises(ConfigError, match="declaration changed"):
+        fp8_variant_decl("struct Something {};")

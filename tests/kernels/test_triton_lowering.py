@@ -130,6 +130,19 @@ def _launch_attention() -> None:
     store_kv(k, v, kc, vc, slots)
     rope_store_kv(k, v, kc, vc, slots, cos, sin)
     apply_rope(k, cos, sin)
+    # FP8 KV: e4m3 pages read (decode with splits, prefix + dense) and written (store, RoPE + store),
+    # and read back densely (gather_kv, FlashInfer's FP8 prefill)
+    from kernels.triton_store_kv import gather_kv
+    from tests.kernels.test_fp8_kv import Fp8Case
+
+    f8 = Fp8Case([1, 1, 1], [30, 9, 4], hq=8, hkv=2, dtype=torch.bfloat16, seed=1)
+    f8.run("all", 0.25, None, num_splits=2)
+    f8.run("prefix", 0.25, 9)
+    scales = (torch.full((3,), 0.5), torch.full((3,), 0.25))
+    kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    store_kv(k, v, kc8, vc8, slots, scales)
+    rope_store_kv(k, v, kc8, vc8, slots, cos, sin, scales)
+    gather_kv(kc8, vc8, slots.clamp(min=0), scales, torch.bfloat16)
 
 
 def test_gpu_branches_of_every_kernel_lower_for_sm90():
@@ -137,7 +150,12 @@ def test_gpu_branches_of_every_kernel_lower_for_sm90():
         _launch_every_kernel()
         _launch_attention()
     kernels = {(r["module"], r["kernel"]) for r in seen.values()}
-    assert len(kernels) >= 19, sorted(kernels)  # all but allreduce's (multi-GPU symmetric memory only)
+    assert len(kernels) >= 20, sorted(kernels)  # all but allreduce's (multi-GPU symmetric memory only)
+    fp8_kv = [(r["kernel"], r["sig"].get("KC") or r["sig"].get("XC")) for r in seen.values()
+              if r["const"].get("KV_WIDEN") or r["const"].get("QUANT") or r["kernel"] == "_gather_kv_kernel"]
+    # FP8 KV: widened e4m3 pages with and without splits, quantising stores with and without RoPE, the gather
+    assert sorted(k for k, _ in fp8_kv).count("_attn_fwd") >= 2 and len(fp8_kv) >= 5, fp8_kv
+    assert all(ty == "*fp8e4nv" for _, ty in fp8_kv), fp8_kv
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", LOWER], input=json.dumps(list(seen.values())), env=env,
                           capture_output=True, text=True, timeout=600, cwd=os.getcwd())

@@ -13,7 +13,7 @@ import torch
 
 from kv_transfer.interface import TransferConfig, TransferStatus
 from kv_transfer.messages import TransferRequest, decode, encode
-from model.kv_cache import KVManager, KVPool, PageGroup
+from model.kv_cache import KV_DTYPES, KVManager, KVPool, PageGroup
 from tests.unit.test_kv_transfer_loopback import (LAYERS, dst_block, expected_block, random_pool, scattered_pages,
                                                   spec_for)
 
@@ -34,6 +34,7 @@ class Scenario:
     data_path: str = "nixl"  # both sides: "nixl" | "ipc"
     devices: tuple[str, str] = ("cpu", "cpu")  # prefill, decode pools
     decode_node: str = ""  # decode exports its pools under this node id (a fake other node)
+    kv_dtypes: tuple[str, str] = ("fp32", "fp32")  # prefill, decode pools (model.kv_cache.KV_DTYPES)
 
 
 @dataclass
@@ -81,7 +82,7 @@ def decode_main(rank: int, sc: Scenario, ctl, out) -> None:
     from kv_transfer.nixl_receiver import NixlReceiver
     if sc.decode_node:
         ipc.node_id = lambda: sc.decode_node
-    spec = spec_for(sc.d)
+    spec = spec_for(sc.d, dtype=KV_DTYPES[sc.kv_dtypes[1]])
     pool, kv = KVPool(spec, _device(sc.devices[1])), KVManager(spec)
     cfg = TransferConfig("dec", "m", rank, sc.d, probe_interval_s=0.1)
     rx = NixlReceiver(pool, cfg, data_path=sc.data_path)
@@ -98,7 +99,7 @@ def decode_main(rank: int, sc: Scenario, ctl, out) -> None:
         rx.expect("q", pages, sc.n_tokens, time.time() + 3.0)
     out.put(("req", rank, encode(req)))
     res = Result("decode", rank, "", None)
-    src = [random_pool(spec_for(sc.p), 100 + r) for r in range(sc.p)]
+    src = [random_pool(spec_for(sc.p, dtype=KV_DTYPES[sc.kv_dtypes[0]]), 100 + r) for r in range(sc.p)]
     t0 = time.monotonic()
     while not rx.poll("q").terminal and time.monotonic() - t0 < WAIT:
         if sc.abort_after_first_layer and rx.outcome("q").num_bytes > 0:
@@ -118,7 +119,8 @@ def decode_main(rank: int, sc: Scenario, ctl, out) -> None:
         tail = {j % r for j in range(max(0, sc.n_tokens - spec.sliding_window + 1) // spec.page_size,
                                      -(-sc.n_tokens // spec.page_size))}
         untouched = [pg for i, pg in enumerate(pages.ring) if i not in tail]
-        res.data_ok = res.data_ok and all(pool.pools[PageGroup.SLIDING][:, :, pg].abs().sum() == 0 for pg in untouched)
+        res.data_ok = res.data_ok and not any(pool.pools[PageGroup.SLIDING][:, :, pg].view(torch.uint8).any()
+                                              for pg in untouched)
         res.notes.append(f"untouched ring pages: {len(untouched)}")
         rx.finish("q")
         kv.release(pages)
@@ -165,7 +167,7 @@ def _check_partial(pool, pages, src, sc, rank, rx) -> bool:
 
 def prefill_main(rank: int, sc: Scenario, ctl, out) -> None:
     from kv_transfer.nixl_sender import NixlSender
-    spec = spec_for(sc.p, page=sc.prefill_page_size)
+    spec = spec_for(sc.p, page=sc.prefill_page_size, dtype=KV_DTYPES[sc.kv_dtypes[0]])
     pool = KVPool(spec, _device(sc.devices[0]))
     for dst, src in zip(pool.pools, random_pool(spec, 100 + rank).pools):
         dst.copy_(src)

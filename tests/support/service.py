@@ -69,13 +69,15 @@ class Service:
 def start_service(checkpoint: str, *, num_prefill: int = 1, num_decode: int = 1, colocated: bool = False,
                   model_name: str = "m", extra_router: list[str] | None = None, timeout_s: float = 120,
                   max_num_seqs: int = 32, kv_cache_gib: float = 0.0625, extra_prefill: list[str] | None = None,
-                  extra_decode: list[str] | None = None) -> Service:
+                  extra_decode: list[str] | None = None, kv_cache_dtype: str = "auto",
+                  kv_scale_calibration: int = 0) -> Service:
     """kv_cache_gib 0: the workers' default budget (what `tandem serve` uses)."""
     base, port = free_base_port(max(num_prefill, num_decode)), free_port()
     a = argparse.Namespace(device="cpu", host="127.0.0.1", kv_backend="nixl", max_num_seqs=max_num_seqs, fp8=False,
                            kv_cache_gib=kv_cache_gib, num_prefill=0 if colocated else num_prefill, num_decode=num_decode,
                            base_port=base, port=port, model_name=model_name, colocated=colocated,
-                           prefill_tp=1, decode_tp=1, decode_moe_mode="tp")
+                           prefill_tp=1, decode_tp=1, decode_moe_mode="tp", kv_cache_dtype=kv_cache_dtype,
+                           kv_scale_calibration=kv_scale_calibration)
     cmds = build_commands(a, checkpoint)
     cmds[-1] += ["--poll-interval-s", "0.25"] + (extra_router or [])  # (a later flag wins)
     for c in cmds[:a.num_prefill]:

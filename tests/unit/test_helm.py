@@ -166,6 +166,7 @@ def test_prefill_and_decode_schemas_are_mirror_images() -> None:
     (["--set", "decode.resources.requests.memory=lots"], "/decode/resources/requests/memory"),
     (["--set", "model.volume.type=nfs"], "/model/volume/type"),
     (["--set-json", 'autoscaler.decode.kvUp=1.5'], "/autoscaler/decode/kvUp"),
+    (["--set", "decode.kvCache.dtype=fp16"], "/decode/kvCache/dtype"),
 ])
 def test_schema_rejects_bad_values(override: list[str], message: str) -> None:
     proc = helm("template", RELEASE, str(CHART), *override, check=False)
@@ -179,6 +180,9 @@ def test_schema_rejects_bad_values(override: list[str], message: str) -> None:
     (["--set", "decode.parallelism.expert=4"], "expert must be 1"),
     (["--set", "router.discovery=static"], "staticPrefill"),
     (["--set", "model.volume.type=pvc"], "claimName is required"),
+    (["--set", "decode.kvCache.dtype=fp8"], "prefill.kvCache and decode.kvCache must be equal"),
+    (["--set", "prefill.kvCache.dtype=fp8", "--set", "decode.kvCache.dtype=fp8",
+      "--set", "decode.kvCache.scaleCalibration=4"], "must be equal"),
 ])
 def test_templates_reject_inconsistent_values(override: list[str], message: str) -> None:
     proc = helm("template", RELEASE, str(CHART), *override, check=False)
@@ -199,11 +203,12 @@ def test_gpus_per_pod_follow_parallelism_and_flags_match_the_workers() -> None:
     assert prefill["command"] == ["tandem"] and prefill["args"] == [
         "prefill-worker", "--checkpoint=/models/gpt-oss-20b", "--tp=2", "--host=0.0.0.0",
         "--advertise-host=$(POD_IP)", "--port=7100", "--metrics-port=9100", "--kv-backend=nixl", "--device=cuda",
-        "--drain-timeout-s=300", "--fp8"]
+        "--drain-timeout-s=300", "--fp8", "--kv-cache-dtype=auto"]
     assert decode["args"] == [
         "decode-worker", "--checkpoint=/models/gpt-oss-20b", "--tp=4", "--moe-mode=ep",
         "--host=0.0.0.0", "--advertise-host=$(POD_IP)", "--port=7200", "--metrics-port=9200", "--kv-backend=nixl",
-        "--device=cuda", "--drain-timeout-s=300", "--fp8", "--max-num-seqs=256", "--kv-cache-fraction=0.85",
+        "--device=cuda", "--drain-timeout-s=300", "--fp8", "--kv-cache-dtype=auto", "--max-num-seqs=256",
+        "--kv-cache-fraction=0.85",
         "--cuda-graphs"]
 
 
@@ -237,6 +242,14 @@ def test_rendered_commands_parse_with_the_real_clis(values: list[str]) -> None:
     autoscaler = [d for d in docs if d["metadata"]["name"] == f"{RELEASE}-autoscaler"]
     if autoscaler:
         config_from_args(build_parser().parse_args(container(docs, "autoscaler")["args"][1:]))
+
+
+def test_fp8_kv_cache_reaches_both_workers() -> None:
+    docs = render("--set", "prefill.kvCache.dtype=fp8", "--set", "decode.kvCache.dtype=fp8",
+                  "--set", "prefill.kvCache.scaleCalibration=4", "--set", "decode.kvCache.scaleCalibration=4")
+    for role in ("prefill", "decode"):
+        args = container(docs, role)["args"]
+        assert "--kv-cache-dtype=fp8" in args and "--kv-scale-calibration=4" in args, args
 
 
 def test_worker_pods_probe_drain_and_mount_as_designed() -> None:

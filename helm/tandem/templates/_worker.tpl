@@ -16,6 +16,11 @@ Args everywhere: dict "root" $ "role" "prefill"|"decode".
 {{- if and (eq .component "prefill") (ne $p.moeMode "tp") }}
 {{- fail "prefill.parallelism.moeMode must be tp: prefill runs TP-only MoE" }}
 {{- end }}
+{{- $pk := .root.Values.prefill.kvCache }}
+{{- $dk := .root.Values.decode.kvCache }}
+{{- if or (ne $pk.dtype $dk.dtype) (ne (int $pk.scaleCalibration) (int $dk.scaleCalibration)) }}
+{{- fail (printf "prefill.kvCache and decode.kvCache must be equal (got %v/%v and %v/%v): prefill writes its pages into decode's, and the KV handshake refuses peers whose KV dtype or FP8 scales differ" $pk.dtype $pk.scaleCalibration $dk.dtype $dk.scaleCalibration) }}
+{{- end }}
 {{- end }}
 
 {{/* Command-line flags of `tandem prefill-worker` / `tandem decode-worker`. */}}
@@ -37,6 +42,10 @@ Args everywhere: dict "root" $ "role" "prefill"|"decode".
 - --drain-timeout-s={{ $v.drain.timeoutSeconds }}
 {{- if $w.fp8 }}
 - --fp8
+{{- end }}
+- --kv-cache-dtype={{ $w.kvCache.dtype }}
+{{- if gt (int $w.kvCache.scaleCalibration) 0 }}
+- --kv-scale-calibration={{ $w.kvCache.scaleCalibration }}
 {{- end }}
 {{- if eq .component "decode" }}
 - --max-num-seqs={{ $w.engine.maxNumSeqs }}

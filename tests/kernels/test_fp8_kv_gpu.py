@@ -1,0 +1,165 @@
+"""FP8 (e4m3) KV on the GPU at gpt-oss dims (d 64, GQA 8, window 128, page 16): the hardware
+conversions write the reference's bytes (store, RoPE + store, gather); Triton and FlashInfer (fa2
+decode variant with per-head scales, fa3 prefill over dequantised keys) pass the start-up self-test
+with e4m3 pages and match the reference read of the same pages at real sizes (decode 16 x 8k with
+forced split-KV, a mixed prefill/decode batch); a captured FP8 decode replays later steps; engine
+tokens Triton == torch with FP8 pages. Deselected by default (marker gpu).
+
+  FLASHINFER_WORKSPACE_BASE=/tmp/tandem-flashinfer python -m pytest -m gpu tests/kernels/test_fp8_kv_gpu.py
+"""
+
+import pytest
+import torch
+
+from engine.selftest import SelfTestShape, self_test_attention
+from kernels import reference as ref
+from tests.kernels.test_attention_gpu import D, DEV, HKV, HQ, P, W, _bf16, _flashinfer, _rel, _step
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+FP8 = torch.float8_e4m3fn
+REAL = SelfTestShape(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, window=W, page_size=P)
+
+
+def _scales(seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.rand(HKV, generator=g, device=DEV) * 0.2 + 0.01,
+            torch.rand(HKV, generator=g, device=DEV) * 0.01 + 0.002)
+
+
+def _impl(name, **kw):
+    if name == "triton":
+        from kernels.triton_attention_backend import TritonAttention
+        return TritonAttention(**kw)
+    impl = _flashinfer(name.removeprefix("flashinfer-"))
+    return impl
+
+
+def _bits(t):
+    return t.view(torch.uint8)
+
+
+def test_fp8_kv_store_rope_and_gather_write_the_reference_bytes():
+    from kernels.triton_store_kv import gather_kv, rope_store_kv, store_kv
+    t = 300
+    k, v = _bf16(t, HKV, D) * 8, _bf16(t, HKV, D) * 0.05
+    slots = torch.randperm(64 * P, device=DEV)[:t]
+    slots[::7] = -1
+    sc = _scales()
+    kc = torch.zeros(64, HKV, P, D, device=DEV, dtype=FP8)
+    vc, kc2, vc2 = kc.clone(), kc.clone(), kc.clone()
+    store_kv(k, v, kc, vc, slots, sc)
+    ref.store_kv(k, v, kc2, vc2, slots, sc)
+    assert torch.equal(_bits(kc), _bits(kc2)) and torch.equal(_bits(vc), _bits(vc2))
+    ang = torch.randn(t, D // 2, device=DEV) * 10
+    cos, sin = ang.cos() * 1.3466, ang.sin() * 1.3466
+    k_rot = rope_store_kv(k, v, kc, vc, slots, cos, sin, sc)
+    ref.store_kv(ref.apply_rope(k, cos, sin), v, kc2, vc2, slots, sc)
+    assert torch.equal(k_rot, ref.apply_rope(k, cos, sin)) and torch.equal(_bits(kc), _bits(kc2))
+    keep = slots[slots >= 0]
+    gk, gv = gather_kv(kc, vc, keep, sc, torch.bfloat16)
+    assert torch.equal(gk, ref.dequantize_kv(kc[keep // P, :, keep % P], sc[0]).to(torch.bfloat16))
+    assert torch.equal(gv, ref.dequantize_kv(vc[keep // P, :, keep % P], sc[1]).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", ["triton", "flashinfer-fa3", "flashinfer-fa2"])
+def test_fp8_kv_self_test(name):
+    impl = _impl(name)
+    self_test_attention(impl, DEV, torch.bfloat16, kv_dtype=FP8)
+    self_test_attention(impl, DEV, torch.bfloat16, shape=REAL, kv_dtype=FP8)
+    if name != "triton":  # FlashInfer 0.6.6 builds our FP8 variant: no fallback to Triton
+        assert impl._fp8_fallback is None
+
+
+def _run_case(impl, q_lens, prefix, window, seed=0):
+    """e4m3 pages under per-head scales; the backend stores the new tokens, then reads everything."""
+    step, num_pages = _step(q_lens, prefix, window, seed=seed)
+    g = torch.Generator(device=DEV).manual_seed(seed + 1)
+    sc = _scales(seed)
+    kc = ref.quantize_kv(torch.randn(num_pages * P, HKV, D, generator=g, device=DEV) * 4, sc[0])
+    vc = ref.quantize_kv(torch.randn(num_pages * P, HKV, D, generator=g, device=DEV) * 0.05, sc[1])
+    kc = kc.view(num_pages, P, HKV, D).transpose(1, 2).contiguous()  # [NP, Hkv, P, D]
+    vc = vc.view(num_pages, P, HKV, D).transpose(1, 2).contiguous()
+    t = sum(q_lens)
+    q = torch.randn(t, HQ, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    k, v = _bf16(t, HKV, D) * 4, _bf16(t, HKV, D) * 0.05
+    sinks = torch.randn(HQ, device=DEV) * 2
+    impl.plan(step)
+    out = impl.forward(0 if window is None else 1, q, k, v, (kc, vc), sinks, D ** -0.5, window, kv_scale=sc)
+    grp = step.groups[0] if window is None else step.groups[1]
+    want = ref.paged_attention(q.float(), kc, vc, grp.page_table, step.cu_seqlens_q, grp.kv_lens, sinks, D ** -0.5,
+                               window, sc)
+    return out, want
+
+
+@pytest.mark.parametrize("name", ["triton", "flashinfer-fa2", "flashinfer-fa3"])
+@pytest.mark.parametrize("window", [None, W])
+def test_fp8_kv_real_dims(name, window):
+    impl = _impl(name)
+    assert _rel(*_run_case(impl, [1, 700, 1, 33], [3000, 0, 150, 900], window)) <= 1e-2
+    assert _rel(*_run_case(impl, [1] * 16, [8191] * 16, window, seed=3)) <= 1e-2
+    if name == "triton":
+        for splits in (1, 6):
+            assert _rel(*_run_case(_impl(name, num_splits=splits), [1] * 16, [8191] * 16, window, seed=4)) <= 1e-2
+
+
+@pytest.mark.parametrize("name", ["flashinfer-fa2", "triton"])
+def test_fp8_kv_decode_cuda_graph_replays_a_later_step(name):
+    impl = _impl(name)
+    b, max_pages = 4, 64
+    impl.enable_cuda_graphs([b], max_pages_per_seq=max_pages)
+    num_pages = b * max_pages + 1
+    sc = _scales(2)
+    kc = ref.quantize_kv(torch.randn(num_pages * P, HKV, D, device=DEV) * 4, sc[0]).view(
+        num_pages, P, HKV, D).transpose(1, 2).contiguous()
+    vc = ref.quantize_kv(torch.randn(num_pages * P, HKV, D, device=DEV) * 0.05, sc[1]).view(
+        num_pages, P, HKV, D).transpose(1, 2).contiguous()
+    q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
+    k, v = _bf16(b, HKV, D), _bf16(b, HKV, D) * 0.05
+    sinks = torch.randn(HQ, device=DEV) * 2
+    steps = [_step([1] * b, pre, None, pages_per_seq=max_pages, seed=s)[0]
+             for s, pre in enumerate(([100, 5, 700, 1000], [37, 999, 2, 400]))]
+    outs = {}
+    impl.plan(steps[0])
+    impl.forward(0, q, k, v, (kc, vc), sinks, D ** -0.5, None, kv_scale=sc)  # eager warm-up (and JIT builds)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        impl.forward(0, q, k, v, (kc, vc), sinks, D ** -0.5, None, kv_scale=sc)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs["o"] = impl.forward(0, q, k, v, (kc, vc), sinks, D ** -0.5, None, kv_scale=sc)
+    for step in steps[::-1]:
+        impl.plan(step)
+        q.copy_(torch.randn_like(q))
+        k.copy_(torch.randn_like(k))
+        graph.replay()
+        torch.cuda.synchronize()
+        g = step.groups[0]
+        slots = g.slot_mapping
+        assert torch.equal(_bits(kc[slots // P, :, slots % P]), _bits(ref.quantize_kv(k, sc[0])))
+        want = ref.paged_attention(q.float(), kc, vc, g.page_table, step.cu_seqlens_q, g.kv_lens, sinks, D ** -0.5,
+                                   None, sc)
+        assert _rel(outs["o"], want) <= 1e-2
+
+
+def test_fp8_kv_engine_tokens_triton_equal_torch_on_gpu(ckpt_factory):
+    from engine.build import EngineConfig
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    from engine.scheduler import SchedulerConfig
+
+    path = ckpt_factory("tiny-a")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (19, 1, 6, 27, 64)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(EngineConfig(checkpoint=path, device=DEV, dtype="float32", attention_backend=backend, page_size=4,
+                               kv_cache_bytes=1 << 22, kv_cache_dtype="fp8", kv_scale_calibration=1,
+                               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256)))
+        outs[backend] = [c.output_ids for c in llm.generate(prompts, params)]
+        llm.kv.assert_all_free()
+    assert outs["triton"] == outs["torch"]
