@@ -4,6 +4,8 @@ backends, size the KV cache (logging the capacity of each page group), wire sche
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     progress: bool = False
     async_decode: bool = True  # overlapped step loop (engine.core); False: every step synchronous
+    enable_prefix_caching: bool = True  # model/prefix_cache.py
 
 
 @dataclass(slots=True)
@@ -131,13 +134,27 @@ def kv_budget(cfg: EngineConfig) -> int:
 def build_engine_parts(cfg: EngineConfig, model: GptOss | None = None) -> EngineParts:
     model = model or load_model(cfg)
     spec = plan_kv_cache(model.cfg, kv_budget(cfg), page_size=cfg.page_size,
-                         max_num_seqs=cfg.scheduler.max_num_seqs, tp_size=cfg.parallel.tp_size, dtype=model.dtype)
+                         max_num_seqs=cfg.scheduler.max_num_seqs, tp_size=cfg.parallel.tp_size, dtype=model.dtype,
+                         cached_tails=1.0 if cfg.enable_prefix_caching else 0.0)
     pool = KVPool(spec, cfg.device)
     log_kv_capacity(spec)
-    kv = KVManager(spec)
+    kv = KVManager(spec, cache_identity(model, spec) if cfg.enable_prefix_caching else None)
     scheduler = Scheduler(cfg.scheduler, kv, model.cfg.eos_token_ids)
     sampler = Sampler(torch.device(cfg.device), cfg.seed, model.cfg.eos_token_ids)
     return EngineParts(model, spec, pool, kv, scheduler, ModelRunner(model, pool, sampler), sampler)
+
+
+def model_fingerprint(model: GptOss) -> str:
+    """Names the model in the KV compatibility check and the prefix cache: same config, same KV meaning."""
+    cfg = model.cfg.to_hf_dict()
+    cfg.pop("quantization_config", None)
+    return "gpt-oss-" + hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_identity(model: GptOss, spec: KVCacheSpec) -> str:
+    """The prefix cache's hash-chain seed (common.prefix_hash): the model, page size and KV dtype.
+    Workers publish it so the router hashes prompts the same way."""
+    return f"{model_fingerprint(model)}/page{spec.page_size}/{str(spec.dtype).removeprefix('torch.')}"
 
 
 def log_kv_capacity(spec: KVCacheSpec) -> None:

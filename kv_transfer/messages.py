@@ -34,7 +34,8 @@ from model.kv_cache import KVCacheSpec
 
 # 2: LayerDone names the layers one WRITE carried (one WRITE may carry several).
 # 3: Handshake.ipc: a decode rank may export its pools for same-node writers (TransferBackend.IPC).
-PROTOCOL_VERSION = 3
+# 4: TransferRequest.first_token: decode holds a cached prefix; only the pages after it are written.
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 4 << 20  # a 128k-token request names ~8k pages (~40 KB); metadata is KBs
 MAX_ID_CHARS = 256
 # The pool layout both sides must share: per group [layers, K/V, pages, KV heads, page tokens, head dim].
@@ -200,12 +201,14 @@ class TransferRequest(Message):
     ring_pages: tuple[int, ...]  # sliding ring; logical page j lives in ring[j % R]
     num_tokens: int
     deadline_unix: float  # wall clock; each side converts it to its monotonic clock on receipt
+    first_token: int = 0  # decode already holds [0, first_token) (a prefix-cache hit, page-aligned): write the rest
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
         _need(len(self.decode_endpoints) > 0, "no decode endpoints")
         _need(len(self.decode_epochs) == len(self.decode_endpoints), "one epoch per decode endpoint")
         _need(self.num_tokens > 0, "num_tokens must be > 0")
+        _need(0 <= self.first_token < self.num_tokens, "first_token must be in [0, num_tokens)")
         _need(math.isfinite(self.deadline_unix), "deadline must be finite")
         _need(all(p >= 0 for p in self.full_pages) and all(p >= 0 for p in self.ring_pages),
               "page ids must be >= 0")
