@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from common.errors import ProtocolError
 from wire.codec import build, pack, to_wire, unpack
 
-PROTOCOL_VERSION = 2  # 2: sampling penalties and logit bias; TokenBatch (one frame per step)
+PROTOCOL_VERSION = 3  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache
 MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
 
 
@@ -58,7 +58,9 @@ class TopLogprob:
 
 @dataclass(frozen=True, slots=True)
 class StatusRequest:
-    pass
+    # The router's position in this worker's prefix-cache event log (WorkerStatus.cache_*); -1: no
+    # events wanted (health checks, tools).
+    cache_cursor: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,17 @@ class WorkerStatus:
     page_size: int
     max_num_seqs: int
     busy_seconds: float
+    # Prefix cache (model/prefix_cache.py); identity "" = caching off. The router hashes prompts with
+    # common.prefix_hash seeded by cache_identity and mirrors each worker's index from its events:
+    # cache_events is flat [kind, hash, ...] (kinds in model.prefix_cache: stored/evicted x full/sliding)
+    # after the requester's cursor, cache_cursor the cursor to ask from next time; cache_reset: the
+    # events are a snapshot of the whole index (the cursor was unknown): start from empty.
+    cache_identity: str = ""
+    sliding_window: int = 0
+    cache_cursor: int = 0
+    cache_reset: bool = False
+    cache_events: list[int] = field(default_factory=list)
+    cached_pages: int = 0  # full-attention pages held by the cache alone (evictable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +100,7 @@ class AdmitRequest:
     max_tokens: int
     prefill_tp: int  # the prefill worker's TP degree (heads per rank for the transfer plan)
     deadline_s: float  # seconds the reservation may wait for its KV
+    prompt_ids: list[int] = field(default_factory=list)  # for the prefix-cache lookup (empty: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +108,7 @@ class Admitted:
     request_id: str
     epoch: int
     kv_target: bytes  # kv_transfer TransferRequest, opaque to the router
+    cached_tokens: int = 0  # decode holds [0, cached_tokens) already: only the rest is shipped
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +140,7 @@ class PrefillResult:
     transfer_seconds: float
     queue_seconds: float = 0.0  # waiting in the prefill worker's queue
     tail_seconds: float = 0.0  # compute done -> the KV transfer terminal (what the transfer added to TTFT)
+    cached_tokens: int = 0  # prompt tokens the prefill worker took from its own prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +169,7 @@ class TokenChunk:
     finished: bool
     finish_reason: str  # "" | "stop" | "length" | "abort"
     error: str
+    cached_tokens: int = 0  # first chunk of a GenerateRequest: prompt tokens taken from the prefix cache
 
 
 @dataclass(frozen=True, slots=True)
