@@ -78,3 +78,13 @@ def hit_blocks(hashes: Sequence[int], limit: int, has_full: Callable[[int], bool
             return k
         k = missing  # candidates in (missing, k] all need block `missing`
     return 0
+
+
+def released_sliding_blocks(num_valid: int, page_size: int, window: int) -> range:
+    """Sliding blocks a sequence with num_valid computed tokens leaves cached when it ends: its
+    ring's complete blocks, the last R = ceil(W / P) + 1 written (model/prefix_cache.py; the worker
+    may keep fewer when a big chunk stored only its tail)."""
+    if num_valid <= 0:
+        return range(0)
+    ring = -(-window // page_size) + 1
+    return range(max(0, (num_valid - 1) // page_size - ring + 1), num_valid // page_size)

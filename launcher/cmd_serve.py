@@ -89,6 +89,8 @@ def worker_flags(a: argparse.Namespace, checkpoint: str, *, device: str, kv_back
     gib = kv_cache_gib or a.kv_cache_gib
     if gib:
         flags += ["--kv-cache-gib", str(gib)]
+    if not getattr(a, "enable_prefix_caching", True):
+        flags.append("--no-enable-prefix-caching")
     return flags
 
 
@@ -127,6 +129,8 @@ def build_commands(a: argparse.Namespace, checkpoint: str) -> list[list[str]]:
         router += ["--decode", addr]
     if a.colocated:
         router.append("--colocated")
+    if getattr(a, "remote_prefill_min_tokens", None) is not None:
+        router += ["--remote-prefill-min-tokens", str(a.remote_prefill_min_tokens)]
     return cmds + [router]
 
 
@@ -161,6 +165,12 @@ def serve(argv: list[str]) -> int:
                    "(default: --kv-cache-gib)")
     p.add_argument("--prefill-args", default="", help="extra flags for every prefill worker, one string")
     p.add_argument("--decode-args", default="", help="extra flags for every decode worker, one string")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="workers keep finished requests' KV pages, content-addressed, for later prompts that "
+                        "share a prefix (every worker; the router routes by it)")
+    p.add_argument("--remote-prefill-min-tokens", type=int, default=None,
+                   help="router: shorter uncached suffixes on a decode worker that holds the prefix prefill "
+                        "there (default: the router's measured default; 0 = always remote)")
     p.add_argument("--ready-timeout-s", type=float, default=300)
     a = p.parse_args(argv)
     if a.num_decode < 1:

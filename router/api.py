@@ -92,7 +92,7 @@ def build_app(h: Handlers, ready, render_metrics) -> FastAPI:
             # Wait for the first event before answering: a failure before the first token (no worker,
             # no KV room, failed transfer) is then a proper HTTP status instead of a 200 stream.
             first = await _first(events)
-            return StreamingResponse(_chat_sse(_prepend(first, events), base, usage, req),
+            return StreamingResponse(_chat_sse(_prepend(first, events), base, usage, req, job),
                                      media_type="text/event-stream")
         ids: list[int] = []
         logprobs: list[dict] = []
@@ -110,7 +110,7 @@ def build_app(h: Handlers, ready, render_metrics) -> FastAPI:
                   "logprobs": {"content": logprobs} if req.logprobs else None}
         if req.return_token_ids:
             choice["token_ids"] = ids
-        usage.update(completion_tokens=len(ids), total_tokens=len(job.prompt_ids) + len(ids))
+        usage.update(completion_tokens=len(ids), total_tokens=len(job.prompt_ids) + len(ids), **prefix_usage([job]))
         return {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
 
     @app.post("/v1/completions")
@@ -145,7 +145,7 @@ def build_app(h: Handlers, ready, render_metrics) -> FastAPI:
         n_in = sum(len(j.prompt_ids) for j in jobs)
         return {"id": jobs[0].request_id, "object": "text_completion", "created": created, "model": req.model,
                 "choices": choices, "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
-                                              "total_tokens": n_in + n_out}}
+                                              "total_tokens": n_in + n_out, **prefix_usage(jobs)}}
 
     return app
 
@@ -155,7 +155,17 @@ def _completion_logprobs(entries: list[dict]) -> dict:
             "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]}
 
 
-async def _chat_sse(events, base: dict, usage: dict, req: ChatCompletionRequest) -> AsyncIterator[bytes]:
+def prefix_usage(jobs: list) -> dict:
+    """usage.prompt_tokens_details.cached_tokens as OpenAI and vLLM report it (prompt tokens not
+    recomputed), and tandem's own breakdown: computed tokens, KV bytes shipped, where it prefilled."""
+    st = [j.stats for j in jobs]
+    return {"prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in st)},
+            "tandem": {"computed_tokens": sum(s.computed_tokens for s in st),
+                       "decode_cached_tokens": sum(s.decode_cached_tokens for s in st),
+                       "kv_bytes_shipped": sum(s.kv_bytes for s in st), "prefill": st[0].prefill if st else ""}}
+
+
+async def _chat_sse(events, base: dict, usage: dict, req: ChatCompletionRequest, job) -> AsyncIterator[bytes]:
     head = {**base, "object": "chat.completion.chunk"}
     n_out = 0
     try:
@@ -176,7 +186,7 @@ async def _chat_sse(events, base: dict, usage: dict, req: ChatCompletionRequest)
             if parsed is not None:
                 yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": parsed.finish_reason}]})
         if req.stream_options and req.stream_options.include_usage:
-            u = dict(usage, completion_tokens=n_out, total_tokens=usage["prompt_tokens"] + n_out)
+            u = dict(usage, completion_tokens=n_out, total_tokens=usage["prompt_tokens"] + n_out, **prefix_usage([job]))
             yield _sse({**head, "choices": [], "usage": u})
     except TandemError as e:
         yield _sse({"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": e.http_status}})
@@ -215,7 +225,7 @@ async def _completion_sse(h: Handlers, job, events, base: dict, req: CompletionR
         if req.stream_options and req.stream_options.include_usage:
             n_in = len(job.prompt_ids)
             yield _sse({**base, "choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
-                                                         "total_tokens": n_in + n_out}})
+                                                         "total_tokens": n_in + n_out, **prefix_usage([job])}})
     except TandemError as e:
         yield _sse({"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": e.http_status}})
     yield b"data: [DONE]\n\n"

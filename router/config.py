@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.prefill_cost import PrefillCost
+
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
@@ -24,6 +26,7 @@ class RouterConfig:
     default_max_tokens: int = 4096
     knowledge_cutoff: str = "2024-06"
     served_models: tuple[str, ...] = field(default=())
+    prefill_cost: PrefillCost = field(default_factory=PrefillCost)  # local vs remote prefill of a cached prompt
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -5,7 +5,8 @@ Loop: every poll interval, ask each worker for WorkerStatus (deadline = 2 x inte
 misses in a row mark it down and fail its in-flight requests at once; an answer marks it up again. A
 poll that times out while the worker sent something since the previous poll (token chunks, a late
 status reply; also what a starved router finds queued when it wakes) is not a miss: slow is not
-gone. `snapshot()` feeds the pure placement policy.
+gone. `snapshot()` feeds the pure placement policy. Each poll also carries the worker's prefix-cache
+events after the router's cursor into its PrefixIndex (router/prefix_index.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import zmq.asyncio
 
 from router.placement import FleetSnapshot, WorkerView
+from router.prefix_index import PrefixIndex, PromptHashes
 from wire.protocol import WorkerStatus
 from router.worker_client import WorkerClient
 
@@ -37,6 +39,7 @@ class WorkerState:
     pending_tokens: int = 0  # prompt tokens sent to this prefill worker, not yet answered
     pending_requests: int = 0
     last_poll: float = 0.0  # monotonic time the previous status poll was sent
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)
 
     @property
     def healthy(self) -> bool:
@@ -113,7 +116,8 @@ class Fleet:
     async def _poll_one(self, addr: str, st: WorkerState) -> None:
         since, st.last_poll = st.last_poll, time.monotonic()  # heard from it since the previous poll?
         try:
-            st.status = await st.client.status(max(MIN_STATUS_TIMEOUT_S, 2 * self.interval))
+            st.status = await st.client.status(max(MIN_STATUS_TIMEOUT_S, 2 * self.interval), st.prefix.cursor)
+            st.prefix.apply(st.status)
             if st.misses >= MISSES_TO_DOWN:
                 log.info("%s worker %s is back (epoch %d)", st.client.role, addr, st.status.epoch)
             st.misses = 0
@@ -147,6 +151,29 @@ class Fleet:
                 running=s.running if s else 0, kv_free_pages=s.kv_free_pages if s else 0,
                 page_size=s.page_size if s else 16, max_num_seqs=s.max_num_seqs if s else 0))
         return FleetSnapshot(tuple(views["prefill"]), tuple(views["decode"]))
+
+    def prefix_matches(self, hashes: PromptHashes, num_tokens: int) -> dict[str, int]:
+        """address -> prompt tokens that worker's prefix cache holds (as the router knows it)."""
+        out = {}
+        for addr, st in self.workers.items():
+            if st.healthy and st.prefix.enabled:
+                m = st.prefix.match(hashes.of(st.prefix), num_tokens)
+                if m:
+                    out[addr] = m
+        return out
+
+    def predict(self, address: str, hashes: PromptHashes, tokens: list[int], num_valid: int) -> None:
+        """A request ended on `address`: what it is about to cache there (until its events say)."""
+        st = self.workers.get(address)
+        if st is not None and st.prefix.enabled:
+            st.prefix.predict(hashes.of(st.prefix, tokens), num_valid)
+
+    def prefix_evictions(self) -> dict[str, int]:
+        """role -> pages the workers of that role reported evicted (since the router knew them)."""
+        out = {"prefill": 0, "decode": 0}
+        for addr, st in self.workers.items():
+            out[self.roles[addr]] += st.prefix.evicted
+        return out
 
     def phase_gauges(self) -> dict[str, tuple[float, float, float]]:
         """phase -> (queue depth, KV usage ratio, running) summed over live workers (for /metrics).

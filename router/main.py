@@ -14,6 +14,7 @@ import uvicorn
 import zmq.asyncio
 
 from common.errors import ConfigError
+from router.prefill_cost import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, PrefillCost
 from router.api import build_app
 from router.config import RouterConfig
 from router.fleet import Discovery, Fleet
@@ -45,6 +46,10 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
     p.add_argument("--transfer-deadline-s", type=float, default=60.0)
     p.add_argument("--prefill-timeout-s", type=float, default=600.0)
     p.add_argument("--stream-timeout-s", type=float, default=300.0)
+    p.add_argument("--remote-prefill-min-tokens", type=int, default=DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
+                   help="a decode worker holding a cached prefix prefills the rest itself when the uncached "
+                        "suffix is shorter than this (on an idle fleet; queues shift it: router/prefill_cost.py); "
+                        "0 = always on a prefill worker. Default from measured H200 figures")
     a = p.parse_args(argv)
     if a.discovery == "k8s":
         if not a.decode_service:
@@ -60,7 +65,7 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
                        decode=tuple(disc.decode), dns_discovery=disc.dns, colocated=a.colocated,
                        poll_interval_s=a.poll_interval_s, transfer_deadline_s=a.transfer_deadline_s,
                        prefill_timeout_s=a.prefill_timeout_s, stream_timeout_s=a.stream_timeout_s,
-                       max_model_len=a.max_model_len)
+                       max_model_len=a.max_model_len, prefill_cost=PrefillCost(a.remote_prefill_min_tokens))
     return cfg, disc
 
 
@@ -78,7 +83,7 @@ def make_app(cfg: RouterConfig, disc: Discovery):
             return False, "no prefill worker ready"
         return True, ""
 
-    app = build_app(handlers, ready, lambda: metrics.render(fleet.phase_gauges()))
+    app = build_app(handlers, ready, lambda: metrics.render(fleet.phase_gauges(), fleet.prefix_evictions()))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
