@@ -59,7 +59,8 @@ class TurnResult:
     conversation: int
     turn: int  # 1-based
     prompt_tokens: int
-    new_tokens: int  # tokens the previous turn's KV did not cover: the user's new tokens (+ the system prompt on turn 1)
+    new_tokens: int  # tokens whose KV the conversation never computed: the user's new tokens and the previous
+    # answer's last token (turn 1: the whole prompt)
     ok: bool = False
     error: str = ""
     ttft_s: float | None = None
@@ -137,7 +138,7 @@ async def run_conversations(spec: MultiTurnSpec) -> tuple[list[TurnResult], floa
             await asyncio.sleep(c * spec.conversation_gap_s)
             prompt, out = list(system), []
             for k, (user, max_tokens) in enumerate(convs[c]):
-                new = len(user) + (len(system) if k == 0 else 0)
+                new = len(user) + (len(system) if k == 0 else 1)
                 prompt = prompt + user
                 r = await one_turn(client, spec, TurnResult(c, k + 1, len(prompt), new), prompt, max_tokens)
                 out.append(r)
@@ -160,7 +161,9 @@ def _pct(values: list[float], scale: float = 1.0) -> dict:
             "p99": float(np.percentile(a, 99))}
 
 
-def summarize(results: list[TurnResult], duration_s: float) -> dict:
+def summarize(results: list[TurnResult], duration_s: float, kv_bytes_per_token: int | None = None) -> dict:
+    """kv_bytes_per_token: one token's KV over all layers (the decode worker's WorkerStatus), for the
+    goal "a later turn ships no more than its new tokens' KV"."""
     ok = [r for r in results if r.ok]
     groups = {"turn1": [r for r in ok if r.turn == 1], "turns2plus": [r for r in ok if r.turn > 1]}
     out: dict = {"requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
@@ -179,59 +182,71 @@ def summarize(results: list[TurnResult], duration_s: float) -> dict:
             "prefilled_locally": sum(r.prefill == "local" for r in rs),
         }
     t1, t2 = out["turn1"], out["turns2plus"]
-    remote1 = [r for r in groups["turn1"] if r.prefill == "remote" and r.kv_bytes]
-    per_token = (sum(r.kv_bytes for r in remote1) / sum(r.prompt_tokens for r in remote1)) if remote1 else None
-    out["kv_bytes_per_prompt_token_turn1"] = per_token
-    # the goal: a later turn ships no more than its new tokens' KV (one page of rounding per turn)
-    out["turns2plus_bytes_over_new_token_kv"] = (t2["kv_bytes_per_turn"] / (per_token * t2["new_tokens_per_turn"])
-                                                 if per_token and t2["new_tokens_per_turn"] else None)
+    out["kv_bytes_per_token"] = kv_bytes_per_token
+    # the goal: a later turn ships no more than its new tokens' KV (all layers). The cached prefix is
+    # block-aligned (up to 15 earlier tokens go again), the sliding layers need only their last W tokens.
+    out["turns2plus_bytes_over_new_token_kv"] = (t2["kv_bytes_per_turn"] / (kv_bytes_per_token * t2["new_tokens_per_turn"])
+                                                 if kv_bytes_per_token and t2["new_tokens_per_turn"] else None)
     out["ttft_p50_turn1_over_turns2plus"] = (t1["ttft_ms"]["p50"] / t2["ttft_ms"]["p50"]
                                              if t1["ttft_ms"]["p50"] and t2["ttft_ms"]["p50"] else None)
     return out
 
 
-def run(spec: MultiTurnSpec, label: str) -> dict:
+def run(spec: MultiTurnSpec, label: str, workers: list[str] = ()) -> dict:
+    """One load against a service; `workers` (its decode and prefill addresses): KV bytes per token
+    from their status, and the leak check after the load."""
     results, duration = asyncio.run(run_conversations(spec))
     doc = asdict(spec)
-    return {"label": label, "load": doc, "summary": summarize(results, duration),
+    sts = worker_status(list(workers))
+    per_token = next((st.kv_bytes_per_token for st in sts if st is not None and st.role == "decode"), None)
+    return {"label": label, "load": doc, "summary": summarize(results, duration, per_token),
+            "leaks": worker_leaks(list(workers)) if workers else None,
             "requests": [{k: v for k, v in asdict(r).items() if k != "output_ids"} | {"output_tokens": len(r.output_ids)}
                          for r in results]}
 
 
 def format_runs(runs: list[dict]) -> str:
-    cols = ("TTFT p50 t1", "TTFT p50 t2+", "TTFT p99 t2+", "computed/turn t2+", "KV bytes/turn t2+", "hit rate t2+",
-            "local t2+", "leaks")
+    cols = ("TTFT p50 t1", "TTFT p50 t2+", "TTFT p99 t2+", "computed/turn t2+", "KV bytes/turn t2+",
+            "/new tokens' KV", "hit rate t2+", "local t2+", "leaks")
     lines = [f"{'':28}" + "".join(f"{c:>18}" for c in cols)]
     for r in runs:
         s = r["summary"]
         t1, t2 = s["turn1"], s["turns2plus"]
         vals = [t1["ttft_ms"]["p50"], t2["ttft_ms"]["p50"], t2["ttft_ms"]["p99"], t2["computed_tokens_per_turn"],
-                t2["kv_bytes_per_turn"], t2["hit_rate"], t2["prefilled_locally"], r.get("leaks", {}).get("leaked")]
+                t2["kv_bytes_per_turn"], s["turns2plus_bytes_over_new_token_kv"], t2["hit_rate"], t2["prefilled_locally"],
+                (r.get("leaks") or {}).get("leaked")]
         cells = [f"{v:18.3f}" if isinstance(v, float) else f"{str(v):>18}" for v in vals]
         lines.append(f"{r['label']:28}" + "".join(cells) + ("" if not s["failed"] else f"  failed {s['failed']}"))
     return "\n".join(lines)
 
 
-def worker_leaks(addresses: list[str], timeout_s: float = 15.0) -> dict:
-    """Every worker's pages back (free, or held by the prefix cache alone), nothing running: polled
-    until true or timeout (a finished request's pages return one step later)."""
+def worker_status(addresses: list[str]) -> list:
+    """Each worker's WorkerStatus (None where it did not answer within 5 s)."""
     import zmq
 
     from wire.protocol import StatusRequest, decode, encode
 
     ctx = zmq.Context.instance()
+    out = []
+    for addr in addresses:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(addr)
+        try:
+            s.send(encode(StatusRequest()))
+            out.append(decode(s.recv()) if s.poll(5000) else None)
+        finally:
+            s.close(0)
+    return out
+
+
+def worker_leaks(addresses: list[str], timeout_s: float = 15.0) -> dict:
+    """Every worker's pages back (free, or held by the prefix cache alone), nothing running: polled
+    until true or timeout (a finished request's pages return one step later)."""
     t_end = time.monotonic() + timeout_s
     while True:
         bad = []
-        for addr in addresses:
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(addr)
-            try:
-                s.send(encode(StatusRequest()))
-                st = decode(s.recv()) if s.poll(5000) else None
-            finally:
-                s.close(0)
+        for addr, st in zip(addresses, worker_status(addresses)):
             if st is None or st.kv_free_pages != st.kv_total_pages or st.running or st.queue_depth \
                     or st.kv_free_sliding_pages != st.kv_total_sliding_pages:
                 bad.append({"worker": addr, "status": None if st is None else

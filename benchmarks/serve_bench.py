@@ -317,8 +317,7 @@ def main_multi_turn(a: argparse.Namespace, argv: list[str]) -> int:
             for name, flags in variants:
                 label = f"{mode} {name}".strip()
                 with LaunchedService(mode, a.num_prefill, a.num_decode, base_args + flags, a.ready_timeout_s) as svc:
-                    run = multi_turn.run(spec(svc.url), label)
-                    run["leaks"] = multi_turn.worker_leaks(svc.workers)
+                    run = multi_turn.run(spec(svc.url), label, svc.workers)
                     run["launched"] = {"mode": mode, "command": svc.cmd[2:]}
                     if "cuda" not in a.serve_args:
                         run["note"] = CPU_NOTE
@@ -334,4 +333,4 @@ def main_multi_turn(a: argparse.Namespace, argv: list[str]) -> int:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(doc, indent=1))
         print(f"wrote {a.out}")
-    return 1 if any(r["summary"]["failed"] or r.get("leaks", {}).get("leaked") for r in runs) else 0
+    return 1 if any(r["summary"]["failed"] or (r.get("leaks") or {}).get("leaked") for r in runs) else 0

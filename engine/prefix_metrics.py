@@ -48,12 +48,14 @@ class PrefixMetrics:
 
 def status_fields(kv: KVManager) -> dict:
     """The cache's static WorkerStatus fields (events are added per requester by `with_events`)."""
+    spec = kv.spec
+    per_token = sum(spec.page_bytes(g) for g in PageGroup) // spec.page_size
     c = kv.cache
     if c is None:
-        return {}
+        return {"kv_bytes_per_token": per_token}
     ix = c.full
-    return {"cache_identity": c.identity, "sliding_window": kv.spec.sliding_window if kv.spec.sliding_layers else 0,
-            "cached_pages": ix.num_evictable if ix is not None else 0}
+    return {"cache_identity": c.identity, "sliding_window": spec.sliding_window if spec.sliding_layers else 0,
+            "cached_pages": ix.num_evictable if ix is not None else 0, "kv_bytes_per_token": per_token}
 
 
 def with_events(kv: KVManager, status: WorkerStatus, req: StatusRequest | None) -> WorkerStatus:

@@ -21,8 +21,11 @@ while a step is in flight; the caller completes that step first.
 Prefix cache (when the KVManager has one): a WAITING sequence is looked up as it is admitted; a hit
 maps the cached blocks (model/kv_cache.py: full pages shared, sliding blocks copied into a fresh
 ring by its first step) and only the rest is computed. Released sequences (finished, aborted,
-preempted) register their complete blocks, after the fence: a block is cached only once the steps
-that wrote it completed, and an evicted page can only be one no launched step still uses.
+preempted) register their complete blocks at once, even while the step that writes their last KV is
+in flight: every reader of a cached page is a later step (or a copy queued before it) on the same
+stream, so it runs after those writes, and the next turn of a conversation, which arrives right
+after the last token, must find them. The sequence's references are still released under the
+fence, so none of those pages is evictable (or reusable by a KV transfer) before that step completed.
 """
 
 from __future__ import annotations
@@ -63,8 +66,7 @@ class Scheduler:
         self.waiting_tokens = 0  # uncached tokens of WAITING sequences, kept as they move (status is O(1))
         self.launched = 0  # number of the latest launched step
         self.completed = 0  # number of the latest step whose tokens reached the host
-        # (step that may still use them, pages, prefix-cache registration or None)
-        self._fenced: deque[tuple[int, SeqPages, tuple | None]] = deque()
+        self._fenced: deque[tuple[int, SeqPages]] = deque()  # (step that may still use them, pages)
 
     # ---- admission ------------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -141,24 +143,23 @@ class Scheduler:
             seq.num_cached = end
             note_ring_write(seq, it.start, end, spec.page_size, spec.sliding_window)
             if seq.pages.copy_src:  # the step copied its hit's sliding blocks: drop the sources after it
-                self._fenced.append((step, self.kv.release_copy_sources(seq.pages), None))
+                self._fenced.append((step, self.kv.release_copy_sources(seq.pages)))
             if it.sample:
                 seq.num_pending += 1
 
     def release_completed(self, step: int) -> None:
         """Step `step` completed: pages released while it (or an earlier step) was in flight are free
-        (or cached, with the blocks they hold)."""
+        (or evictable, when cached)."""
         self.completed = step
         while self._fenced and self._fenced[0][0] <= step:
-            _, pages, reg = self._fenced.popleft()
-            self.kv.release(pages, reg)
+            self.kv.release(self._fenced.popleft()[1])
 
     def _release(self, seq: Sequence) -> None:
-        reg = self.registration(seq)
+        self.kv.register(seq.pages, self.registration(seq))  # cached now, evictable once released (module doc)
         if self.launched == self.completed:
-            self.kv.release(seq.pages, reg)
+            self.kv.release(seq.pages)
         else:  # a launched step may still write these pages: hand them back when it completed
-            self._fenced.append((self.launched, seq.pages, reg))
+            self._fenced.append((self.launched, seq.pages))
             seq.pages = SeqPages()
 
     # ---- prefix cache -----------------------------------------------------------------------------

@@ -131,6 +131,7 @@ def build_commands(a: argparse.Namespace, checkpoint: str) -> list[list[str]]:
         router.append("--colocated")
     if getattr(a, "remote_prefill_min_tokens", None) is not None:
         router += ["--remote-prefill-min-tokens", str(a.remote_prefill_min_tokens)]
+    router += shlex.split(getattr(a, "router_args", "") or "")
     return cmds + [router]
 
 
@@ -165,6 +166,7 @@ def serve(argv: list[str]) -> int:
                    "(default: --kv-cache-gib)")
     p.add_argument("--prefill-args", default="", help="extra flags for every prefill worker, one string")
     p.add_argument("--decode-args", default="", help="extra flags for every decode worker, one string")
+    p.add_argument("--router-args", default="", help="extra flags for the router, one string")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="workers keep finished requests' KV pages, content-addressed, for later prompts that "
                         "share a prefix (every worker; the router routes by it)")

@@ -310,13 +310,18 @@ class KVManager:
         r = self.spec.ring_pages
         pages.copy_dst = [pages.ring[j % r] for j in hit.sliding]
 
-    def release(self, pages: SeqPages, register: tuple[list[int], int, int] | None = None) -> None:
-        """Drop a sequence's references. `register` = (block hashes, tokens with valid KV, first
-        valid ring position): index its complete blocks in the prefix cache first."""
+    def register(self, pages: SeqPages, register: tuple[list[int], int, int] | None) -> None:
+        """Index a sequence's complete blocks in the prefix cache. `register` = (block hashes, tokens
+        with valid KV, first valid ring position). The sequence keeps its references."""
         c = self.cache
         if c is not None and register is not None:
             hashes, num_valid, ring_from = register  # a ring still waiting for its copies holds nothing valid
             c.register(hashes, pages.full, [] if pages.copy_src else pages.ring, num_valid, ring_from)
+
+    def release(self, pages: SeqPages, register: tuple[list[int], int, int] | None = None) -> None:
+        """Drop a sequence's references (after registering its blocks, when `register` is given)."""
+        self.register(pages, register)
+        c = self.cache
         for g, lst in ((PageGroup.FULL, pages.full[::-1]), (PageGroup.SLIDING, pages.ring[::-1] + pages.copy_src)):
             ix = c.group(g) if c is not None else None
             if ix is not None:

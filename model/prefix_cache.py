@@ -9,8 +9,8 @@ written again: full-attention hits are shared by reference (a sequence writes on
 boundary on, into its own pages); sliding-window hits are copied into the sequence's own ring
 (model/kv_cache.py explains why), so a cached page is read-only for as long as it is indexed.
 
-Which blocks are cached (registration happens when a sequence releases its pages, after the last
-step that wrote them completed):
+Which blocks are cached (registered when a sequence releases its pages; its references, which keep
+them from eviction, go only once the last step that wrote them completed: engine/scheduler.py):
   * FULL: every complete block whose KV was computed (prompt and output);
   * SLIDING: the complete blocks the sequence's ring still holds valid (at most R = ceil(W/P)+1,
     the tail of the sequence): exactly what a later hit at that tail needs.

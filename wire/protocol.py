@@ -91,6 +91,7 @@ class WorkerStatus:
     cache_reset: bool = False
     cache_events: list[int] = field(default_factory=list)
     cached_pages: int = 0  # full-attention pages held by the cache alone (evictable)
+    kv_bytes_per_token: int = 0  # one token's KV over all layers (this rank's heads): what shipping it costs
 
 
 @dataclass(frozen=True, slots=True)

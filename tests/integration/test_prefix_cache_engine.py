@@ -177,8 +177,9 @@ def test_prefix_referenced_pages_are_never_evicted(ckpt_factory):
 
 
 def test_prefix_fence_cached_pages_released_in_flight_are_not_reused(ckpt_factory):
-    """A sequence that finishes while a step is in flight registers its blocks only once that
-    step completed; until then its pages are neither free nor evictable."""
+    """A sequence that finishes while a step is in flight registers its blocks at once (the next
+    turn must find them; readers are later steps), but until that step completed its pages are
+    neither free nor evictable."""
     llm = make(ckpt_factory("tiny-a"), True, kv_cache_bytes=1 << 20)
     eng = llm.engine
     g = torch.Generator().manual_seed(9)
@@ -191,7 +192,33 @@ def test_prefix_fence_cached_pages_released_in_flight_are_not_reused(ckpt_factor
     before = eng.kv.num_free()
     eng.abort(rid)
     assert eng.kv.num_free() == before  # fenced: not free, not evictable
-    assert not any(p in eng.kv.cache.full.hash_of for p in pages)
+    cached = pages[:seq.num_cached // 16]
+    assert cached and all(p in eng.kv.cache.full.hash_of and p not in eng.kv.cache.full.lru for p in cached)
     eng.core.flush()
-    assert all(p in eng.kv.cache.full.hash_of for p in pages[:seq.num_cached // 16])
+    assert all(p in eng.kv.cache.full.lru for p in cached)
+    assert eng.kv.num_free()[0] == before[0] + len(pages)
     eng.kv.assert_all_free()
+
+
+def test_prefix_next_turn_hits_while_the_finishing_step_is_in_flight():
+    """The overlapped loop releases a finished sequence's pages one step late; its next turn,
+    arriving right after the last token while other sequences keep the loop busy, still hits."""
+    from engine.sequence import Sequence
+
+    core, kv = core_with_cache(400, 8 * 9 * 2, True)
+    g = torch.Generator().manual_seed(2)
+    busy = Sequence("busy", rand_ids(50, 500, g), SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    turn1 = Sequence("t1", rand_ids(200, 500, g), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    core.scheduler.add(busy)
+    core.scheduler.add(turn1)
+    while not turn1.finished:
+        core.step()
+    assert core.inflight is not None and not busy.finished  # a step is in flight: turn 1's pages are fenced
+    turn2 = Sequence("t2", turn1.all_ids + rand_ids(30, 500, g), SamplingParams(max_tokens=3, temperature=0,
+                                                                               ignore_eos=True))
+    core.scheduler.add(turn2)
+    core.step()
+    assert turn2.num_cached_prefix == 192  # 204 tokens computed (the last answer token has no KV): 12 blocks
+    while core.has_work:
+        core.step()
+    kv.assert_all_free()
