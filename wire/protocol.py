@@ -6,14 +6,19 @@ the tag, the field count and every field's type against the class annotations, s
 foreign frame raises ProtocolError instead of reaching worker logic. No dict[str, Any] crosses.
 
 Request lifecycle (disaggregated):
-  router -> decode  AdmitRequest        decode reserves pages for the prompt (or Rejected)
+  router -> decode  AdmitRequest        decode looks the prompt up in its prefix cache and reserves
+                                        pages for the rest (or Rejected)
   decode -> router  Admitted            with an opaque KV target (kv_transfer's TransferRequest bytes)
-  router -> prefill PrefillRequest      prefill computes the prompt and writes KV into those pages
+                                        and the cached prefix length: only the pages after it are shipped
+  router -> prefill PrefillRequest      prefill computes the prompt (from its own cached prefix) and
+                                        writes KV into those pages
   prefill -> router PrefillResult       first token once the transfer is DONE (or an error)
   router -> decode  StartDecode         decode waits for the KV-landed notification and this message
   decode -> router  TokenBatch ...      each step: a TokenChunk per sequence of that router, until finished
   router -> any     Abort               client gone / failure; frees or quarantines pages
-Colocated: router -> decode GenerateRequest, then TokenChunks.
+Colocated (or a short uncached suffix on the decode worker holding the prefix): router -> decode
+GenerateRequest, then TokenChunks. Status polls (StatusRequest with the router's cursor) carry each
+worker's prefix-cache events (WorkerStatus.cache_*).
 """
 
 from __future__ import annotations
