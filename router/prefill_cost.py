@@ -20,8 +20,10 @@ Default T, from committed H200 runs of gpt-oss-20b with the workers' defaults:
     model_gpt-oss-20b-tp1-defaults.json: short suffixes are nearer the 2k figure);
   T = 7.70 / 0.0124 = 621 tokens. A local prefill of 621 tokens stalls the decode batch ~7.7 ms, about
   0.7 of one decode step at batch 64 and 8k context (11.09 ms, same served run).
-Local prefill is only chosen when the decode worker already holds a prefix of the prompt: it is the
-continuation path of a conversation; cold prompts keep the deployment's disaggregation.
+Local prefill is only chosen when the decode worker already holds at least half of the prompt: it is
+the continuation path of a conversation. Cold prompts, including those that share only a chat
+template's preamble (every Harmony prompt starts with the same ~64-token system block), keep the
+deployment's disaggregation.
 """
 
 from __future__ import annotations
@@ -45,6 +47,6 @@ class PrefillCost:
 
     def prefer_local(self, cached_on_decode: int, decode_queued: int, suffix_decode: int,
                      prefill_queued: int, suffix_prefill: int) -> bool:
-        if self.remote_min_tokens <= 0 or cached_on_decode <= 0:
+        if self.remote_min_tokens <= 0 or cached_on_decode <= 0 or cached_on_decode < suffix_decode:
             return False
         return self.local(decode_queued, suffix_decode) <= self.remote(prefill_queued, suffix_prefill)

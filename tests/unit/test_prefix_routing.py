@@ -76,8 +76,9 @@ def test_prefix_cost_model_thresholds():
     c = PrefillCost(600)
     assert c.prefer_local(1000, 0, 599, 0, 599) and not c.prefer_local(1000, 0, 601, 0, 601)
     assert not c.prefer_local(1000, 5000, 100, 0, 100)  # decode has a queue of its own
-    assert c.prefer_local(1000, 0, 800, 0, 3000)  # the prefill worker would recompute much more
+    assert c.prefer_local(1000, 0, 800, 0, 1800)  # the prefill worker would recompute much more
     assert not c.prefer_local(0, 0, 10, 0, 10)
+    assert not c.prefer_local(64, 0, 200, 0, 200)  # a chat template's preamble is not a conversation
 
 
 def test_prefix_default_threshold_comes_from_committed_figures():
