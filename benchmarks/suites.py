@@ -246,6 +246,12 @@ SUITES: dict[str, Suite] = {
         steps=(multi_turn_step("colocated", 240), multi_turn_step("disaggregated", 310)),
         reproduces=("issue 25 goals: TTFT p50 of turns 2+ >= 3x lower than without caching; KV bytes per turn <= "
                     "the new tokens' KV; zero leaked pages",)),
+    "prefix-gpu-tests": Suite(
+        "issue 25: prefix caching on the GPU (FlashInfer, CUDA graphs, overlapped loop): later turns hit, "
+        "tokens agree with the uncached engine, no leaks; and the overlapped loop's GPU tests with the cache on",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("prefix-gpu", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_prefix_cache_gpu.py "
+                                  "tests/integration/test_async_decode_gpu.py", 300, summary=PYTEST),)),
     "cpu-smoke": Suite(
         "every suite's machinery on a CPU: the benchmarks' own smoke modes on tiny shapes (no GPU set-up)",
         carry=(), gpu=False, kind="cpu",

@@ -268,6 +268,8 @@ class KVManager:
 
     def can_grow(self, pages: SeqPages, total_len: int) -> bool:
         f, s = self.pages_needed(pages, total_len)
+        if not (f or s):  # most decode steps: no new page (checked per running sequence per step)
+            return True
         free_full, free_sliding = self.num_free()
         return f <= free_full and s <= free_sliding
 
