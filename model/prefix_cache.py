@@ -17,6 +17,13 @@ them from eviction, go only once the last step that wrote them completed: engine
 Tail blocks are evicted first: a sequence's pages enter the LRU last block first, so eviction does
 not orphan the blocks below a chain's remaining prefix.
 
+Not cached: sliding blocks in the middle of a sequence. The ring keeps only its last R blocks, and
+a prefill chunk longer than the ring never stores most of its sliding KV at all. A hit is therefore
+possible where a cached sequence ended (the next turn of a conversation, a repeated prompt), but two
+conversations that share only a system prompt do not share its KV: the hit at its boundary lacks
+those sliding blocks. (Keeping them means storing the sliding KV of chosen boundaries, e.g. chunk
+ends or boundaries the router marks, into pages of their own: a follow-up.)
+
 Events (stored / evicted hashes per group) go into a bounded log the router reads through
 WorkerStatus (wire.protocol) to keep its own per-worker index (router/prefix_index.py).
 """
