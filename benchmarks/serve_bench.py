@@ -10,6 +10,10 @@ a short table to stdout.
 
     tandem bench serve --url http://127.0.0.1:8000 --request-rate 4 --num-requests 200
     tandem bench serve --launch both --request-rate 2 --num-requests 40 --input-len 64:256
+    tandem bench serve --multi-turn --launch both --compare-caching --conversations 64 --turns 8
+
+--multi-turn runs conversations instead of independent requests (benchmarks/multi_turn.py);
+--compare-caching launches each mode twice, with and without prefix caching.
 
 Overload figures (issue 24): `--burst N` adds N streams sent at once after the run; `--verify-greedy`
 replays every completed stream in one process (engine.llm.LLM, same checkpoint and prompt ids) and
@@ -39,6 +43,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from benchmarks import multi_turn
 from benchmarks.loadgen import LengthRange, LoadSpec, RequestResult, plan_requests, run_load
 from benchmarks.serve_checks import queue_waits, replay_greedy, settled_status
 from common.errors import ConfigError, WorkerUnavailable
@@ -154,9 +159,9 @@ class LaunchedService:
     def __init__(self, mode: str, num_prefill: int, num_decode: int, serve_args: list[str], ready_timeout_s: float):
         self.mode, self.ready_timeout_s = mode, ready_timeout_s
         port, base = free_port(), free_base_port(num_prefill + num_decode)
-        n_decode = num_prefill + num_decode if mode == "colocated" else num_decode
-        self.workers = ([] if mode == "colocated" else [f"tcp://127.0.0.1:{base + 100 + i}" for i in range(num_prefill)])
-        self.workers += [f"tcp://127.0.0.1:{base + 200 + i}" for i in range(n_decode)]
+        n_pre, n_dec = (0, num_prefill + num_decode) if mode == "colocated" else (num_prefill, num_decode)
+        self.workers = ([f"tcp://127.0.0.1:{base + 100 + i}" for i in range(n_pre)]
+                        + [f"tcp://127.0.0.1:{base + 200 + i}" for i in range(n_dec)])
         self.url = f"http://127.0.0.1:{port}"
         workers = (["--colocated", "--num-decode", str(num_prefill + num_decode)] if mode == "colocated"
                    else ["--num-prefill", str(num_prefill), "--num-decode", str(num_decode)])
@@ -298,6 +303,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default with --launch: --serve-args' --checkpoint, else the embedded tiny model)")
     p.add_argument("--worker", action="append", default=[],
                    help="--url: a worker tcp://HOST:PORT whose KV pages are checked after each run (repeat)")
+    m = p.add_argument_group("multi-turn (--multi-turn): conversations that resend their history each turn")
+    m.add_argument("--multi-turn", action="store_true")
+    m.add_argument("--conversations", type=int, default=64)
+    m.add_argument("--turns", type=int, default=8)
+    m.add_argument("--system-len", type=int, default=2048, help="shared system prompt tokens")
+    m.add_argument("--user-len", default="100:300", help="new user tokens per turn: N or LO:HI")
+    m.add_argument("--conversation-gap-ms", type=float, default=0.0, help="stagger the conversations' starts")
+    m.add_argument("--compare-caching", action="store_true",
+                   help="--launch: each mode with --enable-prefix-caching and with --no-enable-prefix-caching "
+                        "(disaggregated also with --remote-prefill-min-tokens 0: every prefill remote)")
     return p
 
 
@@ -306,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     if a.num_prefill < 1 or a.num_decode < 1:
         raise ConfigError("--num-prefill and --num-decode must be >= 1")
+    if a.multi_turn:
+        return main_multi_turn(a, sys.argv[1:] if argv is None else argv)
     runs = []
     if a.url:
         url = a.url.rstrip("/")
@@ -335,3 +352,44 @@ def main(argv: list[str] | None = None) -> int:
     bad_replay = any(r["summary"].get("replay", {}).get("equal", 0) != r["summary"].get("replay", {}).get(
         "streams", 0) for r in runs)
     return 1 if any(r["summary"]["failed"] for r in runs) or bad_replay else 0
+
+
+
+def main_multi_turn(a: argparse.Namespace, argv: list[str]) -> int:
+    def spec(url: str) -> multi_turn.MultiTurnSpec:
+        return multi_turn.MultiTurnSpec(url, a.model or _model_of(url, a.connect_timeout_s), a.conversations,
+                                        a.turns, a.system_len, LengthRange.parse(a.user_len),
+                                        LengthRange.parse(a.output_len), a.conversation_gap_ms / 1e3, a.seed,
+                                        request_timeout_s=a.request_timeout_s)
+
+    runs = []
+    if a.url:
+        runs.append(multi_turn.run(spec(a.url.rstrip("/")), a.url))
+    else:
+        base_args = shlex.split(a.serve_args)
+        for mode in (["colocated", "disaggregated"] if a.launch == "both" else [a.launch]):
+            variants = [("", [])]
+            if a.compare_caching:  # disaggregated also with every prefill remote: what shipping only new pages gives
+                variants = [("cache on", ["--enable-prefix-caching"])] + (
+                    [("cache on, remote", ["--enable-prefix-caching", "--remote-prefill-min-tokens", "0"])]
+                    if mode == "disaggregated" else []) + [("cache off", ["--no-enable-prefix-caching"])]
+            for name, flags in variants:
+                label = f"{mode} {name}".strip()
+                with LaunchedService(mode, a.num_prefill, a.num_decode, base_args + flags, a.ready_timeout_s) as svc:
+                    run = multi_turn.run(spec(svc.url), label, svc.workers)
+                    run["launched"] = {"mode": mode, "command": svc.cmd[2:]}
+                    if "cuda" not in a.serve_args:
+                        run["note"] = CPU_NOTE
+                    runs.append(run)
+                print(multi_turn.format_runs(runs[-1:]), flush=True)
+    doc = {"kind": "tandem-bench-serve-multi-turn", "version": 1,
+           "env": {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
+                   "cpus": os.cpu_count(), "python": platform.python_version()},
+           "command": "tandem bench serve " + shlex.join(argv), "args": vars(a),
+           "runs": runs}
+    print(multi_turn.format_runs(runs), flush=True)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+        print(f"wrote {a.out}")
+    return 1 if any(r["summary"]["failed"] or (r.get("leaks") or {}).get("leaked") for r in runs) else 0

@@ -106,6 +106,23 @@ SERVED_MODEL_JSON = "benchmarks/results/2026-12-02/served-engine/model-20b/model
 
 TP = "{py} -m torch.distributed.run --nproc-per-node 2 -m benchmarks.bench_tp --bf16-attention"
 
+# Prefix caching (issue 25): multi-turn conversations on the served stack, one H200, with and without the
+# cache. The prefill worker gets room to cache prompts too; a conversation is <= 2048 + 8 x 500 tokens.
+MT_SERVE_ARGS = ("--device cuda --fp8 --random-weights gpt-oss-20b --share-gpu --kv-backend ipc --kv-cache-gib 28 "
+                 "--prefill-kv-cache-gib 12 --max-num-seqs 128 --decode-args '--cuda-graphs --max-model-len 16384 "
+                 "--max-num-batched-tokens 4096' --prefill-args '--max-model-len 16384'")
+
+
+def multi_turn_step(mode: str, timeout_s: int) -> Step:
+    """64 conversations x 8 turns, a 2k shared system prompt, 100-300 new user tokens and 100-200 answer
+    tokens per turn; each mode launched with and without prefix caching (disaggregated also with every
+    prefill remote: shipping only the pages decode lacks)."""
+    return step(mode, f"{{py}} -m launcher.cli bench serve --multi-turn --launch {mode} --compare-caching "
+                      "--conversations 64 --turns 8 --system-len 2048 --user-len 100:300 --output-len 100:200 "
+                      "--num-prefill 1 --num-decode 1 --request-timeout-s 200 --ready-timeout-s 150 "
+                      f"--out {{out}}/serve_multi_turn_{mode}.json --serve-args " + shlex.quote(MT_SERVE_ARGS),
+                timeout_s, summary=r"cache|failed|Error|Traceback")
+
 SUITES: dict[str, Suite] = {
     "kernels": Suite(
         "attention, FP8 GEMM and MoE kernel benchmarks, each with parity at real dims and the ceilings of the run",
@@ -243,6 +260,21 @@ SUITES: dict[str, Suite] = {
         steps=tuple(step(f"kv-transfer-{dt}", "{py} -m benchmarks.kv_transfer --devices cuda:0 cuda:0 --tokens 32768 "
                                              f"--iters 3 --placements contig --nixl-timeout 110 --kv-cache-dtype {dt}",
                          260, summary=r"bytes per request|wrote|ERROR") for dt in ("bf16", "fp8"))),
+    "multi-turn": Suite(
+        "issue 25, prefix caching: multi-turn conversations (64 x 8 turns, 2k shared system prompt) on the served "
+        "stack on one H200, colocated (two decode workers: cache-aware routing) and disaggregated, each with and "
+        "without prefix caching: TTFT of turns 2+, prefill tokens computed, KV bytes shipped per turn, hit rate, "
+        "leaked pages",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(multi_turn_step("colocated", 240), multi_turn_step("disaggregated", 310)),
+        reproduces=("issue 25 goals: TTFT p50 of turns 2+ >= 3x lower than without caching; KV bytes per turn <= "
+                    "the new tokens' KV; zero leaked pages",)),
+    "prefix-gpu-tests": Suite(
+        "issue 25: prefix caching on the GPU (FlashInfer, CUDA graphs, overlapped loop): later turns hit, "
+        "tokens agree with the uncached engine, no leaks; and the overlapped loop's GPU tests with the cache on",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("prefix-gpu", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_prefix_cache_gpu.py "
+                                  "tests/integration/test_async_decode_gpu.py", 300, summary=PYTEST),)),
     "cpu-smoke": Suite(
         "every suite's machinery on a CPU: the benchmarks' own smoke modes on tiny shapes (no GPU set-up)",
         carry=(), gpu=False, kind="cpu",

@@ -1,7 +1,8 @@
 """A worker's network side, on its own thread, so a long forward pass never makes it look dead.
 
 The I/O thread owns the ZMQ ROUTER socket the router talks to. It answers StatusRequest itself from
-the snapshot the worker loop publishes, hands every other message to the loop through `inbox`, and
+the snapshot the worker loop publishes (status_fn(request): the prefix-cache events after the
+requester's cursor are added per request), hands every other message to the loop through `inbox`, and
 sends what the loop puts in the outbox (an inproc PUSH/PULL pair, the thread-safe way into ZMQ).
 
     io = WorkerIO("tcp://0.0.0.0:7200", status_fn)
@@ -30,7 +31,7 @@ log = logging.getLogger("tandem.worker.io")
 
 
 class WorkerIO:
-    def __init__(self, bind: str, status_fn: Callable[[], WorkerStatus]) -> None:
+    def __init__(self, bind: str, status_fn: Callable[[StatusRequest], WorkerStatus]) -> None:
         self.bind, self.status_fn = bind, status_fn
         self.ctx = zmq.Context.instance()
         self.inbox: queue.Queue[tuple[bytes, object]] = queue.Queue()
@@ -134,7 +135,7 @@ class WorkerIO:
                         self._dropped(e.message)
                         continue
                     if isinstance(msg, StatusRequest):
-                        router.send_multipart([peer, encode(self.status_fn())])
+                        router.send_multipart([peer, encode(self.status_fn(msg))])
                     else:
                         self.inbox.put((peer, msg))
         watch.stop()

@@ -1,15 +1,20 @@
 """DecodeEngine: the engine core plus admission of sequences whose KV a prefill worker pushes.
 
 Request lifecycle on a decode worker:
-  AdmitRequest  -> reserve pages for the prompt now (or Rejected: no room / too long), register
-                   them with the KV receiver, return the TransferRequest bytes (kv_target)
+  AdmitRequest  -> look the prompt up in the prefix cache; reserve pages for the rest now (or
+                   Rejected: no room / too long), register them with the KV receiver, return the
+                   TransferRequest bytes (kv_target) and the cached prefix length: the prefill
+                   worker ships only the pages after it
   StartDecode   -> prompt ids, sampling and the first token arrive (from the router, after prefill)
   transfer DONE -> the sequence joins continuous batching with num_cached = prompt_len
   FAILED / deadline / Abort -> the request ends with an error; its pages return to the pool only
                    when the receiver says no peer can still write into them (fail-closed); KV that
                    landed but whose StartDecode never came (router gone) is freed at the deadline
   Abort of a running or waiting sequence -> its pages are freed now, before the next step
-  GenerateRequest (colocated) -> a normal sequence that prefills here
+  GenerateRequest (colocated, or a short uncached suffix) -> a normal sequence that prefills here,
+                   from its cached prefix (the scheduler looks it up)
+Finished sequences' blocks (prompt and output) stay cached until evicted (model/prefix_cache.py),
+so the next turn of a conversation needs only its new tokens' KV.
 Steps run overlapped (engine.core): each returns one TokenBatch per router connection.
 """
 
@@ -22,11 +27,12 @@ from dataclasses import dataclass
 from common.errors import InvalidRequest, TandemError
 from engine.build import EngineParts
 from engine.core import EngineCore
-from engine.sampling import check_request, to_params
+from engine.sampling import SamplingParams, check_request, to_params
 from engine.sequence import FinishReason, Sequence, TokenLogprob
 from kv_transfer.interface import KVReceiver, TransferStatus
 from kv_transfer.messages import encode as encode_kv
 from model.kv_cache import SeqPages
+from model.prefix_cache import Hit
 from wire.protocol import (
     AdmitRequest,
     Admitted,
@@ -52,14 +58,17 @@ class Pending:
     prompt_len: int
     deadline: float
     start: StartDecode | None = None
+    prompt_ids: list[int] | None = None  # as admitted (StartDecode must match), with their block hashes
+    block_hashes: list[int] | None = None
+    cached_tokens: int = 0
 
 
-def chunk_of(seq: Sequence, n_new: int) -> TokenChunk:
+def chunk_of(seq: Sequence, n_new: int, cached_tokens: int = 0) -> TokenChunk:
     new = seq.output_ids[-n_new:] if n_new else []
     lps = seq.logprobs[-n_new:] if (n_new and seq.params.logprobs is not None) else []
     return TokenChunk(seq.request_id, new, [lp.logprob for lp in lps],
                       [[TopLogprob(t, v) for t, v in lp.top] for lp in lps], seq.finished,
-                      seq.finish_reason.value if seq.finish_reason else "", "")
+                      seq.finish_reason.value if seq.finish_reason else "", "", cached_tokens)
 
 
 class DecodeEngine:
@@ -71,6 +80,7 @@ class DecodeEngine:
         self.pending: dict[str, Pending] = {}
         self.peers: dict[str, bytes] = {}  # request id -> router socket identity
         self.seqs: dict[str, Sequence] = {}
+        self.local: set[str] = set()  # GenerateRequests that have not streamed their first chunk
 
     # ---- admission --------------------------------------------------------------------------------
     def admit(self, peer: bytes, m: AdmitRequest) -> Admitted | Rejected:
@@ -85,22 +95,47 @@ class DecodeEngine:
             self.scheduler.check_fits(m.prompt_len, m.max_tokens)
         except InvalidRequest as e:
             return Rejected(m.request_id, e.message, False)
+        probe = (Sequence(m.request_id, list(m.prompt_ids), SamplingParams())
+                 if len(m.prompt_ids) == m.prompt_len else None)
+        hit = self._decode_hit(probe, m.prompt_len)
         pages = SeqPages()
-        full, sliding = self.kv.pages_needed(pages, m.prompt_len + 1)
+        if hit.num_tokens:
+            full, sliding = self.kv.room_for_hit(hit, m.prompt_len + 1)
+        else:
+            full, sliding = self.kv.pages_needed(pages, m.prompt_len + 1)
         free_full, free_sliding = self.kv.num_free()
         if full + len(self.scheduler.running) > free_full or sliding > free_sliding \
                 or len(self.scheduler.running) + len(self.pending) >= self.scheduler.cfg.max_num_seqs:
             return Rejected(m.request_id, f"no KV room for {m.prompt_len} tokens right now", True)
-        self.kv.grow(pages, m.prompt_len)
+        if hit.num_tokens:
+            self.kv.map_hit(pages, hit, m.prompt_len)
+        else:
+            self.kv.grow(pages, m.prompt_len)
+        if probe is not None and self.kv.cache is not None:
+            self.kv.cache.count(m.prompt_len, hit.num_tokens)
         deadline = time.time() + m.deadline_s
         try:
-            req = self.rx.expect(m.request_id, pages, m.prompt_len, deadline)
+            req = self.rx.expect(m.request_id, pages, m.prompt_len, deadline, hit.num_tokens)
         except TandemError as e:  # nothing was promised to a peer: the pages go straight back
             self.kv.release(pages)
             return Rejected(m.request_id, f"KV receiver refused the request: {e.message}", True)
-        self.pending[m.request_id] = Pending(m.request_id, peer, pages, m.prompt_len, deadline)
+        self.pending[m.request_id] = Pending(m.request_id, peer, pages, m.prompt_len, deadline, None,
+                                             probe.prompt_ids if probe else None,
+                                             probe.block_hashes if probe else None, hit.num_tokens)
         self.peers[m.request_id] = peer
-        return Admitted(m.request_id, self.rx.epoch, encode_kv(req))
+        return Admitted(m.request_id, self.rx.epoch, encode_kv(req), hit.num_tokens)
+
+    def _decode_hit(self, probe: Sequence | None, n: int) -> Hit:
+        """The cached prefix of an admitted prompt, its sliding blocks trimmed to those the first
+        decode step reads: blocks before (n - W + 1) // P are dead for it, and copying them could
+        land in ring slots the transfer writes."""
+        if probe is None or self.kv.cache is None:
+            return Hit()
+        hit = self.scheduler.lookup(probe)
+        spec = self.kv.spec
+        need = max(0, n - spec.sliding_window + 1) // spec.page_size
+        hit.sliding = {j: pg for j, pg in hit.sliding.items() if j >= need}
+        return hit
 
     def start(self, peer: bytes, m: StartDecode) -> TokenChunk | None:
         p = self.pending.get(m.request_id)
@@ -108,11 +143,14 @@ class DecodeEngine:
             return TokenChunk(m.request_id, [], [], [], True, "abort", "unknown request (expired or aborted)")
         if p.start is not None:
             return None  # a repeated StartDecode: the first one stands
-        why = "prompt length differs from admission" if len(m.prompt_ids) != p.prompt_len else ""
-        try:
-            check_request(m.prompt_ids + [m.first_token], to_params(m.sampling), self.vocab_size)
-        except InvalidRequest as e:
-            why = e.message
+        why = ""
+        if len(m.prompt_ids) != p.prompt_len or (p.prompt_ids is not None and m.prompt_ids != p.prompt_ids):
+            why = "prompt differs from admission"
+        else:
+            try:
+                check_request(m.prompt_ids + [m.first_token], to_params(m.sampling), self.vocab_size)
+            except InvalidRequest as e:
+                why = e.message
         if why:
             self.abort(m.request_id, why)
             return TokenChunk(m.request_id, [], [], [], True, "abort", why)
@@ -131,6 +169,7 @@ class DecodeEngine:
             return TokenChunk(m.request_id, [], [], [], True, "abort", e.message)
         self.seqs[m.request_id] = seq
         self.peers[m.request_id] = peer
+        self.local.add(m.request_id)
         return None
 
     def abort(self, request_id: str, reason: str) -> None:
@@ -139,6 +178,7 @@ class DecodeEngine:
         p = self.pending.pop(request_id, None)
         if p is not None:
             self._drop_reservation(p, reason)
+        self.local.discard(request_id)
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
             self.core.abort(seq)
@@ -198,6 +238,11 @@ class DecodeEngine:
         assert m is not None
         seq = Sequence(p.request_id, list(m.prompt_ids), to_params(m.sampling), arrival=time.monotonic(),
                        pages=p.pages, num_cached=p.prompt_len)
+        spec = self.kv.spec
+        # valid sliding KV: what the first decode step reads (copied from the cache or transferred)
+        seq.ring_valid_from = max(0, p.prompt_len - spec.sliding_window + 1) // spec.page_size * spec.page_size
+        seq.block_hashes = p.block_hashes or []
+        seq.num_cached_prefix = p.cached_tokens
         seq.output_ids.append(m.first_token)
         if m.first_logprob is not None:
             seq.logprobs.append(TokenLogprob(m.first_token, m.first_logprob, [(t.token_id, t.logprob) for t in m.first_top]))
@@ -217,8 +262,11 @@ class DecodeEngine:
         for seq in self.core.step():
             peer = self.peers.get(seq.request_id)
             if peer is not None:
-                by_peer.setdefault(peer, []).append(chunk_of(seq, 1))
+                first = seq.request_id in self.local
+                self.local.discard(seq.request_id)
+                by_peer.setdefault(peer, []).append(chunk_of(seq, 1, seq.num_cached_prefix if first else 0))
             if seq.finished:
+                self.local.discard(seq.request_id)
                 self.seqs.pop(seq.request_id, None)
                 self.peers.pop(seq.request_id, None)
                 self.parts.sampler.forget(seq.request_id)

@@ -23,8 +23,10 @@ from prometheus_client import Counter, Gauge, Histogram
 from common.stall import StallWatch
 from common.worker_io import WorkerIO
 from decode_worker.engine import DecodeEngine
+from engine.prefix_metrics import PrefixMetrics, status_fields, with_events
 from model.kv_cache import PageGroup
-from wire.protocol import Abort, AdmitRequest, GenerateRequest, Rejected, StartDecode, TokenChunk, WorkerStatus
+from wire.protocol import (Abort, AdmitRequest, GenerateRequest, Rejected, StartDecode, StatusRequest, TokenChunk,
+                           WorkerStatus)
 
 log = logging.getLogger("tandem.decode")
 
@@ -45,6 +47,7 @@ class DecodeServer:
         self.drain_deadline = float("inf")  # monotonic; set by begin_drain
         self.ready = False
         self.busy_seconds = 0.0
+        self.prefix_metrics = PrefixMetrics(engine.kv, "decode")
         self._status = self._snapshot()
 
     def install_signals(self) -> None:
@@ -58,8 +61,8 @@ class DecodeServer:
             self.drain_deadline = time.monotonic() + self.drain_timeout_s
             self.draining.set()
 
-    def status(self) -> WorkerStatus:
-        return self._status
+    def status(self, req: StatusRequest | None = None) -> WorkerStatus:
+        return with_events(self.engine.kv, self._status, req)
 
     def ready_check(self) -> tuple[bool, str]:
         if self.draining.is_set():
@@ -76,7 +79,7 @@ class DecodeServer:
             queued_tokens=sched.waiting_tokens, running=len(sched.running),
             kv_free_pages=free_full, kv_total_pages=total, kv_free_sliding_pages=e.kv.num_free()[PageGroup.SLIDING],
             kv_total_sliding_pages=e.kv.spec.num_pages[PageGroup.SLIDING], page_size=e.kv.spec.page_size,
-            max_num_seqs=sched.cfg.max_num_seqs, busy_seconds=self.busy_seconds)
+            max_num_seqs=sched.cfg.max_num_seqs, busy_seconds=self.busy_seconds, **status_fields(e.kv))
 
     def handle(self, peer: bytes, msg: object) -> None:
         e = self.engine
@@ -127,6 +130,7 @@ class DecodeServer:
             for peer, batch in out:
                 self.io.send(peer, batch)
             self._status = self._snapshot()
+            self.prefix_metrics.update()
             RUNNING.set(self._status.running)
             KV_USED.set(1 - self._status.kv_free_pages / max(self._status.kv_total_pages, 1))
         watch.stop()

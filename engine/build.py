@@ -5,6 +5,8 @@ KV dtype would give), pick the FP8 KV scales (engine/kv_calibration.py), wire sc
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +57,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     progress: bool = False
     async_decode: bool = True  # overlapped step loop (engine.core); False: every step synchronous
+    enable_prefix_caching: bool = True  # model/prefix_cache.py
 
 
 @dataclass(slots=True)
@@ -138,34 +141,47 @@ def build_engine_parts(cfg: EngineConfig, model: GptOss | None = None) -> Engine
     model = model or load_model(cfg)
     spec = plan_and_log_kv(model.cfg, kv_budget(cfg), resolve_kv_dtype(cfg.kv_cache_dtype, model.dtype),
                            page_size=cfg.page_size, max_num_seqs=cfg.scheduler.max_num_seqs,
-                           tp_size=cfg.parallel.tp_size)
+                           tp_size=cfg.parallel.tp_size, cached_tails=1.0 if cfg.enable_prefix_caching else 0.0)
     scales = None
     if is_fp8(spec.dtype):
         from engine.kv_calibration import kv_scales_for
 
         scales = kv_scales_for(model, cfg.kv_scale_calibration)
     pool = KVPool(spec, cfg.device, scales=scales, kv_heads=model.par.kv_heads(model.cfg))
-    kv = KVManager(spec)
+    kv = KVManager(spec, cache_identity(model, spec) if cfg.enable_prefix_caching else None)
     scheduler = Scheduler(cfg.scheduler, kv, model.cfg.eos_token_ids)
     sampler = Sampler(torch.device(cfg.device), cfg.seed, model.cfg.eos_token_ids)
     return EngineParts(model, spec, pool, kv, scheduler, ModelRunner(model, pool, sampler), sampler)
 
 
 def plan_and_log_kv(model_cfg: GptOssConfig, budget: int, dtype: torch.dtype, *, page_size: int, max_num_seqs: int,
-                    tp_size: int) -> KVCacheSpec:
+                    tp_size: int, cached_tails: float = 0.0) -> KVCacheSpec:
     """The KV spec a worker starts with, logged; also logs what the same budget gives in the other
     KV dtype (bf16 <-> FP8), so an operator sees the trade at start-up. Needs no weights
     (benchmarks/kv_capacity.py runs it for the real presets on a CPU)."""
     spec = plan_kv_cache(model_cfg, budget, page_size=page_size, max_num_seqs=max_num_seqs, tp_size=tp_size,
-                         dtype=dtype)
+                         dtype=dtype, cached_tails=cached_tails)
     log_kv_capacity(spec)
     other = torch.bfloat16 if is_fp8(dtype) else FP8_KV_DTYPE
     try:
         log_kv_capacity(plan_kv_cache(model_cfg, budget, page_size=page_size, max_num_seqs=max_num_seqs,
-                                      tp_size=tp_size, dtype=other), alternative=True)
+                                      tp_size=tp_size, dtype=other, cached_tails=cached_tails), alternative=True)
     except ConfigError as e:
         log.info("KV cache would not fit in %s: %s", kv_dtype_name(other), e)
     return spec
+
+
+def model_fingerprint(model: GptOss) -> str:
+    """Names the model in the KV compatibility check and the prefix cache: same config, same KV meaning."""
+    cfg = model.cfg.to_hf_dict()
+    cfg.pop("quantization_config", None)
+    return "gpt-oss-" + hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_identity(model: GptOss, spec: KVCacheSpec) -> str:
+    """The prefix cache's hash-chain seed (common.prefix_hash): the model, page size and KV dtype.
+    Workers publish it so the router hashes prompts the same way."""
+    return f"{model_fingerprint(model)}/page{spec.page_size}/{str(spec.dtype).removeprefix('torch.')}"
 
 
 def log_kv_capacity(spec: KVCacheSpec, alternative: bool = False) -> None:

@@ -29,7 +29,7 @@ from engine.scheduler import ScheduledSeq
 from engine.sequence import TokenLogprob
 from model.context import SeqStep, build_step_meta
 from model.gpt_oss import GptOss
-from model.kv_cache import KVPool
+from model.kv_cache import KVPool, PageGroup
 
 
 @dataclass(slots=True)
@@ -175,6 +175,7 @@ class ModelRunner:
         graph-or-eager choice and the all-reduces match on all ranks."""
         if not isinstance(input_ids, torch.Tensor):
             input_ids = _dev(torch.tensor(input_ids, dtype=torch.long), self.device)  # [T]
+        self._copy_ring_hits(steps)
         if self.graphs is not None and on_layer_done is None and len(rows) == len(steps):
             with torch.profiler.record_function("decode_graph"):
                 b = self.graphs.prepare(input_ids, steps)
@@ -192,6 +193,17 @@ class ModelRunner:
         if len(rows) != len(steps):  # mid-prompt chunks sample nothing (a device index: no pageable copy)
             last = last[_dev(torch.tensor(rows, dtype=torch.long), self.device)]
         return self.model.compute_logits(hidden[last])  # [B', V]
+
+    def _copy_ring_hits(self, steps: list[SeqStep]) -> None:
+        """Prefix hits: cached sliding blocks into their ring slots, before this step reads them
+        (model/kv_cache.py). The owner drops the source references once the step completed."""
+        src, dst = [], []
+        for s in steps:
+            if s.pages is not None and s.pages.copy_src:
+                src += s.pages.copy_src
+                dst += s.pages.copy_dst
+        if src:
+            self.pool.copy_pages(PageGroup.SLIDING, src, dst)
 
     def _mark_inputs(self) -> None:
         """Every input copy of this step is queued: the next launch may reuse host buffers once

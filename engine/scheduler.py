@@ -17,6 +17,15 @@ still be written by it, so they return to the free lists only once that step com
 (`release_completed`): a KV transfer must never land in a page a running step still writes.
 Preemption frees pages at once, so `schedule(preempt_ok=False)` returns None instead of preempting
 while a step is in flight; the caller completes that step first.
+
+Prefix cache (when the KVManager has one): a WAITING sequence is looked up as it is admitted; a hit
+maps the cached blocks (model/kv_cache.py: full pages shared, sliding blocks copied into a fresh
+ring by its first step) and only the rest is computed. Released sequences (finished, aborted,
+preempted) register their complete blocks at once, even while the step that writes their last KV is
+in flight: every reader of a cached page is a later step (or a copy queued before it) on the same
+stream, so it runs after those writes, and the next turn of a conversation, which arrives right
+after the last token, must find them. The sequence's references are still released under the
+fence, so none of those pages is evictable (or reusable by a KV transfer) before that step completed.
 """
 
 from __future__ import annotations
@@ -26,8 +35,11 @@ from collections import deque
 from dataclasses import dataclass
 
 from common.errors import InvalidRequest
+from common.prefix_hash import extend_hashes, sliding_first_block
 from engine.sequence import FinishReason, Sequence, SeqStatus, TokenLogprob
+from model.context import ring_keep_from
 from model.kv_cache import KVManager, PageGroup, SeqPages
+from model.prefix_cache import Hit
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +66,7 @@ class Scheduler:
         self.waiting_tokens = 0  # uncached tokens of WAITING sequences, kept as they move (status is O(1))
         self.launched = 0  # number of the latest launched step
         self.completed = 0  # number of the latest step whose tokens reached the host
-        self._fenced: deque[tuple[int, SeqPages]] = deque()  # (step that may still write them, pages)
+        self._fenced: deque[tuple[int, SeqPages]] = deque()  # (step that may still use them, pages)
 
     # ---- admission ------------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -104,12 +116,13 @@ class Scheduler:
             budget -= q
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            q = min(seq.num_uncached, budget)
-            if not self._fits_with_headroom(seq, seq.num_cached + q):
+            hit = self.lookup(seq)
+            q = min(seq.total_len - hit.num_tokens, budget)
+            if not self._fits_with_headroom(seq, hit.num_tokens + q, hit):
                 break
             self.waiting.popleft()
             self.waiting_tokens -= seq.num_uncached
-            self.kv.grow(seq.pages, seq.num_cached + q)
+            self.admit_pages(seq, hit, hit.num_tokens + q)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             items.append(ScheduledSeq(seq, seq.num_cached, q, q == seq.num_uncached))
@@ -123,26 +136,76 @@ class Scheduler:
     def on_launch(self, items: list[ScheduledSeq], step: int) -> None:
         """A step was launched: its KV will be cached and its sampled rows hold a pending token."""
         self.launched = step
+        spec = self.kv.spec
         for it in items:
-            it.seq.num_cached = it.start + it.q_len
+            seq = it.seq
+            end = it.start + it.q_len
+            seq.num_cached = end
+            note_ring_write(seq, it.start, end, spec.page_size, spec.sliding_window)
+            if seq.pages.copy_src:  # the step copied its hit's sliding blocks: drop the sources after it
+                self._fenced.append((step, self.kv.release_copy_sources(seq.pages)))
             if it.sample:
-                it.seq.num_pending += 1
+                seq.num_pending += 1
 
     def release_completed(self, step: int) -> None:
-        """Step `step` completed: pages released while it (or an earlier step) was in flight are free."""
+        """Step `step` completed: pages released while it (or an earlier step) was in flight are free
+        (or evictable, when cached)."""
         self.completed = step
         while self._fenced and self._fenced[0][0] <= step:
             self.kv.release(self._fenced.popleft()[1])
 
     def _release(self, seq: Sequence) -> None:
+        self.kv.register(seq.pages, self.registration(seq))  # cached now, evictable once released (module doc)
         if self.launched == self.completed:
             self.kv.release(seq.pages)
         else:  # a launched step may still write these pages: hand them back when it completed
             self._fenced.append((self.launched, seq.pages))
             seq.pages = SeqPages()
 
-    def _fits_with_headroom(self, seq: Sequence, total: int) -> bool:
-        full, sliding = self.kv.pages_needed(seq.pages, total)
+    # ---- prefix cache -----------------------------------------------------------------------------
+    def hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Block hashes of seq's first num_tokens tokens (complete blocks), extended as needed."""
+        c = self.kv.cache
+        assert c is not None
+        p = self.kv.spec.page_size
+        if len(seq.block_hashes) < num_tokens // p:
+            extend_hashes(seq.block_hashes, seq.token_slice(0, num_tokens // p * p), p, c.root)
+        return seq.block_hashes[:num_tokens // p]
+
+    def lookup(self, seq: Sequence) -> Hit:
+        """The cached prefix a WAITING sequence (nothing cached yet) would get now."""
+        if self.kv.cache is None or seq.num_cached or seq.pages.full or seq.pages.ring:
+            return Hit()
+        n = seq.num_tokens
+        return self.kv.cache.match(self.hashes(seq, n), n)
+
+    def admit_pages(self, seq: Sequence, hit: Hit, total: int) -> None:
+        """Pages for an admitted sequence's first `total` tokens, the hit's mapped in."""
+        spec = self.kv.spec
+        if hit.num_tokens:
+            self.kv.map_hit(seq.pages, hit, total)
+            seq.num_cached = hit.num_tokens
+            seq.ring_valid_from = sliding_first_block(hit.num_tokens // spec.page_size, spec.page_size,
+                                                      spec.sliding_window) * spec.page_size
+        else:
+            self.kv.grow(seq.pages, total)
+            seq.ring_valid_from = 0
+        seq.num_cached_prefix = hit.num_tokens
+        if self.kv.cache is not None:
+            self.kv.cache.count(seq.num_tokens, hit.num_tokens)
+
+    def registration(self, seq: Sequence) -> tuple[list[int], int, int] | None:
+        """What a releasing sequence adds to the prefix cache: its blocks with computed KV."""
+        if self.kv.cache is None:
+            return None
+        n = min(seq.num_cached, seq.num_tokens)
+        return self.hashes(seq, n), n, seq.ring_valid_from
+
+    def _fits_with_headroom(self, seq: Sequence, total: int, hit: Hit | None = None) -> bool:
+        if hit is not None and hit.num_tokens:
+            full, sliding = self.kv.room_for_hit(hit, total)
+        else:
+            full, sliding = self.kv.pages_needed(seq.pages, total)
         free_full, free_sliding = self.kv.num_free()
         return full + len(self.running) <= free_full and sliding <= free_sliding
 
@@ -158,7 +221,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         assert seq.num_pending == 0, "preemption with a token in flight (schedule(preempt_ok=False) prevents it)"
         self.running.remove(seq)
-        self._release(seq)
+        self._release(seq)  # its blocks stay cached: re-admission will likely hit them
         seq.num_cached = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -211,3 +274,12 @@ class Scheduler:
         seq.num_pending = 0
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+
+
+def note_ring_write(seq: Sequence, start: int, end: int, page_size: int, window: int) -> None:
+    """A launched step writes positions [start, end): the ring holds valid sliding KV from
+    seq.ring_valid_from on, restarting where a chunk larger than the ring stored only its tail
+    (model.context.ring_keep_from, the least a step stores)."""
+    kf = ring_keep_from(start, end, page_size, window)
+    if kf > start:
+        seq.ring_valid_from = kf

@@ -53,6 +53,12 @@ class Sequence:
     num_preemptions: int = 0
     num_pending: int = 0  # tokens sampled on the device, not yet appended here (engine.core)
     noise_seed: int | None = None  # the sampler's per-sequence seed (params.seed, else drawn once)
+    # Prefix cache (model/prefix_cache.py): hashes of complete blocks of all_ids, extended lazily;
+    # the first position whose sliding KV the ring holds valid from there to num_cached; and the
+    # prompt tokens the last admission took from the cache.
+    block_hashes: list[int] = field(default_factory=list)
+    ring_valid_from: int = 0
+    num_cached_prefix: int = 0
 
     @property
     def all_ids(self) -> list[int]:

@@ -65,6 +65,9 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--async-decode", choices=["on", "off"], default="on",
                    help="overlapped step loop: the host schedules step N+1 while the GPU runs step N; "
                         "tokens reach the host one step later and a stop token costs one dropped token")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="content-addressed KV pages kept after a request ends and reused by later prompts "
+                        "with the same prefix (model/prefix_cache.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM: stop taking requests, finish those in flight for at most this long, then "
@@ -96,6 +99,7 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         kv_cache_fraction=a.kv_cache_fraction,
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),
         seed=a.seed, progress=tp_rank == 0, async_decode=a.async_decode == "on",
+        enable_prefix_caching=a.enable_prefix_caching,
         parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group,
                                 max(0, a.fast_allreduce_kib) << 10 if gpu else 0, a.fast_allreduce_impl, a.vocab_parallel))
 

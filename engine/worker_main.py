@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import sys
@@ -16,6 +14,7 @@ from common.http_health import HealthServer
 from engine.worker_args import engine_config
 from common.worker_io import WorkerIO
 from engine.build import EngineParts, build_engine_parts, kv_budget, load_model
+from engine.build import model_fingerprint as build_fingerprint
 from engine.tp.group import RankGroup
 from kv_transfer.interface import TransferConfig
 
@@ -24,9 +23,7 @@ log = logging.getLogger("tandem.worker")
 
 def model_fingerprint(parts: EngineParts) -> str:
     """Names the model in the KV compatibility check: same config, same KV meaning."""
-    cfg = parts.model.cfg.to_hf_dict()
-    cfg.pop("quantization_config", None)
-    return "gpt-oss-" + hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+    return build_fingerprint(parts.model)
 
 
 def build_parts(a: argparse.Namespace, role: str, group: RankGroup) -> EngineParts:

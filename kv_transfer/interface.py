@@ -190,8 +190,11 @@ class KVReceiver(abc.ABC):
         (only needed for TP > 1)."""
 
     @abc.abstractmethod
-    def expect(self, request_id: str, pages: SeqPages, num_tokens: int, deadline_unix: float) -> TransferRequest:
-        """Register reserved pages for a request; returns the message to forward to prefill."""
+    def expect(self, request_id: str, pages: SeqPages, num_tokens: int, deadline_unix: float,
+               first_token: int = 0) -> TransferRequest:
+        """Register reserved pages for a request; returns the message to forward to prefill. With
+        first_token > 0 (page-aligned) the pages of [0, first_token) already hold that KV (a
+        prefix-cache hit): the sender writes only the rest."""
 
     @abc.abstractmethod
     def progress(self) -> None:

@@ -83,13 +83,14 @@ class LoopbackReceiver(KVReceiver):
     def set_rank_endpoints(self, endpoints: tuple[str, ...], epochs: tuple[int, ...]) -> None:
         self._endpoints, self._epochs = check_rank_endpoints(self.config, self._endpoint, self._epoch, endpoints, epochs)
 
-    def expect(self, request_id: str, pages: SeqPages, num_tokens: int, deadline_unix: float) -> TransferRequest:
+    def expect(self, request_id: str, pages: SeqPages, num_tokens: int, deadline_unix: float,
+               first_token: int = 0) -> TransferRequest:
         assert self._endpoints, "set_rank_endpoints() first (TP > 1)"
+        req = TransferRequest(request_id, self.config.engine_id, self._endpoints, self._epochs, tuple(pages.full),
+                              tuple(pages.ring), num_tokens, deadline_unix, first_token)
+        req.validate()
         now = time.monotonic()
         self.book.expect(request_id, pages, num_tokens, now + (deadline_unix - time.time()), now)
-        req = TransferRequest(request_id, self.config.engine_id, self._endpoints, self._epochs, tuple(pages.full),
-                              tuple(pages.ring), num_tokens, deadline_unix)
-        req.validate()
         return req
 
     def progress(self) -> None:
@@ -272,7 +273,8 @@ class LoopbackSender(KVSender):
                 for g in PageGroup:
                     if self.spec.layers(g):
                         sp, dp = page_pairs(g, tx.pages, dst, tx.request.num_tokens, self.spec.page_size,
-                                            self.spec.sliding_window, self.spec.num_pages[g], spec_d.num_pages[g])
+                                            self.spec.sliding_window, self.spec.num_pages[g], spec_d.num_pages[g],
+                                            tx.request.first_token)
                         t.pairs[g] = (torch.from_numpy(sp).to(self.pool.pools[g].device),
                                       torch.from_numpy(dp).to(rx.pool.pools[g].device))
             except ProtocolError as e:

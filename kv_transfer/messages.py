@@ -37,7 +37,8 @@ from wire.codec import brief, unpack
 # 2: LayerDone names the layers one WRITE carried (one WRITE may carry several).
 # 3: Handshake.ipc: a decode rank may export its pools for same-node writers (TransferBackend.IPC).
 # 4: KVCompat.kv_scales: FP8 pages are only meaningful with the writer's scales (and dtype names e4m3).
-PROTOCOL_VERSION = 4
+# 5: TransferRequest.first_token: decode holds a cached prefix; only the pages after it are written.
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 4 << 20  # a 128k-token request names ~8k pages (~40 KB); metadata is KBs
 MAX_ID_CHARS = 256
 # What a side channel binds (nixl_backend) or the in-process hub names (loopback)
@@ -214,6 +215,7 @@ class TransferRequest(Message):
     ring_pages: tuple[int, ...]  # sliding ring; logical page j lives in ring[j % R]
     num_tokens: int
     deadline_unix: float  # wall clock; each side converts it to its monotonic clock on receipt
+    first_token: int = 0  # decode already holds [0, first_token) (a prefix-cache hit, page-aligned): write the rest
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
@@ -221,6 +223,7 @@ class TransferRequest(Message):
         _need(len(self.decode_epochs) == len(self.decode_endpoints), "one epoch per decode endpoint")
         _need(all(_ENDPOINT.fullmatch(e) for e in self.decode_endpoints), "decode endpoints must be tcp://host:port (or loopback://)")
         _need(self.num_tokens > 0, "num_tokens must be > 0")
+        _need(0 <= self.first_token < self.num_tokens, "first_token must be in [0, num_tokens)")
         _need(math.isfinite(self.deadline_unix), "deadline must be finite")
         _need(all(p >= 0 for p in self.full_pages) and all(p >= 0 for p in self.ring_pages),
               "page ids must be >= 0")

@@ -75,10 +75,11 @@ class NixlReceiver(KVReceiver):
     def set_rank_endpoints(self, endpoints: tuple[str, ...], epochs: tuple[int, ...]) -> None:
         self._endpoints, self._epochs = check_rank_endpoints(self.config, self.endpoint, self._epoch, endpoints, epochs)
 
-    def expect(self, request_id: str, pages: SeqPages, num_tokens: int, deadline_unix: float) -> TransferRequest:
+    def expect(self, request_id: str, pages: SeqPages, num_tokens: int, deadline_unix: float,
+               first_token: int = 0) -> TransferRequest:
         assert self._endpoints, "set_rank_endpoints() first (TP > 1)"
         req = TransferRequest(request_id, self.config.engine_id, self._endpoints, self._epochs, tuple(pages.full),
-                              tuple(pages.ring), num_tokens, deadline_unix)
+                              tuple(pages.ring), num_tokens, deadline_unix, first_token)
         req.validate()
         now = time.monotonic()
         self.book.expect(request_id, pages, num_tokens, now + (deadline_unix - time.time()), now)

@@ -321,7 +321,8 @@ class NixlSender(KVSender):
                 if geo.nbytes != pool.nbytes:
                     return f"decode pool of group {g.name} is {pool.nbytes} bytes, its layout says {geo.nbytes}"
                 pairs = page_pairs(g, tx.pages, dst, tx.request.num_tokens, self.spec.page_size,
-                                   self.spec.sliding_window, self.spec.num_pages[g], pool.num_pages)
+                                   self.spec.sliding_window, self.spec.num_pages[g], pool.num_pages,
+                                   tx.request.first_token)
                 sg, src = self._src_geo[g], self._src[g]
                 cp = layer_copies(sg, geo, 0, pairs, t.run)
                 t.plan[g] = WritePlan(descriptors(src.base_addr, cp.src, cp.nbytes, src.device_id),

@@ -6,10 +6,11 @@ range per (layer, K/V, page pair, contiguous head run); adjacent ranges that are
 sides are merged (`coalesce`), which turns consecutive page ids and matching TP splits into few,
 large descriptors.
 
-Which pages:
-  * FULL: every logical page j < ceil(n / P): src.full[j] -> dst.full[j].
+Which pages (decode may already hold a cached prefix [0, F), F = first_token, page-aligned):
+  * FULL: every logical page F / P <= j < ceil(n / P): src.full[j] -> dst.full[j].
   * SLIDING: only the tail the next decode step can attend to. A query at position n sees keys
-    k > n - W, i.e. the last W - 1 prompt tokens, logical pages [(n - W + 1) // P, ceil(n / P)).
+    k > n - W, i.e. the last W - 1 prompt tokens, logical pages [(n - W + 1) // P, ceil(n / P)),
+    and of those only j >= F / P (decode copies the others from its cache into its ring).
     Logical page j lives in ring[j % R] on both sides (R = ceil(W / P) + 1, same W and P).
 
 Which heads (heterogeneous TP, both directions): with H KV heads in total, rank r of TP-t holds
@@ -112,13 +113,16 @@ def src_ranks_for(total_heads: int, dst_rank: int, dst_tp: int, src_tp: int) -> 
     return [r for r in range(src_tp) if any(h.dst_rank == dst_rank for h in head_runs(total_heads, r, src_tp, dst_tp))]
 
 
-def logical_pages(group: PageGroup, num_tokens: int, page_size: int, window: int) -> range:
-    """Logical pages a transfer of the first `num_tokens` tokens must copy."""
+def logical_pages(group: PageGroup, num_tokens: int, page_size: int, window: int, first_token: int = 0) -> range:
+    """Logical pages a transfer of tokens [first_token, num_tokens) must copy."""
     assert num_tokens > 0 and page_size > 0
+    if first_token % page_size or not 0 <= first_token < num_tokens:
+        raise ProtocolError(f"first_token {first_token} is not a page boundary below {num_tokens}")
     end = -(-num_tokens // page_size)
+    first = first_token // page_size
     if group == PageGroup.FULL:
-        return range(0, end)
-    return range(max(0, num_tokens - window + 1) // page_size, end)
+        return range(first, end)
+    return range(max(first, max(0, num_tokens - window + 1) // page_size), end)
 
 
 def ring_size(page_size: int, window: int) -> int:
@@ -126,10 +130,11 @@ def ring_size(page_size: int, window: int) -> int:
 
 
 def page_pairs(group: PageGroup, src: SeqPages, dst: SeqPages, num_tokens: int, page_size: int,
-               window: int, src_num_pages: int, dst_num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+               window: int, src_num_pages: int, dst_num_pages: int, first_token: int = 0
+               ) -> tuple[np.ndarray, np.ndarray]:
     """(src page ids, dst page ids), [N] int64 each, in logical order. Raises ProtocolError when a
     side holds too few pages for `num_tokens` or names a page outside its pool."""
-    js = logical_pages(group, num_tokens, page_size, window)
+    js = logical_pages(group, num_tokens, page_size, window, first_token)
     if group == PageGroup.FULL:
         s_list, d_list, idx = src.full, dst.full, np.arange(js.start, js.stop)
     else:
@@ -153,7 +158,7 @@ def check_source_pages(spec: KVCacheSpec, request: TransferRequest, pages: SeqPa
     for g in PageGroup:
         if spec.layers(g):
             page_pairs(g, pages, dst, request.num_tokens, spec.page_size, spec.sliding_window,
-                       spec.num_pages[g], 1 << 62)
+                       spec.num_pages[g], 1 << 62, request.first_token)
 
 
 def layer_copies(src_geo: GroupGeometry, dst_geo: GroupGeometry, layer_idx: int, pairs: tuple[np.ndarray, np.ndarray],

@@ -96,6 +96,8 @@ def worker_flags(a: argparse.Namespace, checkpoint: str, *, device: str, kv_back
         flags += ["--kv-cache-dtype", a.kv_cache_dtype]
     if getattr(a, "kv_scale_calibration", 0):
         flags += ["--kv-scale-calibration", str(a.kv_scale_calibration)]
+    if not getattr(a, "enable_prefix_caching", True):
+        flags.append("--no-enable-prefix-caching")
     return flags
 
 
@@ -135,6 +137,9 @@ def build_commands(a: argparse.Namespace, checkpoint: str) -> list[list[str]]:
         router += ["--decode", addr]
     if a.colocated:
         router.append("--colocated")
+    if getattr(a, "remote_prefill_min_tokens", None) is not None:
+        router += ["--remote-prefill-min-tokens", str(a.remote_prefill_min_tokens)]
+    router += shlex.split(getattr(a, "router_args", "") or "")
     return cmds + [router]
 
 
@@ -173,6 +178,13 @@ def serve(argv: list[str]) -> int:
                    "(default: --kv-cache-gib)")
     p.add_argument("--prefill-args", default="", help="extra flags for every prefill worker, one string")
     p.add_argument("--decode-args", default="", help="extra flags for every decode worker, one string")
+    p.add_argument("--router-args", default="", help="extra flags for the router, one string")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="workers keep finished requests' KV pages, content-addressed, for later prompts that "
+                        "share a prefix (every worker; the router routes by it)")
+    p.add_argument("--remote-prefill-min-tokens", type=int, default=None,
+                   help="router: shorter uncached suffixes on a decode worker that holds the prefix prefill "
+                        "there (default: the router's measured default; 0 = always remote)")
     p.add_argument("--ready-timeout-s", type=float, default=300)
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on Ctrl-C/SIGTERM: how long requests in flight may finish before they end with 'abort'")

@@ -138,6 +138,14 @@ def build_step_meta(steps: list[SeqStep], spec: KVCacheSpec | None, device: torc
     return StepMeta(views["positions"](), views["cu"](), q_lens, views["logits"](), metas)
 
 
+def ring_keep_from(start: int, end: int, page_size: int, window: int) -> int:
+    """First position a chunk [start, end) stores in the ring when it cannot store all of it: every
+    page that holds one of its last W positions, whole (span <= R pages). A later step needs only
+    keys > end - W; whole pages keep every block of [end - W, end) valid for a prefix-cache hit
+    (model/prefix_cache.py). A step that stores everything stores at least this."""
+    return max(start, max(0, end - window) // page_size * page_size)
+
+
 def _sliding_meta(steps: list[SeqStep], spec: KVCacheSpec, up: Upload) -> tuple:
     p, w, r = spec.page_size, spec.sliding_window, spec.ring_pages
     # Write-then-read is valid only if, for every sequence, the oldest key the first new token needs
@@ -152,7 +160,7 @@ def _sliding_meta(steps: list[SeqStep], spec: KVCacheSpec, up: Upload) -> tuple:
         rows.append(pages)
         prefix.append(s.start - vstart)
         kv.append(end - vstart)
-        keep_from = s.start if hold_all else max(s.start, end - (w - 1))
+        keep_from = s.start if hold_all else ring_keep_from(s.start, end, p, w)
         if s.q_len == 1 and s.pages.ring:
             slot = s.pages.ring[(s.start // p) % r] * p + s.start % p if s.start >= keep_from else -1
             slots.append(np.array([slot], dtype=np.int64))

@@ -12,6 +12,19 @@ Groups:
     most R = ceil(W / P) + 1 pages; logical page j (tokens [jP, jP+P)) lives in ring[j % R]. Any W
     consecutive positions span at most R logical pages, so live tokens never collide.
 
+Prefix caching and the ring (model/prefix_cache.py, common/prefix_hash.py). A hit at block boundary
+L = kP needs full pages of blocks [0, k) and, in the sliding group, only the blocks a query at L can
+see: [(L - W + 1) // P, k) (blocks k-8 .. k-1, i.e. [L-128, L), for W = 128, P = 16); the lookup
+takes the largest L where both groups hit. Ring slots are reused modulo R: the sequence writes
+block k+1 into ring[(k+1) % R], which is where block k-8 lives, and a prefill chunk larger than the
+ring reads its prefix from slots it then overwrites. A shared page in a ring would be overwritten,
+so a cached sliding page is never mapped into a ring: a hit gets a ring of fresh pages and the
+cached blocks it needs are COPIED into ring[j % R] before its first step (SeqPages.copy_src/dst,
+applied by the runner on the step's stream; 8 pages x sliding layers, ~3 MiB for 20b). Full pages
+are shared by reference: they hold positions < L and the sequence only writes from L on. When a
+sequence releases its ring, the ring's complete, valid blocks (its last <= R) become cached pages
+as they are: the sequence is done with them. The partial last block of a sequence is never cached.
+
 Page size 16 (default): the sliding ring is then 9 pages (144 slots for a 128-token window, 11 %
 waste), the partial last page of a full-attention sequence wastes <= 15 tokens, and a page of one
 layer's K for 8 heads x 64 dims is 16 KiB in bf16, large enough for efficient NIXL descriptors.
@@ -47,6 +60,7 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in KV_DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
+from model.prefix_cache import PrefixCache
 
 
 class PageGroup(IntEnum):
@@ -91,15 +105,17 @@ class KVCacheSpec:
 
 
 def plan_kv_cache(cfg: GptOssConfig, budget_bytes: int, *, page_size: int = 16, max_num_seqs: int = 256,
-                  tp_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> KVCacheSpec:
+                  tp_size: int = 1, dtype: torch.dtype = torch.bfloat16, cached_tails: float = 0.0) -> KVCacheSpec:
     """Split a byte budget between the groups: a full sliding ring for each of max_num_seqs
     sequences (capped at half the budget), the rest for full-attention pages, which grow with
-    context length."""
+    context length. With a prefix cache, `cached_tails` x that ring allowance is added to the
+    sliding group: a cached sequence keeps its ring's last blocks there (model/prefix_cache.py),
+    so without room beyond the live rings a full batch would evict every cached tail."""
     if cfg.num_key_value_heads % tp_size:
         raise ConfigError(f"{cfg.num_key_value_heads} KV heads cannot be split over TP {tp_size}")
     spec0 = KVCacheSpec(page_size, cfg.num_key_value_heads // tp_size, cfg.head_dim, dtype, cfg.sliding_window,
                         cfg.full_layers, cfg.sliding_layers, (0, 0))
-    sliding_pages = max_num_seqs * spec0.ring_pages if cfg.sliding_layers else 0
+    sliding_pages = int(max_num_seqs * spec0.ring_pages * (1 + cached_tails)) if cfg.sliding_layers else 0
     if sliding_pages:  # never more than half the budget: admission also checks sliding pages
         sliding_pages = min(sliding_pages, budget_bytes // 2 // spec0.page_bytes(PageGroup.SLIDING))
     if cfg.sliding_layers and sliding_pages < spec0.ring_pages:
@@ -152,6 +168,15 @@ class KVPool:
         if self.k_scale is None:
             return None
         return self.k_scale[layer], self.v_scale[layer]
+
+    def copy_pages(self, group: PageGroup, src: list[int], dst: list[int]) -> None:
+        """pages dst[i] := pages src[i] in every layer of the group, K and V (queued on the current
+        stream, so it runs before any later step and after any earlier one)."""
+        pool = self.pools[group]  # [L, 2, NP, Hkv, P, D]
+        idx = torch.tensor([src, dst], dtype=torch.long)  # [2, N]
+        if pool.device.type == "cuda":  # pinned: no stream sync in the overlapped loop
+            idx = idx.pin_memory().to(pool.device, non_blocking=True)
+        pool.index_copy_(2, idx[1], pool.index_select(2, idx[0]))
 
 
 class PageAllocator:
@@ -214,6 +239,14 @@ class PageAllocator:
                 break
         return np.concatenate(out)
 
+    def ref(self, page: int) -> int:
+        return int(self._ref[page])
+
+    def free_unreferenced(self, page: int) -> None:
+        """Evict: only the cache's reference may be left on a page that is freed this way."""
+        assert self._ref[page] == 1, f"evicting page {page} that {self._ref[page] - 1} sequences still reference"
+        self.free([page])
+
     def incref(self, pages: list[int]) -> None:
         for p in pages:
             assert self._ref[p] > 0, f"incref of free page {p}"
@@ -234,10 +267,15 @@ class PageAllocator:
 
 @dataclass(slots=True)
 class SeqPages:
-    """One sequence's pages: `full` in logical order; `ring` holds up to R sliding pages."""
+    """One sequence's pages: `full` in logical order; `ring` holds up to R sliding pages.
+    copy_src/copy_dst: cached sliding pages to copy into ring slots before the sequence's next
+    step (a prefix hit); the sequence holds a reference on each copy_src page until that step
+    completed."""
 
     full: list[int] = field(default_factory=list)
     ring: list[int] = field(default_factory=list)
+    copy_src: list[int] = field(default_factory=list)
+    copy_dst: list[int] = field(default_factory=list)
     _full_arr: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32), repr=False)
 
     def full_array(self) -> np.ndarray:
@@ -257,11 +295,14 @@ class SeqPages:
 
 
 class KVManager:
-    """Page bookkeeping for all sequences of one engine (both groups)."""
+    """Page bookkeeping for all sequences of one engine (both groups), with the prefix cache when
+    `cache_identity` is given. Free counts include evictable cached pages: allocation evicts them
+    (LRU) before it would fail."""
 
-    def __init__(self, spec: KVCacheSpec) -> None:
+    def __init__(self, spec: KVCacheSpec, cache_identity: str | None = None) -> None:
         self.spec = spec
         self.alloc = [PageAllocator(spec.num_pages[g]) for g in PageGroup]
+        self.cache = PrefixCache(spec, self.alloc, cache_identity) if cache_identity is not None else None
 
     def pages_needed(self, pages: SeqPages, total_len: int) -> tuple[int, int]:
         """Extra (full, sliding) pages for a sequence to hold `total_len` tokens."""
@@ -272,27 +313,104 @@ class KVManager:
 
     def can_grow(self, pages: SeqPages, total_len: int) -> bool:
         f, s = self.pages_needed(pages, total_len)
-        return f <= self.alloc[PageGroup.FULL].num_free and s <= self.alloc[PageGroup.SLIDING].num_free
+        if not (f or s):  # most decode steps: no new page (checked per running sequence per step)
+            return True
+        free_full, free_sliding = self.num_free()
+        return f <= free_full and s <= free_sliding
 
     def grow(self, pages: SeqPages, total_len: int) -> None:
         f, s = self.pages_needed(pages, total_len)
-        if not (f <= self.alloc[0].num_free and s <= self.alloc[1].num_free):
+        if not self.can_grow(pages, total_len):
             raise OutOfPages(f"need {f} full + {s} sliding pages")
-        pages.full += self.alloc[PageGroup.FULL].allocate(f)
-        pages.ring += self.alloc[PageGroup.SLIDING].allocate(s)
+        pages.full += self._allocate(PageGroup.FULL, f)
+        pages.ring += self._allocate(PageGroup.SLIDING, s)
 
-    def release(self, pages: SeqPages) -> None:
-        self.alloc[PageGroup.FULL].free(pages.full)
-        self.alloc[PageGroup.SLIDING].free(pages.ring)
-        pages.full, pages.ring = [], []
+    def _allocate(self, g: PageGroup, n: int) -> list[int]:
+        short = n - self.alloc[g].num_free
+        if short > 0:
+            ix = self.cache.group(g) if self.cache is not None else None
+            assert ix is not None and ix.evict(short) == short, "free count promised evictable pages"
+        return self.alloc[g].allocate(n)
+
+    def room_for_hit(self, hit, total_len: int) -> tuple[int, int]:
+        """(full, sliding) pages an empty sequence mapping `hit` still needs for `total_len` tokens,
+        counting the hit's evictable pages as used (acquiring them takes them off the LRU)."""
+        f, s = self.pages_needed(SeqPages(full=[0] * len(hit.full)), total_len)
+        return f + hit.evictable[PageGroup.FULL], s + hit.evictable[PageGroup.SLIDING]
+
+    def map_hit(self, pages: SeqPages, hit, total_len: int) -> None:
+        """An empty sequence takes a prefix hit and grows to `total_len` tokens: the hit's full pages
+        by reference, a ring of fresh pages, and copies of the hit's sliding blocks into their ring
+        slots (applied before the sequence's next step)."""
+        assert self.cache is not None and not pages.full and not pages.ring and not pages.copy_src
+        if self.cache.full is not None:
+            self.cache.full.acquire(hit.full)
+        if self.cache.sliding is not None:
+            self.cache.sliding.acquire(list(hit.sliding.values()))
+        pages.full = list(hit.full)
+        pages.copy_src = list(hit.sliding.values())
+        try:
+            self.grow(pages, total_len)
+        except OutOfPages:
+            self.release(pages)
+            raise
+        r = self.spec.ring_pages
+        pages.copy_dst = [pages.ring[j % r] for j in hit.sliding]
+
+    def register(self, pages: SeqPages, register: tuple[list[int], int, int] | None) -> None:
+        """Index a sequence's complete blocks in the prefix cache. `register` = (block hashes, tokens
+        with valid KV, first valid ring position). The sequence keeps its references."""
+        c = self.cache
+        if c is not None and register is not None:
+            hashes, num_valid, ring_from = register  # a ring still waiting for its copies holds nothing valid
+            c.register(hashes, pages.full, [] if pages.copy_src else pages.ring, num_valid, ring_from)
+
+    def release(self, pages: SeqPages, register: tuple[list[int], int, int] | None = None) -> None:
+        """Drop a sequence's references (after registering its blocks, when `register` is given)."""
+        self.register(pages, register)
+        c = self.cache
+        for g, lst in ((PageGroup.FULL, pages.full[::-1]), (PageGroup.SLIDING, pages.ring[::-1] + pages.copy_src)):
+            ix = c.group(g) if c is not None else None
+            if ix is not None:
+                ix.release(lst)  # tail first: the LRU evicts a chain from its end
+            else:
+                self.alloc[g].free(lst)
+        pages.full, pages.ring, pages.copy_src, pages.copy_dst = [], [], [], []
         pages._full_arr = np.empty(0, dtype=np.int32)
 
+    def release_copy_sources(self, pages: SeqPages) -> SeqPages:
+        """After the step that copied them launched: the sources' references move into a
+        SeqPages of their own (released once that step completed)."""
+        out = SeqPages(ring=pages.copy_src)
+        pages.copy_src, pages.copy_dst = [], []
+        return out
+
     def assert_all_free(self) -> None:
-        for a in self.alloc:
-            a.assert_all_free()
+        """No sequence holds a page: every page is free or held by the prefix cache alone."""
+        for g, a in enumerate(self.alloc):
+            ix = self.cache.group(g) if self.cache is not None else None
+            cached = set(ix.hash_of) if ix is not None else set()
+            held = np.flatnonzero(a._ref)
+            leaked = [int(p) for p in held if int(p) not in cached or a._ref[p] != 1]
+            assert not leaked and a.num_free + len(cached) == a.num_pages, \
+                f"leaked {PageGroup(g).name} pages: {leaked[:16]}..."
+
+    def clear_cache(self) -> None:
+        """Evict every unreferenced cached page."""
+        if self.cache is not None:
+            for ix in (self.cache.full, self.cache.sliding):
+                if ix is not None:
+                    ix.clear()
 
     def num_free(self) -> tuple[int, int]:
-        return self.alloc[0].num_free, self.alloc[1].num_free
+        """Pages an allocation can get per group: free plus evictable cached pages."""
+        c = self.cache
+        return tuple(a.num_free + (ix.num_evictable if (ix := (c.group(g) if c else None)) else 0)
+                     for g, a in enumerate(self.alloc))  # type: ignore[return-value]
+
+    def num_cached(self) -> tuple[int, int]:
+        c = self.cache
+        return tuple(len(ix) if (ix := (c.group(g) if c else None)) else 0 for g in PageGroup)  # type: ignore[return-value]
 
 
 # ---- slot arithmetic -------------------------------------------------------------------------------

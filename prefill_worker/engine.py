@@ -1,11 +1,17 @@
 """PrefillEngine: batch-1 prefill whose KV goes straight into a decode worker's reserved pages.
 
     run(request, cancelled):
-        pages = allocate(prompt)                           # this worker's own pages
-        forward chunks; before the last chunk: sender.start(transfer, pages)
+        hit = prefix cache lookup; pages = the hit's + allocate(rest)   # this worker's own pages
+        forward chunks from the hit; before the last chunk: sender.start(transfer, pages)
         last chunk: on_layer_done(i) -> sender writes layer i while layer i+1 computes
         first token sampled from the last position
-        wait until the transfer is terminal (deadline) -> free pages -> PrefillResult
+        wait until the transfer is terminal (deadline) -> release pages (their blocks stay cached)
+        -> PrefillResult
+
+The prefill worker keeps its own prefix cache (model/prefix_cache.py): computing a suffix needs the
+prefix KV in its own pages, and a turn of a conversation usually extends the previous turn's
+prompt. Decode names its own cached prefix in the TransferRequest (first_token): only the pages
+after it are shipped, whatever this worker had to compute.
 
 Cancellation (`cancelled()` returns why, "" while the request should go on: the router's Abort, the
 drain deadline): checked before every chunk, while waiting for the transfer, and between layers
@@ -13,7 +19,8 @@ when the runner can leave a forward early (one process; a TP group finishes the 
 its followers being inside the same all-reduces). A started transfer is aborted fail-closed (no
 new WRITE, decode told once in-flight ones ended) and this worker's pages are freed at once.
 A transfer that failed meanwhile (decode cancelled it: its own Abort, a deadline) stops the
-forward the same way: its result could no longer be used.
+forward the same way: its result could no longer be used. A forward left early caches nothing:
+its sliding ring may hold some layers' writes of the interrupted chunk.
 """
 
 from __future__ import annotations
@@ -25,12 +32,12 @@ from collections.abc import Callable
 from common.errors import InvalidRequest, ProtocolError
 from engine.build import EngineParts
 from engine.sampling import check_request, to_params
-from engine.scheduler import ScheduledSeq
+from engine.scheduler import ScheduledSeq, note_ring_write
 from engine.sequence import Sequence
 from kv_transfer.interface import KVSender, TransferStatus
 from kv_transfer.messages import FailureReason, TransferRequest
 from kv_transfer.messages import decode as decode_kv
-from model.kv_cache import OutOfPages
+from model.kv_cache import OutOfPages, SeqPages
 from wire.protocol import PrefillRequest, PrefillResult, TopLogprob
 
 log = logging.getLogger("tandem.prefill")
@@ -58,6 +65,8 @@ class PrefillEngine:
         self.kv, self.runner = parts.kv, parts.runner
         self.chunk = parts.scheduler.cfg.max_num_batched_tokens
         self.vocab_size = parts.model.cfg.vocab_size
+        self.copy_sources = SeqPages()  # the running request's prefix-hit copy sources (held to its end)
+        self.forward_complete = False  # the running request's forward ran to its end (its blocks may be cached)
 
     def run(self, m: PrefillRequest, cancelled: Callable[[], str] = _never) -> PrefillResult:
         t0 = time.monotonic()
@@ -69,26 +78,32 @@ class PrefillEngine:
             return _failed(m.request_id, "kv target was reserved for another request", t0)
         if req.num_tokens != len(m.prompt_ids):
             return _failed(m.request_id, "kv target reserves a different prompt length", t0)
+        sched = self.parts.scheduler
         try:
             params = to_params(m.sampling)
             check_request(m.prompt_ids, params, self.vocab_size)
             seq = Sequence(m.request_id, list(m.prompt_ids), params)
-            self.parts.scheduler.check_fits(len(m.prompt_ids), 1)
-            self.kv.grow(seq.pages, len(m.prompt_ids))
+            sched.check_fits(len(m.prompt_ids), 1)
+            sched.admit_pages(seq, sched.lookup(seq), len(m.prompt_ids))
         except OutOfPages:
             return _failed(m.request_id, "prompt does not fit this prefill worker's KV cache", t0)
         except InvalidRequest as e:
             return _failed(m.request_id, e.message, t0)
+        self.copy_sources = SeqPages()
+        self.forward_complete = False
         try:
             return self._run(m, req, seq, cancelled, t0)
-        finally:
-            self.kv.release(seq.pages)
+        finally:  # computed blocks are cached (valid whatever the transfer did); a forward that failed or
+            # was left early caches nothing
+            self.kv.release(seq.pages, sched.registration(seq) if self.forward_complete else None)
+            self.kv.release(self.copy_sources)
             self.parts.sampler.forget(m.request_id)
 
     def _run(self, m: PrefillRequest, req: TransferRequest, seq: Sequence, cancelled: Callable[[], str],
              t0: float) -> PrefillResult:
         rid, n = m.request_id, len(m.prompt_ids)
-        pos, tokens, lps = 0, [None], [None]
+        pos, tokens, lps = seq.num_cached, [None], [None]
+        spec = self.kv.spec
         started = False
 
         def stop_reason() -> str:
@@ -116,7 +131,11 @@ class PrefillEngine:
                 hook = (lambda i, last=last: check_layer(i, last)) if self.runner.interruptible else \
                     self.tx.layer_done if last else None
                 tokens, lps = self.runner.run([ScheduledSeq(seq, pos, q, last)], on_layer_done=hook)
+                note_ring_write(seq, pos, pos + q, spec.page_size, spec.sliding_window)
+                if seq.pages.copy_src:  # the hit's sliding blocks were copied: the sources go at the end
+                    self.copy_sources = self.kv.release_copy_sources(seq.pages)
                 seq.num_cached = pos = pos + q
+            self.forward_complete = True
         except ProtocolError as e:
             return _failed(rid, f"kv transfer refused: {e.message}", t0)
         except Cancelled as c:
@@ -139,7 +158,8 @@ class PrefillEngine:
         lp = lps[0]
         return PrefillResult(m.request_id, True, int(tokens[0]), lp.logprob if lp else None,
                              [TopLogprob(t, v) for t, v in lp.top] if lp else [], "", compute_s,
-                             outcome.num_bytes, outcome.seconds, 0.0, time.monotonic() - t0 - compute_s)
+                             outcome.num_bytes, outcome.seconds, 0.0, time.monotonic() - t0 - compute_s,
+                             seq.num_cached_prefix)
 
     def _wait_terminal(self, rid: str, deadline: float, cancelled: Callable[[], str] = _never) -> TransferStatus:
         while True:

@@ -25,15 +25,16 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from common.stall import StallWatch
 from common.worker_io import WorkerIO
+from engine.prefix_metrics import PrefixMetrics, status_fields, with_events
 from model.kv_cache import PageGroup
 from prefill_worker.engine import PrefillEngine
-from wire.protocol import Abort, PrefillRequest, PrefillResult, WorkerStatus
+from wire.protocol import Abort, PrefillRequest, PrefillResult, StatusRequest, WorkerStatus
 
 log = logging.getLogger("tandem.prefill")
 
 PREFILL = Histogram("tandem_prefill_worker_seconds", "prefill compute time",
                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-PROMPT_TOKENS = Counter("tandem_prefill_tokens_total", "prompt tokens prefilled")
+PROMPT_TOKENS = Counter("tandem_prefill_tokens_total", "prompt tokens prefilled (computed: prefix-cache hits excluded)")
 QUEUE = Gauge("tandem_worker_queue_depth", "queued prefill requests")
 DRAIN_DEADLINE = "worker drain deadline reached"
 
@@ -55,6 +56,7 @@ class PrefillServer:
         self.drain_deadline = float("inf")  # monotonic; set by begin_drain
         self.ready = False
         self.busy_seconds = 0.0
+        self.prefix_metrics = PrefixMetrics(engine.kv, "prefill")
         self._status = self._snapshot()
 
     def install_signals(self) -> None:
@@ -68,8 +70,8 @@ class PrefillServer:
             self.drain_deadline = time.monotonic() + self.drain_timeout_s
             self.draining.set()
 
-    def status(self) -> WorkerStatus:
-        return self._status
+    def status(self, req: StatusRequest | None = None) -> WorkerStatus:
+        return with_events(self.engine.kv, self._status, req)
 
     def ready_check(self) -> tuple[bool, str]:
         if self.draining.is_set():
@@ -85,7 +87,7 @@ class PrefillServer:
             kv_free_pages=kv.num_free()[PageGroup.FULL], kv_total_pages=kv.spec.num_pages[PageGroup.FULL],
             kv_free_sliding_pages=kv.num_free()[PageGroup.SLIDING],
             kv_total_sliding_pages=kv.spec.num_pages[PageGroup.SLIDING],
-            page_size=kv.spec.page_size, max_num_seqs=1, busy_seconds=self.busy_seconds)
+            page_size=kv.spec.page_size, max_num_seqs=1, busy_seconds=self.busy_seconds, **status_fields(kv))
 
     def _past_drain_deadline(self) -> bool:
         return self.draining.is_set() and time.monotonic() >= self.drain_deadline
@@ -146,7 +148,8 @@ class PrefillServer:
             self.running = None
             self.busy_seconds += dt
             PREFILL.observe(dt)
-            PROMPT_TOKENS.inc(len(m.prompt_ids))
+            PROMPT_TOKENS.inc(len(m.prompt_ids) - result.cached_tokens)
+            self.prefix_metrics.update()
             self.io.send(peer, result)
             self._status = self._snapshot()
         watch.stop()

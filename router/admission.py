@@ -39,6 +39,8 @@ from router.errors import QueueFull
 from router.fleet import Fleet
 from router.metrics import RouterMetrics
 from router.placement import Placement, pages_for, place
+from router.prefill_cost import PrefillCost
+from router.prefix_index import PromptHashes
 
 
 @dataclass(slots=True)
@@ -51,6 +53,7 @@ class Ticket:
     exclude: frozenset[str] = frozenset()
     first_queued: float | None = None  # monotonic time it first waited (the wait bound counts from here)
     waited_s: float = 0.0  # time spent queued over all its admissions (reported per request)
+    hashes: PromptHashes | None = field(default=None, repr=False)  # the prompt's block hashes (prefix matches)
     fut: asyncio.Future | None = field(default=None, repr=False)
 
     def __lt__(self, other: Ticket) -> bool:
@@ -59,8 +62,9 @@ class Ticket:
 
 class AdmissionQueue:
     def __init__(self, fleet: Fleet, metrics: RouterMetrics, *, max_queued: int, max_wait_s: float,
-                 colocated: bool = False, max_prefill_queue: int | None = None) -> None:
-        self.fleet, self.metrics = fleet, metrics
+                 colocated: bool = False, max_prefill_queue: int | None = None,
+                 cost: PrefillCost = PrefillCost()) -> None:
+        self.fleet, self.metrics, self.cost = fleet, metrics, cost
         self.max_queued, self.max_wait_s, self.colocated = max_queued, max_wait_s, colocated
         self.max_prefill_queue = max_prefill_queue
         self._heap: list[Ticket] = []
@@ -79,11 +83,13 @@ class AdmissionQueue:
                     and t.first_queued is not None), default=0.0)
 
     def _place(self, t: Ticket) -> Placement:
+        matches = self.fleet.prefix_matches(t.hashes, t.prompt_len) if t.hashes is not None else {}
         p = place(t.prompt_len, t.max_tokens, self.fleet.snapshot(), t.exclude, colocated=self.colocated,
-                  max_prefill_queue=self.max_prefill_queue)
+                  max_prefill_queue=self.max_prefill_queue, matches=matches, cost=self.cost)
         st = self.fleet.workers.get(p.decode)
         page_size = st.status.page_size if st is not None and st.status is not None else 16
-        self.fleet.reserve(p.decode, t.request_id, pages_for(t.prompt_len, page_size))
+        cached_pages = matches.get(p.decode, 0) // page_size  # decode maps these from its cache
+        self.fleet.reserve(p.decode, t.request_id, pages_for(t.prompt_len, page_size) - cached_pages)
         if p.prefill is not None:
             self.fleet.reserve_prefill(p.prefill, t.request_id, t.prompt_len)
         return p

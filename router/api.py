@@ -141,7 +141,7 @@ def build_app(h: Handlers, serving: Serving) -> FastAPI:
                 serving.inflight.close(scope)
                 raise
             tail = partial(_abort_tail, {**base, "object": "chat.completion.chunk"}, {"delta": {}})
-            return StreamingResponse(scope.stream(_chat_sse(_prepend(first, events), base, usage, req), tail),
+            return StreamingResponse(scope.stream(_chat_sse(_prepend(first, events), base, usage, req, job), tail),
                                      media_type="text/event-stream", headers=_trace_headers(job))
         try:
             body = await scope.run(request, _collect_chat(events, base, usage, req, job))
@@ -194,7 +194,7 @@ async def _collect_chat(events, base: dict, usage: dict, req: ChatCompletionRequ
               "logprobs": {"content": logprobs} if req.logprobs else None}
     if req.return_token_ids:
         choice["token_ids"] = ids
-    usage = dict(usage, completion_tokens=len(ids), total_tokens=len(job.prompt_ids) + len(ids))
+    usage = dict(usage, completion_tokens=len(ids), total_tokens=len(job.prompt_ids) + len(ids), **prefix_usage([job]))
     return {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
 
 
@@ -220,7 +220,7 @@ async def _collect_completions(h: Handlers, jobs: list[Job], stops: list[str], r
     n_in = sum(len(j.prompt_ids) for j in jobs)
     return {"id": jobs[0].request_id, "object": "text_completion", "created": created, "model": req.model,
             "choices": choices, "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
-                                          "total_tokens": n_in + n_out}}
+                                          "total_tokens": n_in + n_out, **prefix_usage(jobs)}}
 
 
 def _completion_logprobs(entries: list[dict]) -> dict:
@@ -228,7 +228,17 @@ def _completion_logprobs(entries: list[dict]) -> dict:
             "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]}
 
 
-async def _chat_sse(events, base: dict, usage: dict, req: ChatCompletionRequest) -> AsyncIterator[bytes]:
+def prefix_usage(jobs: list) -> dict:
+    """usage.prompt_tokens_details.cached_tokens as OpenAI and vLLM report it (prompt tokens not
+    recomputed), and tandem's own breakdown: computed tokens, KV bytes shipped, where it prefilled."""
+    st = [j.stats for j in jobs]
+    return {"prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in st)},
+            "tandem": {"computed_tokens": sum(s.computed_tokens for s in st),
+                       "decode_cached_tokens": sum(s.decode_cached_tokens for s in st),
+                       "kv_bytes_shipped": sum(s.kv_bytes for s in st), "prefill": st[0].prefill if st else ""}}
+
+
+async def _chat_sse(events, base: dict, usage: dict, req: ChatCompletionRequest, job) -> AsyncIterator[bytes]:
     head = {**base, "object": "chat.completion.chunk"}
     n_out = 0
     try:
@@ -249,7 +259,7 @@ async def _chat_sse(events, base: dict, usage: dict, req: ChatCompletionRequest)
             if parsed is not None:
                 yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": parsed.finish_reason}]})
         if req.stream_options and req.stream_options.include_usage:
-            u = dict(usage, completion_tokens=n_out, total_tokens=usage["prompt_tokens"] + n_out)
+            u = dict(usage, completion_tokens=n_out, total_tokens=usage["prompt_tokens"] + n_out, **prefix_usage([job]))
             yield _sse({**head, "choices": [], "usage": u})
     except TandemError as e:
         yield _error_event(e)
@@ -288,7 +298,7 @@ async def _completion_sse(h: Handlers, job, events, base: dict, req: CompletionR
         if req.stream_options and req.stream_options.include_usage:
             n_in = len(job.prompt_ids)
             yield _sse({**base, "choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
-                                                         "total_tokens": n_in + n_out}})
+                                                         "total_tokens": n_in + n_out, **prefix_usage([job])}})
     except TandemError as e:
         yield _error_event(e)
     yield b"data: [DONE]\n\n"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.prefill_cost import PrefillCost
+
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
@@ -32,6 +34,7 @@ class RouterConfig:
     drain_timeout_s: float = 60.0  # SIGTERM: in-flight requests get this long, then end with "abort"
     max_request_bytes: int = 4 << 20  # request bodies above this get 413 before parsing
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # non-empty: /v1/* needs one as a Bearer token
+    prefill_cost: PrefillCost = field(default_factory=PrefillCost)  # local vs remote prefill of a cached prompt
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -7,7 +7,8 @@ misses in a row mark it down and fail its in-flight requests at once; an answer 
 takes it back, and the requests of its previous epoch already failed when the connection dropped). A
 poll that times out while the worker sent something since the previous poll (token chunks, a late
 status reply; also what a starved router finds queued when it wakes) is not a miss: slow is not
-gone. `snapshot()` feeds the pure placement policy.
+gone. `snapshot()` feeds the pure placement policy. Each poll also carries the worker's prefix-cache
+events after the router's cursor into its PrefixIndex (router/prefix_index.py).
 
 Router-side reservations: a burst can place many requests between two polls. Each placement on a
 decode worker and each end of one is an event; `snapshot()` applies the events newer than the
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import zmq.asyncio
 
 from router.placement import FleetSnapshot, WorkerView
+from router.prefix_index import PrefixIndex, PromptHashes
 from wire.protocol import WorkerStatus
 from router.worker_client import WorkerClient
 
@@ -51,6 +53,7 @@ class WorkerState:
     events: list[tuple[int, int, int]] = field(default_factory=list)  # (event no, +1 placed / -1 ended, pages)
     next_event: int = 0
     full_until_poll: bool = False  # answered Rejected: no room until a fresh status says otherwise
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)
 
     @property
     def healthy(self) -> bool:
@@ -161,9 +164,10 @@ class Fleet:
         mark = st.next_event  # events before this are taken as reflected in the answer
         timeout_s = max(MIN_STATUS_TIMEOUT_S, 2 * self.interval)
         try:
-            old, st.status = st.status, await st.client.status(timeout_s)
+            old, st.status = st.status, await st.client.status(timeout_s, st.prefix.cursor)
             if old is not None and old.epoch != st.status.epoch:  # its requests failed when the connection dropped
                 log.warning("%s worker %s restarted (epoch %d -> %d)", st.client.role, addr, old.epoch, st.status.epoch)
+            st.prefix.apply(st.status)
             st.events = [e for e in st.events if e[0] >= mark]
             st.full_until_poll = False
             if st.misses >= MISSES_TO_DOWN:
@@ -229,6 +233,29 @@ class Fleet:
                           queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, running=max(seqs, 0),
                           kv_free_pages=max(free, 0), page_size=s.page_size, max_num_seqs=s.max_num_seqs,
                           kv_total_pages=s.kv_total_pages)
+
+    def prefix_matches(self, hashes: PromptHashes, num_tokens: int) -> dict[str, int]:
+        """address -> prompt tokens that worker's prefix cache holds (as the router knows it)."""
+        out = {}
+        for addr, st in self.workers.items():
+            if st.healthy and st.prefix.enabled:
+                m = st.prefix.match(hashes.of(st.prefix), num_tokens)
+                if m:
+                    out[addr] = m
+        return out
+
+    def predict(self, address: str, hashes: PromptHashes, tokens: list[int], num_valid: int) -> None:
+        """A request ended on `address`: what it is about to cache there (until its events say)."""
+        st = self.workers.get(address)
+        if st is not None and st.prefix.enabled:
+            st.prefix.predict(hashes.of(st.prefix, tokens), num_valid)
+
+    def prefix_evictions(self) -> dict[str, int]:
+        """role -> pages the workers of that role reported evicted (since the router knew them)."""
+        out = {"prefill": 0, "decode": 0}
+        for addr, st in self.workers.items():
+            out[self.roles[addr]] += st.prefix.evicted
+        return out
 
     def phase_gauges(self) -> dict[str, tuple[float, float, float]]:
         """phase -> (queue depth, KV usage ratio, running) summed over live workers (for /metrics).

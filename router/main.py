@@ -23,6 +23,7 @@ import zmq.asyncio
 from common.errors import ConfigError
 from router.admission import AdmissionQueue
 from router.api import Serving, build_app
+from router.prefill_cost import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, PrefillCost
 from router.config import RouterConfig
 from router.edge import ApiKeys, BodyLimit
 from router.errors import ServiceDraining
@@ -71,6 +72,10 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
     o.add_argument("--api-key", action="append", default=[],
                    help="require Authorization: Bearer KEY on /v1/* (repeat for several; also env TANDEM_API_KEYS, "
                         "comma-separated)")
+    o.add_argument("--remote-prefill-min-tokens", type=int, default=DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
+                   help="a decode worker holding a cached prefix prefills the rest itself when the uncached "
+                        "suffix is shorter than this (on an idle fleet; queues shift it: router/prefill_cost.py); "
+                        "0 = always on a prefill worker. Default from measured H200 figures")
     a = p.parse_args(argv)
     if a.max_prefill_queue < 1:
         raise ConfigError("--max-prefill-queue must be >= 1")
@@ -98,7 +103,7 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
                        max_queue_wait_s=a.max_queue_wait_s, max_prefill_queue=a.max_prefill_queue,
                        request_timeout_s=a.request_timeout_s,
                        drain_timeout_s=a.drain_timeout_s, max_request_bytes=a.max_request_bytes,
-                       api_keys=tuple(k.strip() for k in keys))
+                       api_keys=tuple(k.strip() for k in keys), prefill_cost=PrefillCost(a.remote_prefill_min_tokens))
     return cfg, disc
 
 
@@ -108,7 +113,8 @@ def make_app(cfg: RouterConfig, disc: Discovery):
     fleet = Fleet(disc, ctx, cfg.poll_interval_s)
     metrics = RouterMetrics()
     admission = AdmissionQueue(fleet, metrics, max_queued=cfg.max_queued_requests, max_wait_s=cfg.max_queue_wait_s,
-                               colocated=cfg.colocated, max_prefill_queue=cfg.max_prefill_queue)
+                               colocated=cfg.colocated, max_prefill_queue=cfg.max_prefill_queue,
+                               cost=cfg.prefill_cost)
     orch = Orchestrator(fleet, cfg, metrics, admission)
     handlers = Handlers(cfg, orch, metrics, HarmonyFormat())
 
@@ -120,7 +126,7 @@ def make_app(cfg: RouterConfig, disc: Discovery):
             return False, "no prefill worker ready"
         return True, ""
 
-    serving = Serving(ready, lambda: metrics.render(fleet.phase_gauges()),
+    serving = Serving(ready, lambda: metrics.render(fleet.phase_gauges(), fleet.prefix_evictions()),
                       InFlight(cfg.request_timeout_s, metrics.inflight.set))
     app = build_app(handlers, serving)
 

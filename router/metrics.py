@@ -43,6 +43,21 @@ class RouterMetrics:
         # layer-by-layer transfer adds after compute), result_to_router (the reply's way back).
         self.ttft_part = Histogram("tandem_ttft_breakdown_seconds", "time to first token by component",
                                    ["component"], buckets=_ITL[:3] + _LAT, registry=r)
+        # Prefix caching, by the role that computed the prompt (prefill = remote, decode = local):
+        # hit rate = cached / prompt tokens; computed = prompt - cached.
+        self.prefix_prompt = Counter("tandem_prefix_prompt_tokens", "prompt tokens by the role that prefilled them",
+                                     ["role"], registry=r)
+        self.prefix_cached = Counter("tandem_prefix_cached_tokens", "prompt tokens taken from a prefix cache",
+                                     ["role"], registry=r)
+        self.prefix_decode_cached = Counter("tandem_prefix_decode_held_tokens",
+                                            "remote prefills: prompt tokens decode already held (not shipped)",
+                                            registry=r)
+        self.prefix_computed = Histogram("tandem_prefill_computed_tokens", "prompt tokens computed per request",
+                                         ["role"], buckets=(16, 64, 256, 1024, 4096, 16384, 65536), registry=r)
+        self.prefix_bytes = Histogram("tandem_kv_shipped_bytes", "KV bytes shipped per remote-prefilled request",
+                                      buckets=tuple(4.0 ** k * 1024 for k in range(12)), registry=r)
+        self.prefix_evicted = Gauge("tandem_prefix_evicted_pages", "cached pages the workers evicted (as reported)",
+                                    ["role"], registry=r)
 
     def observe_ttft_parts(self, admission_s: float, queue_s: float, compute_s: float, tail_s: float,
                            rpc_s: float) -> None:
@@ -60,7 +75,17 @@ class RouterMetrics:
             if xfer_s > 0:
                 self.xfer_gbps.set(xfer_bytes / xfer_s / 1e9)
 
-    def render(self, phase_gauges: dict[str, tuple[float, float, float]]) -> bytes:
+    def observe_prefix(self, role: str, prompt_tokens: int, cached: int, kv_bytes: int) -> None:
+        self.prefix_prompt.labels(role).inc(prompt_tokens)
+        self.prefix_cached.labels(role).inc(cached)
+        self.prefix_computed.labels(role).observe(prompt_tokens - cached)
+        if role == "prefill":
+            self.prefix_bytes.observe(kv_bytes)
+
+    def render(self, phase_gauges: dict[str, tuple[float, float, float]],
+               evicted: dict[str, int] | None = None) -> bytes:
+        for role, n in (evicted or {}).items():
+            self.prefix_evicted.labels(role).set(n)
         for phase, (queue, usage, running) in phase_gauges.items():
             self.queue.labels(phase).set(queue)
             self.kv_usage.labels(phase).set(usage)

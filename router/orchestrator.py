@@ -2,6 +2,13 @@
 -> prefill (KV pushed into the reserved pages) -> start decode -> stream tokens. Colocated: wait for
 a placement -> generate on decode.
 
+Prefix caching: placement sees each worker's cached prefix of the prompt (router/prefix_index.py);
+decode's admission answers with the prefix it holds (only the rest is shipped), the prefill worker
+with what it took from its own cache; a short uncached suffix on a decode worker that holds the
+prefix is prefilled there (router/prefill_cost.py). Each request's `PrefixStats` feed the response's
+usage (prompt_tokens_details.cached_tokens) and the router's metrics; when it ends, the router
+records what its workers are about to cache (provisional index entries).
+
     async for chunk in orchestrator.generate(job): ...
 
 Failures before the first token (a worker down, a failed transfer) are retried transparently on
@@ -31,6 +38,7 @@ from router.fleet import Fleet
 from router.metrics import RouterMetrics
 from router.admission import AdmissionQueue, Ticket
 from router.placement import Placement
+from router.prefix_index import PromptHashes
 from wire.protocol import (
     Abort,
     AdmitRequest,
@@ -59,6 +67,17 @@ class Trace:
     decode: str = ""
 
 
+@dataclass(slots=True)
+class PrefixStats:
+    """What prefix caching did for one request (the attempt that produced its tokens)."""
+
+    prefill: str = ""  # "remote" (a prefill worker) | "local" (on the decode worker)
+    cached_tokens: int = 0  # prompt tokens the computing worker took from its cache (not recomputed)
+    computed_tokens: int = 0  # prompt tokens prefilled
+    decode_cached_tokens: int = 0  # remote: the prefix decode already held (not shipped)
+    kv_bytes: int = 0  # KV bytes shipped prefill -> decode
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     request_id: str
@@ -66,6 +85,8 @@ class Job:
     sampling: SamplingSpec
     priority: int = 0  # lower runs sooner (vLLM's convention)
     trace: Trace = field(default_factory=Trace, compare=False)
+    stats: PrefixStats = field(default_factory=PrefixStats, compare=False)
+    hashes: PromptHashes | None = field(default=None, compare=False)  # block hashes per cache identity, on first use
 
 
 class _Requeue(Exception):
@@ -80,7 +101,8 @@ class Orchestrator:
     async def generate(self, job: Job) -> AsyncIterator[TokenChunk]:
         exclude: set[str] = set()
         last: TandemError | None = None
-        ticket = Ticket(job.request_id, len(job.prompt_ids), job.sampling.max_tokens, job.priority)
+        hashes = job.hashes or PromptHashes(job.prompt_ids)
+        ticket = Ticket(job.request_id, len(job.prompt_ids), job.sampling.max_tokens, job.priority, hashes=hashes)
         attempt = requeues = 0
         while attempt < self.cfg.max_attempts:
             rid = job.request_id if attempt == 0 else f"{job.request_id}.r{attempt}"
@@ -89,7 +111,8 @@ class Orchestrator:
             job.trace.queue_wait_s, job.trace.placed_at, job.trace.decode = ticket.waited_s, time.monotonic(), p.decode
             streamed, backoff_s = False, 0.0
             try:
-                async for chunk in self._attempt(Job(rid, job.prompt_ids, job.sampling), p, exclude):
+                async for chunk in self._attempt(Job(rid, job.prompt_ids, job.sampling, stats=job.stats, hashes=hashes),
+                                                 p, exclude):
                     streamed = True
                     yield chunk
                 return
@@ -113,19 +136,25 @@ class Orchestrator:
         raise last
 
     async def _attempt(self, job: Job, p: Placement, exclude: set[str]) -> AsyncIterator[TokenChunk]:
+        n = len(job.prompt_ids)
+        assert job.hashes is not None
         decode = self.fleet.client(p.decode)
         rid = job.request_id
         stream = decode.open_stream(rid)
         finished = False
+        output: list[int] = []
         try:
             if p.prefill is None:
+                job.stats.prefill = "local"
                 await decode.send(GenerateRequest(rid, job.prompt_ids, job.sampling))
             else:
                 first = await self._prefill(job, p.decode, p.prefill, exclude)
                 await decode.send(StartDecode(rid, job.prompt_ids, job.sampling, first.first_token,
                                               first.first_logprob, first.first_top))
+                output.append(first.first_token)
                 yield TokenChunk(rid, [first.first_token], [first.first_logprob] if first.first_logprob is not None else [],
-                                 [first.first_top] if job.sampling.logprobs is not None else [], False, "", "")
+                                 [first.first_top] if job.sampling.logprobs is not None else [], False, "", "",
+                                 first.cached_tokens)
             while not finished:
                 try:
                     item = await asyncio.wait_for(stream.get(), self.cfg.stream_timeout_s)
@@ -138,8 +167,13 @@ class Orchestrator:
                 if item.error:
                     raise TransferFailed(item.error) if "transfer" in item.error else WorkerUnavailable(item.error)
                 finished = item.finished
+                if p.prefill is None and not output:
+                    self._count(job, "decode", item.cached_tokens)
+                output += item.token_ids
                 yield item
         finally:
+            if finished:  # the decode worker caches prompt + output (all but the last token's KV)
+                self.fleet.predict(p.decode, job.hashes, job.prompt_ids + output, n + len(output) - 1)
             decode.close_stream(rid)
             if not finished:  # failure, cancellation or client gone: free the request's pages on the worker
                 self._spawn(self._abort(decode, rid, "router abort"))
@@ -151,7 +185,8 @@ class Orchestrator:
         t0 = time.monotonic()
         try:
             reply = await decode.call(AdmitRequest(rid, len(job.prompt_ids), job.sampling.max_tokens, prefill_tp,
-                                                   self.cfg.transfer_deadline_s), rid, self.cfg.rpc_timeout_s)
+                                                   self.cfg.transfer_deadline_s, job.prompt_ids),
+                                      rid, self.cfg.rpc_timeout_s)
         except WorkerUnavailable:
             exclude.add(decode_addr)
             raise
@@ -181,6 +216,12 @@ class Orchestrator:
             raise TransferFailed(f"prefill on {prefill_addr} failed: {res.error}")
         self.metrics.observe_prefill(res.prefill_seconds, res.transfer_bytes, res.transfer_seconds,
                                      time.monotonic() - t0)
+        job.stats.prefill, job.stats.decode_cached_tokens, job.stats.kv_bytes = "remote", reply.cached_tokens, \
+            res.transfer_bytes
+        self._count(job, "prefill", res.cached_tokens)
+        self.metrics.prefix_decode_cached.inc(reply.cached_tokens)
+        assert job.hashes is not None
+        self.fleet.predict(prefill_addr, job.hashes, job.prompt_ids, len(job.prompt_ids))
         self.metrics.observe_ttft_parts(t_admitted - t0, res.queue_seconds, res.prefill_seconds, res.tail_seconds,
                                         time.monotonic() - t_admitted)
         return res
@@ -194,6 +235,11 @@ class Orchestrator:
         """Wait (bounded) until every Abort has been sent: used before the router exits."""
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
+
+    def _count(self, job: Job, role: str, cached: int) -> None:
+        n = len(job.prompt_ids)
+        job.stats.cached_tokens, job.stats.computed_tokens = cached, n - cached
+        self.metrics.observe_prefix(role, n, cached, job.stats.kv_bytes)
 
     async def _abort(self, client, rid: str, reason: str) -> None:
         try:

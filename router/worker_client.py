@@ -137,9 +137,9 @@ class WorkerClient:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    async def status(self, timeout_s: float) -> WorkerStatus:
+    async def status(self, timeout_s: float, cache_cursor: int = -1) -> WorkerStatus:
         self._status = asyncio.get_running_loop().create_future()
-        await self.send(StatusRequest())
+        await self.send(StatusRequest(cache_cursor))
         try:
             return await asyncio.wait_for(self._status, timeout_s)
         finally:

@@ -6,14 +6,19 @@ the tag, the field count and every field's type against the class annotations, s
 foreign frame raises ProtocolError instead of reaching worker logic. No dict[str, Any] crosses.
 
 Request lifecycle (disaggregated):
-  router -> decode  AdmitRequest        decode reserves pages for the prompt (or Rejected)
+  router -> decode  AdmitRequest        decode looks the prompt up in its prefix cache and reserves
+                                        pages for the rest (or Rejected)
   decode -> router  Admitted            with an opaque KV target (kv_transfer's TransferRequest bytes)
-  router -> prefill PrefillRequest      prefill computes the prompt and writes KV into those pages
+                                        and the cached prefix length: only the pages after it are shipped
+  router -> prefill PrefillRequest      prefill computes the prompt (from its own cached prefix) and
+                                        writes KV into those pages
   prefill -> router PrefillResult       first token once the transfer is DONE (or an error)
   router -> decode  StartDecode         decode waits for the KV-landed notification and this message
   decode -> router  TokenBatch ...      each step: a TokenChunk per sequence of that router, until finished
   router -> any     Abort               client gone / failure; frees or quarantines pages
-Colocated: router -> decode GenerateRequest, then TokenChunks.
+Colocated (or a short uncached suffix on the decode worker holding the prefix): router -> decode
+GenerateRequest, then TokenChunks. Status polls (StatusRequest with the router's cursor) carry each
+worker's prefix-cache events (WorkerStatus.cache_*).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field
 from common.errors import ProtocolError
 from wire.codec import brief, build, pack, to_wire, unpack
 
-PROTOCOL_VERSION = 2  # 2: sampling penalties and logit bias; TokenBatch (one frame per step)
+PROTOCOL_VERSION = 3  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache
 MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
 
 
@@ -58,7 +63,9 @@ class TopLogprob:
 
 @dataclass(frozen=True, slots=True)
 class StatusRequest:
-    pass
+    # The router's position in this worker's prefix-cache event log (WorkerStatus.cache_*); -1: no
+    # events wanted (health checks, tools).
+    cache_cursor: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +85,18 @@ class WorkerStatus:
     page_size: int
     max_num_seqs: int
     busy_seconds: float
+    # Prefix cache (model/prefix_cache.py); identity "" = caching off. The router hashes prompts with
+    # common.prefix_hash seeded by cache_identity and mirrors each worker's index from its events:
+    # cache_events is flat [kind, hash, ...] (kinds in model.prefix_cache: stored/evicted x full/sliding)
+    # after the requester's cursor, cache_cursor the cursor to ask from next time; cache_reset: the
+    # events are a snapshot of the whole index (the cursor was unknown): start from empty.
+    cache_identity: str = ""
+    sliding_window: int = 0
+    cache_cursor: int = 0
+    cache_reset: bool = False
+    cache_events: list[int] = field(default_factory=list)
+    cached_pages: int = 0  # full-attention pages held by the cache alone (evictable)
+    kv_bytes_per_token: int = 0  # one token's KV over all layers (this rank's heads): what shipping it costs
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +106,7 @@ class AdmitRequest:
     max_tokens: int
     prefill_tp: int  # the prefill worker's TP degree (heads per rank for the transfer plan)
     deadline_s: float  # seconds the reservation may wait for its KV
+    prompt_ids: list[int] = field(default_factory=list)  # for the prefix-cache lookup (empty: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +114,7 @@ class Admitted:
     request_id: str
     epoch: int
     kv_target: bytes  # kv_transfer TransferRequest, opaque to the router
+    cached_tokens: int = 0  # decode holds [0, cached_tokens) already: only the rest is shipped
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +146,7 @@ class PrefillResult:
     transfer_seconds: float
     queue_seconds: float = 0.0  # waiting in the prefill worker's queue
     tail_seconds: float = 0.0  # compute done -> the KV transfer terminal (what the transfer added to TTFT)
+    cached_tokens: int = 0  # prompt tokens the prefill worker took from its own prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +175,7 @@ class TokenChunk:
     finished: bool
     finish_reason: str  # "" | "stop" | "length" | "abort"
     error: str
+    cached_tokens: int = 0  # first chunk of a GenerateRequest: prompt tokens taken from the prefix cache
 
 
 @dataclass(frozen=True, slots=True)

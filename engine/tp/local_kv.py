@@ -91,7 +91,7 @@ class LocalKV:
     def _expect(self, cmd: m.RxExpect) -> m.Done:
         try:
             self.last_request = self.rx.expect(cmd.request_id, SeqPages(list(cmd.full), list(cmd.ring)),
-                                               cmd.num_tokens, cmd.deadline_unix)
+                                               cmd.num_tokens, cmd.deadline_unix, cmd.first_token)
         except TandemError as e:
             return m.Done(e.message)
         self.open_rx.add(cmd.request_id)

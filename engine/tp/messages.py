@@ -81,6 +81,8 @@ class StepSeq:
     full_from: int  # keep the mirror's first full_from pages (0: start a fresh page list)
     new_full: list[int]  # then append these
     ring: list[int]  # the whole sliding ring (at most R pages)
+    copy_src: list[int]  # prefix hit: cached sliding pages copied into ring pages copy_dst before the forward
+    copy_dst: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +104,7 @@ class RxExpect:
     ring: list[int]
     num_tokens: int
     deadline_unix: float
+    first_token: int  # a prefix-cache hit on decode: the sender writes from here
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,8 +133,9 @@ class GroupReceiver(KVReceiver):
     def set_rank_endpoints(self, endpoints: tuple[str, ...], epochs: tuple[int, ...]) -> None:
         raise ConfigError("a TP group sets its rank endpoints once, at start-up (engine.tp.group.gather_endpoints)")
 
-    def expect(self, request_id: str, pages: SeqPages, num_tokens: int, deadline_unix: float) -> TransferRequest:
-        cmd = m.RxExpect(request_id, list(pages.full), list(pages.ring), num_tokens, deadline_unix)
+    def expect(self, request_id: str, pages: SeqPages, num_tokens: int, deadline_unix: float,
+               first_token: int = 0) -> TransferRequest:
+        cmd = m.RxExpect(request_id, list(pages.full), list(pages.ring), num_tokens, deadline_unix, first_token)
         _raise_errors(self.group.call(cmd, lambda: self.kv.handle(cmd)))
         self._tracked[request_id] = pages
         self._status[request_id] = TransferStatus.WAITING

@@ -9,7 +9,8 @@ follower's mirror of the previous step:
     length. KVManager.grow only extends that list in place and release replaces it, so "same
     object, not shorter" proves the sent prefix is unchanged; anything else (first sight, a
     preempted sequence regrown, a sequence absent from the last step) is sent whole (full_from 0);
-  - the sliding ring (at most R pages) is always sent whole.
+  - the sliding ring (at most R pages) is always sent whole, with the prefix hit's sliding copies
+    of the sequence's first step (model/kv_cache.py; the forward applies them on every rank).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class StepEncoder:
                 ids, on_device = [0] * it.q_len, True
             else:
                 ids = seq.token_slice(it.start, end)
-            seqs.append(m.StepSeq(seq.request_id, ids, it.start, it.sample, keep, full[keep:], list(seq.pages.ring)))
+            seqs.append(m.StepSeq(seq.request_id, ids, it.start, it.sample, keep, full[keep:], list(seq.pages.ring),
+                                  list(seq.pages.copy_src), list(seq.pages.copy_dst)))
             sent[seq.request_id] = _Sent(full, len(full))
         self._sent = sent
         return m.Step(seqs, layer_done, on_device)
@@ -66,6 +68,7 @@ class StepMirror:
             assert pages is not None and len(pages.full) == s.full_from, f"page mirror out of sync for {s.request_id}"
             pages.full += s.new_full
             pages.ring = list(s.ring)
+            pages.copy_src, pages.copy_dst = list(s.copy_src), list(s.copy_dst)  # the forward applies them
             pages_now[s.request_id] = pages
             ids += s.token_ids
             steps.append(SeqStep(pages, s.start, len(s.token_ids)))

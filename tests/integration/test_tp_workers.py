@@ -282,6 +282,32 @@ def test_colocated_request_on_tp2_decode_worker(cluster, reference):
         d.close()
 
 
+def test_prefix_cache_turns_on_tp_workers(cluster, reference):
+    """A conversation's second turn on TP-2 workers: decode holds the first turn (only the rest is
+    shipped), the prefill worker computes from its cached prompt, a third turn prefills on the
+    decode worker itself; every rank applies the hit's sliding copies; tokens equal one process."""
+    p, d = Peer(cluster.workers["P2"].addr), Peer(cluster.workers["D2"].addr)
+    try:
+        turns, prompt = [], [(i * 104729 + 7) % 200000 for i in range(250)]
+        for k in range(2):
+            adm = d.ask(AdmitRequest(f"pfx-{k}", len(prompt), SPEC.max_tokens, 1, 60.0, prompt))
+            assert isinstance(adm, Admitted), adm
+            res = p.ask(PrefillRequest(f"pfx-{k}", prompt, SPEC, adm.kv_target, 60.0), 120.0)
+            assert isinstance(res, PrefillResult) and res.ok, res
+            d.sock.send(encode(StartDecode(f"pfx-{k}", prompt, SPEC, res.first_token, res.first_logprob,
+                                           res.first_top)))
+            out = [res.first_token] + d.tokens(f"pfx-{k}")
+            assert out == reference(prompt, SPEC.max_tokens), k
+            turns.append((adm.cached_tokens, res.cached_tokens))
+            prompt = prompt + out + [(i * 31 + 5) % 200000 for i in range(40)]
+        assert turns[0] == (0, 0) and turns[1] == (256, 240), turns  # decode computed 259 tokens, prefill 250
+        d.sock.send(encode(GenerateRequest("pfx-local", prompt, SPEC)))
+        assert d.tokens("pfx-local") == reference(prompt, SPEC.max_tokens)
+    finally:
+        p.close()
+        d.close()
+
+
 def test_failed_transfers_fail_on_every_rank(cluster):
     """A reservation whose KV never comes (its deadline passes) and one the client abandons before
     prefill: both fail on both decode ranks, the TP-2 prefill is refused by both, and the pages

@@ -50,8 +50,9 @@ def test_ring_slots_never_collide_within_the_window():
         assert len(stored) == len(set(stored))
         if g.pages_hold_all:  # every new token stored; view covers window of the first new token
             assert len(stored) == q and g.prefix_lens_host[0] <= 127 + 15
-        else:  # only the last W-1 new tokens are kept for later steps
-            assert len(stored) == min(q, 127)
+        else:  # only the pages of the last W new tokens are kept (whole, for the prefix cache)
+            end = pos + q
+            assert len(stored) == end - max(pos, (end - 128) // 16 * 16) and 127 <= len(stored) <= 128 + 15
         pos += q
     kv.release(pages)
     kv.assert_all_free()

@@ -64,7 +64,7 @@ def _raw(body, version=PROTOCOL_VERSION, kind=TransferRequest.KIND):
 def _req_body(**kw):
     body = [f.name for f in dataclasses.fields(TransferRequest)]
     vals = dict(request_id="r", decode_engine_id="d", decode_epochs=[1], decode_endpoints=["tcp://x:1"],
-                full_pages=[1, 2], ring_pages=[3], num_tokens=20, deadline_unix=5.0)
+                full_pages=[1, 2], ring_pages=[3], num_tokens=20, deadline_unix=5.0, first_token=0)
     vals.update(kw)
     return [vals[k] for k in body]
 
@@ -77,9 +77,10 @@ def _req_body(**kw):
     (_raw(_req_body(decode_epochs=[1, 2])), "one epoch per decode endpoint"),
     (_raw(_req_body(full_pages=[1, "2"])), r"full_pages\[1\]: expected int"),
     (_raw(_req_body(decode_endpoints="tcp://x:1")), "decode_endpoints: expected a list"),
-    (_raw(_req_body()[:-1]), "expected 8 fields"),
-    (_raw(_req_body() + [1]), "expected 8 fields"),
+    (_raw(_req_body()[:-1]), "expected 9 fields"),
+    (_raw(_req_body() + [1]), "expected 9 fields"),
     (_raw(_req_body(num_tokens=0)), "num_tokens must be > 0"),
+    (_raw(_req_body(first_token=20)), r"first_token must be in \[0, num_tokens\)"),
     (_raw(_req_body(full_pages=[1, -2])), "page ids must be >= 0"),
     (_raw(_req_body(request_id="")), "request_id must have"),
     (_raw(_req_body(deadline_unix=float("nan"))), "deadline must be finite"),
@@ -116,7 +117,7 @@ def test_handshake_validation():
 
 
 def test_handshake_ipc_export_validated():
-    assert PROTOCOL_VERSION >= 3  # 3 added Handshake.ipc (4: KVCompat.kv_scales)
+    assert PROTOCOL_VERSION >= 3  # 3 added Handshake.ipc (4: KVCompat.kv_scales, 5: TransferRequest.first_token)
     assert _handshake().ipc == ()  # a receiver on the NIXL data path exports nothing
     with pytest.raises(ProtocolError, match="distinct registered groups"):
         decode(encode(_handshake(ipc=(IPC[0], IPC[0]))))

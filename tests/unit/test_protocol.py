@@ -19,6 +19,10 @@ from wire.protocol import (
 def test_round_trip_every_field_kind():
     msgs = [SamplingSpec(max_tokens=3, seed=None, stop_token_ids=[1, 2], logprobs=2),
             AdmitRequest("r", 10, 20, 2, 30.5),
+            AdmitRequest("r", 2, 20, 2, 30.5, [5, 6]),
+            protocol.StatusRequest(17),
+            protocol.WorkerStatus("decode", "w", 1, True, False, 0, 0, 0, 10, 10, 9, 9, 16, 4, 0.0, "id/page16",
+                                  128, 40, True, [0, 2**64 - 1, 3, 5], 7),
             PrefillResult("r", True, 5, -0.5, [TopLogprob(5, -0.5)], "", 0.1, 1 << 40, 0.2),
             TokenChunk("r", [1, 2], [-0.1, -0.2], [[TopLogprob(1, -0.1)], [TopLogprob(2, -0.2)]], True, "stop", "")]
     for m in msgs:
@@ -29,9 +33,10 @@ def test_round_trip_every_field_kind():
     ([PROTOCOL_VERSION + 1, 0, []], "protocol version"),
     ([PROTOCOL_VERSION, 999, []], "unknown message tag"),
     ([PROTOCOL_VERSION, 0], "frame is not"),
-    ([PROTOCOL_VERSION, 4, ["r", "ten", 20, 2, 30.5]], "AdmitRequest.prompt_len"),
-    ([PROTOCOL_VERSION, 4, ["r", 10, 20, 2]], "needs 5 fields"),
-    ([PROTOCOL_VERSION, 4, ["r", True, 20, 2, 1.0]], "expected int, got bool"),
+    ([PROTOCOL_VERSION, 4, ["r", "ten", 20, 2, 30.5, []]], "AdmitRequest.prompt_len"),
+    ([PROTOCOL_VERSION, 4, ["r", 10, 20, 2, 30.5]], "needs 6 fields"),
+    ([PROTOCOL_VERSION, 4, ["r", True, 20, 2, 1.0, []]], "expected int, got bool"),
+    ([PROTOCOL_VERSION, 4, ["r", 2, 20, 2, 1.0, [1, "2"]]], r"AdmitRequest.prompt_ids\[\]: expected int"),
 ])
 def test_malformed_frames_are_refused(frame, match):
     with pytest.raises(ProtocolError, match=match):

@@ -62,6 +62,23 @@ def test_step_page_mirror_follows_rank0():
     assert step((b, 0, 5))[0].full_from == 0  # b sat out the last step
 
 
+def test_prefix_hit_sliding_copies_reach_the_followers_once():
+    """A prefix hit's first step carries its sliding copies (cached page -> ring page); the follower's
+    SeqPages gets them for that step's forward only."""
+    kv, enc, mirror = KVManager(_spec(1), "ident"), StepEncoder(), StepMirror()
+    a = Sequence("a", list(range(10, 60)), SamplingParams(max_tokens=50))
+    a.pages.copy_src, a.pages.copy_dst = [7, 8], [1, 2]
+    kv.grow(a.pages, 50)
+    (msg,) = tm.decode(tm.encode(enc.encode([ScheduledSeq(a, 40, 10, True)], False)), tm.Step).seqs
+    assert (msg.copy_src, msg.copy_dst) == ([7, 8], [1, 2])
+    _, steps, _ = mirror.apply(tm.Step([msg], False))
+    assert (steps[0].pages.copy_src, steps[0].pages.copy_dst) == ([7, 8], [1, 2])
+    a.pages.copy_src, a.pages.copy_dst = [], []
+    a.output_ids.append(3)
+    _, steps, _ = mirror.apply(tm.decode(tm.encode(enc.encode([ScheduledSeq(a, 50, 1, True)], False)), tm.Step))
+    assert steps[0].pages.copy_src == [] and steps[0].pages.copy_dst == []
+
+
 class ScriptedGroup:
     """Rank 0's group of two: rank 0 runs its share for real, rank 1 answers from `answers`."""
 

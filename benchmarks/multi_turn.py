@@ -1,0 +1,257 @@
+"""`tandem bench serve --multi-turn`: chat / agent traffic where every turn resends the whole
+conversation, with and without prefix caching.
+
+A run, top to bottom:
+  plan      C conversations of T turns from one seeded generator: a shared system prompt (S token
+            ids), then per turn U new user tokens; turn k+1's prompt = turn k's prompt + turn k's
+            answer (the token ids the server returned) + new user tokens; A answer tokens per turn
+            (ignore_eos, so exactly A)
+  run       every conversation is one client task sending its turns one after the other (the next
+            turn is only known once the answer arrived); conversations start together, or staggered
+            by --conversation-gap-ms
+  measure   per request: TTFT, end-to-end, and what the server says it did in usage:
+            prompt_tokens_details.cached_tokens, tandem.computed_tokens (prefill tokens computed),
+            tandem.kv_bytes_shipped, tandem.prefill (local / remote)
+  leaks     after the load: every worker's KV pages are free or merely cached (no sequence holds
+            one), nothing running or queued
+Reported per run, for turn 1 and for turns 2+: TTFT p50/p99, prefill tokens computed per turn, KV
+bytes shipped per turn and per new token, the prefix hit rate (cached / prompt tokens).
+
+    tandem bench serve --multi-turn --launch both --compare-caching --conversations 64 --turns 8 \\
+        --system-len 2048 --user-len 100:300 --output-len 100:300
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+import numpy as np
+
+from benchmarks.loadgen import LengthRange, SSEParser
+from common.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class MultiTurnSpec:
+    base_url: str
+    model: str
+    conversations: int = 64
+    turns: int = 8
+    system_len: int = 2048
+    user_len: LengthRange = LengthRange(100, 300)
+    output_len: LengthRange = LengthRange(100, 300)
+    conversation_gap_s: float = 0.0
+    seed: int = 0
+    token_id_range: tuple[int, int] = (1000, 100_000)
+    request_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.conversations < 1 or self.turns < 1 or self.system_len < 0:
+            raise ConfigError("--conversations and --turns must be >= 1, --system-len >= 0")
+
+
+@dataclass(slots=True)
+class TurnResult:
+    conversation: int
+    turn: int  # 1-based
+    prompt_tokens: int
+    new_tokens: int  # tokens whose KV the conversation never computed: the user's new tokens and the previous
+    # answer's last token (turn 1: the whole prompt)
+    ok: bool = False
+    error: str = ""
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    output_ids: list[int] = field(default_factory=list)
+    cached_tokens: int | None = None
+    computed_tokens: int | None = None
+    kv_bytes: int | None = None
+    prefill: str = ""
+
+
+def plan(spec: MultiTurnSpec) -> tuple[list[int], list[list[tuple[list[int], int]]]]:
+    """(system prompt, per conversation per turn (new user tokens, answer length))."""
+    rng = np.random.default_rng(spec.seed)
+    lo, hi = spec.token_id_range
+    system = rng.integers(lo, hi, size=spec.system_len).tolist()
+    convs = []
+    for _ in range(spec.conversations):
+        users = spec.user_len.sample(rng, spec.turns)
+        outs = spec.output_len.sample(rng, spec.turns)
+        convs.append([(rng.integers(lo, hi, size=int(u)).tolist(), int(o)) for u, o in zip(users, outs)])
+    return system, convs
+
+
+async def one_turn(client: httpx.AsyncClient, spec: MultiTurnSpec, r: TurnResult, prompt: list[int],
+                   max_tokens: int) -> TurnResult:
+    body = {"model": spec.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True}
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.timeout(spec.request_timeout_s):
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    r.error = f"http_{resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                    return r
+                parser = SSEParser()
+                async for line in resp.aiter_lines():
+                    data = parser.feed(line)
+                    if data is None:
+                        continue
+                    if data.strip() == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        r.error = str(chunk["error"])
+                        return r
+                    if chunk.get("usage"):
+                        u = chunk["usage"]
+                        r.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+                        t = u.get("tandem") or {}
+                        r.computed_tokens, r.kv_bytes, r.prefill = (t.get("computed_tokens"),
+                                                                    t.get("kv_bytes_shipped"), t.get("prefill", ""))
+                    for ch in chunk.get("choices") or []:
+                        ids = ch.get("token_ids") or []
+                        if ids and r.ttft_s is None:
+                            r.ttft_s = time.perf_counter() - t0
+                        r.output_ids += ids
+    except (httpx.HTTPError, TimeoutError, json.JSONDecodeError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+        return r
+    r.e2e_s = time.perf_counter() - t0
+    r.ok = r.ttft_s is not None and len(r.output_ids) == max_tokens
+    if not r.ok and not r.error:
+        r.error = f"got {len(r.output_ids)} of {max_tokens} tokens"
+    return r
+
+
+async def run_conversations(spec: MultiTurnSpec) -> tuple[list[TurnResult], float]:
+    system, convs = plan(spec)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=spec.conversations)
+    timeout = httpx.Timeout(spec.request_timeout_s, connect=10.0)
+    async with httpx.AsyncClient(base_url=spec.base_url, limits=limits, timeout=timeout) as client:
+
+        async def conversation(c: int) -> list[TurnResult]:
+            await asyncio.sleep(c * spec.conversation_gap_s)
+            prompt, out = list(system), []
+            for k, (user, max_tokens) in enumerate(convs[c]):
+                new = len(user) + (len(system) if k == 0 else 1)
+                prompt = prompt + user
+                r = await one_turn(client, spec, TurnResult(c, k + 1, len(prompt), new), prompt, max_tokens)
+                out.append(r)
+                if not r.ok:
+                    break  # the conversation cannot continue without its answer
+                prompt = prompt + r.output_ids
+            return out
+
+        t0 = time.perf_counter()
+        results = [r for conv in await asyncio.gather(*(conversation(c) for c in range(spec.conversations)))
+                   for r in conv]
+        return results, time.perf_counter() - t0
+
+
+def _pct(values: list[float], scale: float = 1.0) -> dict:
+    if not values:
+        return {"n": 0, "mean": None, "p50": None, "p99": None}
+    a = np.asarray(values, dtype=float) * scale
+    return {"n": len(values), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+            "p99": float(np.percentile(a, 99))}
+
+
+def summarize(results: list[TurnResult], duration_s: float, kv_bytes_per_token: int | None = None) -> dict:
+    """kv_bytes_per_token: one token's KV over all layers (the decode worker's WorkerStatus), for the
+    goal "a later turn ships no more than its new tokens' KV"."""
+    ok = [r for r in results if r.ok]
+    groups = {"turn1": [r for r in ok if r.turn == 1], "turns2plus": [r for r in ok if r.turn > 1]}
+    out: dict = {"requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+                 "first_errors": [r.error for r in results if not r.ok][:5], "duration_s": duration_s}
+    for name, rs in groups.items():
+        prompt = sum(r.prompt_tokens for r in rs)
+        cached = sum(r.cached_tokens or 0 for r in rs)
+        out[name] = {
+            "requests": len(rs),
+            "ttft_ms": _pct([r.ttft_s for r in rs], 1e3),
+            "prompt_tokens_per_turn": prompt / len(rs) if rs else None,
+            "computed_tokens_per_turn": sum(r.computed_tokens or 0 for r in rs) / len(rs) if rs else None,
+            "new_tokens_per_turn": sum(r.new_tokens for r in rs) / len(rs) if rs else None,
+            "kv_bytes_per_turn": sum(r.kv_bytes or 0 for r in rs) / len(rs) if rs else None,
+            "hit_rate": cached / prompt if prompt else None,
+            "prefilled_locally": sum(r.prefill == "local" for r in rs),
+        }
+    t1, t2 = out["turn1"], out["turns2plus"]
+    out["kv_bytes_per_token"] = kv_bytes_per_token
+    # the goal: a later turn ships no more than its new tokens' KV (all layers). The cached prefix is
+    # block-aligned (up to 15 earlier tokens go again), the sliding layers need only their last W tokens.
+    out["turns2plus_bytes_over_new_token_kv"] = (t2["kv_bytes_per_turn"] / (kv_bytes_per_token * t2["new_tokens_per_turn"])
+                                                 if kv_bytes_per_token and t2["new_tokens_per_turn"] else None)
+    out["ttft_p50_turn1_over_turns2plus"] = (t1["ttft_ms"]["p50"] / t2["ttft_ms"]["p50"]
+                                             if t1["ttft_ms"]["p50"] and t2["ttft_ms"]["p50"] else None)
+    return out
+
+
+def run(spec: MultiTurnSpec, label: str, workers: list[str] = ()) -> dict:
+    """One load against a service; `workers` (its decode and prefill addresses): KV bytes per token
+    from their status, and the leak check after the load."""
+    results, duration = asyncio.run(run_conversations(spec))
+    doc = asdict(spec)
+    sts = worker_status(list(workers))
+    per_token = next((st.kv_bytes_per_token for st in sts if st is not None and st.role == "decode"), None)
+    return {"label": label, "load": doc, "summary": summarize(results, duration, per_token),
+            "leaks": worker_leaks(list(workers)) if workers else None,
+            "requests": [{k: v for k, v in asdict(r).items() if k != "output_ids"} | {"output_tokens": len(r.output_ids)}
+                         for r in results]}
+
+
+def format_runs(runs: list[dict]) -> str:
+    cols = ("TTFT p50 t1", "TTFT p50 t2+", "TTFT p99 t2+", "computed/turn t2+", "KV bytes/turn t2+",
+            "/new tokens' KV", "hit rate t2+", "local t2+", "leaks")
+    lines = [f"{'':28}" + "".join(f"{c:>18}" for c in cols)]
+    for r in runs:
+        s = r["summary"]
+        t1, t2 = s["turn1"], s["turns2plus"]
+        vals = [t1["ttft_ms"]["p50"], t2["ttft_ms"]["p50"], t2["ttft_ms"]["p99"], t2["computed_tokens_per_turn"],
+                t2["kv_bytes_per_turn"], s["turns2plus_bytes_over_new_token_kv"], t2["hit_rate"], t2["prefilled_locally"],
+                (r.get("leaks") or {}).get("leaked")]
+        cells = [f"{v:18.3f}" if isinstance(v, float) else f"{str(v):>18}" for v in vals]
+        lines.append(f"{r['label']:28}" + "".join(cells) + ("" if not s["failed"] else f"  failed {s['failed']}"))
+    return "\n".join(lines)
+
+
+def worker_status(addresses: list[str]) -> list:
+    """Each worker's WorkerStatus (None where it did not answer within 5 s)."""
+    import zmq
+
+    from wire.protocol import StatusRequest, decode, encode
+
+    ctx = zmq.Context.instance()
+    out = []
+    for addr in addresses:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(addr)
+        try:
+            s.send(encode(StatusRequest()))
+            out.append(decode(s.recv()) if s.poll(5000) else None)
+        finally:
+            s.close(0)
+    return out
+
+
+def worker_leaks(addresses: list[str], timeout_s: float = 15.0) -> dict:
+    """Every worker's pages back (free, or held by the prefix cache alone), nothing running: polled
+    until true or timeout (a finished request's pages return one step later)."""
+    t_end = time.monotonic() + timeout_s
+    while True:
+        bad = []
+        for addr, st in zip(addresses, worker_status(addresses)):
+            if st is None or st.kv_free_pages != st.kv_total_pages or st.running or st.queue_depth \
+                    or st.kv_free_sliding_pages != st.kv_total_sliding_pages:
+                bad.append({"worker": addr, "status": None if st is None else
+                            {k: getattr(st, k) for k in ("kv_free_pages", "kv_total_pages", "kv_free_sliding_pages",
+                                                         "kv_total_sliding_pages", "running", "queue_depth")}})
+        if not bad or time.monotonic() > t_end:
+            return {"leaked": bool(bad), "workers_checked": len(addresses), "problems": bad}
+        time.sleep(0.5)

@@ -1,0 +1,117 @@
+"""Prefix caching across roles, in one process over the loopback KV backend (CPU, fp32): a
+conversation's turns go prefill worker -> decode worker; decode says which prefix it holds and the
+prefill worker ships only the pages after it, computing only what its own cache lacks; greedy
+outputs equal the single-process engine's without caching; failed transfers still return pages."""
+
+import time
+
+import pytest
+import torch
+
+from decode_worker.engine import DecodeEngine
+from engine.build import EngineConfig, build_engine_parts, model_fingerprint
+from engine.llm import LLM
+from engine.sampling import SamplingParams
+from engine.scheduler import SchedulerConfig
+from kv_transfer.interface import TransferConfig
+from kv_transfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
+from model.kv_cache import PageGroup
+from prefill_worker.engine import PrefillEngine
+from wire.protocol import AdmitRequest, Admitted, Abort, PrefillRequest, SamplingSpec, StartDecode
+
+SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=4096)
+SPEC = SamplingSpec(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def stack(ckpt_factory):
+    path = ckpt_factory("tiny")
+    cfg = EngineConfig(checkpoint=path, scheduler=SCHED, kv_cache_bytes=16 << 20)
+    dparts, pparts = build_engine_parts(cfg), build_engine_parts(cfg)
+    hub = LoopbackHub()
+    name = model_fingerprint(dparts.model)
+    rx = LoopbackReceiver(dparts.pool, TransferConfig("dec", name), hub)
+    tx = LoopbackSender(pparts.pool, TransferConfig("pre", name), hub)
+    return DecodeEngine(dparts, rx), PrefillEngine(pparts, tx), path
+
+
+def serve_turn(dec, pre, rid, prompt):
+    """Admit -> prefill -> start -> decode until finished. Returns (admitted, prefill result, tokens)."""
+    adm = dec.admit(b"r", AdmitRequest(rid, len(prompt), SPEC.max_tokens, 1, 30.0, list(prompt)))
+    assert isinstance(adm, Admitted), adm
+    res = pre.run(PrefillRequest(rid, list(prompt), SPEC, adm.kv_target, 30.0))
+    assert res.ok, res.error
+    assert dec.start(b"r", StartDecode(rid, list(prompt), SPEC, res.first_token, None, [])) is None
+    out = [res.first_token]
+    t_end = time.monotonic() + 120
+    while time.monotonic() < t_end:
+        dec.poll_transfers()
+        for _, batch in dec.step():
+            for c in batch.chunks:
+                out += c.token_ids
+                if c.finished:
+                    return adm, res, out
+    raise AssertionError("the turn did not finish")
+
+
+def shipped_bytes(spec, first_token, n):
+    """Bytes the plan writes for tokens [first_token, n) at TP 1."""
+    from kv_transfer.plan import logical_pages
+
+    return sum(len(logical_pages(g, n, spec.page_size, spec.sliding_window, first_token)) * spec.page_bytes(g)
+               for g in PageGroup)
+
+
+def test_prefix_disaggregated_turns_ship_only_new_pages_and_match_colocated(stack):
+    dec, pre, path = stack
+    g = torch.Generator().manual_seed(21)
+    system = torch.randint(0, 201088, (300,), generator=g).tolist()
+    prompt, outs, log = list(system), [], []
+    for turn in range(4):
+        prompt = prompt + torch.randint(0, 201088, (int(torch.randint(20, 60, (1,), generator=g)),), generator=g).tolist()
+        adm, res, toks = serve_turn(dec, pre, f"t{turn}", prompt)
+        outs.append(toks)
+        log.append((len(prompt), adm.cached_tokens, res.cached_tokens, res.transfer_bytes))
+        prompt = prompt + toks
+    spec = dec.kv.spec
+    for n, d_cached, p_cached, nbytes in log:
+        assert nbytes == shipped_bytes(spec, d_cached, n), (n, d_cached, nbytes)
+    assert log[0][1] == 0 and log[0][2] == 0
+    for (n, d_cached, p_cached, _), (n_prev, *_rest) in zip(log[1:], log[:-1]):
+        # decode holds the previous turn's prompt and answer (all but its last token), prefill the
+        # previous prompt; both page-aligned
+        assert d_cached >= n_prev + SPEC.max_tokens - 1 - 15 and d_cached % 16 == 0
+        assert n_prev - 15 <= p_cached <= n_prev
+    # greedy outputs equal the single-process engine without any cache
+    ref = LLM(EngineConfig(checkpoint=path, scheduler=SCHED, kv_cache_bytes=16 << 20, enable_prefix_caching=False))
+    p = list(system)
+    g = torch.Generator().manual_seed(21)
+    torch.randint(0, 201088, (300,), generator=g)
+    for turn in range(4):
+        p = p + torch.randint(0, 201088, (int(torch.randint(20, 60, (1,), generator=g)),), generator=g).tolist()
+        o = ref.generate([p], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].output_ids
+        assert o == outs[turn], turn
+        p = p + o
+    dec.kv.assert_all_free()
+    pre.kv.assert_all_free()
+
+
+def test_prefix_failed_transfer_returns_pages_and_keeps_cache(stack):
+    dec, pre, _ = stack
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 201088, (200,), generator=g).tolist()
+    _, _, out = serve_turn(dec, pre, "warm", prompt)
+    before = dec.kv.num_free()
+    nxt = prompt + out + [1, 2, 3, 4, 5]
+    adm = dec.admit(b"r", AdmitRequest("doomed", len(nxt), 4, 1, 30.0, nxt))
+    assert isinstance(adm, Admitted) and adm.cached_tokens > 0
+    held = dec.pending["doomed"].pages.full[: adm.cached_tokens // 16]
+    assert all(dec.kv.alloc[PageGroup.FULL].ref(p) >= 2 for p in held)  # cache + this request
+    dec.abort("doomed", "client went away")
+    for _ in range(50):
+        dec.poll_transfers()
+        if "doomed" not in dec.rx.book._reqs:
+            break
+    assert dec.kv.num_free() == before
+    assert all(dec.kv.alloc[PageGroup.FULL].ref(p) == 1 for p in held)  # back to the cache alone
+    dec.kv.assert_all_free()
