@@ -19,6 +19,7 @@ from common.errors import InvalidRequest, TandemError
 from router.chat_types import DeltaKind
 from router.handlers import Event, Handlers
 from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.responses import register_responses
 
 
 def error_body(status: int, message: str, etype: str, param: str | None = None) -> JSONResponse:
@@ -61,6 +62,8 @@ def build_app(h: Handlers, ready, render_metrics) -> FastAPI:
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             return error_body(400, "request body is not valid JSON", "invalid_request_error")
+        if first.get("type") == "extra_forbidden":
+            return error_body(400, f"unsupported parameter: {loc}", "invalid_request_error", loc)
         return error_body(400, f"{loc}: {msg}" if loc else msg, "invalid_request_error", loc or None)
 
     @app.get("/health")
@@ -147,6 +150,7 @@ def build_app(h: Handlers, ready, render_metrics) -> FastAPI:
                 "choices": choices, "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
                                               "total_tokens": n_in + n_out}}
 
+    register_responses(app, h, h.cfg.responses_store_size)
     return app
 
 

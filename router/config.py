@@ -24,6 +24,7 @@ class RouterConfig:
     default_max_tokens: int = 4096
     knowledge_cutoff: str = "2024-06"
     served_models: tuple[str, ...] = field(default=())
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (LRU)
 
     @property
     def model_names(self) -> tuple[str, ...]:

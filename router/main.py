@@ -45,6 +45,8 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
     p.add_argument("--transfer-deadline-s", type=float, default=60.0)
     p.add_argument("--prefill-timeout-s", type=float, default=600.0)
     p.add_argument("--stream-timeout-s", type=float, default=300.0)
+    p.add_argument("--responses-store-size", type=int, default=1024,
+                   help="stored /v1/responses (for previous_response_id), least recently used dropped first")
     a = p.parse_args(argv)
     if a.discovery == "k8s":
         if not a.decode_service:
@@ -60,7 +62,7 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
                        decode=tuple(disc.decode), dns_discovery=disc.dns, colocated=a.colocated,
                        poll_interval_s=a.poll_interval_s, transfer_deadline_s=a.transfer_deadline_s,
                        prefill_timeout_s=a.prefill_timeout_s, stream_timeout_s=a.stream_timeout_s,
-                       max_model_len=a.max_model_len)
+                       max_model_len=a.max_model_len, responses_store_size=a.responses_store_size)
     return cfg, disc
 
 
