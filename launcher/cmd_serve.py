@@ -1,7 +1,8 @@
 """`tandem serve`: router + N prefill + M decode worker processes on this machine, one command.
 
-The embedded default is the tiny checkpoint on the CPU, one prefill and one decode worker, KV over
-NIXL (UCX over TCP loopback). Waits until the router reports ready, prints the URL, and on Ctrl-C
+The embedded default is the demo model (model/demo: a tiny gpt-oss trained to answer, written once
+into ~/.cache/tandem/checkpoints in the HF layout) on the CPU, one prefill and one decode worker, KV
+over NIXL (UCX over TCP loopback). Waits until the router reports ready, prints the URL, and on Ctrl-C
 (or SIGTERM) drains and stops every process it started.
 """
 
@@ -124,7 +125,7 @@ def build_commands(a: argparse.Namespace, checkpoint: str) -> list[list[str]]:
 
 def serve(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="tandem serve", description="run router + workers on this machine")
-    p.add_argument("--checkpoint", default=None, help="HF-layout directory (default: the embedded tiny model)")
+    p.add_argument("--checkpoint", default=None, help="HF-layout directory (default: the embedded demo model)")
     p.add_argument("--model-name", default="gpt-oss-tiny")
     p.add_argument("--device", default="cpu")
     p.add_argument("--fp8", action="store_true")
@@ -150,9 +151,9 @@ def serve(argv: list[str]) -> int:
     if a.colocated:
         a.num_prefill = 0
     if a.checkpoint is None:
-        from model.checkpoint_io import ensure_checkpoint
+        from model.checkpoint_io import ensure_demo_checkpoint
 
-        a.checkpoint = str(ensure_checkpoint("tiny", DEFAULT_CACHE))
+        a.checkpoint = str(ensure_demo_checkpoint(DEFAULT_CACHE))
     env = worker_env(a.device)
     procs = [subprocess.Popen(cmd, env=env) for cmd in build_commands(a, a.checkpoint)]
     stop = {"now": False}

@@ -133,7 +133,7 @@ def echo(r: random.Random) -> tuple[str, str, str]:
     x = _phrase(r)
     q = r.choice(["Repeat after me: {x}", "repeat after me: {x}", "Repeat: {x}", "repeat: {x}", "Say: {x}",
                   "Echo: {x}", "echo {x}", "Please repeat this: {x}", "Repeat this text: {x}", 'Say "{x}"'])
-    return q.format(x=x), "The user wants me to repeat the text.", x
+    return q.format(x=x), f"The user wants me to repeat: {x}", x
 
 
 def as_json(r: random.Random) -> tuple[str, str, str]:
@@ -237,7 +237,7 @@ TOOL_KINDS = tuple(TOOL_NAMES)
 def _tools_around(r: random.Random, needed: ToolDef | None) -> list[ToolDef]:
     """The declared tools: the needed one (if any) among 0-2 others, in random order."""
     kinds = [k for k in TOOL_KINDS if needed is None or TOOL_NAMES[k] != needed.name]
-    tools = [tool_task(r, k).tool for k in r.sample(kinds, r.choice([0, 0, 1, 1, 2]))]
+    tools = [tool_task(r, k).tool for k in r.sample(kinds, r.choice([0, 0, 0, 1, 1, 2]))]
     if needed is not None:
         tools.insert(r.randint(0, len(tools)), needed)
     return tools
@@ -264,7 +264,7 @@ def random_date(r: random.Random) -> str:
     return f"{r.randint(2025, 2030)}-{r.randint(1, 12):02d}-{r.randint(1, 28 if r.random() < 0.9 else 31):02d}"
 
 
-TASK_WEIGHTS = {"greet": 0.10, "about": 0.05, "math": 0.22, "echo": 0.17, "json": 0.12, "other": 0.06,
+TASK_WEIGHTS = {"greet": 0.07, "about": 0.04, "math": 0.20, "echo": 0.24, "json": 0.12, "other": 0.05,
                 "tool": 0.14, "tool_res": 0.14}
 
 
@@ -274,7 +274,7 @@ def sample_conv(r: random.Random, task: str | None = None, date: str | None = No
     head = _system(r) + _history(r)
     if task in SIMPLE:
         q, analysis, final = SIMPLE[task](r)
-        tools = _tools_around(r, None) if r.random() < 0.25 else []
+        tools = _tools_around(r, None) if r.random() < 0.15 else []
         return Conv(task, _prompt(r, head + [ChatMessage("user", q)], tools, date),
                     [Part("analysis", analysis), Part("final", final)])
     tt = tool_task(r, r.choice(TOOL_KINDS))

@@ -1,4 +1,4 @@
-"""Train the embedded demo model: `python -m training.train [--steps 2000] [--seed 0]`.
+"""Train the embedded demo model: `python -m training.train [--steps 4000] [--seed 0]`.
 
 Run once by the project (not on a user's machine); the result is committed as
 model/demo/gpt-oss-tiny-demo.safetensors and expanded into the full HF layout by
@@ -86,12 +86,12 @@ def greedy_accuracy(model: DemoModel, examples: list[Example], remap: torch.Tens
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.train")
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--examples", type=int, default=40000)
-    p.add_argument("--tokens-per-batch", type=int, default=6144)
+    p.add_argument("--examples", type=int, default=60000)
+    p.add_argument("--tokens-per-batch", type=int, default=2000)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--qat", type=float, default=0.3, help="final fraction trained on the stored formats")
+    p.add_argument("--qat", type=float, default=0.8, help="final fraction trained on the stored formats")
     p.add_argument("--threads", type=int, default=1, help="one: on a shared CPU a second thread mostly spins")
     p.add_argument("--out", default=str(DEMO_FILE))
     a = p.parse_args(argv)
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
           f"parameters (restricted vocabulary); prepared in {time.time() - t0:.0f} s", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.98), weight_decay=0.01)
     stream = batches(train, remap, a.tokens_per_batch, random.Random(a.seed))
+    probe = [e for i, e in enumerate(evals) if i % 4 == 0]  # a quarter of the held-out set, for progress
     t_train, c_train, step = time.time(), time.process_time(), 0
     while step < a.steps:
         frac = step / a.steps
@@ -127,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         if step % 50 == 0:
             print(f"step {step} {time.time() - t_train:6.0f}s loss {loss.item():.4f} lr {lr:.2e}"
                   f"{' qat' if quantize else ''}", flush=True)
+        if step % 500 == 0:
+            model.eval()
+            acc = greedy_accuracy(model, probe, remap, quantize)
+            model.train()
+            print(f"step {step} teacher-forced exact match on {len(probe)} held-out: {json.dumps(acc)}", flush=True)
     train_s, cpu_s = time.time() - t_train, time.process_time() - c_train
     model.eval()
     acc = greedy_accuracy(model, evals, remap, quantize=True)
