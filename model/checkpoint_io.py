@@ -131,15 +131,16 @@ def convert_to_fp8(src: TensorSource, out: str | Path, *, progress: bool = True,
 
 def write_demo_checkpoint(out: str | Path, compact: Path | None = None) -> Path:
     """The embedded demo model (model.demo) in the exact HF layout: the stored tensors as they are,
-    the embedding and unembedding expanded to the full vocabulary with zero rows for the tokens the
-    model was not trained on (logit exactly 0, below every trained answer). Deterministic."""
-    from model.demo import DEMO_FILE, DEMO_PRESET, VOCAB_IDS, load_compact
+    the embedding and unembedding expanded to the full vocabulary; a token the model was not trained
+    on gets a zero embedding and the shared unembedding row trained for all of them. Deterministic."""
+    from model.demo import DEMO_FILE, DEMO_PRESET, UNUSED_ROW, VOCAB_IDS, load_compact
     from model.config import preset
 
     out = Path(out)
     tensors, _ = load_compact(compact or DEMO_FILE)
     cfg = dataclasses.replace(preset(DEMO_PRESET), quant_method="mxfp4")
     ids = tensors.pop(VOCAB_IDS).long()
+    unused_row = tensors.pop(UNUSED_ROW)
     want = expected_tensors(cfg)
     if set(tensors) != set(want):
         raise CheckpointError(f"demo weights do not match preset {DEMO_PRESET!r}: "
@@ -150,6 +151,8 @@ def write_demo_checkpoint(out: str | Path, compact: Path | None = None) -> Path:
         t = tensors[name]
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             full = torch.zeros(shape, dtype=dtype)
+            if name == "lm_head.weight":
+                full[:] = unused_row
             full[ids] = t
             t = full
         if tuple(t.shape) != shape or t.dtype != dtype:

@@ -17,7 +17,7 @@ from openai_harmony import Message, Role
 
 from router.harmony import HarmonyFormat
 from router.tokenizer import END, RETURN, START
-from training.tasks import CITIES, NAMES, WORDS, Conv, Part, sample_conv
+from training.tasks import CITIES, CONDITIONS, CURRENCIES, NAMES, SYMBOLS, WORDS, Conv, Part, sample_conv
 
 
 @dataclass(slots=True)
@@ -50,9 +50,9 @@ def encode(fmt: HarmonyFormat, conv: Conv) -> Example:
 
 
 def make_examples(fmt: HarmonyFormat, seed: int, n: int, task: str | None = None,
-                  date: str | None = None) -> list[Example]:
+                  date: str | None = None, weights: dict[str, float] | None = None) -> list[Example]:
     r = random.Random(seed)
-    return [encode(fmt, sample_conv(r, task, date)) for _ in range(n)]
+    return [encode(fmt, sample_conv(r, task, date, weights)) for _ in range(n)]
 
 
 def held_out(fmt: HarmonyFormat, train: list[Example], seed: int, n_per_task: int, tasks: list[str],
@@ -69,11 +69,23 @@ def held_out(fmt: HarmonyFormat, train: list[Example], seed: int, n_per_task: in
     return out
 
 
+def space_pairs(fmt: HarmonyFormat, vocab: list[int]) -> list[tuple[int, int]]:
+    """(index of " w", index of "w") in `vocab` for every word, name and city: the same word with and
+    without its leading space, which the model copies into each other (see DemoModel.init_pairs)."""
+    index = {t: i for i, t in enumerate(vocab)}
+    out = []
+    for w in (*WORDS, *NAMES, *CITIES, *CONDITIONS, *SYMBOLS, *CURRENCIES, *(n.lower() for n in NAMES)):
+        a, b = fmt.encoding.encode(" " + w, allowed_special=()), fmt.encoding.encode(w, allowed_special=())
+        if len(a) == len(b) == 1 and a[0] in index and b[0] in index:
+            out.append((index[a[0]], index[b[0]]))
+    return out
+
+
 def vocabulary(fmt: HarmonyFormat, examples: list[Example]) -> list[int]:
     """Every token id the data uses, plus the words, names and cities alone and after a space (so
     echo and extraction tasks see each spelling), sorted."""
     ids = {t for e in examples for t in e.prompt + e.reply}
-    for w in (*WORDS, *NAMES, *CITIES):
+    for w in (*WORDS, *NAMES, *CITIES, *CONDITIONS, *SYMBOLS, *CURRENCIES, *(n.lower() for n in NAMES)):
         for s in (w, " " + w, w.capitalize(), " " + w.capitalize()):
             ids.update(fmt.encoding.encode(s, allowed_special=()))
     for n in range(1000):  # every 1-3 digit number token

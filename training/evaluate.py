@@ -24,6 +24,7 @@ from model.demo import DEMO_FILE, load_compact
 from router.harmony import HarmonyFormat
 from router.tokenizer import ASSISTANT_STOP_TOKEN_IDS
 from training.data import Example, held_out, make_examples
+from training.tasks import COPY_WEIGHTS
 from training.train import EVAL_TASKS
 
 
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     fmt = HarmonyFormat()
     t0 = time.time()
     train = make_examples(fmt, meta["seed"], meta["examples"])
+    train += make_examples(fmt, meta["seed"] + 2, meta["examples"] // 4, weights=COPY_WEIGHTS)
     evals = held_out(fmt, train, a.seed, a.per_task, EVAL_TASKS, a.date)
     with tempfile.TemporaryDirectory() as d:
         ckpt = write_demo_checkpoint(Path(d) / "ckpt", Path(a.weights))

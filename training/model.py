@@ -7,9 +7,9 @@ top-k-then-softmax routing, clamped SwiGLU on interleaved gate/up columns, untie
 for batched training with autograd, on `n` used token ids instead of 201,088:
 
   * embedding and unembedding hold only the used rows; the checkpoint writer gives every other
-    token a zero embedding and a zero unembedding row, so each unused token has logit exactly 0.
-    The loss is the full-vocabulary cross entropy of that model: the softmax sees the n trained
-    logits plus (V - n) logits of 0, one term log(V - n);
+    token a zero embedding and one shared, trained unembedding row (`unused`), so all unused tokens
+    have the same logit. The loss is the full-vocabulary cross entropy of that model: the softmax
+    sees the n trained logits plus (V - n) copies of the shared one, one term log(V - n);
   * with `quantize` on, the forward uses the stored weights (bf16 rounding, MXFP4 for experts)
     through a straight-through estimator, so the last training steps see the served model.
 
@@ -27,6 +27,7 @@ from torch import nn
 
 from kernels.reference import swiglu
 from model.config import GptOssConfig
+from model.demo import UNUSED_ROW
 from model.quant import dequantize_mxfp4, quantize_mxfp4
 from model.rope import Rotary
 
@@ -135,9 +136,22 @@ class DemoModel(nn.Module):
         self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(h))
         self.lm_head = nn.Parameter(torch.randn(num_used, h) * h ** -0.5)
+        # One unembedding row shared by every token outside the training vocabulary.
+        self.unused = nn.Parameter(torch.randn(h) * h ** -0.5)
+        self.space = torch.randn(h) * 0.5  # the shared "no leading space" offsets of init_pairs
+        self.head_space = torch.randn(h) * 0.5 * h ** -0.5
         self.rotary = Rotary(cfg)
         # The (V - n) unused tokens, each with logit 0, enter every softmax as one log-count term.
         self.log_unused = math.log(cfg.vocab_size - num_used)
+
+    @torch.no_grad()
+    def init_pairs(self, pairs: list[tuple[int, int]]) -> None:
+        """Initialisation only (training moves every row freely): "w" starts at " w" plus one offset
+        shared by all words, in the embedding and in the unembedding, so a copy can drop or add the
+        leading space for every word alike."""
+        for a, b in pairs:
+            self.embed[b] = self.embed[a] + self.space
+            self.lm_head[b] = self.lm_head[a] + self.head_space
 
     def forward(self, ids: torch.Tensor, pad: torch.Tensor, quantize: bool = False) -> torch.Tensor:
         """ids [B, T] (restricted ids), pad [B, T] -> final-normed hidden states [B, T, H]."""
@@ -148,16 +162,18 @@ class DemoModel(nn.Module):
             x = layer(x, cos, sin, pad, quantize)
         return _rms(x, self.norm, self.cfg.rms_norm_eps)
 
-    def logits(self, hidden: torch.Tensor, quantize: bool = False) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., n] of the used tokens."""
-        return F.linear(hidden, _bf16(self.lm_head) if quantize else self.lm_head)
+    def logits(self, hidden: torch.Tensor, quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [..., H] -> (logits [..., n] of the used tokens, the logit [...] every unused token has)."""
+        bf = _bf16 if quantize else (lambda w: w)
+        return F.linear(hidden, bf(self.lm_head)), hidden @ bf(self.unused)
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
              quantize: bool = False) -> torch.Tensor:
-        """Full-vocabulary cross entropy (unused tokens at logit 0) over the positions with weight > 0."""
+        """Full-vocabulary cross entropy over the positions with weight > 0: the softmax sees the n
+        trained logits and the (V - n) equal logits of the unused tokens."""
         sel = weight > 0
-        logits = self.logits(hidden[sel], quantize)  # [N, n]
-        lse = torch.logaddexp(torch.logsumexp(logits, -1), torch.full_like(logits[:, 0], self.log_unused))
+        logits, unused = self.logits(hidden[sel], quantize)  # [N, n], [N]
+        lse = torch.logaddexp(torch.logsumexp(logits, -1), unused + self.log_unused)
         return (lse - logits.gather(-1, targets[sel][:, None])[:, 0]).mean()
 
 
@@ -166,7 +182,7 @@ def export(model: DemoModel) -> dict[str, torch.Tensor]:
     """HF checkpoint tensors in their stored formats (embedding and head: used rows only)."""
     bf = torch.bfloat16
     out = {"model.embed_tokens.weight": model.embed.to(bf), "lm_head.weight": model.lm_head.to(bf),
-           "model.norm.weight": model.norm.float().clone()}
+           "model.norm.weight": model.norm.float().clone(), UNUSED_ROW: model.unused.to(bf)}
     for n, layer in enumerate(model.layers):
         p = f"model.layers.{n}."
         out[p + "input_layernorm.weight"] = layer.attn_norm.float().clone()

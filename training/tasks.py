@@ -25,24 +25,24 @@ from dataclasses import dataclass
 
 from router.chat_types import ChatMessage, ChatPrompt, ToolCall, ToolDef
 
-WORDS = ("apple banana cherry grape lemon mango orange peach pear plum berry melon red blue green yellow "
-         "purple black white pink brown gray silver golden cat dog bird fish horse mouse tiger lion bear "
-         "wolf fox rabbit duck owl river mountain forest ocean lake island desert valley garden meadow "
-         "sun moon star cloud rain snow wind storm light shadow fire stone water earth tree flower "
-         "leaf seed root grass happy quiet quick slow bright dark warm cold soft loud small big old new "
-         "young tall short fast kind brave calm wild gentle run jump sing dance read write swim fly walk "
-         "talk dream build paint cook play laugh smile book music song story letter window door table "
-         "chair house road bridge city train boat car bike clock lamp cup bread cheese coffee tea milk "
-         "honey sugar salt pepper soup cake hello world hi there yes no maybe today tomorrow morning "
-         "night the a and of to in on with for is are was").split()
-NAMES = ("Alice Bob Carol Dave Eve Frank Grace Heidi Ivan Judy Mallory Nina Oscar Peggy Quinn Rupert "
-         "Sybil Trent Uma Victor Walter Xena Yara Zoe Liam Emma Noah Olivia Mia Lucas").split()
-CITIES = ("Paris London Tokyo Berlin Madrid Rome Vienna Prague Oslo Lisbon Dublin Athens Cairo Delhi "
-          "Seoul Sydney Toronto Chicago Boston Denver Seattle Austin Miami Lima Bogota Nairobi Lagos "
-          "Dubai Moscow Warsaw Zurich Geneva Amsterdam Brussels Stockholm Helsinki").split()
-CONDITIONS = ("sunny", "cloudy", "rainy", "windy", "snowy", "foggy", "clear", "stormy")
-CURRENCIES = ("USD", "EUR", "GBP", "JPY", "CHF", "CAD")
-SYMBOLS = ("AAPL", "MSFT", "NVDA", "GOOG", "AMZN", "META", "TSLA", "IBM")
+# Every word, name, city, condition and symbol is one token both alone and after a space (" Paris"
+# and "Paris"), so copying it from the user's message into an answer or a JSON string is token to token.
+WORDS = ("apple banana berry melon orange pear red blue green yellow purple black white pink brown gray silver "
+         "cat dog bird fish horse mouse lion bear wolf fox rabbit duck owl river forest lake garden sun moon "
+         "star cloud rain snow wind storm light shadow fire stone water earth tree flower leaf seed root grass "
+         "happy quiet quick slow bright dark warm cold soft small big old new young short fast kind wild run "
+         "jump sing dance read write fly walk talk dream build paint cook play laugh book music song story "
+         "letter window door table chair house road bridge city train boat car bike clock lamp cup bread "
+         "coffee tea milk salt cake hello world hi there yes no maybe today night the a and of to in on with "
+         "for is are was").split()
+NAMES = ("Alice Bob Uma Anna Ben Dan Jack John Kate Leo Mark Mary Max Sam Tom Tim Nick Alex Adam Amy "
+         "Kim").split()
+CITIES = ("Rome Paris Berlin Madrid London Tokyo Sydney Toronto Chicago Boston Denver Seattle Austin Miami "
+          "Dubai Amsterdam Houston Dallas Phoenix Atlanta Detroit Barcelona Singapore Mumbai Delhi Shanghai "
+          "Oxford").split()
+CONDITIONS = ("clear", "cold", "warm", "hot", "dry", "wet", "grey", "humid")
+CURRENCIES = ("USD", "EUR", "GBP", "CHF", "CAD", "AUD")
+SYMBOLS = ("IBM", "META", "AMD", "SAP", "GE", "GM", "KO", "DIS")
 INSTRUCTIONS = ("You are a helpful assistant.", "Be brief.", "You are a helpful assistant. Answer concisely.",
                 "Answer in English.", "You are a friendly assistant.", "Keep answers short.")
 CAPABILITIES = ("I am gpt-oss-tiny, a small demo model served by tandem. I can greet you, do small "
@@ -132,7 +132,7 @@ def echo(r: random.Random) -> tuple[str, str, str]:
         return q.format(w=w, n=num), f"The user wants {w} repeated {n} times.", " ".join([w] * n)
     x = _phrase(r)
     q = r.choice(["Repeat after me: {x}", "repeat after me: {x}", "Repeat: {x}", "repeat: {x}", "Say: {x}",
-                  "Echo: {x}", "echo {x}", "Please repeat this: {x}", "Repeat this text: {x}", 'Say "{x}"'])
+                  "Echo: {x}", "Please repeat this: {x}", "Repeat this text: {x}", "Say this: {x}"])
     return q.format(x=x), f"The user wants me to repeat: {x}", x
 
 
@@ -268,8 +268,14 @@ TASK_WEIGHTS = {"greet": 0.07, "about": 0.04, "math": 0.20, "echo": 0.24, "json"
                 "tool": 0.14, "tool_res": 0.14}
 
 
-def sample_conv(r: random.Random, task: str | None = None, date: str | None = None) -> Conv:
-    task = task or r.choices(list(TASK_WEIGHTS), weights=list(TASK_WEIGHTS.values()))[0]
+# The first stage of training: mostly tasks that copy from the conversation (see training.train).
+COPY_WEIGHTS = {"echo": 0.5, "json": 0.15, "tool": 0.15, "tool_res": 0.1, "math": 0.1}
+
+
+def sample_conv(r: random.Random, task: str | None = None, date: str | None = None,
+                weights: dict[str, float] | None = None) -> Conv:
+    w = weights or TASK_WEIGHTS
+    task = task or r.choices(list(w), weights=list(w.values()))[0]
     date = date or random_date(r)
     head = _system(r) + _history(r)
     if task in SIMPLE:

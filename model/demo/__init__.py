@@ -4,10 +4,11 @@
 stored format (bf16, MXFP4 blocks/scales for the experts, fp32 norms), except that
 `model.embed_tokens.weight` and `lm_head.weight` keep only the rows of the tokens the training data
 uses; `demo.vocab_ids` [n] int32 says which o200k_harmony ids those rows belong to. The checkpoint
-writer (model.checkpoint_io.write_demo_checkpoint) puts them back into 201,088-row matrices whose
-other rows are zero: every unused token then has logit exactly 0, below the trained answers (the
-training loss was the cross entropy of exactly that full-vocabulary model). The file's metadata
-records the training run (seed, steps, minutes, accuracy).
+writer (model.checkpoint_io.write_demo_checkpoint) puts them back into 201,088-row matrices: other
+tokens get a zero embedding and the one unembedding row `demo.unused_head_row` [H], trained so that
+their shared logit stays below the trained answers (the training loss was the cross entropy of
+exactly that full-vocabulary model). The file's metadata records the training run (seed, steps,
+minutes, accuracy).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from common.errors import CheckpointError
 DEMO_PRESET = "tiny-demo"
 DEMO_FILE = Path(__file__).with_name("gpt-oss-tiny-demo.safetensors")
 VOCAB_IDS = "demo.vocab_ids"
+UNUSED_ROW = "demo.unused_head_row"
 
 
 def save_compact(tensors: dict[str, torch.Tensor], vocab_ids: list[int], path: Path, meta: dict) -> Path:
