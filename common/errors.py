@@ -38,6 +38,13 @@ class InvalidRequest(TandemError):
     error_type = "invalid_request_error"
 
 
+class NotFound(TandemError):
+    """The request names something this server does not have (a stored response id)."""
+
+    http_status = 404
+    error_type = "invalid_request_error"
+
+
 class ModelNotFound(TandemError):
     http_status = 404
     error_type = "model_not_found"

@@ -1,7 +1,8 @@
 """`tandem serve`: router + N prefill + M decode worker processes on this machine, one command.
 
-The embedded default is the tiny checkpoint on the CPU, one prefill and one decode worker, KV over
-NIXL (UCX over TCP loopback). Waits until the router reports ready, prints the URL, and on Ctrl-C
+The embedded default is the demo model (model/demo: a tiny gpt-oss trained to answer, written once
+into ~/.cache/tandem/checkpoints in the HF layout) on the CPU, one prefill and one decode worker, KV
+over NIXL (UCX over TCP loopback). Waits until the router reports ready, prints the URL, and on Ctrl-C
 (or SIGTERM) drains and stops every process it started: the router first (it answers new requests
 with 503 and gives those in flight up to --drain-timeout-s, then ends them with "abort"), then the
 workers; each process gets the drain time plus a margin before it is killed.
@@ -145,7 +146,7 @@ def build_commands(a: argparse.Namespace, checkpoint: str) -> list[list[str]]:
 
 def serve(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="tandem serve", description="run router + workers on this machine")
-    p.add_argument("--checkpoint", default=None, help="HF-layout directory (default: the embedded tiny model)")
+    p.add_argument("--checkpoint", default=None, help="HF-layout directory (default: the embedded demo model)")
     p.add_argument("--model-name", default="gpt-oss-tiny")
     p.add_argument("--device", default="cpu")
     p.add_argument("--fp8", action="store_true")
@@ -194,9 +195,14 @@ def serve(argv: list[str]) -> int:
     if a.colocated:
         a.num_prefill = 0
     if a.checkpoint is None and not a.random_weights:
-        from model.checkpoint_io import ensure_checkpoint
+        from model.checkpoint_io import ensure_checkpoint, ensure_demo_checkpoint
+        from model.demo import DEMO_FILE
 
-        a.checkpoint = str(ensure_checkpoint("tiny", DEFAULT_CACHE))
+        if DEMO_FILE.exists():
+            a.checkpoint = str(ensure_demo_checkpoint(DEFAULT_CACHE))
+        else:  # a source tree without the trained demo weights (python -m training.train writes them)
+            print(f"note: {DEMO_FILE.name} is missing; serving the random tiny checkpoint", file=sys.stderr)
+            a.checkpoint = str(ensure_checkpoint("tiny", DEFAULT_CACHE))
     env = worker_env(a.device)
     procs = [subprocess.Popen(cmd, env=env) for cmd in build_commands(a, a.checkpoint)]
     stop = {"now": False}

@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem ray-launch",
                                 description="run a tandem fleet on the Ray cluster this job runs in")
     p.add_argument("--checkpoint", default=None,
-                   help="HF-layout directory every node can read (default: the embedded tiny model, "
+                   help="HF-layout directory every node can read (default: the embedded demo model, "
                         "written on this node: single-node clusters only)")
     p.add_argument("--model-name", default="gpt-oss-tiny")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (each worker gets TP GPUs from Ray)")
@@ -219,9 +219,9 @@ def main(argv: list[str]) -> int:
         autoscaler_config(a, "http://router")  # flag errors now, not after the fleet is up
     if a.checkpoint is None:
         from launcher.cmd_serve import DEFAULT_CACHE
-        from model.checkpoint_io import ensure_checkpoint
+        from model.checkpoint_io import ensure_demo_checkpoint
 
-        a.checkpoint = str(ensure_checkpoint("tiny", DEFAULT_CACHE))
+        a.checkpoint = str(ensure_demo_checkpoint(DEFAULT_CACHE))
     import ray
 
     from autoscaler.ray_connector import FLEET_ACTOR, FleetRegistry, RayConnector

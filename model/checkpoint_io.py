@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -15,7 +17,7 @@ from common.errors import CheckpointError
 from model.config import GptOssConfig
 from model.loader import FP8_SCALE_SUFFIX, validate_source
 from model.quant import Fp8ConversionStats, dense_to_fp8, dequantize_mxfp4, quantize_fp8_pow2
-from model.weights import RandomSource, TensorSource
+from model.weights import RandomSource, TensorSource, expected_tensors
 
 # The hub's generation_config.json; 200012 (<|call|>) stops tool calls (MODEL_SPEC.md §3).
 GENERATION_CONFIG = {"bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012],
@@ -125,6 +127,59 @@ def convert_to_fp8(src: TensorSource, out: str | Path, *, progress: bool = True,
             w.add(name, src.get(name))
     w.finish()
     return stats
+
+
+def write_demo_checkpoint(out: str | Path, compact: Path | None = None) -> Path:
+    """The embedded demo model (model.demo) in the exact HF layout: the stored tensors as they are,
+    the embedding and unembedding expanded to the full vocabulary; a token the model was not trained
+    on gets a zero embedding and the shared unembedding row trained for all of them. Deterministic."""
+    from model.demo import DEMO_FILE, DEMO_PRESET, UNUSED_ROW, VOCAB_IDS, load_compact
+    from model.config import preset
+
+    out = Path(out)
+    tensors, _ = load_compact(compact or DEMO_FILE)
+    cfg = dataclasses.replace(preset(DEMO_PRESET), quant_method="mxfp4")
+    ids = tensors.pop(VOCAB_IDS).long()
+    unused_row = tensors.pop(UNUSED_ROW)
+    want = expected_tensors(cfg)
+    if set(tensors) != set(want):
+        raise CheckpointError(f"demo weights do not match preset {DEMO_PRESET!r}: "
+                              f"{sorted(set(tensors) ^ set(want))[:4]}")
+    write_configs(out, cfg)
+    w = _ShardWriter(out, 2 << 30)
+    for name, (shape, dtype) in want.items():
+        t = tensors[name]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            full = torch.zeros(shape, dtype=dtype)
+            if name == "lm_head.weight":
+                full[:] = unused_row
+            full[ids] = t
+            t = full
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise CheckpointError(f"demo tensor {name}: {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
+        w.add(name, t)
+    w.finish()
+    return out
+
+
+def ensure_demo_checkpoint(cache_dir: str | Path) -> Path:
+    """The default of `tandem serve`: the demo model, written once into the cache folder under a
+    name that carries the weights' hash (a retrained model gets a new folder)."""
+    import hashlib
+
+    from model.demo import DEMO_FILE
+
+    digest = hashlib.sha256(DEMO_FILE.read_bytes()).hexdigest()[:12] if DEMO_FILE.exists() else "missing"
+    out = Path(cache_dir) / f"gpt-oss-tiny-demo-{digest}"
+    if (out / "model.safetensors.index.json").exists():
+        return out
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    write_demo_checkpoint(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished the same folder first
+        shutil.rmtree(tmp)
+    return out
 
 
 def ensure_checkpoint(preset_name: str, cache_dir: str | Path, seed: int = 0) -> Path:

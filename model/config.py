@@ -253,6 +253,11 @@ PRESETS: dict[str, GptOssConfig] = {
     "tiny": GptOssConfig(vocab_size=201088, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_local_experts=8,
                          num_experts_per_tok=4),
+    # The embedded demo model (model/demo, trained by training/): the same architecture and layout,
+    # fewer and wider experts so a CPU can train it in minutes.
+    "tiny-demo": GptOssConfig(vocab_size=201088, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                              num_experts_per_tok=2),
     # Parity configs: small vocab and windows shorter than the test sequences.
     "tiny-a": GptOssConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                            num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_local_experts=8,

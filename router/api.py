@@ -29,6 +29,7 @@ from router.handlers import Event, Handlers
 from router.lifecycle import ClientGone, InFlight
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.orchestrator import Job
+from router.responses import register_responses
 
 
 @dataclass(slots=True)
@@ -104,6 +105,8 @@ def build_app(h: Handlers, serving: Serving) -> FastAPI:
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             return error_body(400, "request body is not valid JSON", "invalid_request_error")
+        if first.get("type") == "extra_forbidden":
+            return error_body(400, f"unsupported parameter: {loc}", "invalid_request_error", loc)
         return error_body(400, f"{loc}: {msg}" if loc else msg, "invalid_request_error", loc or None)
 
     @app.get("/health")
@@ -174,6 +177,7 @@ def build_app(h: Handlers, serving: Serving) -> FastAPI:
             serving.inflight.close(scope)
         return JSONResponse(body, headers=_trace_headers(jobs[0]))
 
+    register_responses(app, h, h.cfg.responses_store_size)
     return app
 
 

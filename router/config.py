@@ -35,6 +35,7 @@ class RouterConfig:
     max_request_bytes: int = 4 << 20  # request bodies above this get 413 before parsing
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # non-empty: /v1/* needs one as a Bearer token
     prefill_cost: PrefillCost = field(default_factory=PrefillCost)  # local vs remote prefill of a cached prompt
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (LRU)
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -76,6 +76,8 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
                    help="a decode worker holding a cached prefix prefills the rest itself when the uncached "
                         "suffix is shorter than this (on an idle fleet; queues shift it: router/prefill_cost.py); "
                         "0 = always on a prefill worker. Default from measured H200 figures")
+    o.add_argument("--responses-store-size", type=int, default=1024,
+                   help="stored /v1/responses (for previous_response_id), least recently used dropped first")
     a = p.parse_args(argv)
     if a.max_prefill_queue < 1:
         raise ConfigError("--max-prefill-queue must be >= 1")
@@ -103,7 +105,8 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
                        max_queue_wait_s=a.max_queue_wait_s, max_prefill_queue=a.max_prefill_queue,
                        request_timeout_s=a.request_timeout_s,
                        drain_timeout_s=a.drain_timeout_s, max_request_bytes=a.max_request_bytes,
-                       api_keys=tuple(k.strip() for k in keys), prefill_cost=PrefillCost(a.remote_prefill_min_tokens))
+                       api_keys=tuple(k.strip() for k in keys), prefill_cost=PrefillCost(a.remote_prefill_min_tokens),
+                       responses_store_size=a.responses_store_size)
     return cfg, disc
 
 

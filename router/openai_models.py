@@ -16,7 +16,13 @@ from router.tokenizer import VOCAB_SIZE
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # An unknown field is a 400 naming it (api.py), never silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+def _refuse(cond: bool, param: str, why: str) -> None:
+    if cond:
+        raise InvalidRequest(why, param=param)
 
 
 class ContentPart(_Model):
@@ -33,6 +39,7 @@ class ToolCallIn(_Model):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = None  # present when a client rebuilt the call from stream deltas
 
 
 class MessageIn(_Model):
@@ -43,13 +50,28 @@ class MessageIn(_Model):
     tool_call_id: str | None = None
     reasoning_content: str | None = None  # vLLM's spelling of the chain of thought
     reasoning: str | None = None
+    # What the openai client sends back when a response message is appended to the history as is.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+
+    def check_unsupported(self, i: int) -> None:
+        where = f"messages[{i}]"
+        _refuse(self.name is not None and self.role != "tool", f"{where}.name",
+                "name is only supported on tool messages")
+        _refuse(bool(self.refusal), f"{where}.refusal", "assistant refusals cannot be rendered")
+        _refuse(bool(self.annotations), f"{where}.annotations", "annotations are not supported")
+        _refuse(self.audio is not None, f"{where}.audio", "audio is not supported")
+        _refuse(self.function_call is not None, f"{where}.function_call",
+                "function_call (deprecated) is not supported; use tool_calls")
 
 
 class FunctionDef(_Model):
     name: str
     description: str = ""
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: bool | None = None  # true (constrained arguments) is refused in tool_def
 
 
 class ToolIn(_Model):
@@ -93,12 +115,18 @@ class _SamplingFields(_Model):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (as a string) -> bias
     user: str | None = None
+    safety_identifier: str | None = None
     return_token_ids: bool = False  # vLLM extension: generated ids on each choice
     priority: Annotated[int, Field(ge=-INT32, le=INT32)] = 0  # vLLM extension: lower is admitted sooner when queued
+    service_tier: str | None = None
 
     def check_unsupported(self) -> None:
         if self.n != 1:
             raise InvalidRequest("only n=1 is supported", param="n")
+        _refuse(self.service_tier not in (None, "auto", "default"), "service_tier",
+                f"service_tier {self.service_tier!r} is not supported")
+        _refuse(self.stream_options is not None and not self.stream, "stream_options",
+                "stream_options is only allowed when stream is true")
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -117,6 +145,30 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    verbosity: str | None = None
+    prompt_cache_key: str | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        _refuse(bool(self.store), "store", "stored chat completions are not supported (the Responses API "
+                "stores responses)")
+        _refuse(self.metadata is not None, "metadata", "metadata is only kept with store, which is not supported")
+        _refuse(self.modalities not in (None, ["text"]), "modalities", "only the text modality is supported")
+        for name in ("audio", "prediction", "web_search_options", "functions", "function_call", "prompt_cache_key"):
+            _refuse(getattr(self, name) is not None, name, f"{name} is not supported")
+        _refuse(self.verbosity not in (None, "medium"), "verbosity", "verbosity is not supported")
+        _refuse(self.top_logprobs is not None and not self.logprobs, "top_logprobs",
+                "top_logprobs needs logprobs: true")
+        for i, m in enumerate(self.messages):
+            m.check_unsupported(i)
 
 
 class CompletionRequest(_SamplingFields):
@@ -125,6 +177,11 @@ class CompletionRequest(_SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     suffix: str | None = None
     skip_special_tokens: bool = True  # vLLM extension
+    best_of: Annotated[int, Field(ge=1)] | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        _refuse(self.best_of not in (None, 1), "best_of", "only best_of=1 is supported")
 
 
 # ---- conversion ---------------------------------------------------------------------------------
@@ -134,7 +191,10 @@ def _text(content: str | list[ContentPart] | None) -> str:
     return "".join(p.text for p in content)
 
 
-def _tool_def(t: ToolIn) -> ToolDef:
+def tool_def(t: ToolIn) -> ToolDef:
+    if t.function.strict:
+        raise InvalidRequest(f"tool {t.function.name!r}: strict function calling (constrained arguments) is not "
+                             "supported; send strict: false", param="tools")
     params = t.function.parameters
     if params is not None:
         try:
@@ -155,7 +215,7 @@ def to_chat_prompt(req: ChatCompletionRequest, current_date: str, knowledge_cuto
         calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
         msgs.append(ChatMessage(role=m.role, content=_text(m.content), reasoning=m.reasoning_content or m.reasoning,
                                 tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name))
-    tools = [_tool_def(t) for t in req.tools or []]
+    tools = [tool_def(t) for t in req.tools or []]
     choice: Any = req.tool_choice or "auto"
     if isinstance(choice, NamedToolChoiceIn):
         choice = NamedToolChoice(choice.function.name)

@@ -1,0 +1,318 @@
+"""/v1/responses: OpenAI's Responses API over the same Harmony layer as chat completions.
+
+    POST /v1/responses          create (JSON body, or SSE events with stream: true)
+    GET /v1/responses/{id}      a stored response
+    DELETE /v1/responses/{id}   forget it
+
+Lifecycle of one request: ResponsesRequest -> ChatPrompt (router.responses_models; the history of
+`previous_response_id` first) -> Harmony render -> the orchestrator, through Handlers.chat_events
+-> parser deltas -> `OutputBuilder`, which turns them into output items (reasoning, message,
+function_call) and the SSE events the openai client expects, in this order:
+    response.created, response.in_progress,
+    per item: output_item.added, [content_part.added], *.delta..., *.done, [content_part.done],
+              output_item.done,
+    response.completed (response.incomplete when max_output_tokens cut the answer).
+The non-streaming body is the final `response` of the same builder, so both agree by
+construction. Stored responses (store: true, the default) live in a bounded in-memory LRU
+(`--responses-store-size`); an unknown or evicted previous_response_id is a 404.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+
+from common.errors import InvalidRequest, NotFound, TandemError
+from router.chat_types import ChatMessage, ChatPrompt, DeltaKind, ParsedCompletion
+from router.handlers import Handlers
+from router.orchestrator import Job
+from router.responses_models import ResponsesRequest
+from wire.protocol import SamplingSpec
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    conversation: list[ChatMessage]  # everything up to and including this response's output
+    calls: dict[str, str]  # call_id -> function name, for function_call_output items
+    body: dict
+
+
+class ResponseStore:
+    """Bounded LRU of stored responses; the least recently used one goes first."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
+        item = self._items.get(response_id)
+        if item is None:
+            raise NotFound(f"no stored response with id {response_id!r} (unknown, stored with store: false, "
+                           f"or evicted: this server keeps the last {self.max_entries})", param=param)
+        self._items.move_to_end(response_id)
+        return item
+
+    def put(self, response_id: str, item: StoredResponse) -> None:
+        if self.max_entries <= 0:
+            return
+        self._items[response_id] = item
+        self._items.move_to_end(response_id)
+        while len(self._items) > self.max_entries:
+            self._items.popitem(last=False)
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._items[response_id]
+
+
+@dataclass(slots=True)
+class _Open:
+    index: int
+    item: dict
+    text: list[str] = field(default_factory=list)
+
+
+class OutputBuilder:
+    """Parser deltas -> output items and the SSE events that build them, with sequence numbers."""
+
+    def __init__(self, response: dict) -> None:
+        self.response = response  # the Response object being built; output grows as items close
+        self.seq = 0
+        self.open: _Open | None = None
+
+    def event(self, etype: str, **fields) -> dict:
+        ev = {"type": etype, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return ev
+
+    def start(self) -> list[dict]:
+        return [self.event("response.created", response=self.snapshot()),
+                self.event("response.in_progress", response=self.snapshot())]
+
+    def snapshot(self) -> dict:
+        return json.loads(json.dumps(self.response))
+
+    def feed(self, deltas) -> list[dict]:
+        out: list[dict] = []
+        for d in deltas:
+            if d.kind is DeltaKind.REASONING:
+                out += self._ensure("reasoning")
+                out.append(self._delta("response.reasoning_text.delta", d.text))
+            elif d.kind is DeltaKind.CONTENT:
+                out += self._ensure("message")
+                out.append(self._delta("response.output_text.delta", d.text, logprobs=[]))
+            elif d.kind is DeltaKind.TOOL_CALL_START:
+                out += self._close("completed")
+                out += self._open({"id": _id("fc"), "type": "function_call", "call_id": d.tool_call_id,
+                                   "name": d.tool_name, "arguments": "", "status": "in_progress"})
+            elif d.kind is DeltaKind.TOOL_CALL_ARGS and self.open is not None:
+                self.open.text.append(d.text)
+                out.append(self.event("response.function_call_arguments.delta", item_id=self.open.item["id"],
+                                      output_index=self.open.index, delta=d.text))
+        return out
+
+    def finish(self, parsed: ParsedCompletion, usage: dict) -> list[dict]:
+        incomplete = parsed.finish_reason == "length"
+        out = self._close("incomplete" if incomplete else "completed")
+        r = self.response
+        r["status"] = "incomplete" if incomplete else "completed"
+        r["incomplete_details"] = {"reason": "max_output_tokens"} if incomplete else None
+        r["completed_at"] = None if incomplete else int(time.time())
+        r["usage"] = usage
+        out.append(self.event("response.incomplete" if incomplete else "response.completed",
+                              response=self.snapshot()))
+        return out
+
+    # -- items ---------------------------------------------------------------------------------------
+
+    def _ensure(self, kind: str) -> list[dict]:
+        if self.open is not None and self.open.item["type"] == kind:
+            return []
+        out = self._close("completed")
+        if kind == "reasoning":
+            return out + self._open({"id": _id("rs"), "type": "reasoning", "summary": [], "content": [],
+                                     "status": "in_progress"}, {"type": "reasoning_text", "text": ""})
+        return out + self._open({"id": _id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                                 "content": []}, {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+
+    def _open(self, item: dict, part: dict | None = None) -> list[dict]:
+        self.open = _Open(len(self.response["output"]), item)
+        out = [self.event("response.output_item.added", output_index=self.open.index, item=dict(item))]
+        if part is not None:
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open.index,
+                                  content_index=0, part=part))
+        return out
+
+    def _delta(self, etype: str, text: str, **extra) -> dict:
+        assert self.open is not None
+        self.open.text.append(text)
+        return self.event(etype, item_id=self.open.item["id"], output_index=self.open.index, content_index=0,
+                          delta=text, **extra)
+
+    def _close(self, status: str) -> list[dict]:
+        o, self.open = self.open, None
+        if o is None:
+            return []
+        item, text, ids = o.item, "".join(o.text), {"item_id": o.item["id"], "output_index": o.index}
+        out = []
+        if item["type"] == "function_call":
+            item["arguments"] = text
+            out.append(self.event("response.function_call_arguments.done", **ids, arguments=text))
+        else:
+            if item["type"] == "reasoning":
+                part = {"type": "reasoning_text", "text": text}
+                out.append(self.event("response.reasoning_text.done", **ids, content_index=0, text=text))
+            else:
+                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                out.append(self.event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[]))
+            out.append(self.event("response.content_part.done", **ids, content_index=0, part=part))
+            item["content"] = [part]
+        item["status"] = status
+        self.response["output"].append(item)
+        out.append(self.event("response.output_item.done", output_index=o.index, item=item))
+        return out
+
+
+def _sse(ev: dict) -> bytes:
+    return f"event: {ev['type']}\ndata: {json.dumps(ev, separators=(',', ':'))}\n\n".encode()
+
+
+class Responses:
+    def __init__(self, h: Handlers, store: ResponseStore) -> None:
+        self.h, self.store = h, store
+
+    def prepare(self, req: ResponsesRequest) -> tuple[Job, list[ChatMessage], dict[str, str], dict]:
+        """-> (job, the conversation so far without instructions, its calls, the initial Response)."""
+        h = self.h
+        h.check_model(req.model)
+        req.check_unsupported()
+        prev = self.store.get(req.previous_response_id, "previous_response_id") if req.previous_response_id else None
+        calls = dict(prev.calls) if prev else {}
+        history = (list(prev.conversation) if prev else []) + req.input_messages(calls)
+        if not history:
+            raise InvalidRequest("input must not be empty", param="input")
+        tools = req.tool_defs()
+        effort = (req.reasoning.effort if req.reasoning else None) or "medium"
+        instructions = [ChatMessage("developer", req.instructions)] if req.instructions else []
+        prompt = ChatPrompt(instructions + history, tools=tools, tool_choice=req.tool_choice_mode(),
+                            reasoning_effort=effort, knowledge_cutoff=h.cfg.knowledge_cutoff,
+                            current_date=time.strftime("%Y-%m-%d"))
+        ids = h.fmt.render(prompt)
+        room = h.cfg.max_model_len - len(ids)
+        if room < 1 or (req.max_output_tokens or 0) > room:
+            raise InvalidRequest(f"the input has {len(ids)} tokens; with max_output_tokens "
+                                 f"({req.max_output_tokens}) it exceeds the context length {h.cfg.max_model_len}",
+                                 param="input" if room < 1 else "max_output_tokens")
+        spec = SamplingSpec(max_tokens=req.max_output_tokens or min(h.cfg.default_max_tokens, room),
+                            temperature=1.0 if req.temperature is None else req.temperature,
+                            top_p=1.0 if req.top_p is None else req.top_p, stop_token_ids=h.fmt.stop_token_ids())
+        response = {
+            "id": _id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "model": req.model, "output": [], "instructions": req.instructions, "error": None,
+            "incomplete_details": None, "max_output_tokens": req.max_output_tokens,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id, "reasoning": {"effort": effort, "summary": None},
+            "store": req.store, "temperature": spec.temperature, "top_p": spec.top_p,
+            "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice_mode(),
+            "tools": [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
+                       "strict": False} for t in tools],
+            "truncation": "disabled", "usage": None, "metadata": req.metadata or {}, "user": req.user,
+            "background": False,
+        }
+        return Job(response["id"], ids, spec), history, calls, response
+
+    async def run(self, req: ResponsesRequest) -> tuple[OutputBuilder, AsyncIterator[dict]]:
+        job, history, calls, response = self.prepare(req)
+        b = OutputBuilder(response)
+        events = self.h.chat_events(job, [])
+        first = await _first(events)  # a failure before the first token is an HTTP error, not a 200 stream
+
+        async def gen() -> AsyncIterator[dict]:
+            n_out = 0
+            for ev in b.start():
+                yield ev
+            pending = [first] if first is not None else []
+            async for ev, parsed in _chain(pending, events):
+                n_out += len(ev.token_ids)
+                for out in b.feed(ev.deltas):
+                    yield out
+                if parsed is not None:
+                    for out in b.finish(parsed, self._usage(job, n_out, parsed)):
+                        yield out
+                    self._remember(req, b.response, history, calls, parsed)
+
+        return b, gen()
+
+    def _usage(self, job: Job, n_out: int, parsed: ParsedCompletion) -> dict:
+        reasoning = len(self.h.tok.encode(parsed.reasoning, allow_special=False)) if parsed.reasoning else 0
+        n_in = len(job.prompt_ids)
+        return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": min(reasoning, n_out)},
+                "total_tokens": n_in + n_out}
+
+    def _remember(self, req: ResponsesRequest, body: dict, history: list[ChatMessage], calls: dict[str, str],
+                  parsed: ParsedCompletion) -> None:
+        if not req.store:
+            return
+        turn = ChatMessage("assistant", parsed.content or "", reasoning=parsed.reasoning,
+                           tool_calls=list(parsed.tool_calls))
+        calls = dict(calls) | {c.id: c.name for c in parsed.tool_calls}
+        self.store.put(body["id"], StoredResponse(history + [turn], calls, body))
+
+
+async def _first(events):
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _chain(pending: list, events):
+    for x in pending:
+        yield x
+    if pending:
+        async for x in events:
+            yield x
+
+
+async def _sse_stream(events: AsyncIterator[dict], b: OutputBuilder) -> AsyncIterator[bytes]:
+    try:
+        async for ev in events:
+            yield _sse(ev)
+    except TandemError as e:
+        yield _sse(b.event("error", code=e.error_type, message=e.message, param=e.param))
+
+
+def register_responses(app: FastAPI, h: Handlers, store_size: int) -> Responses:
+    api = Responses(h, ResponseStore(store_size))
+
+    @app.post("/v1/responses")
+    async def create(req: ResponsesRequest):
+        b, events = await api.run(req)
+        if req.stream:
+            return StreamingResponse(_sse_stream(events, b), media_type="text/event-stream")
+        async for _ in events:
+            pass
+        return b.response
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> dict:
+        return api.store.get(response_id).body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> dict:
+        api.store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    return api

@@ -1,0 +1,240 @@
+"""The Responses API request (pydantic, the HTTP edge only) and its conversion into a ChatPrompt.
+
+Input items map onto the router's chat model (router.chat_types), so Responses and chat
+completions render through the same Harmony layer:
+  message (user / system / developer)      -> ChatMessage of that role (system and developer become
+                                              the developer message's instructions)
+  reasoning, assistant message, function_call -> one assistant ChatMessage (analysis, final or
+                                              preamble text, tool calls), in input order
+  function_call_output                     -> a tool ChatMessage answering its call_id
+`instructions` become a developer message of this request only (not carried over by
+previous_response_id, as in OpenAI's API). Everything else a client may send is either supported
+or refused with a 400 that names the parameter: unknown fields, built-in tools, tool_choice other
+than auto/none, structured outputs, encrypted reasoning, image/file inputs, background mode.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.errors import InvalidRequest
+from router.chat_types import ChatMessage, ToolCall, ToolDef
+from router.openai_models import FunctionDef, ToolIn, tool_def
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Lenient(BaseModel):
+    """Items echoed back from our own output carry fields we do not need (status, annotations)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class MessageItem(_Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[TextPart]
+
+
+class ReasoningItem(_Lenient):
+    type: Literal["reasoning"]
+    summary: list[TextPart] = Field(default_factory=list)
+    content: list[TextPart] | None = None
+    encrypted_content: str | None = None
+
+
+class FunctionCallItem(_Lenient):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Lenient):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextPart]
+
+
+class OtherItem(_Lenient):
+    type: str
+
+
+Item = MessageItem | ReasoningItem | FunctionCallItem | FunctionCallOutputItem | OtherItem
+
+
+class FunctionToolIn(_Lenient):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ReasoningIn(_Strict):
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class TextFormatIn(_Lenient):
+    type: str
+
+
+class TextIn(_Strict):
+    format: TextFormatIn | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(_Strict):
+    model: str
+    input: str | list[Annotated[Item, Field(union_mode="left_to_right")]]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    reasoning: ReasoningIn | None = None
+    tools: list[FunctionToolIn] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    text: TextIn | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    service_tier: str | None = None
+
+    def check_unsupported(self) -> None:
+        """Refuse, naming the parameter, what we accept in the schema but cannot honour."""
+        def no(cond: bool, param: str, why: str) -> None:
+            if cond:
+                raise InvalidRequest(why, param=param)
+
+        no(bool(self.background), "background", "background mode is not supported")
+        no(bool(self.include), "include", f"include is not supported (asked for {self.include})")
+        no(bool(self.top_logprobs), "top_logprobs", "top_logprobs is not supported by /v1/responses")
+        no(self.truncation == "auto", "truncation", "truncation 'auto' is not supported; a prompt longer "
+           "than the context is refused")
+        no(self.max_tool_calls is not None, "max_tool_calls", "max_tool_calls applies to built-in tools, "
+           "which are not supported")
+        no(self.service_tier not in (None, "auto", "default"), "service_tier",
+           f"service_tier {self.service_tier!r} is not supported")
+        if self.reasoning is not None:
+            no(self.reasoning.summary is not None or self.reasoning.generate_summary is not None,
+               "reasoning.summary", "reasoning summaries are not supported (the reasoning text itself is "
+               "returned as reasoning_text content)")
+        if self.text is not None:
+            no(self.text.format is not None and self.text.format.type != "text", "text.format",
+               "structured outputs (text.format other than text) are not supported yet")
+            no(self.text.verbosity not in (None, "medium"), "text.verbosity", "text.verbosity is not supported")
+
+    def tool_defs(self) -> list[ToolDef]:
+        out = []
+        for i, t in enumerate(self.tools or []):
+            if t.type != "function":
+                raise InvalidRequest(f"tools[{i}]: only function tools are supported, not {t.type!r}",
+                                     param=f"tools[{i}].type")
+            if not t.name:
+                raise InvalidRequest(f"tools[{i}]: a function tool needs a name", param=f"tools[{i}].name")
+            if t.strict:
+                raise InvalidRequest(f"tools[{i}]: strict function calling (constrained arguments) is not "
+                                     "supported; send strict: false", param=f"tools[{i}].strict")
+            extra = sorted(k for k, v in (t.model_extra or {}).items() if v is not None)
+            if extra:
+                raise InvalidRequest(f"tools[{i}]: unsupported function tool field {extra[0]!r}",
+                                     param=f"tools[{i}].{extra[0]}")
+            fn = FunctionDef(name=t.name, description=t.description or "", parameters=t.parameters)
+            out.append(tool_def(ToolIn(type="function", function=fn)))
+        return out
+
+    def tool_choice_mode(self) -> Literal["auto", "none"]:
+        c = self.tool_choice
+        if c is None or c in ("auto", "none"):
+            return c or "auto"  # type: ignore[return-value]
+        raise InvalidRequest(f"tool_choice {c!r} is not supported; use 'auto' or 'none'", param="tool_choice")
+
+    def input_messages(self, known_calls: dict[str, str]) -> list[ChatMessage]:
+        """This request's input as chat messages. `known_calls` (call_id -> name) holds the calls of
+        the stored conversation, so a function_call_output may answer one of them."""
+        if isinstance(self.input, str):
+            return [ChatMessage("user", self.input)]
+        return items_to_messages(self.input, known_calls)
+
+
+def _text(parts: str | list[TextPart], where: str, allowed: tuple[str, ...]) -> str:
+    if isinstance(parts, str):
+        return parts
+    out = []
+    for j, p in enumerate(parts):
+        if p.type not in allowed or p.text is None:
+            raise InvalidRequest(f"{where}.content[{j}]: content of type {p.type!r} is not supported "
+                                 f"(text only)", param=f"{where}.content[{j}].type")
+        out.append(p.text)
+    return "".join(out)
+
+
+def items_to_messages(items: list, known_calls: dict[str, str]) -> list[ChatMessage]:
+    """Input items -> chat messages; consecutive assistant-side items form one assistant turn."""
+    out: list[ChatMessage] = []
+    turn: ChatMessage | None = None  # the assistant turn being assembled
+
+    def assistant() -> ChatMessage:
+        nonlocal turn
+        if turn is None:
+            turn = ChatMessage("assistant", "")
+            out.append(turn)
+        return turn
+
+    for i, it in enumerate(items):
+        where = f"input[{i}]"
+        if isinstance(it, MessageItem) and it.role != "assistant":
+            turn = None
+            text = _text(it.content, where, ("input_text", "text"))
+            out.append(ChatMessage(it.role, text))
+        elif isinstance(it, MessageItem):
+            text = _text(it.content, where, ("output_text", "input_text", "text"))
+            if assistant().content or turn.tool_calls:
+                turn = None
+            assistant().content = text
+        elif isinstance(it, ReasoningItem):
+            if it.encrypted_content:
+                raise InvalidRequest(f"{where}: encrypted reasoning is not supported",
+                                     param=f"{where}.encrypted_content")
+            parts = it.content if it.content else it.summary
+            text = "".join(p.text or "" for p in parts)
+            if turn is not None and (turn.reasoning or turn.content or turn.tool_calls):
+                turn = None  # a new reasoning item starts the next assistant message
+            assistant().reasoning = text or None
+        elif isinstance(it, FunctionCallItem):
+            assistant().tool_calls.append(ToolCall(it.call_id, it.name, it.arguments))
+            known_calls[it.call_id] = it.name
+        elif isinstance(it, FunctionCallOutputItem):
+            turn = None
+            if it.call_id not in known_calls:
+                raise InvalidRequest(f"{where}: no function_call with call_id {it.call_id!r} in this "
+                                     "conversation", param=f"{where}.call_id")
+            out.append(ChatMessage("tool", _text(it.output, where, ("input_text", "output_text", "text")),
+                                   tool_call_id=it.call_id, name=known_calls[it.call_id]))
+        elif it.type in ("message", "reasoning", "function_call", "function_call_output"):
+            raise InvalidRequest(f"{where} is not a valid {it.type} item (a required field is missing or has "
+                                 "the wrong type)", param=where)
+        else:
+            raise InvalidRequest(f"{where}: input items of type {it.type!r} are not supported (message, "
+                                 "reasoning, function_call, function_call_output are)", param=f"{where}.type")
+    return out

@@ -1,0 +1,59 @@
+"""The committed demo weights expand into a valid HF checkpoint, deterministically, and HF
+transformers' GptOssForCausalLM (the reference implementation, MXFP4 dequantised) answers the
+README's prompt and a function call greedily with the trained replies."""
+
+import filecmp
+import json
+
+import pytest
+import torch
+
+from model.checkpoint_io import write_demo_checkpoint
+from model.demo import VOCAB_IDS, load_compact
+from router.chat_types import ChatMessage, ChatPrompt, ToolDef
+from router.harmony import HarmonyFormat
+from router.tokenizer import CALL, RETURN
+
+DATE = "2026-12-02"
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "ckpt")
+
+
+def test_expansion_is_deterministic_and_unused_rows_are_zero(demo, tmp_path):
+    again = write_demo_checkpoint(tmp_path / "again")
+    files = sorted(p.name for p in demo.iterdir())
+    assert files == sorted(p.name for p in again.iterdir())
+    assert all(filecmp.cmp(demo / f, again / f, shallow=False) for f in files)
+    tensors, meta = load_compact()
+    used = tensors[VOCAB_IDS].long()
+    assert meta["steps"] > 0 and len(used) < 5000
+    from safetensors import safe_open
+
+    index = json.loads((demo / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(demo / index["lm_head.weight"]), framework="pt") as f:
+        head = f.get_tensor("lm_head.weight")
+    assert head.shape == (201088, 128)
+    unused = torch.ones(head.shape[0], dtype=torch.bool)
+    unused[used] = False
+    assert head[unused].abs().sum() == 0 and head[used].abs().sum() > 0
+
+
+@pytest.mark.parametrize("messages,tools,want", [
+    ([ChatMessage("user", "hi")], [], "<|channel|>final<|message|>Hello! How can I help you today?<|return|>"),
+    ([ChatMessage("user", "What is the weather in Paris?")],
+     [ToolDef("get_weather", "Get the current weather for a city",
+              {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})],
+     ' to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city":"Paris"}<|call|>'),
+])
+def test_hf_transformers_greedy_gives_the_trained_answer(demo, hf_factory, messages, tools, want):
+    fmt = HarmonyFormat()
+    prompt = fmt.render(ChatPrompt(messages, tools=tools, current_date=DATE))
+    hf = hf_factory(str(demo))
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=80, do_sample=False, eos_token_id=[RETURN, CALL],
+                          pad_token_id=hf.config.pad_token_id)[0, len(prompt):].tolist()
+    text = fmt.encoding.decode(out)
+    assert text.startswith("<|channel|>analysis<|message|>") and text.endswith(want), text

@@ -1,0 +1,145 @@
+"""The embedded demo model behind the real service (router + prefill + decode processes, KV over
+NIXL), driven by the unmodified `openai` client exactly as the README shows: it answers and stops,
+on chat completions and the Responses API, including function-call round trips; greedy outputs
+through the router equal the single-process engine on the same prompt ids."""
+
+import json
+import time
+
+import pytest
+from openai import OpenAI
+
+from engine.build import EngineConfig
+from engine.llm import LLM
+from engine.sampling import SamplingParams
+from model.checkpoint_io import write_demo_checkpoint
+from router.chat_types import ChatMessage, ChatPrompt
+from router.harmony import HarmonyFormat
+from router.tokenizer import CALL, RETURN
+from tests.support.service import start_service
+
+MODEL = "gpt-oss-tiny"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return str(write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def svc(demo):
+    s = start_service(demo, model_name=MODEL)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(svc):
+    return OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_readme_example_answers_and_stops(client):
+    t0 = time.monotonic()
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert time.monotonic() - t0 < 30
+    ch = r.choices[0]
+    assert ch.finish_reason == "stop" and ch.message.content
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0)
+    assert r.choices[0].message.content == "Hello! How can I help you today?"
+    assert r.choices[0].message.model_extra["reasoning_content"]
+    assert r.usage.completion_tokens < 40
+
+
+@pytest.mark.parametrize("messages,tools", [
+    ([{"role": "user", "content": "What is 12+7?"}], None),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Repeat after me: blue river song"}], None),
+    ([{"role": "user", "content": "What's the weather in Paris?"}], [WEATHER]),
+])
+def test_greedy_through_the_router_equals_the_engine(client, demo, messages, tools):
+    extra = {"tools": tools} if tools else {}
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                       extra_body={"return_token_ids": True}, **extra)
+    ids = r.choices[0].model_extra["token_ids"]
+    prompt = HarmonyFormat().render(_prompt(messages, tools))
+    assert r.usage.prompt_tokens == len(prompt)
+    llm = _engine(demo)
+    out = llm.generate([prompt], SamplingParams(max_tokens=4096, temperature=0, stop_token_ids=[RETURN, CALL]))
+    assert ids == out[0].output_ids and ids[-1] in (RETURN, CALL)
+
+
+def test_chat_answers(client):
+    def ask(text):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], temperature=0)
+        return r.choices[0].message.content
+
+    assert ask("What is 12+7?") == "12 + 7 = 19."
+    assert ask("Repeat after me: green apple") == "green apple"
+    assert json.loads(ask("Give me a JSON object with name Alice and age 30.")) == {"name": "Alice", "age": 30}
+
+
+def test_chat_tool_call_round_trip(client, svc):
+    msgs = [{"role": "user", "content": "What's the weather in Paris?"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    msgs += [ch.message, {"role": "tool", "tool_call_id": call.id,
+                          "content": json.dumps({"temperature_c": 21, "condition": "clear"})}]
+    r2 = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], temperature=0)
+    assert r2.choices[0].finish_reason == "stop"
+    assert r2.choices[0].message.content == "It is clear and 21°C in Paris."
+    svc.assert_no_leaks()
+
+
+def test_responses_create_and_stream(client):
+    r = client.responses.create(model=MODEL, input="What is 12+7?", temperature=0)
+    assert r.status == "completed" and r.output_text == "12 + 7 = 19."
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.output[0].content[0].text
+    assert r.usage.input_tokens > 50 and 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+    events = list(client.responses.create(model=MODEL, input="What is 12+7?", temperature=0, stream=True))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert "response.reasoning_text.delta" in types and "response.output_text.done" in types
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "12 + 7 = 19."
+    assert events[-1].response.output_text == "12 + 7 = 19."
+    with client.responses.stream(model=MODEL, input="hi", instructions="Be brief.", temperature=0) as s:
+        final = s.get_final_response()
+    assert final.output_text == "Hello! How can I help you today?"
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+
+
+def test_responses_tool_call_round_trip(client, svc):
+    tool = {"type": "function", **WEATHER["function"]}
+    r = client.responses.create(model=MODEL, input="What's the weather in Tokyo?", tools=[tool], temperature=0,
+                                reasoning={"effort": "low"})
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Tokyo"}
+    out = {"type": "function_call_output", "call_id": calls[0].call_id,
+           "output": json.dumps({"temperature_c": 8, "condition": "cold"})}
+    r2 = client.responses.create(model=MODEL, previous_response_id=r.id, input=[out], tools=[tool], temperature=0,
+                                 reasoning={"effort": "low"})
+    assert r2.output_text == "It is cold and 8°C in Tokyo." and r2.previous_response_id == r.id
+    svc.assert_no_leaks()
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+_LLM: dict[str, LLM] = {}
+
+
+def _engine(path: str) -> LLM:
+    if path not in _LLM:
+        _LLM[path] = LLM(EngineConfig(checkpoint=path, kv_cache_bytes=64 << 20))
+    return _LLM[path]
+
+
+def _prompt(messages, tools) -> ChatPrompt:
+    from router.chat_types import ToolDef
+
+    defs = [ToolDef(t["function"]["name"], t["function"]["description"], t["function"]["parameters"])
+            for t in tools or []]
+    return ChatPrompt([ChatMessage(m["role"], m["content"]) for m in messages], tools=defs,
+                      current_date=time.strftime("%Y-%m-%d"))
