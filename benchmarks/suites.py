@@ -256,7 +256,7 @@ SUITES: dict[str, Suite] = {
     "fp8-kv-transfer": Suite(
         "bytes and time of one 32k-token 120b-shaped request between two processes on one H200, bf16 then e4m3 "
         "pages (half the bytes), NIXL and the IPC data path, byte-exact on the decode side",
-        carry=(".whl-nixl",),
+        carry=(".whl-site",),  # the slim site carries nixl-cu13 (UCX with its CUDA transports)
         steps=tuple(step(f"kv-transfer-{dt}", "{py} -m benchmarks.kv_transfer --devices cuda:0 cuda:0 --tokens 32768 "
                                              f"--iters 3 --placements contig --nixl-timeout 110 --kv-cache-dtype {dt}",
                          260, summary=r"bytes per request|wrote|ERROR") for dt in ("bf16", "fp8"))),
