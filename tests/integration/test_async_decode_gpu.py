@@ -19,6 +19,9 @@ def make_llm(overlap: bool) -> LLM:
     cfg = EngineConfig(random_preset="gpt-oss-20b", random_layers=LAYERS, device="cuda", dtype="bfloat16", fp8=True,
                        fp8_attention=False, attention_backend="flashinfer", linear_backend="scaled_mm",
                        moe_backend="triton", kv_cache_bytes=4 << 30, async_decode=overlap,
+                       # no prefix cache: a repeated prompt would hit it, and a first token computed from
+                       # cached KV differs from a full prefill by bf16 noise (enough to flip a sampled token)
+                       enable_prefix_caching=False,
                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096))
     llm = LLM(cfg)
     from decode_worker.runner import CudaGraphDecoder
