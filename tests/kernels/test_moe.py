@@ -175,6 +175,9 @@ TMA_SPLIT3 = MoEConfig(16, TileConfig(16, 128, 128, 1, 4, 2, 3, tma=True),
                          ids=["fused_requant", "separate_requant", "split_k3", "split_k4", "tma", "tma_split_k3"])
 @pytest.mark.parametrize("h,i", [(160, 128), (256, 96)])
 def test_fp8_moe_fp32_tight(cfg: MoEConfig, h: int, i: int):
+    # Own seed: with the data the global generator happened to give after other tests, an activation
+    # on an e4m3 rounding boundary flipped a whole step (rel 5e-3), so the data must not depend on order.
+    torch.manual_seed(1000 * h + i)
     t, e = 11, 8
     w = _experts(e, e, h, i, torch.float32, fp8=True)
     x = torch.randn(t, h)
