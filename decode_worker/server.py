@@ -72,13 +72,17 @@ class DecodeServer:
     def _snapshot(self) -> WorkerStatus:
         e, sched = self.engine, self.engine.scheduler
         free_full = e.kv.num_free()[PageGroup.FULL]
-        total = e.kv.spec.num_pages[PageGroup.FULL]
+        # Pages the worker holds for itself (the CUDA graphs' padding sequence) are not capacity: the
+        # totals leave them out, so free == total means nothing is held for requests.
+        graphs = getattr(e.parts.runner, "graphs", None)
+        own_full, own_ring = (len(graphs.dummy.full), len(graphs.dummy.ring)) if graphs is not None else (0, 0)
+        total = e.kv.spec.num_pages[PageGroup.FULL] - own_full
         return WorkerStatus(
             role="decode", worker_id=self.worker_id, epoch=self.epoch, ready=self.ready,
             draining=self.draining.is_set(), queue_depth=len(sched.waiting) + len(e.pending),
             queued_tokens=sched.waiting_tokens, running=len(sched.running),
             kv_free_pages=free_full, kv_total_pages=total, kv_free_sliding_pages=e.kv.num_free()[PageGroup.SLIDING],
-            kv_total_sliding_pages=e.kv.spec.num_pages[PageGroup.SLIDING], page_size=e.kv.spec.page_size,
+            kv_total_sliding_pages=e.kv.spec.num_pages[PageGroup.SLIDING] - own_ring, page_size=e.kv.spec.page_size,
             max_num_seqs=sched.cfg.max_num_seqs, busy_seconds=self.busy_seconds, **status_fields(e.kv))
 
     def handle(self, peer: bytes, msg: object) -> None:
