@@ -6,7 +6,8 @@ The device machine starts bare and cannot reach a package registry, so what a ru
 git-ignored folders named in the device call's `carry` (see benchmarks/suites.py):
   .whl/           FlashInfer + DeepGEMM wheels   (scripts/fetch_gpu_wheels.sh, fetch_deepgemm_wheel.sh)
   .whl-nixl/      NIXL + pyzmq wheels            (scripts/fetch_nixl_wheel.sh)
-  .cache/fi/      FlashInfer's built sink modules (flashinfer-cache.tar.xz from an attention run's output)
+  .cache/fi/      FlashInfer's built sink modules (flashinfer-cache.tar.xz from an attention run's output,
+                  or built ahead without a GPU: python -m benchmarks.flashinfer_cache --prebuild)
   .cache/dgcarry/ DeepGEMM headers + launchers   (scripts/pack_deepgemm_carry.sh)
   .whl-site/      site.tar.xz: everything the whole served stack needs, installed and slimmed
                   (FlashInfer, the router's packages, NIXL without its unused plugins; fits 64 MiB

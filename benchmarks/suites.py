@@ -9,7 +9,8 @@ timeout, and records what ran (benchmarks/suite_run.py):
 The device tool copies the repository; what the machine lacks travels in ignored folders named in
 `carry` (fetch them once here: scripts/fetch_gpu_wheels.sh + scripts/fetch_deepgemm_wheel.sh -> .whl,
 scripts/fetch_nixl_wheel.sh -> .whl-nixl, scripts/pack_deepgemm_carry.sh -> .cache/dgcarry; .cache/fi
-holds flashinfer-cache.tar.xz from an earlier `kernels` run, kernels/attention/ in its tarball, which
+holds flashinfer-cache.tar.xz from an earlier `kernels` run, kernels/attention/ in its tarball, or built ahead
+here (`python -m benchmarks.flashinfer_cache --prebuild`: the FP8-KV modules, which the H200 never built), which
 spares the FlashInfer JIT builds, ~2 min). A carried path that is missing here is left out there, and
 the suite records what its set-up found. The call, e.g. for `model`:
 

@@ -34,6 +34,7 @@ Lifecycle:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import sys
@@ -105,13 +106,26 @@ def _jit_args(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool, kv
     name = str(dtype).removeprefix("torch.")
     if kv_dtype == FP8_KV:  # paged reads of e4m3 pages: fa2 only (see the module docstring)
         assert backend == "fa2", "FlashInfer reads bf16 queries against e4m3 pages with fa2 only"
-        uri = f"tandem_attention_sink_{name}_kv_e4m3_d{head_dim}_swa{int(sliding)}_{backend}"
-        return [uri, dtype, FP8_KV, dtype, torch.int32, head_dim, head_dim, ["sink", "k_scale", "v_scale"],
-                ["float", "float", "float"], ["sm_scale"], ["double"], FP8_VARIANT,
-                fp8_variant_decl(attention_sink_decl["fa2"])]
+        tensors, decl = ["sink", "k_scale", "v_scale"], fp8_variant_decl(attention_sink_decl["fa2"])
+        # FlashInfer loads a carried module by its uri alone (benchmarks/flashinfer_cache.py restores
+        # .so files as AOT modules, sources unchecked): the uri names our edit of the declaration, so a
+        # module built from an older edit is never loaded for this one.
+        tag = hashlib.sha256("\n".join([decl, *tensors]).encode()).hexdigest()[:8]
+        uri = f"tandem_attention_sink_{name}_kv_e4m3_d{head_dim}_swa{int(sliding)}_{backend}_{tag}"
+        return [uri, dtype, FP8_KV, dtype, torch.int32, head_dim, head_dim, tensors,
+                ["float", "float", "float"], ["sm_scale"], ["double"], FP8_VARIANT, decl]
     uri = f"tandem_attention_sink_{name}_d{head_dim}_swa{int(sliding)}_{backend}"
     return [uri, dtype, dtype, dtype, torch.int32, head_dim, head_dim, ["sink"], ["float"], ["sm_scale"],
             ["double"], "AttentionSink", attention_sink_decl[backend]]
+
+
+def variant_spec(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool,
+                 kv_dtype: torch.dtype | None = None):
+    """FlashInfer's JitSpec of one variant (sources generated, nothing compiled or loaded): what a
+    machine without a GPU builds ahead (benchmarks/flashinfer_cache.py --prebuild)."""
+    from flashinfer.jit.attention.modules import gen_customize_batch_prefill_module
+    return gen_customize_batch_prefill_module(backend, *_jit_args(backend, dtype, head_dim, sliding, kv_dtype),
+                                              use_sliding_window=sliding)
 
 
 def build_variant(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool,

@@ -11,6 +11,8 @@ applies them itself (`fp8_variant_decl`).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import torch
 
@@ -34,13 +36,19 @@ _FP8_OUTPUT_FROM, _FP8_OUTPUT_TO = ("return output * scale * d_rcp;",
 
 def fp8_variant_decl(sink_decl: str) -> str:
     """FlashInfer's fa2 AttentionSink declaration (from the installed package, not a copy) turned into
-    FP8_VARIANT. ConfigError when its text is not the one this edit was written against."""
-    anchors = ("struct AttentionSink ", "REGISTER_LOGITS_MASK(", _FP8_OUTPUT_FROM)
+    FP8_VARIANT. ConfigError when its text is not the one this edit was written against.
+
+    Every whole-word `AttentionSink` is renamed, the constructor's included: a constructor left with
+    the old name is, inside `struct AttentionSinkKVScale`, a member function without a return type,
+    and nvcc rejects every kernel of the module ("explicit type is missing").
+    """
+    anchors = ("struct AttentionSink ", "AttentionSink(const Params& params", "REGISTER_LOGITS_MASK(",
+               _FP8_OUTPUT_FROM)
     missing = [a for a in anchors if sink_decl.count(a) != 1]
     if missing:
         raise ConfigError(f"FlashInfer's fa2 AttentionSink declaration changed (no unique {missing}): "
                           "cannot derive the FP8-KV variant")
-    decl = sink_decl.replace("struct AttentionSink ", f"struct {FP8_VARIANT} ")
+    decl = re.sub(r"\bAttentionSink\b", FP8_VARIANT, sink_decl)
     decl = decl.replace("REGISTER_LOGITS_MASK(", _FP8_LOGITS.strip() + "\n\n  REGISTER_LOGITS_MASK(")
     return decl.replace(_FP8_OUTPUT_FROM, _FP8_OUTPUT_TO)
 

@@ -254,8 +254,9 @@ def fake_flashinfer(monkeypatch):
     fi.BatchPrefillWithPagedKVCacheWrapper = lambda *a, **kw: _FakeWrapper(False, *a, **kw)
     fi.BatchPrefillWithRaggedKVCacheWrapper = lambda *a, **kw: _FakeWrapper(True, *a, **kw)
     variants = types.ModuleType("flashinfer.jit.attention.variants")
-    # the three places our FP8-KV variant edits, as in FlashInfer 0.6.6's fa2 declaration
-    variants.attention_sink_decl = {"fa2": "struct AttentionSink : Base {\n  REGISTER_LOGITS_MASK(p, {})\n"
+    # the places our FP8-KV variant edits, as in FlashInfer 0.6.6's fa2 declaration
+    variants.attention_sink_decl = {"fa2": "struct AttentionSink : Base {\n  AttentionSink(const Params& params) {}\n"
+                                           "  REGISTER_LOGITS_MASK(p, {})\n"
                                            "  OUT({ return output * scale * d_rcp; })\n};", "fa3": "decl-fa3"}
     utils = types.ModuleType("flashinfer.utils")
     utils.is_sm90a_supported = lambda device: True
