@@ -45,7 +45,7 @@ import torch
 from common.errors import ConfigError
 from kernels.flashinfer_fp8kv import FP8_KV, FP8_VARIANT, fp8_variant_decl, read_slots
 from kernels.interface import GroupMeta, StepMeta
-from kernels.triton_store_kv import gather_kv, store_kv
+from kernels.triton_store_kv import gather_kv, rope_qk, rope_qk_store_kv, store_kv
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,8 @@ class FlashInferAttention:
     # ---- per layer ---------------------------------------------------------------------------------
     def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
-                window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         step = self._step
         assert step is not None, "plan() must run before forward()"
         window_left = -1 if window is None else window - 1
@@ -379,13 +380,16 @@ class FlashInferAttention:
         kv_dtype = kv[0].dtype if kv is not None else (self._dims.kv_dtype if self._dims else None)
         self._set_dims(AttentionDims(q.shape[1], k.shape[1], q.shape[2], page, q.dtype, q.device, kv_dtype))
         if self._fp8_fallback is not None:
-            return self._fp8_fallback.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale)
+            return self._fp8_fallback.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale, rope=rope)
         if self._windows.get(group) != window_left:  # learned from the first layer of the group
             self._windows[group] = window_left
             self._plans.pop(group, None)
         g = step.groups[group]
         sinks = sinks.float().contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even for an unrotated view of qkv
+        if rope is not None and (kv is None or g is None):
+            q, k = rope_qk(q, k, *rope)
+            rope = None
         if kv is None or g is None:
             key = -1 - group  # dense plans live next to the group plans, keyed apart
             plan = self._plans.get(key)
@@ -399,13 +403,21 @@ class FlashInferAttention:
         fp8 = k_cache.dtype == FP8_KV
         if fp8 and kv_scale is None:
             kv_scale = self._unit_scales(k.shape[1], k.device)
+        stores_first = plan.kind == "paged" or plan.read_slots is not None
+        if rope is not None:
+            if stores_first:  # the paged read (or the FP8 prefill's read-back) never sees the dense k
+                q, _ = rope_qk_store_kv(q, k, v, k_cache, v_cache, plan.slots, *rope, kv_scale)
+            else:
+                q, k = rope_qk(q, k, *rope)
         if plan.kind == "paged":
-            store_kv(k, v, k_cache, v_cache, plan.slots, kv_scale)
+            if rope is None:
+                store_kv(k, v, k_cache, v_cache, plan.slots, kv_scale)
             if fp8:
                 return plan.wrapper.run(q, (k_cache, v_cache), sinks, kv_scale[0], kv_scale[1], sm_scale, out=out)
             return plan.wrapper.run(q, (k_cache, v_cache), sinks, sm_scale, out=out)
         if plan.read_slots is not None:  # FP8 prefill: store, then every key back from the pages
-            store_kv(k, v, k_cache, v_cache, plan.slots, kv_scale)
+            if rope is None:
+                store_kv(k, v, k_cache, v_cache, plan.slots, kv_scale)
             keys, vals = gather_kv(k_cache, v_cache, plan.read_slots, kv_scale, q.dtype)
             return plan.wrapper.run(q, keys, vals, sinks, sm_scale, out=out)
         keys, vals = k.contiguous(), v.contiguous()

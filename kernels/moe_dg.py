@@ -164,18 +164,25 @@ class DeepGemmMoE:
             return reference_grouped_gemm(a, sfa, w, ws, out, layout)
         return dg.gemm(cfg, a, sfa, w.view(-1, w.shape[-1]), ws, out, layout)
 
-    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights
-                 ) -> torch.Tensor:
+    def _grouped(self, num_tokens: int, top_k: int, w: ExpertWeights) -> bool:
+        return num_tokens * top_k >= self.min_rows_per_expert * w.num_experts and w.w1_scale is not None
+
+    def takes_fp8_input(self, num_tokens: int, top_k: int, w: ExpertWeights) -> bool:
+        return (num_tokens > 0 and self._grouped(num_tokens, top_k, w)) or self.fallback.takes_fp8_input(
+            num_tokens, top_k, w)
+
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights,
+                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         t, hdim = x.shape
         if t == 0:
             return torch.zeros_like(x)
-        if t * top_k < self.min_rows_per_expert * w.num_experts or w.w1_scale is None:
-            return self.fallback(x, router_logits, top_k, w)
+        if not self._grouped(t, top_k, w):
+            return self.fallback(x, router_logits, top_k, w, x_fp8)
         dev = x.device
         weights, ids = route_topk_softmax(router_logits, top_k)  # [T, k] each
         g: ExpertGrouping = align_by_expert(ids, w.expert_start, w.num_local, BLOCK_M)
         rows = g.sorted_pairs.shape[0]
-        xq, xs = quantize_act_1x128(x)  # once per token
+        xq, xs = x_fp8 if x_fp8 is not None else quantize_act_1x128(x)  # once per token (or by the norm)
         kb = xs.shape[1]
         a = torch.empty(rows, hdim, dtype=FP8_DTYPE, device=dev)
         as_buf = torch.empty(kb, rows, dtype=torch.float32, device=dev)  # M-major, rows % 128 == 0
