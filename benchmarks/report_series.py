@@ -23,6 +23,8 @@ def label_of(d: dict) -> tuple[str, int]:
     moe = f" MoE-{d['args']['moe_mode'].upper()}" if tp > 1 and d["args"].get("moe_mode") else ""
     backend = d["args"].get("moe")  # the Triton MoE was the only one before DeepGEMM's: unlabelled
     kernels = f" · MoE {backend}" if backend not in (None, "triton") else ""
+    fusions = d["args"].get("fusions")  # an A/B run (--fusions off,on) is its own series, never the defaults'
+    kernels += f" · fusions {fusions}" if fusions not in (None, "", "off") else ""
     return f"{d['args']['preset']} TP{tp}{moe} · {d['args'].get('attention', '?')}{kernels}", tp
 
 
