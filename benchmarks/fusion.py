@@ -10,11 +10,14 @@ figure that matters is microseconds.
 
     python -m benchmarks.fusion [--tokens 1,64,8192] [--reps 50]       # writes $OUT/fusion.json
 
+Variant names of the SwiGLU rows: ROWSxWARPS, `tile` = SWIGLU_TILE_EXPERT; every variant's used rows
+are checked against the first's bits ("BITS DIFFER" otherwise).
+
 Rows: `norm+router` (add + RMSNorm + router GEMV vs add + RMSNorm then F.linear), `norm+quant` (vs
 add + RMSNorm then quantize_act_1x128), `rope+store` (q and k RoPE + K/V store, bf16 and e4m3 pages,
 vs apply_rope, apply_rope, store_kv), `norm-warps` (the add + RMSNorm kernel at 4/8/16 warps:
 kernels.norm.NUM_WARPS is unmeasured), `swiglu` (the DeepGEMM MoE's SwiGLU + requant pass at
-prefill sizes, item 3 of issue 27: its bandwidth today).
+prefill sizes, item 3 of issue 27: its bandwidth today and with kernels.moe_dg.SWIGLU_TILE_EXPERT).
 """
 
 from __future__ import annotations
@@ -133,31 +136,42 @@ def rope_rows(t: int, reps: int, copy: float) -> list[dict]:
 
 
 def swiglu_rows(t: int, reps: int, copy: float) -> list[dict]:
-    """The DeepGEMM MoE's SwiGLU + 1x128 requant pass over R = T * 4 routed rows (+ padding) of the
-    gate_up output [R, 2I] bf16: what it streams today (issue 27: 2.3 TB/s)."""
+    """The DeepGEMM MoE's SwiGLU + 1x128 requant pass over a layer-shaped buffer (T * 4 routed rows,
+    about half a tile of padding per expert, the capacity's tail tiles unused): what it streams today
+    (issue 27: 2.3 TB/s), by tile settings, and with SWIGLU_TILE_EXPERT (one b1 row per program,
+    unused tiles skipped). Bytes: the used rows' h read and act + scales written."""
     from kernels import moe_dg
     from kernels.reference import BLOCK, FP8_MAX
 
-    inter, e = 2880, 32
-    rows_ = -(-(t * 4 + e * 64) // 128) * 128  # routed rows plus about half a tile of padding per expert
+    inter, e, bm = 2880, 32, moe_dg.BLOCK_M
+    used = -(-(t * 4 + e * bm // 2) // bm) * bm
+    rows_ = -(-(t * 4 + e * (bm - 1)) // bm) * bm  # the grouping's capacity
     h = torch.randn(rows_, 2 * inter, device=DEV).to(torch.bfloat16)
     b1 = torch.randn(e, 2 * inter, device=DEV).to(torch.bfloat16)
-    layout = (torch.arange(rows_, device=DEV, dtype=torch.int32) // 128) % e
+    layout = (torch.arange(rows_, device=DEV, dtype=torch.int32) // bm) % e
+    layout[used:] = -1
     act = torch.empty(rows_, inter, device=DEV, dtype=torch.float8_e4m3fn)
     kb2 = -(-inter // BLOCK)
     acts = torch.empty(kb2, rows_, device=DEV)
 
-    def run(r: int, nw: int) -> None:
+    def run(r: int, nw: int, tile: bool) -> None:
         moe_dg._swiglu_quant_kernel[(rows_ // r, kb2)](h, b1, layout, act, acts, inter, 1.702, 7.0, h.stride(0),
                                                       b1.stride(0), act.stride(0), acts.stride(0), ROWS=r,
-                                                      GROUP=BLOCK, FP8_MAX_C=FP8_MAX, HW_CVT=h.is_cuda, num_warps=nw)
+                                                      GROUP=BLOCK, FP8_MAX_C=FP8_MAX, HW_CVT=h.is_cuda,
+                                                      TILE_EXPERT=tile, num_warps=nw)
 
-    nb = rows_ * (2 * inter * 2 + inter + kb2 * 4)
-    out, ref = [], None
-    for r, nw in ((moe_dg.SWIGLU_ROWS, moe_dg.SWIGLU_WARPS), (8, 4), (16, 8), (32, 8)):
-        us = graph_us(lambda: run(r, nw), max(1, reps // 10))
+    nb = used * (2 * inter * 2 + inter + kb2 * 4)
+    out, ref, bits = [], None, None
+    for r, nw, tile in ((moe_dg.SWIGLU_ROWS, moe_dg.SWIGLU_WARPS, False), (moe_dg.SWIGLU_ROWS, moe_dg.SWIGLU_WARPS, True),
+                        (8, 4, True), (16, 8, True), (32, 8, True), (32, 4, True)):
+        run(r, nw, tile)
+        got = (act[:used].view(torch.uint8).clone(), acts[:, :used].clone())
+        bits = bits or got
+        same = torch.equal(got[0], bits[0]) and torch.equal(got[1], bits[1])
+        us = graph_us(lambda: run(r, nw, tile), max(1, reps // 10))
         ref = ref or us
-        out.append(_row("swiglu", t, f"{r} rows x {nw} warps", us, nb, copy, ref))
+        out.append(_row("swiglu", t, f"{r}x{nw}{' tile' if tile else ''}{'' if same else ' BITS DIFFER'}", us, nb,
+                        copy, ref))
     return out
 
 

@@ -42,8 +42,13 @@ DOWN = dg.DgConfig(128, 160, mcast=2, gemm_type=dg.GROUPED)
 MIN_ROWS_PER_EXPERT = 96
 # Rows per program of the SwiGLU pass and its warps (launch settings only; run DG11 at 8k tokens:
 # 16 x 4 223.8 us, 32 x 8 237.8, 64 x 8 316, same bits)
-SWIGLU_ROWS = 16
+SWIGLU_ROWS = 16  # divides BLOCK_M (SWIGLU_TILE_EXPERT relies on it)
 SWIGLU_WARPS = 4
+# The SwiGLU pass reading each program's expert and b1 row once (its rows lie in one 128-row tile, so
+# they share them) instead of per row, and skipping unused tiles (no consumer reads their act): half
+# the bytes it pulls into the SM, the same bits for every used row. Off until measured (issue 27:
+# the pass streams 2.3 TB/s; benchmarks/fusion.py times both).
+SWIGLU_TILE_EXPERT = False
 
 
 @triton.jit
@@ -73,20 +78,33 @@ def _gather_kernel(xq_ptr, xs_ptr, sorted_ptr, block_expert_ptr, a_ptr, as_ptr, 
 @triton.jit
 def _swiglu_quant_kernel(h_ptr, b1_ptr, layout_ptr, act_ptr, acts_ptr, I, alpha, limit,
                          stride_h, stride_b1, stride_act, stride_acts,
-                         ROWS: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
+                         ROWS: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr,
+                         TILE_EXPERT: tl.constexpr = False):
+    """TILE_EXPERT: the program's ROWS rows lie in one BLOCK_M tile (ROWS divides BLOCK_M), so one
+    layout entry and one b1 row serve them all, and an unused tile is skipped (DeepGEMM never reads
+    its rows); used rows get the same bits either way."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cb = tl.program_id(1)
-    e = tl.load(layout_ptr + rows)
-    used = e >= 0
-    e = tl.maximum(e, 0).to(tl.int64)
     offs_i = cb * GROUP + tl.arange(0, GROUP)  # act columns
     im = offs_i < I
     # W1's rows interleave gate (2i) and up (2i+1): one contiguous [ROWS, 2G] load, split in
     # registers (stride-2 loads ran at ~1 TB/s in run DG3).
     cols2 = cb * 2 * GROUP + tl.arange(0, 2 * GROUP)
-    m2 = used[:, None] & (cols2 < 2 * I)[None, :]
-    hv = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + cols2[None, :], mask=m2, other=0.0).to(tl.float32)
-    hv += tl.load(b1_ptr + e[:, None] * stride_b1 + cols2[None, :], mask=m2, other=0.0).to(tl.float32)
+    if TILE_EXPERT:
+        e0 = tl.load(layout_ptr + tl.program_id(0) * ROWS)
+        if e0 < 0:
+            return
+        used = rows >= 0  # every row of a used tile
+        m2 = (cols2 < 2 * I)[None, :] & used[:, None]
+        hv = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + cols2[None, :], mask=m2, other=0.0).to(tl.float32)
+        hv += tl.load(b1_ptr + e0.to(tl.int64) * stride_b1 + cols2, mask=cols2 < 2 * I, other=0.0).to(tl.float32)[None, :]
+    else:
+        e = tl.load(layout_ptr + rows)
+        used = e >= 0
+        e = tl.maximum(e, 0).to(tl.int64)
+        m2 = used[:, None] & (cols2 < 2 * I)[None, :]
+        hv = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + cols2[None, :], mask=m2, other=0.0).to(tl.float32)
+        hv += tl.load(b1_ptr + e[:, None] * stride_b1 + cols2[None, :], mask=m2, other=0.0).to(tl.float32)
     gate, up = tl.split(tl.reshape(hv, (ROWS, GROUP, 2)))  # [ROWS, G] each
     m = used[:, None] & im[None, :]
     gate = tl.minimum(gate, limit)  # from above only
@@ -203,7 +221,8 @@ class DeepGemmMoE:
         _swiglu_quant_kernel[(rows // SWIGLU_ROWS, kb2)](h, w.b1, layout, act, acts_buf, inter, float(w.alpha),
                                                float(w.limit), h.stride(0), w.b1.stride(0), act.stride(0),
                                                acts_buf.stride(0), ROWS=SWIGLU_ROWS, GROUP=BLOCK,
-                                               FP8_MAX_C=FP8_MAX, HW_CVT=x.is_cuda, num_warps=SWIGLU_WARPS)
+                                               FP8_MAX_C=FP8_MAX, HW_CVT=x.is_cuda, TILE_EXPERT=SWIGLU_TILE_EXPERT,
+                                               num_warps=SWIGLU_WARPS)
         y = torch.empty(rows, hdim, dtype=torch.bfloat16, device=dev)
         self._gemm(self.down_cfg, act, acts_buf.t(), w.w2, w.w2_scale, y, layout)
         out = torch.empty(t, hdim, dtype=x.dtype, device=dev)

@@ -196,3 +196,22 @@ def test_model_with_fusions_matches_without(ckpt_factory, one_torch_thread):
         for s in ("norm_router", "on"):
             torch.testing.assert_close(out[s], out["off"], rtol=1e-4, atol=1e-4)
         pos += n
+
+
+# ---- the DeepGEMM MoE's SwiGLU pass: one expert and b1 row per program ------------------------------
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("t,e,el,start", [(9, 8, 8, 0), (12, 8, 4, 4)])
+def test_swiglu_tile_expert_same_bits(monkeypatch, t, e, el, start):
+    """SWIGLU_TILE_EXPERT (b1 per program, unused tiles skipped) == per-row loads, whole MoE, bit for bit."""
+    from kernels import moe_dg
+    from tests.kernels.test_moe import _experts, _logits
+
+    torch.manual_seed(t)
+    x = torch.randn(t, 200)
+    logits = _logits(t, e, torch.float32)
+    w = _experts(e, el, 200, 72, torch.float32, fp8=True, start=start, b2=True)
+    out = {}
+    for tile in (False, True):
+        monkeypatch.setattr(moe_dg, "SWIGLU_TILE_EXPERT", tile)
+        out[tile] = moe_dg.DeepGemmMoE(min_rows_per_expert=0)(x, logits, 4, w)
+    assert torch.equal(out[True], out[False])

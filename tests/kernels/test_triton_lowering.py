@@ -117,6 +117,12 @@ def _launch_every_kernel() -> None:
     TritonMoE()(xb, logits, 2, _experts(e, e, h, i, torch.bfloat16, fp8=False))
     SmallBatchMoE()(xb, logits, 2, experts)
     DeepGemmMoE(min_rows_per_expert=0)(xb, logits, 2, experts)  # its Triton kernels; GEMMs by reference on CPU
+    from kernels import moe_dg
+    tile, moe_dg.SWIGLU_TILE_EXPERT = moe_dg.SWIGLU_TILE_EXPERT, not moe_dg.SWIGLU_TILE_EXPERT
+    try:  # the SwiGLU pass's other variant (issue 27)
+        DeepGemmMoE(min_rows_per_expert=0)(xb, logits, 2, experts)
+    finally:
+        moe_dg.SWIGLU_TILE_EXPERT = tile
     ids = torch.randint(0, e, (4096, 1), dtype=torch.int32)
     moe_align.align_by_expert(ids, 0, e, 64)  # the many-program path (>= 4096 pairs)
 
