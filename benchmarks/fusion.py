@@ -82,16 +82,17 @@ def norm_rows(t: int, reps: int, copy: float) -> list[dict]:
     x = torch.randn(t, H, device=DEV).to(torch.bfloat16)
     d = torch.randn(t, H, device=DEV).to(torch.bfloat16)
     w = torch.rand(H, device=DEV) + 0.5
-    rw = (torch.randn(E, H, device=DEV) * 0.02).to(torch.bfloat16)
-    rb = torch.randn(E, device=DEV).to(torch.bfloat16)
     kb = -(-H // 128)
     base = 4 * t * H * 2 + H * 4  # x, delta in; x + delta, y out; the fp32 weight
     rows = []
-    un = graph_us(lambda: torch.nn.functional.linear(fused_norm(x, d, w, 1e-5).y, rw, rb), reps)
-    fu = graph_us(lambda: fused_norm(x, d, w, 1e-5, router=(rw, rb)), reps)
-    nb = base + E * H * 2 + E * 2 + t * E * 2
-    rows += [_row("norm+router", t, "unfused", un, nb + t * H * 2, copy, None),  # + y read back by the GEMM
-             _row("norm+router", t, "fused", fu, nb, copy, un)]
+    for e in (E, 4 * E) if t <= 64 else ():  # 20b's 32 experts, 120b's 128; the fusion serves <= 64 tokens
+        rw = (torch.randn(e, H, device=DEV) * 0.02).to(torch.bfloat16)
+        rb = torch.randn(e, device=DEV).to(torch.bfloat16)
+        un = graph_us(lambda: torch.nn.functional.linear(fused_norm(x, d, w, 1e-5).y, rw, rb), reps)
+        fu = graph_us(lambda: fused_norm(x, d, w, 1e-5, router=(rw, rb)), reps)
+        nb = base + e * H * 2 + e * 2 + t * e * 2
+        rows += [_row(f"norm+router E{e}", t, "unfused", un, nb + t * H * 2, copy, None),  # + y read by the GEMM
+                 _row(f"norm+router E{e}", t, "fused", fu, nb, copy, un)]
     un = graph_us(lambda: quantize_act_1x128(fused_norm(x, d, w, 1e-5).y), reps)
     fu = graph_us(lambda: fused_norm(x, d, w, 1e-5, quant=True), reps)
     nb = base + t * H + t * kb * 4
