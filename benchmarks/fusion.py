@@ -15,8 +15,8 @@ are checked against the first's bits ("BITS DIFFER" otherwise).
 
 Rows: `norm+router` (add + RMSNorm + router GEMV vs add + RMSNorm then F.linear), `norm+quant` (vs
 add + RMSNorm then quantize_act_1x128), `rope+store` (q and k RoPE + K/V store, bf16 and e4m3 pages,
-vs apply_rope, apply_rope, store_kv), `norm-warps` (the add + RMSNorm kernel at 4/8/16 warps:
-kernels.norm.NUM_WARPS is unmeasured), `swiglu` (the DeepGEMM MoE's SwiGLU + requant pass at
+vs apply_rope, apply_rope, store_kv), `norm-warps` (the add + RMSNorm kernel at 4/8/16 warps
+against the kernel before issue 27: kernels.norm.NUM_WARPS is unmeasured), `swiglu` (the DeepGEMM MoE's SwiGLU + requant pass at
 prefill sizes, item 3 of issue 27: its bandwidth today and with kernels.moe_dg.SWIGLU_TILE_EXPERT).
 """
 
@@ -26,6 +26,8 @@ import argparse
 import json
 
 import torch
+import triton
+import triton.language as tl
 
 from benchmarks.common import environment, markdown_table, out_dir
 
@@ -75,6 +77,32 @@ def _row(what: str, t: int, variant: str, us: float, nbytes: float, copy: float,
             "speedup": (base_us / us) if base_us else None}
 
 
+@triton.jit
+def _main_norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, H, eps, stride_x, stride_d, stride_xo, stride_y,
+                      BLOCK: tl.constexpr):
+    """The add + RMSNorm kernel as it was before issue 27 (one 1-D row block, the weight loaded after
+    the reduction): the baseline the new row layout must not lose to."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+    x = (x + d).to(x_ptr.dtype.element_ty)
+    tl.store(xo_ptr + row * stride_xo + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / H
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = w * (xf * tl.rsqrt(var + eps))
+    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _main_add_norm(x: torch.Tensor, d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    xo, y = torch.empty_like(x), torch.empty_like(x)
+    _main_norm_kernel[(x.shape[0],)](x, d, w, xo, y, x.shape[1], 1e-5, x.stride(0), d.stride(0), xo.stride(0),
+                                     y.stride(0), BLOCK=triton.next_power_of_2(x.shape[1]))
+    return y
+
+
 def norm_rows(t: int, reps: int, copy: float) -> list[dict]:
     from kernels.fp8_quant import quantize_act_1x128
     from kernels.norm import fused_norm
@@ -98,10 +126,10 @@ def norm_rows(t: int, reps: int, copy: float) -> list[dict]:
     nb = base + t * H + t * kb * 4
     rows += [_row("norm+quant", t, "unfused", un, nb + t * H * 2, copy, None),
              _row("norm+quant", t, "fused", fu, nb, copy, un)]
-    ref = None
+    ref = graph_us(lambda: _main_add_norm(x, d, w), reps)
+    rows.append(_row("norm-warps", t, "before (1-D)", ref, base, copy, None))
     for nw in (4, 8, 16):
         us = graph_us(lambda: fused_norm(x, d, w, 1e-5, num_warps=nw), reps)
-        ref = ref or us
         rows.append(_row("norm-warps", t, f"{nw} warps", us, base, copy, ref))
     return rows
 
