@@ -16,7 +16,10 @@ Lifecycle:
     would fill one 192-row tile per head).
   * `plan(step)` plans each page group once; every layer of the group reuses that plan.
   * `forward`: no cache -> ragged causal over the step's tokens; pages_hold_all -> store, then
-    paged; otherwise -> gather [prefix from pages ; new K/V] densely, ragged, then store.
+    paged; otherwise -> gather [prefix from pages ; new K/V] densely, ragged, then store. With
+    rope= (Fusion.ROPE_STORE) q and k arrive unrotated: where the store comes first (paged, FP8
+    prefill) one launch rotates q and k and stores (`rope_qk_store_kv`), elsewhere they are rotated
+    first, as the model would have.
   * FP8 (e4m3) pages (`FP8_KV` below): decode reads them with fa2 (FlashInfer 0.6.6's fa2 template
     widens e4m3 K/V tiles to the query dtype in registers, head_dim 64 included; its fa3/sm90 mainloop
     has no bf16 x e4m3 GMMA and its FP8 path wants q in e4m3 too), through our variant of the sink

@@ -8,6 +8,8 @@ small host->device copy each); `forward` is then called per layer:
   * otherwise (a sliding layer fed a prefill chunk larger than its ring): attend over the prefix
     from pages plus the new K/V given densely, and only then store (storing first would overwrite
     ring slots the chunk still needs).
+With rope= (Fusion.ROPE_STORE) q and k arrive unrotated; the pages_hold_all path rotates them in its
+store's launch (`rope_qk_store_kv`), the others rotate them first.
 FP8 (e4m3) pages: the store quantises with the layer's per-head scales, the kernel dequantises the
 paged range in registers (kernels/triton_attention.py); plan() does not depend on the KV dtype.
 
