@@ -12,6 +12,12 @@ Sections (each saved as it finishes, so a failure keeps the rest):
 
     python -m benchmarks.bench_model --preset gpt-oss-20b [--attention flashinfer] [--quick]
     python -m benchmarks.bench_model --preset gpt-oss-20b --kv-cache-dtype fp8   # e4m3 KV pages (issue 26)
+    python -m benchmarks.bench_model --preset gpt-oss-20b --fusions off,on       # A/B of kernels.registry.Fusion
+
+`--fusions` takes settings separated by commas (each off, on, or '+'-joined fusion names) and measures
+each configuration once per setting on the same loaded model, rows tagged with their setting: prefill
+timed in interleaved rounds, decode graphs captured per setting and their replays interleaved too, so
+drift of the clock or the machine falls on every setting alike.
 """
 
 from __future__ import annotations
@@ -27,11 +33,20 @@ from benchmarks.common import (Results, dollars_per_million, environment, markdo
 from benchmarks.engine_loop import EXTRA_TOKENS, engine_loop_ms
 from benchmarks.model_setup import build, decode_state, fill_random, floor_bytes_decode, prefill_flops
 from model.context import SeqStep, build_step_meta
+from kernels.registry import fusions_name, parse_fusions
 from model.kv_cache import KVManager, KVPool, SeqPages
 
 
+def use_fusions(model, setting: str) -> str:
+    """Switch the loaded model's fusions (kernels.registry.Fusion) to `setting`; returns its name."""
+    model.backends.fusions = parse_fusions(setting)
+    return fusions_name(model.backends.fusions)
+
+
 def prefill_section(res: Results, model, lens: list[int], ceil: dict, tp: int, kv_dtype: torch.dtype | None = None,
-                    name: str = "prefill") -> None:
+                    name: str = "prefill", fusions: list[str] | None = None) -> None:
+    settings = fusions or [fusions_name(model.backends.fusions)]
+    rounds = 3 if len(settings) > 1 else 1
     with res.section(name) as sec:
         for n in lens:
             spec, pool, kv = decode_state(model, n + 16, 1, kv_dtype)
@@ -44,24 +59,36 @@ def prefill_section(res: Results, model, lens: list[int], ceil: dict, tp: int, k
                 h = model(ids, meta, pool)
                 return model.compute_logits(h[-1:])
 
-            ms = time_cuda(run, warmup=1, iters=3 if n >= 16384 else 5)
-            fl = prefill_flops(model.cfg, n)
-            tps = n / (ms * 1e-3)
-            row = {"tokens": n, "ms": ms, "kv_dtype": str(spec.dtype).removeprefix("torch."),
-                   "TFLOPs": fl / (ms * 1e-3) / 1e12 / tp,
-                   "ratio_fp8_peak": fl / (ms * 1e-3) / 1e12 / tp / ceil["fp8_TFLOPs"],
-                   "tokens_per_s_per_gpu": tps / tp, "usd_per_M_input": dollars_per_million(tps / tp)}
-            sec["rows"].append(row)
-            print(f"prefill {n:>6}: {ms:8.2f} ms  {row['TFLOPs']:6.1f} TFLOP/s/GPU  ${row['usd_per_M_input']:.4f}/M",
-                  flush=True)
+            times: dict[str, list[float]] = {s: [] for s in settings}
+            for _ in range(rounds):  # interleaved, so drift falls on every setting alike
+                for s in settings:
+                    use_fusions(model, s)
+                    times[s].append(time_cuda(run, warmup=1, iters=3 if n >= 16384 else 5))
+            for s in settings:
+                ms = sorted(times[s])[len(times[s]) // 2]
+                fl = prefill_flops(model.cfg, n)
+                tps = n / (ms * 1e-3)
+                row = {"tokens": n, "ms": ms, "kv_dtype": str(spec.dtype).removeprefix("torch."),
+                       "fusions": use_fusions(model, s),
+                       "TFLOPs": fl / (ms * 1e-3) / 1e12 / tp,
+                       "ratio_fp8_peak": fl / (ms * 1e-3) / 1e12 / tp / ceil["fp8_TFLOPs"],
+                       "tokens_per_s_per_gpu": tps / tp, "usd_per_M_input": dollars_per_million(tps / tp)}
+                if rounds > 1:
+                    row["ms_rounds"] = times[s]
+                sec["rows"].append(row)
+                print(f"prefill {n:>6}: {ms:8.2f} ms  {row['TFLOPs']:6.1f} TFLOP/s/GPU  "
+                      f"${row['usd_per_M_input']:.4f}/M  fusions {row['fusions']}", flush=True)
             del pool, kv, meta
             if model.device.type == "cuda":
                 torch.cuda.empty_cache()
 
 
 def decode_section(res: Results, model, contexts: list[int], batches: list[int], ceil: dict, tp: int,
-                   graphs: bool, kv_dtype: torch.dtype | None = None, name: str = "decode") -> None:
+                   graphs: bool, kv_dtype: torch.dtype | None = None, name: str = "decode",
+                   fusions: list[str] | None = None) -> None:
     kv_elt = torch.empty((), dtype=kv_dtype or model.dtype).element_size()  # 1 for e4m3 pages
+    settings = fusions or [fusions_name(model.backends.fusions)]
+    rounds = 3 if len(settings) > 1 else 1
     with res.section(name) as sec:
         for ctx in contexts:
             for b in batches:
@@ -74,7 +101,8 @@ def decode_section(res: Results, model, contexts: list[int], batches: list[int],
                 if need > 0.85 * free:
                     sec["rows"].append({"context": ctx, "batch": b, "skipped": f"KV needs {need / 2**30:.0f} GiB"})
                     continue
-                spec, pool, kv = decode_state(model, ctx + EXTRA_TOKENS, b, kv_dtype)
+                # one spare sequence's pages per extra setting: each graph runner reserves a padding page
+                spec, pool, kv = decode_state(model, ctx + EXTRA_TOKENS, b + len(settings) - 1, kv_dtype)
                 seqs = []
                 for _ in range(b):
                     p = SeqPages()
@@ -83,39 +111,51 @@ def decode_section(res: Results, model, contexts: list[int], batches: list[int],
                 fill_random(pool)
                 steps = [SeqStep(p, ctx, 1) for p in seqs]
                 ids = torch.randint(0, model.cfg.vocab_size, (b,), device=model.device)
-                runner = None
+                runners: dict[str, object] = {}
+                replays: dict[str, list[float]] = {s: [] for s in settings}
                 if graphs:
                     from decode_worker.runner import CudaGraphDecoder
 
-                    runner = CudaGraphDecoder(model, pool, kv, b, ctx + EXTRA_TOKENS + 16, buckets=(b,))
-                    runner.capture()
-                    fn = lambda: runner.run(ids, steps).argmax(-1)  # noqa: E731
-                    runner.prepare(ids, steps)
-                    gpu_ms = time_cuda(lambda: runner.replay(b, b), warmup=3, iters=20)
-                else:
-                    meta = build_step_meta(steps, spec, model.device)
-                    fn = lambda: model.compute_logits(model(ids, meta, pool)).argmax(-1)  # noqa: E731
-                    gpu_ms = None
-                # one synchronous step without the engine: host metadata + plan + forward + argmax
-                bare_ms = time_cuda(fn, warmup=3, iters=20)
-                # the decode worker's loop (engine.core): overlapped, and synchronous for the A/B
-                ms = engine_loop_ms(model, pool, kv, seqs, runner, ctx, overlap=True)
-                sync_ms = engine_loop_ms(model, pool, kv, seqs, runner, ctx, overlap=False)
-                floor_ms = floor_bytes_decode(model.cfg, b, ctx, kv_elt) / tp / (ceil["copy_GBps"] * 1e9) * 1e3
-                row = {"context": ctx, "batch": b, "kv_dtype": str(spec.dtype).removeprefix("torch."),
-                       "ms_per_step": ms, "ms_per_step_sync_loop": sync_ms,
-                       "ms_per_step_bare": bare_ms, "step_to_replay": ms / gpu_ms if gpu_ms else None,
-                       "tok_s_per_user": 1e3 / ms,
-                       "tok_s_per_gpu": b * 1e3 / ms / tp, "usd_per_M_output": dollars_per_million(b * 1e3 / ms / tp),
-                       "hbm_floor_ms": floor_ms, "ratio_to_floor": floor_ms / ms, "cuda_graphs": graphs,
-                       "gpu_ms_graph_replay": gpu_ms}
-                sec["rows"].append(row)
-                print(f"decode ctx {ctx:>6} batch {b:>4}: {ms:7.3f} ms/step (replay {gpu_ms or 0:.3f}, sync loop "
-                      f"{sync_ms:.3f}, bare {bare_ms:.3f})  "
-                      f"{row['tok_s_per_gpu']:8.0f} tok/s/GPU "
-                      f"{row['tok_s_per_user']:6.1f} tok/s/user  floor {floor_ms:.3f} ms ({row['ratio_to_floor']:.0%})",
-                      flush=True)
-                del runner, pool, kv, seqs
+                    for s in settings:  # one graph per setting, captured with its fusions
+                        use_fusions(model, s)
+                        runners[s] = CudaGraphDecoder(model, pool, kv, b, ctx + EXTRA_TOKENS + 16, buckets=(b,))
+                        runners[s].capture()
+                    for _ in range(rounds):  # interleaved replays
+                        for s in settings:
+                            runners[s].prepare(ids, steps)
+                            replays[s].append(time_cuda(lambda: runners[s].replay(b, b), warmup=3, iters=20))
+                for s in settings:
+                    label = use_fusions(model, s)
+                    runner = runners.get(s)
+                    gpu_ms = sorted(replays[s])[len(replays[s]) // 2] if runner is not None else None
+                    if runner is not None:
+                        fn = lambda: runner.run(ids, steps).argmax(-1)  # noqa: E731
+                    else:
+                        meta = build_step_meta(steps, spec, model.device)
+                        fn = lambda: model.compute_logits(model(ids, meta, pool)).argmax(-1)  # noqa: E731
+                    # one synchronous step without the engine: host metadata + plan + forward + argmax
+                    bare_ms = time_cuda(fn, warmup=3, iters=20)
+                    # the decode worker's loop (engine.core): overlapped, and synchronous for the A/B
+                    ms = engine_loop_ms(model, pool, kv, seqs, runner, ctx, overlap=True)
+                    sync_ms = engine_loop_ms(model, pool, kv, seqs, runner, ctx, overlap=False)
+                    floor_ms = floor_bytes_decode(model.cfg, b, ctx, kv_elt) / tp / (ceil["copy_GBps"] * 1e9) * 1e3
+                    row = {"context": ctx, "batch": b, "kv_dtype": str(spec.dtype).removeprefix("torch."),
+                           "fusions": label, "ms_per_step": ms, "ms_per_step_sync_loop": sync_ms,
+                           "ms_per_step_bare": bare_ms, "step_to_replay": ms / gpu_ms if gpu_ms else None,
+                           "tok_s_per_user": 1e3 / ms,
+                           "tok_s_per_gpu": b * 1e3 / ms / tp,
+                           "usd_per_M_output": dollars_per_million(b * 1e3 / ms / tp),
+                           "hbm_floor_ms": floor_ms, "ratio_to_floor": floor_ms / ms, "cuda_graphs": graphs,
+                           "gpu_ms_graph_replay": gpu_ms}
+                    if rounds > 1 and runner is not None:
+                        row["replay_ms_rounds"] = replays[s]
+                    sec["rows"].append(row)
+                    print(f"decode ctx {ctx:>6} batch {b:>4}: {ms:7.3f} ms/step (replay {gpu_ms or 0:.3f}, sync loop "
+                          f"{sync_ms:.3f}, bare {bare_ms:.3f})  "
+                          f"{row['tok_s_per_gpu']:8.0f} tok/s/GPU "
+                          f"{row['tok_s_per_user']:6.1f} tok/s/user  floor {floor_ms:.3f} ms ({row['ratio_to_floor']:.0%})"
+                          f"  fusions {label}", flush=True)
+                del runner, runners, pool, kv, seqs
                 gc.collect()
                 if model.device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -135,6 +175,9 @@ def main() -> None:
     ap.add_argument("--hf-peer", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"],
                     help="KV pages of the prefill and decode sections (auto = the model dtype, bf16)")
+    ap.add_argument("--fusions", default="off",
+                    help="kernel fusions (kernels.registry.Fusion): one setting, or several separated by commas for "
+                         "an A/B on the same model, e.g. off,rope_store,norm_router,norm_quant,on")
     ap.add_argument("--tag", default="")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
     a = ap.parse_args()
@@ -150,20 +193,24 @@ def main() -> None:
     t0 = time.monotonic()
     model = build(a.preset, a.attention, a.linear, a.moe, device=a.device, fp8_attention=not a.bf16_attention)
     res.data["load_seconds"] = round(time.monotonic() - t0, 1)
-    print(f"loaded {a.preset} FP8 in {res.data['load_seconds']} s; {model.backends.describe()}", flush=True)
+    settings = [s for s in a.fusions.split(",") if s.strip()] or ["off"]
+    use_fusions(model, settings[0])
+    print(f"loaded {a.preset} FP8 in {res.data['load_seconds']} s; {model.backends.describe()}"
+          + (f"; fusion settings {settings}" if len(settings) > 1 else ""), flush=True)
     from model.kv_cache import resolve_kv_dtype
     kv_dtype = resolve_kv_dtype(a.kv_cache_dtype, model.dtype)
-    prefill_section(res, model, [int(x) for x in a.prefill_lens.split(",") if x], ceil, 1, kv_dtype)
+    prefill_section(res, model, [int(x) for x in a.prefill_lens.split(",") if x], ceil, 1, kv_dtype, fusions=settings)
     decode_section(res, model, [int(x) for x in a.contexts.split(",") if x], [int(x) for x in a.batches.split(",") if x],
-                   ceil, 1, not a.no_graphs and a.device == "cuda", kv_dtype)
+                   ceil, 1, not a.no_graphs and a.device == "cuda", kv_dtype, fusions=settings)
+    use_fusions(model, settings[0])
     if a.hf_peer:
         from benchmarks.hf_peer import hf_peer_section
 
         hf_peer_section(res, model, a.preset, res.data.get("prefill", {}).get("rows", []),
                         res.data.get("decode", {}).get("rows", []))
     res.save()
-    for name, cols in (("prefill", ["tokens", "ms", "TFLOPs", "ratio_fp8_peak", "usd_per_M_input"]),
-                       ("decode", ["context", "batch", "ms_per_step", "gpu_ms_graph_replay", "step_to_replay",
+    for name, cols in (("prefill", ["tokens", "fusions", "ms", "TFLOPs", "ratio_fp8_peak", "usd_per_M_input"]),
+                       ("decode", ["context", "batch", "fusions", "ms_per_step", "gpu_ms_graph_replay", "step_to_replay",
                                    "ms_per_step_sync_loop", "tok_s_per_gpu", "tok_s_per_user",
                                    "usd_per_M_output", "ratio_to_floor"]),
                        ("hf_peer", ["what", "hf_ms", "tandem_ms", "speedup"])):

@@ -100,7 +100,7 @@ def sec_prefill(docs: dict[str, dict]) -> list[str]:
     for n, d in model_docs(docs):
         fp8 = d.get("ceilings", {}).get("fp8_TFLOPs")
         for r in d.get("prefill", {}).get("rows", []):
-            rows.append([label_of(d)[0], r["tokens"], r["ms"], r["TFLOPs"], fp8, pct(r["ratio_fp8_peak"]),
+            rows.append([label_of(d, r.get("fusions"))[0], r["tokens"], r["ms"], r["TFLOPs"], fp8, pct(r["ratio_fp8_peak"]),
                          r["tokens_per_s_per_gpu"], f"${r['usd_per_M_input']:.4f}", f"`{n}`"])
     return table(rows, ["model", "input tokens", "ms", "TFLOP/s per GPU", "FP8 peak (same run)", "of FP8 peak",
                         "tokens/s per GPU", "$/M input", "file"])
@@ -114,7 +114,7 @@ def sec_decode(docs: dict[str, dict]) -> list[str]:
             if "skipped" in r:
                 gaps.append(f"- {label_of(d)[0]}, context {r['context']} batch {r['batch']}: skipped ({r['skipped']})")
                 continue
-            rows.append([label_of(d)[0], r["context"], r["batch"], r["ms_per_step"], r.get("gpu_ms_graph_replay"),
+            rows.append([label_of(d, r.get("fusions"))[0], r["context"], r["batch"], r["ms_per_step"], r.get("gpu_ms_graph_replay"),
                          r["tok_s_per_user"], r["tok_s_per_gpu"], f"${r['usd_per_M_output']:.3f}", r["hbm_floor_ms"],
                          copy, pct(r["ratio_to_floor"]), f"`{n}`"])
         if "error" in d.get("decode", {}):

@@ -18,11 +18,28 @@ def model_docs(docs: dict[str, dict]) -> list[tuple[str, dict]]:
     return sorted(runs, key=lambda nd: (nd[1].get("world", 1), nd[1]["args"]["preset"], nd[0]))
 
 
-def label_of(d: dict) -> tuple[str, int]:
+def fusion_settings(d: dict) -> list[str | None]:
+    """The fusion settings a model run measured: [None] for a plain run; a run with --fusions other than
+    off (an A/B: its rows carry "fusions") gives one series per setting, never merged with the defaults'."""
+    if d["args"].get("fusions") in (None, "", "off"):
+        return [None]
+    rows = d.get("prefill", {}).get("rows", []) + d.get("decode", {}).get("rows", [])
+    return sorted({r.get("fusions") or "off" for r in rows})
+
+
+def label_of(d: dict, fusions: str | None = None) -> tuple[str, int]:
+    """The configuration's label. An A/B run of fusion settings is labelled by `fusions` (one of its
+    settings) or, without it, by its whole list: never the label of a plain run, which it must not
+    replace when results folders are merged."""
+    if d["args"].get("fusions") in (None, "", "off"):
+        fusions = None  # a plain run (its rows say "off")
+    elif fusions is None:
+        fusions = d["args"]["fusions"]
     tp = int(d.get("world", 1))
     moe = f" MoE-{d['args']['moe_mode'].upper()}" if tp > 1 and d["args"].get("moe_mode") else ""
     backend = d["args"].get("moe")  # the Triton MoE was the only one before DeepGEMM's: unlabelled
     kernels = f" · MoE {backend}" if backend not in (None, "triton") else ""
+    kernels += f" · fusions {fusions}" if fusions else ""
     return f"{d['args']['preset']} TP{tp}{moe} · {d['args'].get('attention', '?')}{kernels}", tp
 
 
@@ -42,16 +59,18 @@ def build_series(docs: dict[str, dict], runs: dict[str, Run] | None = None) -> l
     out: dict[str, ModelSeries] = {}
     newest_first = sorted(model_docs(docs), key=lambda nd: (run_date(nd[1]), nd[0]), reverse=True)
     for n, d in newest_first:
-        label, tp = label_of(d)
-        s = out.setdefault(label, ModelSeries(label, tp))
-        src = source(n, d, runs or {})
-        prefill = d.get("prefill", {}).get("rows", [])
-        if prefill and "prefill" not in s.sources:
-            s.prefill, s.sources["prefill"] = list(prefill), src
-        decode = [r for r in d.get("decode", {}).get("rows", []) if "skipped" not in r]
-        for ctx in sorted({r["context"] for r in decode} - set(s.sources)):
-            s.decode += [r for r in decode if r["context"] == ctx]
-            s.sources[ctx] = src
+        for fz in fusion_settings(d):
+            label, tp = label_of(d, fz)
+            s = out.setdefault(label, ModelSeries(label, tp))
+            src = source(n, d, runs or {})
+            mine = (lambda r: True) if fz is None else (lambda r, fz=fz: (r.get("fusions") or "off") == fz)
+            prefill = [r for r in d.get("prefill", {}).get("rows", []) if mine(r)]
+            if prefill and "prefill" not in s.sources:
+                s.prefill, s.sources["prefill"] = list(prefill), src
+            decode = [r for r in d.get("decode", {}).get("rows", []) if "skipped" not in r and mine(r)]
+            for ctx in sorted({r["context"] for r in decode} - set(s.sources)):
+                s.decode += [r for r in decode if r["context"] == ctx]
+                s.sources[ctx] = src
     return sorted(out.values(), key=lambda s: (s.gpus, s.label))
 
 

@@ -124,6 +124,10 @@ def multi_turn_step(mode: str, timeout_s: int) -> Step:
                       f"--out {{out}}/serve_multi_turn_{mode}.json --serve-args " + shlex.quote(MT_SERVE_ARGS),
                 timeout_s, summary=r"cache|failed|Error|Traceback")
 
+# Issue 27's launch-bound fusions (kernels.registry.Fusion), measured against each other on one loaded model:
+# all off (the workers' defaults), each alone, all on.
+FUSION_AB = "off,rope_store,norm_router,norm_quant,on"
+
 SUITES: dict[str, Suite] = {
     "kernels": Suite(
         "attention, FP8 GEMM and MoE kernel benchmarks, each with parity at real dims and the ceilings of the run",
@@ -276,6 +280,22 @@ SUITES: dict[str, Suite] = {
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(step("prefix-gpu", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_prefix_cache_gpu.py "
                                   "tests/integration/test_async_decode_gpu.py", 300, summary=PYTEST),)),
+    "fusion-ab": Suite(
+        "issue 27's launch-bound fusions (--fusions): their GPU parity tests first (bits of the unfused kernels, "
+        "self-tests, 20b layers, graph-decoded tokens), then each fused kernel against the launches it replaces "
+        "(CUDA-graph us, GB/s vs HBM; norm warps and the DeepGEMM SwiGLU pass too), then gpt-oss-20b with the "
+        "workers' defaults A/B in one process (" + FUSION_AB + "): prefill 8k, decode replay at 8k x 1 and 64",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("fusion-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fusion_gpu.py",
+                    170, summary=PYTEST),
+               step("fusion-micro", "{py} -m benchmarks.fusion", 100, summary=r"wrote|Error"),
+               step("model-20b-ab", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention "
+                                    "--prefill-lens 8192 --contexts 8192 --batches 1,64 --fusions " + FUSION_AB +
+                                    " --tag gpt-oss-20b-tp1-fusion-ab", 280,
+                    summary=r"^decode ctx|^prefill|FAILED",
+                    publish={"model_gpt-oss-20b-tp1-fusion-ab.json": "model_gpt-oss-20b-tp1-fusion-ab.json"})),
+        reproduces=("issue 27: the fusions' share of the 20b prefill 8k (89.8 ms) and batch-1 decode replay "
+                    "(2.44-2.53 ms at 8k)",)),
     "cpu-smoke": Suite(
         "every suite's machinery on a CPU: the benchmarks' own smoke modes on tiny shapes (no GPU set-up)",
         carry=(), gpu=False, kind="cpu",

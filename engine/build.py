@@ -46,6 +46,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     linear_backend: str = "torch"
     moe_backend: str = "torch"
+    fusions: str = "off"  # kernels.registry.parse_fusions: off | on | names joined by '+'
     page_size: int = 16
     kv_cache_dtype: str = "auto"  # auto (= dtype) | bf16 | fp8 (e4m3, per layer/head scales) | fp32
     kv_scale_calibration: int = 0  # FP8 KV without checkpoint scales: calibrate on this many prompts (0 = 1.0)
@@ -87,7 +88,7 @@ def load_model(cfg: EngineConfig) -> GptOss:
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     src = open_source(cfg)
-    backends = make_backends(cfg.attention_backend, cfg.linear_backend, cfg.moe_backend)
+    backends = make_backends(cfg.attention_backend, cfg.linear_backend, cfg.moe_backend, cfg.fusions)
     model = GptOss(src.config, backends, dtype=DTYPES[cfg.dtype], fp8=cfg.fp8, parallel=cfg.parallel,
                    device=cfg.device, fp8_attention=cfg.fp8_attention)
     prepare_backends(backends, cfg.device, dense_shapes(model))

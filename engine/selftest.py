@@ -6,6 +6,7 @@ window kinds, GQA, sinks large and small, a fresh prefill longer than the slidin
 top of a cached prefix, mixed decode) must match `TorchAttention` run in fp32 on the same inputs,
 and the caches it writes must be bit-identical. Anything off raises `AttentionSelfTestFailed`
 with the case and the error, so a broken kernel stops the worker instead of serving garbage.
+With `rope` the backend also rotates q and k itself (Fusion.ROPE_STORE).
 With `kv_dtype` e4m3 the pages are FP8 under random per-head scales and the reference quantises and
 dequantises them itself (the ground truth of kernels/reference.py).
 """
@@ -18,6 +19,7 @@ import torch
 
 from common.errors import ConfigError
 from kernels.interface import AttentionImpl, StepMeta
+from kernels.reference import apply_rope
 from kernels.torch_backend import TorchAttention
 from model.context import SeqStep, build_step_meta
 from model.kv_cache import KVCacheSpec, KVManager, KVPool, PageGroup, SeqPages
@@ -52,7 +54,10 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def self_test_attention(impl: AttentionImpl, device: torch.device | str, dtype: torch.dtype, *,
-                        shape: SelfTestShape | None = None, seed: int = 0, kv_dtype: torch.dtype | None = None) -> None:
+                        shape: SelfTestShape | None = None, seed: int = 0, kv_dtype: torch.dtype | None = None,
+                        rope: bool = False) -> None:
+    """rope: q and k go in unrotated with rope=(cos, sin), as the model passes them under
+    Fusion.ROPE_STORE where it stores (cached steps); the reference gets them rotated in `dtype`."""
     s = shape or SelfTestShape()
     kv_dtype = kv_dtype or dtype
     fp8 = kv_dtype == torch.float8_e4m3fn
@@ -110,7 +115,12 @@ def self_test_attention(impl: AttentionImpl, device: torch.device | str, dtype: 
             v = rand(t, s.num_kv_heads, s.head_dim).to(dtype)
             kv = (pool.pools[g][0, 0], pool.pools[g][0, 1]) if cached else None
             ref_kv = (ref_pools[g][0, 0], ref_pools[g][0, 1]) if cached else None
-            out = impl.forward(g, q, k, v, kv, sinks, sm_scale, windows[g], kv_scale=kv_scale)
+            if rope and cached:
+                cos, sin = rand(t, s.head_dim // 2).float(), rand(t, s.head_dim // 2).float()
+                out = impl.forward(g, q, k, v, kv, sinks, sm_scale, windows[g], kv_scale=kv_scale, rope=(cos, sin))
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # what the reference sees
+            else:
+                out = impl.forward(g, q, k, v, kv, sinks, sm_scale, windows[g], kv_scale=kv_scale)
             ref = ref_impl.forward(g, q.float(), k.float(), v.float(), ref_kv, sinks, sm_scale, windows[g],
                                    kv_scale=kv_scale)
             what = f"{name}, {g.name.lower()} layer (window {windows[g]})"

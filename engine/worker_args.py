@@ -45,6 +45,10 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"])
     p.add_argument("--linear-backend", default=None, choices=["torch", "scaled_mm", "triton", "deepgemm"])
     p.add_argument("--moe-backend", default=None, choices=["torch", "triton", "deepgemm"])
+    p.add_argument("--fusions", default="off",
+                   help="launch-saving kernel fusions (kernels.registry.Fusion): off, on, or '+'-joined names of "
+                        "rope_store, norm_router, norm_quant; off until measured (benchmarks.bench_model --fusions). "
+                        "rope_store and norm_quant keep the bits; norm_router's logits may differ in the last bit")
     p.add_argument("--kv-backend", default="nixl", choices=["nixl", "ipc", "loopback", "none"],
                    help="KV transfer (kv_transfer.factory.TransferBackend): nixl; ipc = NIXL control plane, "
                         "same-node data path through shared/IPC-mapped pools (CUDA IPC on GPU, shared memory "
@@ -92,6 +96,7 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         dtype=a.dtype or ("bfloat16" if gpu else "float32"),
         attention_backend=a.attention_backend or ("flashinfer" if gpu else "torch"),
         linear_backend=a.linear_backend or ("scaled_mm" if gpu and a.fp8 else "torch"),
+        fusions=a.fusions,
         moe_backend=a.moe_backend or auto_moe_backend(rank_device(a.device, tp_rank), a.fp8,
                                                       a.tp == 1 or a.moe_mode == MoEMode.EP.value),
         page_size=a.page_size, kv_cache_dtype=a.kv_cache_dtype, kv_scale_calibration=max(0, a.kv_scale_calibration),

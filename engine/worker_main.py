@@ -42,7 +42,9 @@ def build_parts(a: argparse.Namespace, role: str, group: RankGroup) -> EnginePar
     if cfg.attention_backend != "torch":
         from engine.selftest import self_test_attention
 
-        self_test_attention(parts.model.backends.attention, cfg.device, parts.model.dtype, kv_dtype=parts.spec.dtype)
+        be = parts.model.backends
+        self_test_attention(be.attention, cfg.device, parts.model.dtype, kv_dtype=parts.spec.dtype,
+                            rope=be.fused_rope_store)
         log.info("attention self-test passed (%s, KV %s)", cfg.attention_backend, parts.spec.dtype)
     return parts
 

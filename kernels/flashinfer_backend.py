@@ -16,7 +16,10 @@ Lifecycle:
     would fill one 192-row tile per head).
   * `plan(step)` plans each page group once; every layer of the group reuses that plan.
   * `forward`: no cache -> ragged causal over the step's tokens; pages_hold_all -> store, then
-    paged; otherwise -> gather [prefix from pages ; new K/V] densely, ragged, then store.
+    paged; otherwise -> gather [prefix from pages ; new K/V] densely, ragged, then store. With
+    rope= (Fusion.ROPE_STORE) q and k arrive unrotated: where the store comes first (paged, FP8
+    prefill) one launch rotates q and k and stores (`rope_qk_store_kv`), elsewhere they are rotated
+    first, as the model would have.
   * FP8 (e4m3) pages (`FP8_KV` below): decode reads them with fa2 (FlashInfer 0.6.6's fa2 template
     widens e4m3 K/V tiles to the query dtype in registers, head_dim 64 included; its fa3/sm90 mainloop
     has no bf16 x e4m3 GMMA and its FP8 path wants q in e4m3 too), through our variant of the sink
@@ -46,7 +49,7 @@ import torch
 from common.errors import ConfigError
 from kernels.flashinfer_fp8kv import FP8_KV, FP8_VARIANT, fp8_variant_decl, read_slots
 from kernels.interface import GroupMeta, StepMeta
-from kernels.triton_store_kv import gather_kv, store_kv
+from kernels.triton_store_kv import gather_kv, rope_qk, rope_qk_store_kv, store_kv
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +388,8 @@ class FlashInferAttention:
     # ---- per layer ---------------------------------------------------------------------------------
     def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
-                window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         step = self._step
         assert step is not None, "plan() must run before forward()"
         window_left = -1 if window is None else window - 1
@@ -393,13 +397,16 @@ class FlashInferAttention:
         kv_dtype = kv[0].dtype if kv is not None else (self._dims.kv_dtype if self._dims else None)
         self._set_dims(AttentionDims(q.shape[1], k.shape[1], q.shape[2], page, q.dtype, q.device, kv_dtype))
         if self._fp8_fallback is not None:
-            return self._fp8_fallback.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale)
+            return self._fp8_fallback.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale, rope=rope)
         if self._windows.get(group) != window_left:  # learned from the first layer of the group
             self._windows[group] = window_left
             self._plans.pop(group, None)
         g = step.groups[group]
         sinks = sinks.float().contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even for an unrotated view of qkv
+        if rope is not None and (kv is None or g is None):
+            q, k = rope_qk(q, k, *rope)
+            rope = None
         if kv is None or g is None:
             key = -1 - group  # dense plans live next to the group plans, keyed apart
             plan = self._plans.get(key)
@@ -413,13 +420,21 @@ class FlashInferAttention:
         fp8 = k_cache.dtype == FP8_KV
         if fp8 and kv_scale is None:
             kv_scale = self._unit_scales(k.shape[1], k.device)
+        stores_first = plan.kind == "paged" or plan.read_slots is not None
+        if rope is not None:
+            if stores_first:  # the paged read (or the FP8 prefill's read-back) never sees the dense k
+                q, _ = rope_qk_store_kv(q, k, v, k_cache, v_cache, plan.slots, *rope, kv_scale)
+            else:
+                q, k = rope_qk(q, k, *rope)
         if plan.kind == "paged":
-            store_kv(k, v, k_cache, v_cache, plan.slots, kv_scale)
+            if rope is None:
+                store_kv(k, v, k_cache, v_cache, plan.slots, kv_scale)
             if fp8:
                 return plan.wrapper.run(q, (k_cache, v_cache), sinks, kv_scale[0], kv_scale[1], sm_scale, out=out)
             return plan.wrapper.run(q, (k_cache, v_cache), sinks, sm_scale, out=out)
         if plan.read_slots is not None:  # FP8 prefill: store, then every key back from the pages
-            store_kv(k, v, k_cache, v_cache, plan.slots, kv_scale)
+            if rope is None:
+                store_kv(k, v, k_cache, v_cache, plan.slots, kv_scale)
             keys, vals = gather_kv(k_cache, v_cache, plan.read_slots, kv_scale, q.dtype)
             return plan.wrapper.run(q, keys, vals, sinks, sm_scale, out=out)
         keys, vals = k.contiguous(), v.contiguous()

@@ -55,11 +55,15 @@ class AttentionImpl(Protocol):
 
     def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
-                window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q [T,Hq,D], k/v [T,Hkv,D] (RoPE applied); kv = (k_cache, v_cache) [NP,Hkv,P,D] of this
         layer or None (no cache: attend over the step's own tokens). Stores the new K/V per the
         group's slot_mapping. Returns [T,Hq,D]. FP8 (e4m3) caches: kv_scale = (k_scale, v_scale)
-        [Hkv] fp32 of this layer (None = 1.0); stores quantise, reads dequantise (model/kv_scales.py)."""
+        [Hkv] fp32 of this layer (None = 1.0); stores quantise, reads dequantise (model/kv_scales.py).
+        rope = (cos, sin) [T, D/2]: q and k come unrotated and the backend rotates them, in the
+        store's launch where it stores before reading (Fusion.ROPE_STORE; the model passes it only
+        with a cache, and only then)."""
 
 
 @dataclass(slots=True)
@@ -97,7 +101,13 @@ class LinearImpl(Protocol):
 class MoEImpl(Protocol):
     name: str
 
-    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights
-                 ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights,
+                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [T,H], router_logits [T,E] -> this rank's share of the MoE output [T,H]: top-k, softmax
-        over the k (logits dtype), local experts only, each weighted by its routing weight."""
+        over the k (logits dtype), local experts only, each weighted by its routing weight.
+        x_fp8: x already quantised, `fp8_quant.quantize_act_1x128(x)`'s bits and layout (the fused
+        norm makes it); only passed where `takes_fp8_input` said so."""
+
+    def takes_fp8_input(self, num_tokens: int, top_k: int, w: ExpertWeights) -> bool:
+        """Whether a call with this many tokens would start by quantising x 1x128 itself (and so
+        can take x_fp8 instead)."""

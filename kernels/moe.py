@@ -330,21 +330,29 @@ class TritonMoE:
         rows_per_expert = -(-num_tokens * top_k // w.num_experts)
         return moe_config(rows_per_expert, w.w1.shape[1], w.w1.shape[2], fp8)
 
-    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights
-                 ) -> torch.Tensor:
+    def _small(self, num_tokens: int, top_k: int, fp8: bool) -> bool:
+        return fp8 and self.config is None and num_tokens * top_k <= self.small_max_pairs
+
+    def takes_fp8_input(self, num_tokens: int, top_k: int, w: ExpertWeights) -> bool:
+        """FP8 experts on the grouped path (the few-token path quantises x inside its GEMM)."""
+        fp8 = w.w1_scale is not None
+        return fp8 and num_tokens > 0 and not self._small(num_tokens, top_k, fp8)
+
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights,
+                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         t, h = x.shape
         assert router_logits.shape == (t, w.num_experts), "router logits must be [T, E]"
         if t == 0:
             return torch.zeros_like(x)
         fp8 = w.w1_scale is not None
         assert (w.w2_scale is not None) == fp8, "w1 and w2 must both be FP8 or both native"
-        if fp8 and self.config is None and t * top_k <= self.small_max_pairs:
+        if self._small(t, top_k, fp8):
             return self.small(x, router_logits, top_k, w)
         cfg = self.config_for(t, top_k, w, fp8)
         weights, ids = route_topk_softmax(router_logits, top_k)  # [T, k] each
         g = align_by_expert(ids, w.expert_start, w.num_local, cfg.block_m)
-        if fp8:
-            xq, xs = quantize_act_1x128(x)  # once per token, not per (token, expert) pair
+        if fp8:  # once per token, not per (token, expert) pair; or by the norm before (x_fp8)
+            xq, xs = x_fp8 if x_fp8 is not None else quantize_act_1x128(x)
         else:
             xq, xs = (x if x.dtype == w.w1.dtype else x.to(w.w1.dtype)), None
         act_dtype = x.dtype if fp8 else w.w2.dtype  # native: act feeds W2's dot directly

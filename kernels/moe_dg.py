@@ -42,8 +42,13 @@ DOWN = dg.DgConfig(128, 160, mcast=2, gemm_type=dg.GROUPED)
 MIN_ROWS_PER_EXPERT = 96
 # Rows per program of the SwiGLU pass and its warps (launch settings only; run DG11 at 8k tokens:
 # 16 x 4 223.8 us, 32 x 8 237.8, 64 x 8 316, same bits)
-SWIGLU_ROWS = 16
+SWIGLU_ROWS = 16  # divides BLOCK_M (SWIGLU_TILE_EXPERT relies on it)
 SWIGLU_WARPS = 4
+# The SwiGLU pass reading each program's expert and b1 row once (its rows lie in one 128-row tile, so
+# they share them) instead of per row, and skipping unused tiles (no consumer reads their act): half
+# the bytes it pulls into the SM, the same bits for every used row. Off until measured (issue 27:
+# the pass streams 2.3 TB/s; benchmarks/fusion.py times both).
+SWIGLU_TILE_EXPERT = False
 
 
 @triton.jit
@@ -73,20 +78,33 @@ def _gather_kernel(xq_ptr, xs_ptr, sorted_ptr, block_expert_ptr, a_ptr, as_ptr, 
 @triton.jit
 def _swiglu_quant_kernel(h_ptr, b1_ptr, layout_ptr, act_ptr, acts_ptr, I, alpha, limit,
                          stride_h, stride_b1, stride_act, stride_acts,
-                         ROWS: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
+                         ROWS: tl.constexpr, GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr,
+                         TILE_EXPERT: tl.constexpr = False):
+    """TILE_EXPERT: the program's ROWS rows lie in one BLOCK_M tile (ROWS divides BLOCK_M), so one
+    layout entry and one b1 row serve them all, and an unused tile is skipped (DeepGEMM never reads
+    its rows); used rows get the same bits either way."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cb = tl.program_id(1)
-    e = tl.load(layout_ptr + rows)
-    used = e >= 0
-    e = tl.maximum(e, 0).to(tl.int64)
     offs_i = cb * GROUP + tl.arange(0, GROUP)  # act columns
     im = offs_i < I
     # W1's rows interleave gate (2i) and up (2i+1): one contiguous [ROWS, 2G] load, split in
     # registers (stride-2 loads ran at ~1 TB/s in run DG3).
     cols2 = cb * 2 * GROUP + tl.arange(0, 2 * GROUP)
-    m2 = used[:, None] & (cols2 < 2 * I)[None, :]
-    hv = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + cols2[None, :], mask=m2, other=0.0).to(tl.float32)
-    hv += tl.load(b1_ptr + e[:, None] * stride_b1 + cols2[None, :], mask=m2, other=0.0).to(tl.float32)
+    if TILE_EXPERT:
+        e0 = tl.load(layout_ptr + tl.program_id(0) * ROWS)
+        if e0 < 0:
+            return
+        used = rows >= 0  # every row of a used tile
+        m2 = (cols2 < 2 * I)[None, :] & used[:, None]
+        hv = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + cols2[None, :], mask=m2, other=0.0).to(tl.float32)
+        hv += tl.load(b1_ptr + e0.to(tl.int64) * stride_b1 + cols2, mask=cols2 < 2 * I, other=0.0).to(tl.float32)[None, :]
+    else:
+        e = tl.load(layout_ptr + rows)
+        used = e >= 0
+        e = tl.maximum(e, 0).to(tl.int64)
+        m2 = used[:, None] & (cols2 < 2 * I)[None, :]
+        hv = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + cols2[None, :], mask=m2, other=0.0).to(tl.float32)
+        hv += tl.load(b1_ptr + e[:, None] * stride_b1 + cols2[None, :], mask=m2, other=0.0).to(tl.float32)
     gate, up = tl.split(tl.reshape(hv, (ROWS, GROUP, 2)))  # [ROWS, G] each
     m = used[:, None] & im[None, :]
     gate = tl.minimum(gate, limit)  # from above only
@@ -164,18 +182,25 @@ class DeepGemmMoE:
             return reference_grouped_gemm(a, sfa, w, ws, out, layout)
         return dg.gemm(cfg, a, sfa, w.view(-1, w.shape[-1]), ws, out, layout)
 
-    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights
-                 ) -> torch.Tensor:
+    def _grouped(self, num_tokens: int, top_k: int, w: ExpertWeights) -> bool:
+        return num_tokens * top_k >= self.min_rows_per_expert * w.num_experts and w.w1_scale is not None
+
+    def takes_fp8_input(self, num_tokens: int, top_k: int, w: ExpertWeights) -> bool:
+        return (num_tokens > 0 and self._grouped(num_tokens, top_k, w)) or self.fallback.takes_fp8_input(
+            num_tokens, top_k, w)
+
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights,
+                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         t, hdim = x.shape
         if t == 0:
             return torch.zeros_like(x)
-        if t * top_k < self.min_rows_per_expert * w.num_experts or w.w1_scale is None:
-            return self.fallback(x, router_logits, top_k, w)
+        if not self._grouped(t, top_k, w):
+            return self.fallback(x, router_logits, top_k, w, x_fp8)
         dev = x.device
         weights, ids = route_topk_softmax(router_logits, top_k)  # [T, k] each
         g: ExpertGrouping = align_by_expert(ids, w.expert_start, w.num_local, BLOCK_M)
         rows = g.sorted_pairs.shape[0]
-        xq, xs = quantize_act_1x128(x)  # once per token
+        xq, xs = x_fp8 if x_fp8 is not None else quantize_act_1x128(x)  # once per token (or by the norm)
         kb = xs.shape[1]
         a = torch.empty(rows, hdim, dtype=FP8_DTYPE, device=dev)
         as_buf = torch.empty(kb, rows, dtype=torch.float32, device=dev)  # M-major, rows % 128 == 0
@@ -196,7 +221,8 @@ class DeepGemmMoE:
         _swiglu_quant_kernel[(rows // SWIGLU_ROWS, kb2)](h, w.b1, layout, act, acts_buf, inter, float(w.alpha),
                                                float(w.limit), h.stride(0), w.b1.stride(0), act.stride(0),
                                                acts_buf.stride(0), ROWS=SWIGLU_ROWS, GROUP=BLOCK,
-                                               FP8_MAX_C=FP8_MAX, HW_CVT=x.is_cuda, num_warps=SWIGLU_WARPS)
+                                               FP8_MAX_C=FP8_MAX, HW_CVT=x.is_cuda, TILE_EXPERT=SWIGLU_TILE_EXPERT,
+                                               num_warps=SWIGLU_WARPS)
         y = torch.empty(rows, hdim, dtype=torch.bfloat16, device=dev)
         self._gemm(self.down_cfg, act, acts_buf.t(), w.w2, w.w2_scale, y, layout)
         out = torch.empty(t, hdim, dtype=x.dtype, device=dev)

@@ -1,5 +1,6 @@
 """Backend selection, once at start-up: an enum per op kind -> implementation (lazy imports, so a
-CPU machine never imports FlashInfer or DeepGEMM). The choice is logged by the caller."""
+CPU machine never imports FlashInfer or DeepGEMM), plus the optional kernel fusions (`Fusion`,
+`--fusions`). The choice is logged by the caller."""
 
 from __future__ import annotations
 
@@ -32,16 +33,64 @@ class MoEBackend(str, Enum):
     DEEPGEMM = "deepgemm"  # prefill-sized batches on DeepGEMM's grouped GEMM, smaller ones Triton
 
 
+class Fusion(str, Enum):
+    """Launch-saving fusions, each switchable so one run can A/B it (benchmarks.bench_model --fusions).
+    Off by default until measured. The norm fusions need the Triton norms (`Backends.fused_norm`)."""
+
+    ROPE_STORE = "rope_store"  # q and k RoPE + the K/V page store in one launch (triton_store_kv.rope_qk_store_kv)
+    NORM_ROUTER = "norm_router"  # the MoE router GEMV inside the add + RMSNorm launch, few tokens (kernels/norm.py)
+    NORM_QUANT = "norm_quant"  # the FP8 MoE's 1x128 input quantisation inside the add + RMSNorm launch
+
+
+# Tokens up to which the router runs inside the norm launch (larger steps: one cuBLAS GEMM).
+ROUTER_FUSION_MAX_TOKENS = 64
+
+
+def parse_fusions(spec: str) -> frozenset[Fusion]:
+    """'off' | 'on' (all) | names joined by '+', e.g. 'rope_store+norm_router'."""
+    spec = spec.strip().lower()
+    if spec in ("", "off", "none"):
+        return frozenset()
+    if spec in ("on", "all"):
+        return frozenset(Fusion)
+    try:
+        return frozenset(Fusion(s) for s in spec.split("+"))
+    except ValueError:
+        raise ConfigError(f"unknown fusion in {spec!r}: off, on, or '+'-joined names of "
+                          f"{', '.join(f.value for f in Fusion)}") from None
+
+
+def fusions_name(fusions: frozenset[Fusion]) -> str:
+    if not fusions:
+        return "off"
+    if fusions == frozenset(Fusion):
+        return "on"
+    return "+".join(sorted(f.value for f in fusions))
+
+
 @dataclass(slots=True)
 class Backends:
     attention: AttentionImpl
     linear: LinearImpl
     moe: MoEImpl
     fused_norm: bool = False  # Triton RMSNorm / residual-add + RMSNorm (kernels.norm) instead of torch ops
+    fusions: frozenset[Fusion] = frozenset()  # mutable on purpose: an A/B run flips it between measurements
+
+    @property
+    def fused_rope_store(self) -> bool:
+        return Fusion.ROPE_STORE in self.fusions
+
+    def norm_router(self, num_tokens: int) -> bool:
+        """Whether this step's router runs inside the norm launch."""
+        return self.fused_norm and Fusion.NORM_ROUTER in self.fusions and num_tokens <= ROUTER_FUSION_MAX_TOKENS
+
+    @property
+    def norm_quant(self) -> bool:
+        return self.fused_norm and Fusion.NORM_QUANT in self.fusions
 
     def describe(self) -> str:
         return (f"attention={self.attention.name} linear={self.linear.name} moe={self.moe.name} "
-                f"norm={'triton' if self.fused_norm else 'torch'}")
+                f"norm={'triton' if self.fused_norm else 'torch'} fusions={fusions_name(self.fusions)}")
 
 
 def make_attention(kind: AttentionBackend | str) -> AttentionImpl:
@@ -89,11 +138,13 @@ def make_moe(kind: MoEBackend | str) -> MoEImpl:
     raise ConfigError(f"unknown MoE backend {kind}")
 
 
-def make_backends(attention: str = "torch", linear: str = "torch", moe: str = "torch") -> Backends:
+def make_backends(attention: str = "torch", linear: str = "torch", moe: str = "torch", fusions: str = "off"
+                  ) -> Backends:
     try:
         # The GPU attention backends imply a GPU (or the Triton interpreter): fuse the norms there too.
         return Backends(make_attention(attention), make_linear(linear), make_moe(moe),
-                        fused_norm=AttentionBackend(attention) != AttentionBackend.TORCH)
+                        fused_norm=AttentionBackend(attention) != AttentionBackend.TORCH,
+                        fusions=parse_fusions(fusions))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -21,9 +21,12 @@ class TorchAttention:
 
     def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
-                window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         step = self._step
         assert step is not None, "plan() must run before forward()"
+        if rope is not None:
+            q, k = ref.apply_rope(q, *rope), ref.apply_rope(k, *rope)
         g = step.groups[group]
         cu = step.cu_seqlens_q
         if kv is None or g is None:
@@ -66,10 +69,13 @@ class TorchLinear:
 class TorchMoE:
     name = "torch"
 
-    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights
-                 ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights,
+                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         vals, ids = torch.topk(router_logits, top_k, dim=-1)
         weights = torch.softmax(vals, dim=-1, dtype=vals.dtype)
         w1 = _dequant(w.w1, w.w1_scale, x.dtype)
         w2 = _dequant(w.w2, w.w2_scale, x.dtype)
         return ref.moe(x, weights, ids, w1, w.b1, w2, w.b2, w.alpha, w.limit, w.expert_start)
+
+    def takes_fp8_input(self, num_tokens: int, top_k: int, w: ExpertWeights) -> bool:
+        return False  # experts dequantised, x never quantised

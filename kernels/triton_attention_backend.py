@@ -8,6 +8,8 @@ small host->device copy each); `forward` is then called per layer:
   * otherwise (a sliding layer fed a prefill chunk larger than its ring): attend over the prefix
     from pages plus the new K/V given densely, and only then store (storing first would overwrite
     ring slots the chunk still needs).
+With rope= (Fusion.ROPE_STORE) q and k arrive unrotated; the pages_hold_all path rotates them in its
+store's launch (`rope_qk_store_kv`), the others rotate them first.
 FP8 (e4m3) pages: the store quantises with the layer's per-head scales, the kernel dequantises the
 paged range in registers (kernels/triton_attention.py); plan() does not depend on the KV dtype.
 
@@ -27,7 +29,7 @@ import torch
 
 from kernels.interface import GroupMeta, StepMeta
 from kernels.triton_attention import AttnBatch, KernelConfig, sink_attention
-from kernels.triton_store_kv import store_kv
+from kernels.triton_store_kv import rope_qk, rope_qk_store_kv, store_kv
 
 
 def _target_programs(device: torch.device) -> int:
@@ -114,11 +116,15 @@ class TritonAttention:
 
     def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
-                window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         step = self._step
         assert step is not None, "plan() must run before forward()"
         g = step.groups[group]
         cfg, splits, target = self._config, self._num_splits, self._target_programs or 1
+        if rope is not None and not (kv is not None and g is not None and g.pages_hold_all):
+            q, k = rope_qk(q, k, *rope)  # no store ahead of the read to fuse with
+            rope = None
         if kv is None or g is None:
             return sink_attention(q, k, v, None, self._dense_batch(q.device), sinks, sm_scale, window,
                                   config=cfg, num_splits=splits, target_programs=target)
@@ -128,7 +134,10 @@ class TritonAttention:
         if not batch.kv_lens:  # a graph table
             batch.kv_lens = [self._graph_max_pages * k_cache.shape[2]] * batch.num_seqs
         if g.pages_hold_all:
-            store_kv(k, v, k_cache, v_cache, slots, kv_scale)
+            if rope is not None:  # rotated k also comes back dense (cheap), though the paged read covers every key
+                q, k = rope_qk_store_kv(q, k, v, k_cache, v_cache, slots, *rope, kv_scale, write_k=True)
+            else:
+                store_kv(k, v, k_cache, v_cache, slots, kv_scale)
             return sink_attention(q, k, v, kv, batch, sinks, sm_scale, window, config=cfg, num_splits=splits,
                                   target_programs=target, kv_scale=kv_scale)
         out = sink_attention(q, k, v, kv, batch, sinks, sm_scale, window, config=cfg, num_splits=splits,

@@ -1,6 +1,7 @@
 """Store-KV and RoPE in Triton: scatter new K/V into the paged caches by slot_mapping, optionally
 rotating K on the way (NeoX half-split RoPE, MODEL_SPEC.md §1.2), plus a RoPE-only variant for Q,
-and the inverse of the store (`gather_kv`: rows of the caches by slot, dequantised, made dense).
+the fused variant (`rope_qk_store_kv`: Q's and K's rotation and the K/V store in one launch), and the
+inverse of the store (`gather_kv`: rows of the caches by slot, dequantised, made dense).
 
 Role: the write half of every attention backend (TritonAttention, FlashInferAttention). Called once
 per layer per step, before (pages_hold_all) or after (prefix + dense) the attention read.
@@ -26,15 +27,15 @@ from kernels.fp8_quant import cast_e4m3
 
 
 @triton.jit
-def _rope_store_kernel(X, V, XC, VC, Slots, Cos, Sin, XOut, KScale, VScale, num_tokens, num_heads,
-                       stride_xt, stride_xh, stride_vt, stride_vh, stride_cp, stride_ch, stride_ct,
-                       stride_cos, stride_ot, stride_oh,
-                       HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                       ROPE: tl.constexpr, STORE: tl.constexpr, WRITE_X: tl.constexpr, QUANT: tl.constexpr,
-                       HW_CVT: tl.constexpr):
-    """A program owns BLOCK_T tokens x all heads; columns e index (head, i) with i < D/2, so each
-    column loads both halves it rotates together. QUANT: the caches are e4m3 with per-head scales."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+def _rope_store_block(pid, X, V, XC, VC, Slots, Cos, Sin, XOut, KScale, VScale, num_tokens, num_heads,
+                      stride_xt, stride_xh, stride_vt, stride_vh, stride_cp, stride_ch, stride_ct,
+                      stride_cos, stride_ot, stride_oh,
+                      HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                      ROPE: tl.constexpr, STORE: tl.constexpr, WRITE_X: tl.constexpr, QUANT: tl.constexpr,
+                      HW_CVT: tl.constexpr):
+    """Token block `pid` (BLOCK_T tokens) x all heads; columns e index (head, i) with i < D/2, so
+    each column loads both halves it rotates together. QUANT: the caches are e4m3 with per-head scales."""
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     e = tl.arange(0, BLOCK_E)  # [BE]
     h = e // HALF
     i = e % HALF
@@ -84,6 +85,48 @@ def _rope_store_kernel(X, V, XC, VC, Slots, Cos, Sin, XOut, KScale, VScale, num_
             tl.store(VC + c_dst + HALF, v2.to(VC.dtype.element_ty), mask=keep)
 
 
+@triton.jit
+def _rope_store_kernel(X, V, XC, VC, Slots, Cos, Sin, XOut, KScale, VScale, num_tokens, num_heads,
+                       stride_xt, stride_xh, stride_vt, stride_vh, stride_cp, stride_ch, stride_ct,
+                       stride_cos, stride_ot, stride_oh,
+                       HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                       ROPE: tl.constexpr, STORE: tl.constexpr, WRITE_X: tl.constexpr, QUANT: tl.constexpr,
+                       HW_CVT: tl.constexpr):
+    _rope_store_block(tl.program_id(0), X, V, XC, VC, Slots, Cos, Sin, XOut, KScale, VScale, num_tokens, num_heads,
+                      stride_xt, stride_xh, stride_vt, stride_vh, stride_cp, stride_ch, stride_ct,
+                      stride_cos, stride_ot, stride_oh, HALF, PAGE, BLOCK_T, BLOCK_E, ROPE, STORE, WRITE_X, QUANT,
+                      HW_CVT)
+
+
+@triton.jit
+def _qk_rope_store_kernel(Q, K, V, KC, VC, Slots, Cos, Sin, QOut, KOut, KScale, VScale, num_tokens, num_q_heads,
+                          num_kv_heads, num_q_programs,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_cp, stride_ch, stride_ct, stride_cos, stride_qot, stride_qoh, stride_kot, stride_koh,
+                          HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_TQ: tl.constexpr, BLOCK_EQ: tl.constexpr,
+                          BLOCK_TK: tl.constexpr, BLOCK_EK: tl.constexpr, WRITE_K: tl.constexpr,
+                          QUANT: tl.constexpr, HW_CVT: tl.constexpr):
+    """The first num_q_programs programs rotate q into QOut; the rest rotate k and store it with v
+    (and write rotated k into KOut when WRITE_K): the three launches of the unfused path in one,
+    running the same block code, so the bits are the same."""
+    pid = tl.program_id(0)
+    if pid < num_q_programs:
+        _rope_store_block(pid, Q, Q, KC, VC, Slots, Cos, Sin, QOut, KScale, VScale, num_tokens, num_q_heads,
+                          stride_qt, stride_qh, 0, 0, stride_cp, stride_ch, stride_ct, stride_cos, stride_qot,
+                          stride_qoh, HALF, PAGE, BLOCK_TQ, BLOCK_EQ, True, False, True, False, HW_CVT)
+    else:
+        _rope_store_block(pid - num_q_programs, K, V, KC, VC, Slots, Cos, Sin, KOut, KScale, VScale, num_tokens,
+                          num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_ch, stride_ct,
+                          stride_cos, stride_kot, stride_koh, HALF, PAGE, BLOCK_TK, BLOCK_EK, True, True, WRITE_K,
+                          QUANT, HW_CVT)
+
+
+def _blocks(num_heads: int, half: int) -> tuple[int, int]:
+    """(BLOCK_E, BLOCK_T): all heads' half-columns in one row of a block, up to 4096 elements."""
+    block_e = triton.next_power_of_2(num_heads * half)
+    return block_e, max(1, min(16, 4096 // block_e))
+
+
 def _launch(x: torch.Tensor, v: torch.Tensor | None, caches: tuple[torch.Tensor, torch.Tensor] | None,
             slot_mapping: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
             x_out: torch.Tensor | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -92,8 +135,7 @@ def _launch(x: torch.Tensor, v: torch.Tensor | None, caches: tuple[torch.Tensor,
     half = d // 2
     if t == 0:
         return
-    block_e = triton.next_power_of_2(h * half)
-    block_t = max(1, min(16, 4096 // block_e))
+    block_e, block_t = _blocks(h, half)
     dummy = x
     xc, vc = caches if caches is not None else (dummy, dummy)
     if caches is not None:
@@ -147,6 +189,53 @@ def rope_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     k_rot = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     _launch(k, v, (k_cache, v_cache), slot_mapping, cos, sin, k_rot, kv_scale)
     return k_rot
+
+
+def rope_qk_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None, *, write_k: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch for `apply_rope(q)`, `apply_rope(k)` and `store_kv(rotated k, v)`: q [T, Hq, D],
+    k/v [T, Hkv, D] (any row/head strides, e.g. views of the fused QKV output) -> (rotated q [T, Hq, D]
+    contiguous, rotated k [T, Hkv, D] if write_k else None); rotated k and v land in the caches at
+    slot_mapping (e4m3 caches quantised after RoPE with kv_scale, as `rope_store_kv`). The same bits
+    as the three separate launches. For attention that reads every key from the pages after the
+    store (decode, pages_hold_all); write_k for a backend that also reads the new keys densely."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    half = d // 2
+    assert d % 2 == 0 and k.shape == v.shape == (t, hkv, d) and q.stride(2) == k.stride(2) == v.stride(2) == 1
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert k_cache.shape[1] == hkv and k_cache.shape[3] == d and v_cache.dtype == k_cache.dtype
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape[0] == t
+    assert cos.shape == (t, half) and cos.stride(1) == 1 and sin.stride() == cos.stride()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if write_k else None
+    if t == 0:
+        return q_out, k_out
+    quant = k_cache.dtype == torch.float8_e4m3fn
+    if quant:
+        ks, vs = kv_scale if kv_scale is not None else (_ones(hkv, q.device),) * 2
+        assert ks.dtype == vs.dtype == torch.float32 and ks.shape == vs.shape == (hkv,) and ks.is_contiguous()
+    else:
+        ks = vs = q_out
+    be_q, bt_q = _blocks(hq, half)
+    be_k, bt_k = _blocks(hkv, half)
+    nq = triton.cdiv(t, bt_q)
+    ko = k_out if k_out is not None else q_out
+    _qk_rope_store_kernel[(nq + triton.cdiv(t, bt_k),)](
+        q, k, v, k_cache, v_cache, slot_mapping, cos, sin, q_out, ko, ks, vs, t, hq, hkv, nq,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0), q_out.stride(0), q_out.stride(1),
+        ko.stride(0), ko.stride(1),
+        HALF=half, PAGE=k_cache.shape[2], BLOCK_TQ=bt_q, BLOCK_EQ=be_q, BLOCK_TK=bt_k, BLOCK_EK=be_k,
+        WRITE_K=write_k, QUANT=quant, HW_CVT=q.is_cuda, num_warps=4, enable_fp_fusion=False)
+    return q_out, k_out
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotated q, rotated k) by two `apply_rope` launches: the unfused path."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None

@@ -68,15 +68,20 @@ class Attention(nn.Module):
         q = qkv[:, :q_sz].view(t, self.num_heads, self.head_dim)
         k = qkv[:, q_sz:q_sz + kv_sz].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_sz + kv_sz:].reshape(t, self.num_kv_heads, self.head_dim)
-        if qkv.is_cuda:  # one Triton launch each instead of ~9 elementwise kernels; the same bits
-            from kernels.triton_store_kv import apply_rope
-
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:
-            q, k = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
         # v stays a strided view of qkv (no copy kernel): the store kernels and the Triton attention
         # take row/head strides, FlashInfer's dense paths make their own contiguous copies
-        o = be.attention.forward(self.group, q, k, v, kv, self.sinks, self.sm_scale, self.window, kv_scale=kv_scale)
+        if be.fused_rope_store and kv is not None:  # the backend rotates q and k in its store's launch
+            o = be.attention.forward(self.group, q, k, v, kv, self.sinks, self.sm_scale, self.window,
+                                     kv_scale=kv_scale, rope=(cos, sin))
+        else:
+            if qkv.is_cuda:  # one Triton launch each instead of ~9 elementwise kernels; the same bits
+                from kernels.triton_store_kv import rope_qk
+
+                q, k = rope_qk(q, k, cos, sin)
+            else:
+                q, k = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
+            o = be.attention.forward(self.group, q, k, v, kv, self.sinks, self.sm_scale, self.window,
+                                     kv_scale=kv_scale)
         out = be.linear(o.reshape(t, q_sz), self.o_w, self.o_s, self.o_b)  # [T, H]
         return self.par.all_reduce(out)
 
@@ -105,10 +110,16 @@ class MoE(nn.Module):
         return ExpertWeights(self.w1, self.w1_s, self.b1, self.w2, self.w2_s, self.b2, self.expert_start,
                              self.cfg.num_local_experts, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
 
-    def forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
-        # The router runs in the activation dtype (bf16 in bf16 mode): this mattered for accuracy.
-        logits = torch.nn.functional.linear(x, self.router_w, self.router_b)  # [T, E]
-        out = be.moe(x, logits, self.cfg.num_experts_per_tok, self.experts())  # [T, H] partial
+    def takes_fp8_input(self, num_tokens: int, be: Backends) -> bool:
+        return be.moe.takes_fp8_input(num_tokens, self.cfg.num_experts_per_tok, self.experts())
+
+    def forward(self, x: torch.Tensor, be: Backends, logits: torch.Tensor | None = None,
+                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """logits / x_fp8: the router's output and x quantised 1x128, when the norm before made them."""
+        if logits is None:
+            # The router runs in the activation dtype (bf16 in bf16 mode): this mattered for accuracy.
+            logits = torch.nn.functional.linear(x, self.router_w, self.router_b)  # [T, E]
+        out = be.moe(x, logits, self.cfg.num_experts_per_tok, self.experts(), x_fp8)  # [T, H] partial
         return self.par.all_reduce(out)
 
 
@@ -127,19 +138,24 @@ class Block(nn.Module):
                 kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (residual stream, pending). With fused norms the MoE output is returned as `pending`
         and added by the next layer's (or the final) residual-add + RMSNorm kernel: one pass fewer
-        per layer, the same bits as adding it here."""
+        per layer, the same bits as adding it here. The MoE's norm may also compute the router
+        logits (Fusion.NORM_ROUTER, few tokens) and the FP8 copy of its output the MoE would make
+        first (Fusion.NORM_QUANT); QKV takes bf16 by default, so the attention norm is add + norm."""
         if not be.fused_norm:
             x = x + self.attn(ref.rms_norm(x, self.attn_norm, self.eps), cos, sin, be, kv, kv_scale)
             return x + self.mlp(ref.rms_norm(x, self.mlp_norm, self.eps), be), None
-        from kernels.norm import add_rms_norm, rms_norm
+        from kernels.norm import add_rms_norm, fused_norm, rms_norm
 
         if pending is None:
             h = rms_norm(x, self.attn_norm, self.eps)
         else:
             x, h = add_rms_norm(x, pending, self.attn_norm, self.eps)
         a = self.attn(h, cos, sin, be, kv, kv_scale)
-        x, h = add_rms_norm(x, a, self.mlp_norm, self.eps)  # residual add and the next norm, one pass
-        return x, self.mlp(h, be)
+        t = x.shape[0]
+        # residual add and the next norm in one pass (+ the router, + the MoE's FP8 input)
+        n = fused_norm(x, a, self.mlp_norm, self.eps, quant=be.norm_quant and self.mlp.takes_fp8_input(t, be),
+                       router=(self.mlp.router_w, self.mlp.router_b) if be.norm_router(t) else None)
+        return n.x, self.mlp(n.y, be, n.logits, (n.yq, n.ys) if n.yq is not None else None)
 
 
 class GptOss(nn.Module):

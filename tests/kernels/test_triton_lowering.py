@@ -94,7 +94,7 @@ def _launch_every_kernel() -> None:
     from kernels.moe import TritonMoE
     from kernels.moe_dg import DeepGemmMoE
     from kernels.moe_small import SmallBatchMoE
-    from kernels.norm import add_rms_norm, rms_norm
+    from kernels.norm import add_rms_norm, fused_norm, rms_norm
     from kernels import reference as ref
 
     torch.manual_seed(0)
@@ -105,6 +105,8 @@ def _launch_every_kernel() -> None:
     TritonFp8Linear()(x.to(torch.bfloat16), w, ws, torch.randn(96).to(torch.bfloat16))
     rms_norm(x, torch.ones(200), 1e-5)
     add_rms_norm(x, x, torch.ones(200), 1e-5)
+    xb5 = x.to(torch.bfloat16)  # the fused norm's router GEMV and FP8 copy (Fusion.NORM_*), in bf16 as on the GPU
+    fused_norm(xb5, xb5, torch.ones(200), 1e-5, quant=True, router=(torch.randn(6, 200).to(torch.bfloat16), xb5[0, :6]))
     h, i, e = 128, 128, 4
     xb = torch.randn(3, h).to(torch.bfloat16)
     logits = _logits(3, e, torch.bfloat16)
@@ -115,6 +117,12 @@ def _launch_every_kernel() -> None:
     TritonMoE()(xb, logits, 2, _experts(e, e, h, i, torch.bfloat16, fp8=False))
     SmallBatchMoE()(xb, logits, 2, experts)
     DeepGemmMoE(min_rows_per_expert=0)(xb, logits, 2, experts)  # its Triton kernels; GEMMs by reference on CPU
+    from kernels import moe_dg
+    tile, moe_dg.SWIGLU_TILE_EXPERT = moe_dg.SWIGLU_TILE_EXPERT, not moe_dg.SWIGLU_TILE_EXPERT
+    try:  # the SwiGLU pass's other variant (issue 27)
+        DeepGemmMoE(min_rows_per_expert=0)(xb, logits, 2, experts)
+    finally:
+        moe_dg.SWIGLU_TILE_EXPERT = tile
     ids = torch.randint(0, e, (4096, 1), dtype=torch.int32)
     moe_align.align_by_expert(ids, 0, e, 64)  # the many-program path (>= 4096 pairs)
 
@@ -142,6 +150,11 @@ def _launch_attention() -> None:
     kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
     store_kv(k, v, kc8, vc8, slots, scales)
     rope_store_kv(k, v, kc8, vc8, slots, cos, sin, scales)
+    # Fusion.ROPE_STORE: q and k rotated, K/V stored, one launch (bf16 and e4m3 pages)
+    from kernels.triton_store_kv import rope_qk_store_kv
+    q = torch.randn(k.shape[0], 4 * k.shape[1], k.shape[2]).to(k.dtype)
+    rope_qk_store_kv(q, k, v, kc, vc, slots, cos, sin, write_k=True)
+    rope_qk_store_kv(q, k, v, kc8, vc8, slots, cos, sin, scales)
     gather_kv(kc8, vc8, slots.clamp(min=0), scales, torch.bfloat16)
 
 

@@ -1,0 +1,237 @@
+"""Microbenchmark of each fused kernel (kernels.registry.Fusion) against the unfused launches it
+replaces, at gpt-oss-20b dims: 1 token (batch-1 decode), 64 (batch-64 decode) and 8192 (prefill).
+
+Each variant is captured in a CUDA graph as REPS back-to-back repetitions and replayed, so a figure
+is device time per call including the gaps between dependent kernels, as in the decode worker's
+graph replay (eager timing would measure the host's launch latency instead). Bytes are the
+minimum each variant must move (inputs read once, outputs written once); GB/s against the HBM
+roofline (4.8 TB/s nominal) and this run's copy bandwidth. At 1 token everything sits in L2 and the
+figure that matters is microseconds.
+
+    python -m benchmarks.fusion [--tokens 1,64,8192] [--reps 50]       # writes $OUT/fusion.json
+
+Variant names of the SwiGLU rows: ROWSxWARPS, `tile` = SWIGLU_TILE_EXPERT; every variant's used rows
+are checked against the first's bits ("BITS DIFFER" otherwise).
+
+Rows: `norm+router` (add + RMSNorm + router GEMV vs add + RMSNorm then F.linear), `norm+quant` (vs
+add + RMSNorm then quantize_act_1x128), `rope+store` (q and k RoPE + K/V store, bf16 and e4m3 pages,
+vs apply_rope, apply_rope, store_kv), `norm-warps` (the add + RMSNorm kernel at 4/8/16 warps
+against the kernel before issue 27: kernels.norm.NUM_WARPS is unmeasured), `swiglu` (the DeepGEMM MoE's SwiGLU + requant pass at
+prefill sizes, item 3 of issue 27: its bandwidth today and with kernels.moe_dg.SWIGLU_TILE_EXPERT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks.common import environment, markdown_table, out_dir
+
+DEV = "cuda"  # a CPU smoke of the call paths sets "cpu" (TRITON_INTERPRET=1) and replaces graph_us
+HBM_GBPS = 4800.0
+H, E, HQ, HKV, D, PAGE = 2880, 32, 64, 8, 64, 16
+
+
+def graph_us(fn, reps: int) -> float:
+    """Device microseconds per fn() from a CUDA graph of `reps` calls (median of 10 replays)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # JIT, autotune, allocator
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    del g
+    return sorted(times)[len(times) // 2]
+
+
+def copy_gbps() -> float:
+    x = torch.empty(1 << 29, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    us = graph_us(lambda: y.copy_(x), 5)
+    return 2 * x.numel() / (us * 1e-6) / 1e9
+
+
+def _row(what: str, t: int, variant: str, us: float, nbytes: float, copy: float, base_us: float | None) -> dict:
+    gbps = nbytes / (us * 1e-6) / 1e9
+    return {"what": what, "tokens": t, "variant": variant, "us": us, "bytes": int(nbytes), "GBps": gbps,
+            "ratio_hbm": gbps / HBM_GBPS, "ratio_copy": gbps / copy,
+            "speedup": (base_us / us) if base_us else None}
+
+
+@triton.jit
+def _main_norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, H, eps, stride_x, stride_d, stride_xo, stride_y,
+                      BLOCK: tl.constexpr):
+    """The add + RMSNorm kernel as it was before issue 27 (one 1-D row block, the weight loaded after
+    the reduction): the baseline the new row layout must not lose to."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+    x = (x + d).to(x_ptr.dtype.element_ty)
+    tl.store(xo_ptr + row * stride_xo + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / H
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = w * (xf * tl.rsqrt(var + eps))
+    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _main_add_norm(x: torch.Tensor, d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    xo, y = torch.empty_like(x), torch.empty_like(x)
+    _main_norm_kernel[(x.shape[0],)](x, d, w, xo, y, x.shape[1], 1e-5, x.stride(0), d.stride(0), xo.stride(0),
+                                     y.stride(0), BLOCK=triton.next_power_of_2(x.shape[1]))
+    return y
+
+
+def norm_rows(t: int, reps: int, copy: float) -> list[dict]:
+    from kernels.fp8_quant import quantize_act_1x128
+    from kernels.norm import fused_norm
+
+    x = torch.randn(t, H, device=DEV).to(torch.bfloat16)
+    d = torch.randn(t, H, device=DEV).to(torch.bfloat16)
+    w = torch.rand(H, device=DEV) + 0.5
+    kb = -(-H // 128)
+    base = 4 * t * H * 2 + H * 4  # x, delta in; x + delta, y out; the fp32 weight
+    rows = []
+    for e in (E, 4 * E) if t <= 64 else ():  # 20b's 32 experts, 120b's 128; the fusion serves <= 64 tokens
+        rw = (torch.randn(e, H, device=DEV) * 0.02).to(torch.bfloat16)
+        rb = torch.randn(e, device=DEV).to(torch.bfloat16)
+        un = graph_us(lambda: torch.nn.functional.linear(fused_norm(x, d, w, 1e-5).y, rw, rb), reps)
+        fu = graph_us(lambda: fused_norm(x, d, w, 1e-5, router=(rw, rb)), reps)
+        nb = base + e * H * 2 + e * 2 + t * e * 2
+        rows += [_row(f"norm+router E{e}", t, "unfused", un, nb + t * H * 2, copy, None),  # + y read by the GEMM
+                 _row(f"norm+router E{e}", t, "fused", fu, nb, copy, un)]
+    un = graph_us(lambda: quantize_act_1x128(fused_norm(x, d, w, 1e-5).y), reps)
+    fu = graph_us(lambda: fused_norm(x, d, w, 1e-5, quant=True), reps)
+    nb = base + t * H + t * kb * 4
+    rows += [_row("norm+quant", t, "unfused", un, nb + t * H * 2, copy, None),
+             _row("norm+quant", t, "fused", fu, nb, copy, un)]
+    ref = graph_us(lambda: _main_add_norm(x, d, w), reps)
+    rows.append(_row("norm-warps", t, "before (1-D)", ref, base, copy, None))
+    for nw in (4, 8, 16):
+        us = graph_us(lambda: fused_norm(x, d, w, 1e-5, num_warps=nw), reps)
+        rows.append(_row("norm-warps", t, f"{nw} warps", us, base, copy, ref))
+    return rows
+
+
+def rope_rows(t: int, reps: int, copy: float) -> list[dict]:
+    from kernels.triton_store_kv import apply_rope, rope_qk_store_kv, store_kv
+
+    qkv = torch.randn(t, (HQ + 2 * HKV) * D, device=DEV).to(torch.bfloat16)
+    q = qkv[:, :HQ * D].view(t, HQ, D)
+    k = qkv[:, HQ * D:(HQ + HKV) * D].view(t, HKV, D)
+    v = qkv[:, (HQ + HKV) * D:].view(t, HKV, D)
+    cos, sin = torch.rand(t, D // 2, device=DEV), torch.rand(t, D // 2, device=DEV)
+    pages = -(-t // PAGE) + 1
+    slots = torch.randperm(pages * PAGE, device=DEV)[:t]
+    rows = []
+    for kv in ("bf16", "fp8"):
+        dt = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+        kc = torch.zeros(pages, HKV, PAGE, D, device=DEV, dtype=dt)
+        vc = torch.zeros_like(kc)
+        sc = (torch.ones(HKV, device=DEV), torch.ones(HKV, device=DEV)) if kv == "fp8" else None
+
+        def unfused():
+            qr, kr = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            store_kv(kr, v, kc, vc, slots, sc)
+            return qr
+
+        un = graph_us(unfused, reps)
+        fu = graph_us(lambda: rope_qk_store_kv(q, k, v, kc, vc, slots, cos, sin, sc), reps)
+        nb = t * (HQ + 2 * HKV) * D * 2 + t * HQ * D * 2 + t * 2 * HKV * D * kc.element_size() + t * D * 4 + t * 8
+        rows += [_row(f"rope+store {kv}", t, "unfused", un, nb + 2 * t * HKV * D * 2, copy, None),  # + k_rot out/in
+                 _row(f"rope+store {kv}", t, "fused", fu, nb, copy, un)]
+    return rows
+
+
+def swiglu_rows(t: int, reps: int, copy: float) -> list[dict]:
+    """The DeepGEMM MoE's SwiGLU + 1x128 requant pass over a layer-shaped buffer (T * 4 routed rows,
+    about half a tile of padding per expert, the capacity's tail tiles unused): what it streams today
+    (issue 27: 2.3 TB/s), by tile settings, and with SWIGLU_TILE_EXPERT (one b1 row per program,
+    unused tiles skipped). Bytes: the used rows' h read and act + scales written."""
+    from kernels import moe_dg
+    from kernels.reference import BLOCK, FP8_MAX
+
+    inter, e, bm = 2880, 32, moe_dg.BLOCK_M
+    used = -(-(t * 4 + e * bm // 2) // bm) * bm
+    rows_ = -(-(t * 4 + e * (bm - 1)) // bm) * bm  # the grouping's capacity
+    h = torch.randn(rows_, 2 * inter, device=DEV).to(torch.bfloat16)
+    b1 = torch.randn(e, 2 * inter, device=DEV).to(torch.bfloat16)
+    layout = (torch.arange(rows_, device=DEV, dtype=torch.int32) // bm) % e
+    layout[used:] = -1
+    act = torch.empty(rows_, inter, device=DEV, dtype=torch.float8_e4m3fn)
+    kb2 = -(-inter // BLOCK)
+    acts = torch.empty(kb2, rows_, device=DEV)
+
+    def run(r: int, nw: int, tile: bool) -> None:
+        moe_dg._swiglu_quant_kernel[(rows_ // r, kb2)](h, b1, layout, act, acts, inter, 1.702, 7.0, h.stride(0),
+                                                      b1.stride(0), act.stride(0), acts.stride(0), ROWS=r,
+                                                      GROUP=BLOCK, FP8_MAX_C=FP8_MAX, HW_CVT=h.is_cuda,
+                                                      TILE_EXPERT=tile, num_warps=nw)
+
+    nb = used * (2 * inter * 2 + inter + kb2 * 4)
+    out, ref, bits = [], None, None
+    for r, nw, tile in ((moe_dg.SWIGLU_ROWS, moe_dg.SWIGLU_WARPS, False), (moe_dg.SWIGLU_ROWS, moe_dg.SWIGLU_WARPS, True),
+                        (8, 4, True), (16, 8, True), (32, 8, True), (32, 4, True)):
+        run(r, nw, tile)
+        got = (act[:used].view(torch.uint8).clone(), acts[:, :used].clone())
+        bits = bits or got
+        same = torch.equal(got[0], bits[0]) and torch.equal(got[1], bits[1])
+        us = graph_us(lambda: run(r, nw, tile), max(1, reps // 10))
+        ref = ref or us
+        out.append(_row("swiglu", t, f"{r}x{nw}{' tile' if tile else ''}{'' if same else ' BITS DIFFER'}", us, nb,
+                        copy, ref))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,64,8192")
+    ap.add_argument("--reps", type=int, default=50)
+    a = ap.parse_args()
+    copy = copy_gbps()
+    print(f"copy {copy:.0f} GB/s (bytes read + written)", flush=True)
+    rows = []
+    for t in [int(x) for x in a.tokens.split(",")]:
+        reps = a.reps if t <= 64 else max(2, a.reps // 10)
+        for fn in (norm_rows, rope_rows):
+            got = fn(t, reps, copy)
+            rows += got
+            for r in got:
+                print(f"{r['what']:<16} T={t:<5} {r['variant']:<12} {r['us']:8.2f} us  {r['GBps']:7.0f} GB/s "
+                      f"({r['ratio_hbm']:.0%} of HBM)" + (f"  x{r['speedup']:.2f}" if r['speedup'] else ""), flush=True)
+        if t >= 4096:
+            got = swiglu_rows(t, reps, copy)
+            rows += got
+            for r in got:
+                print(f"{r['what']:<16} T={t:<5} {r['variant']:<18} {r['us']:8.1f} us  {r['GBps']:7.0f} GB/s "
+                      f"({r['ratio_hbm']:.0%} of HBM)", flush=True)
+    path = out_dir() / "fusion.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"env": environment(), "args": vars(a), "copy_GBps": copy, "rows": rows}, indent=1))
+    print("\n" + markdown_table(rows, ["what", "tokens", "variant", "us", "GBps", "ratio_hbm", "speedup"]), flush=True)
+    print(f"wrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
