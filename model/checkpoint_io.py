@@ -133,18 +133,15 @@ def write_demo_checkpoint(out: str | Path, compact: Path | None = None) -> Path:
     """The embedded demo model (model.demo) in the exact HF layout: the stored tensors as they are,
     the embedding and unembedding expanded to the full vocabulary; a token the model was not trained
     on gets a zero embedding and the shared unembedding row trained for all of them. Deterministic."""
-    from model.demo import DEMO_FILE, DEMO_PRESET, UNUSED_ROW, VOCAB_IDS, load_compact
-    from model.config import preset
+    from model.demo import DEMO_FILE, UNUSED_ROW, VOCAB_IDS, load_compact
 
     out = Path(out)
-    tensors, _ = load_compact(compact or DEMO_FILE)
-    cfg = dataclasses.replace(preset(DEMO_PRESET), quant_method="mxfp4")
+    tensors, _, cfg = load_compact(compact or DEMO_FILE)
     ids = tensors.pop(VOCAB_IDS).long()
     unused_row = tensors.pop(UNUSED_ROW)
     want = expected_tensors(cfg)
     if set(tensors) != set(want):
-        raise CheckpointError(f"demo weights do not match preset {DEMO_PRESET!r}: "
-                              f"{sorted(set(tensors) ^ set(want))[:4]}")
+        raise CheckpointError(f"demo weights do not match their config: {sorted(set(tensors) ^ set(want))[:4]}")
     write_configs(out, cfg)
     w = _ShardWriter(out, 2 << 30)
     for name, (shape, dtype) in want.items():
