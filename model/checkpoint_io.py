@@ -164,9 +164,11 @@ def ensure_demo_checkpoint(cache_dir: str | Path) -> Path:
     name that carries the weights' hash (a retrained model gets a new folder)."""
     import hashlib
 
-    from model.demo import DEMO_FILE
+    from model.demo import DEMO_FILE, load_compact
 
-    digest = hashlib.sha256(DEMO_FILE.read_bytes()).hexdigest()[:12] if DEMO_FILE.exists() else "missing"
+    if not DEMO_FILE.exists():
+        load_compact(DEMO_FILE)  # raises CheckpointError: where the weights come from
+    digest = hashlib.sha256(DEMO_FILE.read_bytes()).hexdigest()[:12]
     out = Path(cache_dir) / f"gpt-oss-tiny-demo-{digest}"
     if (out / "model.safetensors.index.json").exists():
         return out
