@@ -35,15 +35,15 @@ from pathlib import Path
 # 4 experts top-2). Serving cost on a CPU is dominated by the 201,088-row unembedding, i.e. by the width.
 CONFIGS: dict[str, str] = {
     "base": "",
-    "base-lr1e-3": "--lr 1e-3",
+    "lr3e-3": "--lr 3e-3",
     "no-copies": "--repeat-frac 0",
-    "long-copies": "--repeat-frac 0.5 --copy-frac 0.3",
+    "long-copies": "--repeat-frac 0.6 --copy-frac 0.3",
     "heads8": "--heads 8 --kv-heads 2 --head-dim 16",
     "deep6": "--layers 6",
     "w192": "--hidden 192 --heads 6 --kv-heads 2 --head-dim 32",
     "w256": "--hidden 256 --heads 8 --kv-heads 2 --head-dim 32",
 }
-DEFAULT_RUNS = "base:0,base:1,base-lr1e-3:0,no-copies:0,long-copies:0,deep6:0,w192:0,w256:0"
+DEFAULT_RUNS = "base:0,base:1,lr3e-3:0,no-copies:0,long-copies:0,deep6:0,w192:0,w256:0"
 SMOKE_RUNS = "base:0,heads8:1"
 SMOKE_FLAGS = ("--steps 20 --tokens-per-batch 2000 --repeat-tokens 512 --warmup 10 --sampled-per-task 1 "
                "--max-new 24 --threads 1")

@@ -177,7 +177,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens-per-batch", type=int, default=32768)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=150)
-    p.add_argument("--repeat-frac", type=float, default=0.3, help="first fraction with synthetic copy batches")
+    p.add_argument("--repeat-frac", type=float, default=0.4, help="first fraction with synthetic copy batches")
     p.add_argument("--repeat-tokens", type=int, default=8192, help="tokens per synthetic copy batch")
     p.add_argument("--copy-frac", type=float, default=0.15, help="first fraction on the copy-heavy mix")
     p.add_argument("--qat", type=float, default=0.3, help="final fraction trained on the stored formats")
@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     _sync(device)
     train_s = time.time() - t_train
     model.eval()
+    if device.type == "cuda":  # decode in plain fp32, as the served model computes (near-ties must not flip)
+        torch.backends.cuda.matmul.allow_tf32 = False
     from router.harmony import HarmonyFormat
     from training.evaluate import evaluate_model
 
