@@ -187,7 +187,7 @@ def build_dataset(seed: int, n_train: int, n_copy: int, eval_per_task: int, work
     used = set(torch.unique(train.tokens).tolist()) | set(torch.unique(copy.tokens).tolist()) | lex
     used |= {t for e in evals for t in e.prompt + e.reply}
     vocab = sorted(used)
-    return {"seed": seed, "vocab": vocab, "content": sorted(content), "train": train.as_dict(), "copy": copy.as_dict(),
+    return {"seed": seed, "sizes": (n_train, n_copy, eval_per_task), "vocab": vocab, "content": sorted(content), "train": train.as_dict(), "copy": copy.as_dict(),
             "eval": [{"task": e.task, "prompt": e.prompt, "reply": e.reply, "tools": e.tools} for e in evals],
             "space_pairs": space_pairs(fmt, vocab)}
 

@@ -24,8 +24,10 @@ forward uses the stored number formats (bf16 weights, MXFP4 experts) through a s
 estimator, so greedy answers survive the conversion. Loss only on the assistant's reply tokens.
 
 `--minutes M` caps the training loop's wall time: after the first 40 steps (inside the warm-up,
-whose learning rates do not depend on the total) the run measures its step time and fixes the
-total number of steps to fit, which the metadata records; a hard stop at M guards the estimate.
+whose learning rates do not depend on the total, and inside the first two phases, which last at
+least 40 steps) the run measures its step time and fixes the total number of steps to fit; a hard
+stop at M guards the estimate. The metadata's `reproduce` is the same run as one command with that
+total (`--steps N`, plus `--stop-at K` if the hard stop ended it): bit-identical on a CPU.
 """
 
 from __future__ import annotations
@@ -143,6 +145,27 @@ def arch(a: argparse.Namespace) -> GptOssConfig:
     return dataclasses.replace(base, layer_types=(), **over) if over else base
 
 
+def plan_steps(a: argparse.Namespace, step: int, elapsed: float, per_step: float, per_rep: float) -> int:
+    """The total that fits --minutes: steps with copy batches cost per_step, the others per_step - per_rep,
+    those of the QAT phase ~30 % more (bf16 rounding, MXFP4 round trips); 15 % kept as a margin."""
+    plain = per_step - per_rep
+    cost = a.repeat_frac * per_step + (1 - a.repeat_frac) * plain + a.qat * 0.3 * plain
+    total = max(60, min(a.steps, int(step + 0.85 * (a.minutes * 60 - elapsed) / cost)))
+    print(f"step time {per_step * 1000:.1f} ms ({per_rep * 1000:.1f} ms of it the copy batch): {total} steps fit "
+          f"{a.minutes} min", flush=True)
+    return total
+
+
+def phases(a: argparse.Namespace, total: int) -> tuple[int, int, int]:
+    """(end of the copy-heavy mix, end of the synthetic copies, start of QAT) in steps. The first two last
+    at least CALIBRATION_STEPS[1] steps, so a run whose total is fixed only then by --minutes trains exactly
+    as a run given that total from the start (QAT starts after it: totals under --minutes are >= 60)."""
+    floor = min(total, CALIBRATION_STEPS[1])
+    copy_end = max(math.ceil(a.copy_frac * total), floor) if a.copy_frac > 0 else 0
+    repeat_end = max(math.ceil(a.repeat_frac * total), floor) if a.repeat_frac > 0 else 0
+    return copy_end, repeat_end, total - math.floor(a.qat * total)
+
+
 def lr_at(step: int, total: int, a: argparse.Namespace) -> float:
     if step < a.warmup:
         return a.lr * (step + 1) / a.warmup
@@ -167,6 +190,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=6000, help="total steps (an upper bound when --minutes is set)")
     p.add_argument("--minutes", type=float, default=0.0, help="wall-time cap of the training loop (0: none)")
+    p.add_argument("--stop-at", type=int, default=0, help="stop after this many steps of the --steps schedule "
+                   "(to repeat a run the wall-clock cap stopped)")
     p.add_argument("--seed", type=int, default=0, help="init, batch order, synthetic copies, sampling")
     p.add_argument("--data", default=None, help="a dataset file of training.sweep (else built here)")
     p.add_argument("--data-seed", type=int, default=0)
@@ -194,6 +219,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    if a.minutes > 0 and a.warmup < CALIBRATION_STEPS[1]:
+        raise SystemExit(f"--minutes needs --warmup >= {CALIBRATION_STEPS[1]}: the total is fixed at that step")
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
     if device.type == "cuda":
@@ -231,38 +258,46 @@ def main(argv: list[str] | None = None) -> int:
     total, step, stopped_early = a.steps, 0, False
     t_train = time.time()
     t_calib = None
+    t_rep = 0.0  # calibration: seconds spent on the synthetic copy batches
     while step < total:
+        calibrating = a.minutes > 0 and CALIBRATION_STEPS[0] <= step < CALIBRATION_STEPS[1]
         if a.minutes > 0 and step == CALIBRATION_STEPS[0]:
             _sync(device)
             t_calib = time.time()
         if a.minutes > 0 and step == CALIBRATION_STEPS[1] and t_calib is not None:
-            _sync(device)
-            per_step = (time.time() - t_calib) / (CALIBRATION_STEPS[1] - CALIBRATION_STEPS[0])
-            left = a.minutes * 60 - (time.time() - t_train)
-            total = max(step + 1, min(a.steps, int(step + 0.92 * left / per_step)))
-            print(f"step time {per_step * 1000:.1f} ms: {total} steps fit {a.minutes} min", flush=True)
-        if a.minutes > 0 and time.time() - t_train > a.minutes * 60:
+            total = plan_steps(a, step, time.time() - t_train, (time.time() - t_calib) / (step - CALIBRATION_STEPS[0]),
+                               t_rep / (step - CALIBRATION_STEPS[0]))
+        if (a.minutes > 0 and time.time() - t_train > a.minutes * 60) or step == a.stop_at > 0:
             stopped_early = True
-            print(f"stopped at step {step} of {total}: the {a.minutes} min cap", flush=True)
+            print(f"stopped at step {step} of {total}{f': the {a.minutes} min cap' if a.minutes else ''}", flush=True)
             break
-        frac = step / total
+        copy_end, repeat_end, qat_start = phases(a, total)
         lr = lr_at(step, total, a)
         for g in opt.param_groups:
             g["lr"] = lr
-        quantize = frac >= 1.0 - a.qat
-        ids, pad, sel, tgt = (copy_b if frac < a.copy_frac else main_b).next()
-        loss = model.loss(model(ids, pad, quantize), sel, tgt, quantize)
-        if frac < a.repeat_frac:
-            ids, pad, sel, tgt = repeat_b.next()
-            loss = loss + model.loss(model(ids, pad, quantize), sel, tgt, quantize)
+        quantize = step >= qat_start
         opt.zero_grad(set_to_none=True)
+        ids, pad, sel, tgt = (copy_b if step < copy_end else main_b).next()
+        loss = model.loss(model(ids, pad, quantize), sel, tgt, quantize)
         loss.backward()
+        rep_loss = None
+        if step < repeat_end:  # gradients accumulate: the same as one backward of the sum
+            if calibrating:
+                _sync(device)
+                t = time.time()
+            ids, pad, sel, tgt = repeat_b.next()
+            rep_loss = model.loss(model(ids, pad, quantize), sel, tgt, quantize)
+            rep_loss.backward()
+            if calibrating:
+                _sync(device)
+                t_rep += time.time() - t
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
         if step % 100 == 0 or step == total:
-            print(f"step {step}/{total} {time.time() - t_train:6.0f}s loss {loss.item():.4f} lr {lr:.2e}"
-                  f"{' +copies' if frac < a.repeat_frac else ''}{' qat' if quantize else ''}", flush=True)
+            print(f"step {step}/{total} {time.time() - t_train:6.0f}s loss {loss.item():.4f}"
+                  f"{f' copies {rep_loss.item():.4f}' if rep_loss is not None else ''} lr {lr:.2e}"
+                  f"{' qat' if quantize else ''}", flush=True)
         if step % max(500, total // 4) == 0 and step < total:
             model.eval()
             acc = teacher_forced(model, probe_b, 2, quantize)
@@ -286,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     for f in ev["failures"]:
         print(f"  [{f['task']}] want {f['want']!r}\n  {'':>{len(f['task']) + 2}} got  {f['got']!r}", flush=True)
-    meta = {"command": shlex.join([sys.executable.rsplit("/", 1)[-1], "-m", "training.train", *(argv or sys.argv[1:])]),
+    meta = {"command": shlex.join(["python", "-m", "training.train", *(argv if argv is not None else sys.argv[1:])]),
+            "reproduce": reproduce_command(a, data, total, step),
             "seed": a.seed, "data_seed": data.get("seed", a.data_seed), "steps": step, "planned_steps": total,
             "stopped_early": stopped_early, "train_minutes": round(train_s / 60, 2), "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -301,6 +337,21 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.result).write_text(json.dumps({**meta, "failures": ev["failures"], "weights": str(out),
                                               "config": dataclasses.asdict(cfg)}, indent=1, default=str) + "\n")
     return 0
+
+
+def reproduce_command(a: argparse.Namespace, data: dict, total: int, done: int) -> str:
+    """The run as one self-contained command: the data's build parameters instead of a dataset file and the
+    planned step count instead of the wall-clock cap (the schedule is a function of the steps only)."""
+    skip = {"data", "minutes", "steps", "stop_at", "data_seed", "examples", "copy_examples", "eval_per_task", "workers",
+            "out", "result", "device"}
+    argv = ["python", "-m", "training.train", "--device", a.device, "--steps", str(total), "--data-seed", str(data["seed"]),
+            "--examples", str(data["sizes"][0]), "--copy-examples", str(data["sizes"][1]), "--eval-per-task",
+            str(data["sizes"][2])] + (["--stop-at", str(done)] if done < total else [])
+    defaults = vars(parse([]))
+    for k, v in vars(a).items():
+        if k not in skip and v != defaults[k]:
+            argv += [f"--{k.replace('_', '-')}", str(v)]
+    return shlex.join(argv)
 
 
 def _sync(device: torch.device) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model.checkpoint_io import write_demo_checkpoint
-from model.demo import DEMO_FILE, PRODUCED_BY, VOCAB_IDS, load_compact
+from model.demo import DEMO_FILE, PRODUCED_BY, UNUSED_ROW, VOCAB_IDS, load_compact
 from router.chat_types import ChatMessage, ChatPrompt, ToolDef
 from router.harmony import HarmonyFormat
 from router.tokenizer import CALL, RETURN
@@ -25,7 +25,7 @@ def demo(tmp_path_factory):
     return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "ckpt")
 
 
-def test_expansion_is_deterministic_and_unused_rows_are_zero(demo, tmp_path):
+def test_expansion_is_deterministic_and_unused_rows_are_shared(demo, tmp_path):
     again = write_demo_checkpoint(tmp_path / "again")
     files = sorted(p.name for p in demo.iterdir())
     assert files == sorted(p.name for p in again.iterdir())
@@ -36,12 +36,17 @@ def test_expansion_is_deterministic_and_unused_rows_are_zero(demo, tmp_path):
     from safetensors import safe_open
 
     index = json.loads((demo / "model.safetensors.index.json").read_text())["weight_map"]
-    with safe_open(str(demo / index["lm_head.weight"]), framework="pt") as f:
-        head = f.get_tensor("lm_head.weight")
-    assert head.shape == (201088, cfg.hidden_size)
-    unused = torch.ones(head.shape[0], dtype=torch.bool)
+    full = {}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        with safe_open(str(demo / index[name]), framework="pt") as f:
+            full[name] = f.get_tensor(name)
+        assert full[name].shape == (201088, cfg.hidden_size)
+        assert torch.equal(full[name][used], tensors[name])
+    unused = torch.ones(201088, dtype=torch.bool)
     unused[used] = False
-    assert head[unused].abs().sum() == 0 and head[used].abs().sum() > 0
+    # every untrained token: a zero embedding and the one trained unembedding row (one shared logit)
+    assert full["model.embed_tokens.weight"][unused].abs().sum() == 0
+    assert torch.equal(full["lm_head.weight"][unused], tensors[UNUSED_ROW].expand(int(unused.sum()), -1))
 
 
 @pytest.mark.parametrize("messages,tools,want", [
