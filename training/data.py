@@ -102,10 +102,10 @@ def lexicon_ids(fmt: HarmonyFormat) -> tuple[set[int], set[int]]:
             if len(t) == 1 and s.startswith(" "):
                 content.update(t)
     for n in range(1000):  # every 1-3 digit number token
-        t = fmt.encoding.encode(str(n), allowed_special=())
-        ids.update(t)
-        content.update(fmt.encoding.encode(" " + str(n), allowed_special=()) if n < 100 else ())
-    return ids, content
+        ids.update(fmt.encoding.encode(str(n), allowed_special=()))
+        if n < 100:
+            content.update(fmt.encoding.encode(" " + str(n), allowed_special=()))
+    return ids | content, content
 
 
 def vocabulary(fmt: HarmonyFormat, examples: list[Example]) -> list[int]:

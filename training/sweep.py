@@ -56,7 +56,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    f"{', '.join(CONFIGS)})")
     p.add_argument("--device", default="cuda")
     p.add_argument("--minutes", type=float, default=4.5, help="each run's training-loop cap")
-    p.add_argument("--deadline-s", type=float, default=480, help="runs still going this long after the start "
+    p.add_argument("--deadline-s", type=float, default=450, help="runs still going this long after the start "
                    "are stopped and left out")
     p.add_argument("--examples", type=int, default=240000)
     p.add_argument("--copy-examples", type=int, default=60000)
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"command": shlex.join(getattr(sys, "orig_argv", sys.argv)), "runs": results, "best": best,
               "seconds": round(time.monotonic() - t0)}
     if best is not None:
-        finish(a, best, results, record, t0)
+        best = finish(a, best, results, record, t0)
     (a.out / "sweep.json").write_text(json.dumps(record, indent=1) + "\n")
     print(table(results, best), flush=True)
     print(f"[sweep] {round(time.monotonic() - t0)} s in all", flush=True)
@@ -116,12 +116,17 @@ def build_data(a: argparse.Namespace, scratch: Path) -> Path:
 
 
 def train_all(a: argparse.Namespace, runs: list[tuple[str, str, int]], data: Path, t0: float) -> list[dict]:
+    minutes = a.minutes
+    if minutes > 0:  # leave each run ~30 s to start and ~90 s to evaluate before the deadline
+        minutes = round(max(0.5, min(minutes, (a.deadline_s - (time.monotonic() - t0) - 120) / 60)), 2)
+        if minutes < a.minutes:
+            print(f"[sweep] {minutes} min of training per run (the data took long)", flush=True)
     procs = []
     for name, flags, seed in runs:
         d = a.out / "runs" / name
         d.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "training.train", "--device", a.device, "--data", str(data), "--seed", str(seed),
-                "--minutes", str(a.minutes), "--out", str(d / "model.safetensors"), "--result", str(d / "result.json"),
+                "--minutes", str(minutes), "--out", str(d / "model.safetensors"), "--result", str(d / "result.json"),
                 *shlex.split(flags), *shlex.split(a.extra)]
         log = open(d / "train.log", "wb")
         procs.append((name, seed, flags, argv, log, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
@@ -155,7 +160,7 @@ def pick(results: list[dict]) -> dict | None:
     return max(done, key=lambda r: (r["eval"]["score"], -r["parameters_restricted"]))
 
 
-def finish(a: argparse.Namespace, best: dict, results: list[dict], record: dict, t0: float) -> None:
+def finish(a: argparse.Namespace, best: dict, results: list[dict], record: dict, t0: float) -> dict:
     """The winner into DIR/gpt-oss-tiny-demo.safetensors (its metadata says how it was chosen), best.json."""
     from model.demo import DEMO_FILE, load_compact, save_compact
 
@@ -168,11 +173,12 @@ def finish(a: argparse.Namespace, best: dict, results: list[dict], record: dict,
     dst = save_compact(tensors, vocab, a.out / DEMO_FILE.name, meta, cfg)
     best_rec = {k: v for k, v in best.items() if k != "failures"}
     best_rec["file"] = str(dst)
-    if a.engine_check and time.monotonic() - t0 < a.deadline_s + 30:
+    if a.engine_check and time.monotonic() - t0 < a.deadline_s - 30:  # ~20 s on 16 cores
         best_rec["engine_check"] = engine_check(dst)
         print(f"[sweep] engine check of the winner: {json.dumps(best_rec['engine_check'])[:300]}", flush=True)
     (a.out / "best.json").write_text(json.dumps(best_rec, indent=1, default=str) + "\n")
     record["best"] = best_rec
+    return best_rec
 
 
 def engine_check(weights: Path) -> dict:

@@ -245,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(a.seed)
     main_b = Batches(data["train"], remap, a.tokens_per_batch, device, random.Random(rng.random()))
     copy_b = Batches(data["copy"], remap, a.tokens_per_batch, device, random.Random(rng.random()))
-    repeat_b = RepeatBatches(remap[torch.tensor(data["content"])], a.repeat_tokens, device, a.seed)
+    content = remap[torch.tensor(data["content"])]
+    assert bool((content >= 0).all()), "copy-sequence words must be in the vocabulary"
+    repeat_b = RepeatBatches(content, a.repeat_tokens, device, a.seed)
     probe_b = Batches(data["train"], remap, a.tokens_per_batch, device, random.Random(1))
     n_params = sum(x.numel() for x in model.parameters())
     print(f"data: {len(data['train'])} + {len(data['copy'])} conversations ({main_b.num_tokens / 1e6:.1f} M tokens), "
