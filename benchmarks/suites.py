@@ -277,9 +277,9 @@ SUITES: dict[str, Suite] = {
                                   "tests/integration/test_async_decode_gpu.py", 300, summary=PYTEST),)),
     # issue 28: the embedded demo model. Training needs torch only; the data is rendered by openai-harmony,
     # which the GPU machine lacks: it travels in .whl-site. The sweep stops its runs by 450 s (4.5 min of
-    # training each, 8 at once; ~6.5 min expected in all), so the step ends well inside one device call.
+    # training each, 6 at once; ~6.5 min expected in all), so the step ends well inside one device call.
     "demo-train": Suite(
-        "the embedded demo model (issue 28): training.sweep renders the synthetic Harmony data once, trains 8 "
+        "the embedded demo model (issue 28): training.sweep renders the synthetic Harmony data once, trains 6 "
         "configurations/seeds of the tiny gpt-oss as concurrent processes on this GPU (4.5 min each), evaluates each "
         "by greedy decoding (structure, exact answers, the integration tests' conversations) and by sampling, and "
         "leaves the best as gpt-oss-tiny-demo.safetensors (copy it to model/demo/)",
