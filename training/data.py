@@ -132,12 +132,12 @@ class Packed:
 
 
 def pack(examples: list[Example]) -> Packed:
-    lens = torch.tensor([len(e.prompt) + len(e.reply) for e in examples], dtype=torch.int64)
+    lens = torch.tensor([len(e.prompt) + len(e.reply) for e in examples], dtype=torch.int64).reshape(-1)
     offsets = torch.zeros(len(examples) + 1, dtype=torch.int64)
     offsets[1:] = lens.cumsum(0)
-    tokens = torch.tensor([t for e in examples for t in e.prompt + e.reply], dtype=torch.int32)
-    return Packed(tokens, offsets, torch.tensor([len(e.prompt) for e in examples], dtype=torch.int32),
-                  torch.tensor([EVAL_TASKS.index(e.task) for e in examples], dtype=torch.int8))
+    tokens = torch.tensor([t for e in examples for t in e.prompt + e.reply], dtype=torch.int32).reshape(-1)
+    return Packed(tokens, offsets, torch.tensor([len(e.prompt) for e in examples], dtype=torch.int32).reshape(-1),
+                  torch.tensor([EVAL_TASKS.index(e.task) for e in examples], dtype=torch.int8).reshape(-1))
 
 
 def _job(args: tuple[int, int, dict[str, float] | None]) -> tuple[dict, list[bytes]]:
@@ -156,6 +156,8 @@ def _fmt() -> HarmonyFormat:
 
 
 def _concat(parts: list[dict]) -> Packed:
+    if not parts:
+        return pack([])
     lens = [p["offsets"][1:] - p["offsets"][:-1] for p in parts]
     lengths = torch.cat(lens)
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)

@@ -10,7 +10,8 @@ What the `demo-train` suite runs on an H200 (benchmarks/suites.py). Lifecycle:
   3. the best run by its score (2 x greedy structure + sampled structure + greedy exact match + the
      tests' conversations answered exactly; ties: fewer parameters, cheaper to serve) is copied to
      DIR/gpt-oss-tiny-demo.safetensors, its metadata extended with the sweep (command, every
-     candidate's score), and DIR/best.json written; the table is printed last;
+     candidate's score), and DIR/best.json written (the runs' own weight files are deleted: the
+     device tool returns at most 16 MiB a file); the table is printed last;
   4. if time is left, the winner is decoded once more by the served engine (engine.llm on the CPU,
      the expanded HF checkpoint) on the tests' conversations: DIR/best.json's "engine_check".
 
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
               "seconds": round(time.monotonic() - t0)}
     if best is not None:
         best = finish(a, best, results, record, t0)
+    for r in results:  # the device tool returns 16 MiB a file: only the winner's weights stay (DIR/...safetensors)
+        Path(a.out / "runs" / r["name"] / "model.safetensors").unlink(missing_ok=True)
     (a.out / "sweep.json").write_text(json.dumps(record, indent=1) + "\n")
     print(table(results, best), flush=True)
     print(f"[sweep] {round(time.monotonic() - t0)} s in all", flush=True)

@@ -76,11 +76,11 @@ class Batches:
         self.flat = tokens.to(torch.int32).to(device)
         lens = (data.offsets[1:] - data.offsets[:-1]).long()
         starts, plen = data.offsets[:-1].long(), data.prompt_len.long()
-        order = torch.argsort(lens, stable=True).tolist()
+        order, n_of = torch.argsort(lens, stable=True).tolist(), lens.tolist()
         self.groups: list[Group] = []
         cur: list[int] = []
         for i in order + [-1]:
-            if i < 0 or (cur and (int(lens[i]) - 1) * (len(cur) + 1) > tokens_per_batch):  # lens ascend
+            if i < 0 or (cur and (n_of[i] - 1) * (len(cur) + 1) > tokens_per_batch):  # lens ascend
                 if cur:
                     self.groups.append(self._group(torch.tensor(cur), starts, lens, plen, device))
                 cur = []
@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     model.to_device(device)
     rng = random.Random(a.seed)
     main_b = Batches(data["train"], remap, a.tokens_per_batch, device, random.Random(rng.random()))
-    copy_b = Batches(data["copy"], remap, a.tokens_per_batch, device, random.Random(rng.random()))
+    copy_b = Batches(data["copy"], remap, a.tokens_per_batch, device, random.Random(rng.random())) \
+        if len(data["copy"]) else main_b
     content = remap[torch.tensor(data["content"])]
     assert bool((content >= 0).all()), "copy-sequence words must be in the vocabulary"
     repeat_b = RepeatBatches(content, a.repeat_tokens, device, a.seed)
