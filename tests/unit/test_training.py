@@ -126,3 +126,29 @@ def test_a_few_steps_write_a_file_the_engine_serves(tmp_path):
     assert (ckpt / "config.json").exists()
     fmt = HarmonyFormat()
     assert len(engine_outputs(out, probes(fmt, "2026-12-02")[:1], max_new=3)[0]) == 3
+
+
+def test_probes_are_what_the_router_renders_for_the_tests_requests(fmt):
+    """The sweep picks its winner partly on training.evaluate.probes: they must be the very prompt ids the
+    integration tests' requests become (chat completions through router.openai_models)."""
+    from router.openai_models import ChatCompletionRequest, to_chat_prompt
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    call = {"id": "call_0123456789ab", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+    requests = {
+        "hi": {"messages": [{"role": "user", "content": "hi"}]},
+        "math": {"messages": [{"role": "user", "content": "What is 12+7?"}]},
+        "call-paris": {"messages": [{"role": "user", "content": "What's the weather in Paris?"}], "tools": [weather]},
+        "result-paris": {"tools": [weather], "messages": [
+            {"role": "user", "content": "What's the weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call],
+             "reasoning_content": "The user wants the weather in Paris. I call get_weather."},
+            {"role": "tool", "tool_call_id": call["id"], "content": json.dumps({"temperature_c": 21, "condition": "clear"})}]},
+    }
+    by_name = {e.task[len("probe-"):]: e for e in probes(fmt, "2026-12-02")}
+    for name, body in requests.items():
+        req = ChatCompletionRequest.model_validate({"model": "gpt-oss-tiny", **body})
+        assert fmt.render(to_chat_prompt(req, "2026-12-02", "2024-06")) == by_name[name].prompt, name
