@@ -104,6 +104,13 @@ class Batches:
     def __len__(self) -> int:
         return len(self.groups)
 
+    def fork(self, r: random.Random) -> Batches:
+        """The same batches (shared device tensors) in another order."""
+        other = object.__new__(Batches)
+        other.flat, other.groups, other.device, other.num_tokens = self.flat, self.groups, self.device, self.num_tokens
+        other.r, other.order = r, []
+        return other
+
     def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.order:
             self.order = list(range(len(self.groups)))
@@ -249,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     content = remap[torch.tensor(data["content"])]
     assert bool((content >= 0).all()), "copy-sequence words must be in the vocabulary"
     repeat_b = RepeatBatches(content, a.repeat_tokens, device, a.seed)
-    probe_b = Batches(data["train"], remap, a.tokens_per_batch, device, random.Random(1))
+    probe_b = main_b.fork(random.Random(1))  # the progress check's batches: its own order, no effect on training
     n_params = sum(x.numel() for x in model.parameters())
     print(f"data: {len(data['train'])} + {len(data['copy'])} conversations ({main_b.num_tokens / 1e6:.1f} M tokens), "
           f"vocabulary {vocab.numel()}, model {n_params / 1e6:.2f} M parameters (restricted vocabulary; "
