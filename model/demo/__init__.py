@@ -46,6 +46,7 @@ def save_compact(tensors: dict[str, torch.Tensor], vocab_ids: list[int], path: P
     cfg = dataclasses.replace(cfg, quant_method="mxfp4")
     save_file(out, str(path), metadata={"format": "tandem-demo", "config": json.dumps(cfg.to_hf_dict(), sort_keys=True),
                                         "training": json.dumps(meta, sort_keys=True)})
+    path.chmod(0o644)  # safetensors writes 0600; the file is meant to be committed and shared
     return path
 
 
