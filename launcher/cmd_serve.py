@@ -195,14 +195,11 @@ def serve(argv: list[str]) -> int:
     if a.colocated:
         a.num_prefill = 0
     if a.checkpoint is None and not a.random_weights:
-        from model.checkpoint_io import ensure_checkpoint, ensure_demo_checkpoint
-        from model.demo import DEMO_FILE
+        from model.checkpoint_io import ensure_demo_checkpoint
 
-        if DEMO_FILE.exists():
-            a.checkpoint = str(ensure_demo_checkpoint(DEFAULT_CACHE))
-        else:  # a source tree without the trained demo weights (python -m training.train writes them)
-            print(f"note: {DEMO_FILE.name} is missing; serving the random tiny checkpoint", file=sys.stderr)
-            a.checkpoint = str(ensure_checkpoint("tiny", DEFAULT_CACHE))
+        # No fallback to a random model: it never emits a stop token, so the README example would
+        # never return. A tree without model/demo's weights fails here, saying how to get them.
+        a.checkpoint = str(ensure_demo_checkpoint(DEFAULT_CACHE))
     env = worker_env(a.device)
     procs = [subprocess.Popen(cmd, env=env) for cmd in build_commands(a, a.checkpoint)]
     stop = {"now": False}

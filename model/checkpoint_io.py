@@ -133,18 +133,15 @@ def write_demo_checkpoint(out: str | Path, compact: Path | None = None) -> Path:
     """The embedded demo model (model.demo) in the exact HF layout: the stored tensors as they are,
     the embedding and unembedding expanded to the full vocabulary; a token the model was not trained
     on gets a zero embedding and the shared unembedding row trained for all of them. Deterministic."""
-    from model.demo import DEMO_FILE, DEMO_PRESET, UNUSED_ROW, VOCAB_IDS, load_compact
-    from model.config import preset
+    from model.demo import DEMO_FILE, UNUSED_ROW, VOCAB_IDS, load_compact
 
     out = Path(out)
-    tensors, _ = load_compact(compact or DEMO_FILE)
-    cfg = dataclasses.replace(preset(DEMO_PRESET), quant_method="mxfp4")
+    tensors, _, cfg = load_compact(compact or DEMO_FILE)
     ids = tensors.pop(VOCAB_IDS).long()
     unused_row = tensors.pop(UNUSED_ROW)
     want = expected_tensors(cfg)
     if set(tensors) != set(want):
-        raise CheckpointError(f"demo weights do not match preset {DEMO_PRESET!r}: "
-                              f"{sorted(set(tensors) ^ set(want))[:4]}")
+        raise CheckpointError(f"demo weights do not match their config: {sorted(set(tensors) ^ set(want))[:4]}")
     write_configs(out, cfg)
     w = _ShardWriter(out, 2 << 30)
     for name, (shape, dtype) in want.items():
@@ -167,9 +164,11 @@ def ensure_demo_checkpoint(cache_dir: str | Path) -> Path:
     name that carries the weights' hash (a retrained model gets a new folder)."""
     import hashlib
 
-    from model.demo import DEMO_FILE
+    from model.demo import DEMO_FILE, load_compact
 
-    digest = hashlib.sha256(DEMO_FILE.read_bytes()).hexdigest()[:12] if DEMO_FILE.exists() else "missing"
+    if not DEMO_FILE.exists():
+        load_compact(DEMO_FILE)  # raises CheckpointError: where the weights come from
+    digest = hashlib.sha256(DEMO_FILE.read_bytes()).hexdigest()[:12]
     out = Path(cache_dir) / f"gpt-oss-tiny-demo-{digest}"
     if (out / "model.safetensors.index.json").exists():
         return out

@@ -13,8 +13,12 @@ for batched training with autograd, on `n` used token ids instead of 201,088:
   * with `quantize` on, the forward uses the stored weights (bf16 rounding, MXFP4 for experts)
     through a straight-through estimator, so the last training steps see the served model.
 
-Shape legend: B sequences, T tokens, H hidden, Hq / Hkv query / KV heads, D head dim, E experts,
-I expert width, n used tokens.
+Written for a GPU without host synchronisation in the step: the MoE runs every expert on every
+token and weights the outputs by the routing (zero for experts a token was not routed to, so
+outputs and gradients equal the sparse computation); the loss reads precomputed positions.
+
+Shape legend: B sequences, T tokens, H hidden, Hq / Hkv query / KV heads, G = Hq / Hkv, D head dim,
+E experts, I expert width, N = B*T, M loss positions, n used tokens.
 """
 
 from __future__ import annotations
@@ -43,12 +47,16 @@ def _mxfp4(w: torch.Tensor) -> torch.Tensor:
     return w + (q - w).detach()
 
 
+def _same(w: torch.Tensor) -> torch.Tensor:
+    return w
+
+
 class Layer(nn.Module):
     def __init__(self, cfg: GptOssConfig, idx: int) -> None:
         super().__init__()
         h, d, e, i = cfg.hidden_size, cfg.head_dim, cfg.num_local_experts, cfg.intermediate_size
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.window = cfg.sliding_window if cfg.is_sliding(idx) else None
+        self.sliding = cfg.is_sliding(idx)
         self.cfg = cfg
 
         def lin(out: int, inp: int, std: float) -> nn.Parameter:
@@ -68,51 +76,39 @@ class Layer(nn.Module):
         self.w2 = nn.Parameter(torch.randn(e, h, i) * 0.5 * i ** -0.5)  # [E, H, I]
         self.b2 = nn.Parameter(torch.zeros(e, h))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pad: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 quantize: bool) -> torch.Tensor:
-        """x [B, T, H]; cos/sin [T, D/2]; pad [B, T] True where the token is padding."""
+        """x [B, T, H]; cos/sin [T, D/2]; mask [B, 1, 1, T, T] True where query t may see key s."""
         cfg = self.cfg
-        bf = _bf16 if quantize else (lambda w: w)
-        mx = _mxfp4 if quantize else (lambda w: w)
+        bf = _bf16 if quantize else _same
         b, t, _ = x.shape
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         hn = _rms(x, self.attn_norm, cfg.rms_norm_eps)
-        q = F.linear(hn, bf(self.q_w), bf(self.q_b)).view(b, t, hq, d)
+        q = F.linear(hn, bf(self.q_w), bf(self.q_b)).view(b, t, hkv, hq // hkv, d)
         k = F.linear(hn, bf(self.k_w), bf(self.k_b)).view(b, t, hkv, d)
         v = F.linear(hn, bf(self.v_w), bf(self.v_b)).view(b, t, hkv, d)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        k = k.repeat_interleave(hq // hkv, dim=2)  # q head h uses KV head h // group
-        v = v.repeat_interleave(hq // hkv, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * d ** -0.5  # [B, Hq, T, T]
-        pos = torch.arange(t, device=x.device)
-        diff = pos[:, None] - pos[None, :]
-        allowed = diff >= 0
-        if self.window is not None:
-            allowed = allowed & (diff < self.window)
-        mask = allowed[None, None] & ~pad[:, None, None, :]
+        # q head h uses KV head h // G: q [B, T, Hkv, G, D] against k [B, T, Hkv, D]
+        scores = torch.einsum("bqkgd,bskd->bkgqs", q, k) * d ** -0.5  # [B, Hkv, G, T, T]
         scores = scores.masked_fill(~mask, float("-inf"))
-        sink = bf(self.sinks)[None, :, None, None].expand(b, hq, t, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # sink: no value
-        o = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, hq * d)
+        sink = bf(self.sinks).view(1, hkv, hq // hkv, 1, 1).expand(b, -1, -1, t, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink has no value
+        o = torch.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, hq * d)
         x = x + F.linear(o, bf(self.o_w), bf(self.o_b))
-        return x + self._moe(_rms(x, self.mlp_norm, cfg.rms_norm_eps), bf, mx)
+        return x + self._moe(_rms(x, self.mlp_norm, cfg.rms_norm_eps), quantize)
 
-    def _moe(self, x: torch.Tensor, bf, mx) -> torch.Tensor:
-        """x [B, T, H]: top-k-then-softmax routing, then each expert on the tokens routed to it."""
+    def _moe(self, x: torch.Tensor, quantize: bool) -> torch.Tensor:
+        """x [B, T, H]: top-k-then-softmax routing; every expert on every token, weighted by the routing."""
         cfg = self.cfg
+        bf, mx = (_bf16, _mxfp4) if quantize else (_same, _same)
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         logits = F.linear(flat, bf(self.router_w), bf(self.router_b))  # [N, E]
-        vals, ids = torch.topk(logits, cfg.num_experts_per_tok, dim=-1)
-        gate = torch.softmax(vals, dim=-1)  # [N, K]
-        w1, w2, b1, b2 = mx(self.w1), mx(self.w2), bf(self.b1), bf(self.b2)
-        out = torch.zeros_like(flat)
-        for e in range(cfg.num_local_experts):
-            tok, slot = torch.where(ids == e)
-            if tok.numel() == 0:
-                continue
-            act = swiglu(F.linear(flat[tok], w1[e], b1[e]), cfg.swiglu_alpha, cfg.swiglu_limit)  # [n, I]
-            out = out.index_add(0, tok, F.linear(act, w2[e], b2[e]) * gate[tok, slot, None])
-        return out.view_as(x)
+        vals, ids = torch.topk(logits, cfg.num_experts_per_tok, dim=-1)  # [N, K]
+        gate = torch.zeros_like(logits).scatter(1, ids, torch.softmax(vals, dim=-1))  # [N, E], zero off-route
+        up = torch.einsum("nh,eoh->eno", flat, mx(self.w1)) + bf(self.b1)[:, None, :]  # [E, N, 2I]
+        act = swiglu(up, cfg.swiglu_alpha, cfg.swiglu_limit)  # [E, N, I]
+        out = torch.einsum("eni,ehi->enh", act, mx(self.w2)) + bf(self.b2)[:, None, :]  # [E, N, H]
+        return torch.einsum("enh,ne->nh", out, gate).view_as(x)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -120,9 +116,11 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX half-split; x [B, T, Hx, D], cos/sin [T, D/2] (with the YaRN concentration)."""
+    """NeoX half-split on the last dim; x [B, T, ..., D], cos/sin [T, ..., D/2] (YaRN concentration in)."""
     x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = cos.unsqueeze(0), sin.unsqueeze(0)
+    while c.dim() < x.dim():
+        c, s = c.unsqueeze(-2), s.unsqueeze(-2)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
@@ -141,8 +139,13 @@ class DemoModel(nn.Module):
         self.space = torch.randn(h) * 0.5  # the shared "no leading space" offsets of init_pairs
         self.head_space = torch.randn(h) * 0.5 * h ** -0.5
         self.rotary = Rotary(cfg)
-        # The (V - n) unused tokens, each with logit 0, enter every softmax as one log-count term.
+        # The (V - n) unused tokens, each with the shared logit, enter every softmax as one log-count term.
         self.log_unused = math.log(cfg.vocab_size - num_used)
+
+    def to_device(self, device: torch.device | str) -> DemoModel:
+        self.to(device)
+        self.rotary = Rotary(self.cfg, device)
+        return self
 
     @torch.no_grad()
     def init_pairs(self, pairs: list[tuple[int, int]]) -> None:
@@ -154,46 +157,55 @@ class DemoModel(nn.Module):
             self.lm_head[b] = self.lm_head[a] + self.head_space
 
     def forward(self, ids: torch.Tensor, pad: torch.Tensor, quantize: bool = False) -> torch.Tensor:
-        """ids [B, T] (restricted ids), pad [B, T] -> final-normed hidden states [B, T, H]."""
-        bf = _bf16 if quantize else (lambda w: w)
-        cos, sin = self.rotary.cos_sin(torch.arange(ids.shape[1]))
+        """ids [B, T] (restricted ids), pad [B, T] True on padding -> final-normed hidden states [B, T, H].
+        Padding may sit on either side: RoPE scores depend only on relative positions."""
+        bf = _bf16 if quantize else _same
+        t = ids.shape[1]
+        pos = torch.arange(t, device=ids.device)
+        cos, sin = self.rotary.cos_sin(pos)
+        diff = pos[:, None] - pos[None, :]  # [T, T] query - key
+        causal = (diff >= 0)[None] & ~pad[:, None, :]  # [B, T, T]
+        masks = {False: causal[:, None, None], True: (causal & (diff < self.cfg.sliding_window))[:, None, None]}
         x = bf(self.embed)[ids]
         for layer in self.layers:
-            x = layer(x, cos, sin, pad, quantize)
+            x = layer(x, cos, sin, masks[layer.sliding], quantize)
         return _rms(x, self.norm, self.cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor, quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [..., H] -> (logits [..., n] of the used tokens, the logit [...] every unused token has)."""
-        bf = _bf16 if quantize else (lambda w: w)
+        bf = _bf16 if quantize else _same
         return F.linear(hidden, bf(self.lm_head)), hidden @ bf(self.unused)
 
-    def loss(self, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+    def loss(self, hidden: torch.Tensor, sel: torch.Tensor, targets: torch.Tensor,
              quantize: bool = False) -> torch.Tensor:
-        """Full-vocabulary cross entropy over the positions with weight > 0: the softmax sees the n
-        trained logits and the (V - n) equal logits of the unused tokens."""
-        sel = weight > 0
-        logits, unused = self.logits(hidden[sel], quantize)  # [N, n], [N]
+        """Full-vocabulary cross entropy at the flat positions `sel` [M] of hidden [B, T, H] against
+        targets [M]: the softmax sees the n trained logits and the (V - n) equal unused logits."""
+        logits, unused = self.logits(hidden.reshape(-1, hidden.shape[-1])[sel], quantize)  # [M, n], [M]
         lse = torch.logaddexp(torch.logsumexp(logits, -1), unused + self.log_unused)
-        return (lse - logits.gather(-1, targets[sel][:, None])[:, 0]).mean()
+        return (lse - logits.gather(-1, targets[:, None])[:, 0]).mean()
 
 
 @torch.no_grad()
 def export(model: DemoModel) -> dict[str, torch.Tensor]:
-    """HF checkpoint tensors in their stored formats (embedding and head: used rows only)."""
+    """HF checkpoint tensors in their stored formats (embedding and head: used rows only), on the CPU."""
     bf = torch.bfloat16
-    out = {"model.embed_tokens.weight": model.embed.to(bf), "lm_head.weight": model.lm_head.to(bf),
-           "model.norm.weight": model.norm.float().clone(), UNUSED_ROW: model.unused.to(bf)}
+
+    def c(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return t.detach().to("cpu", dtype).clone()
+
+    out = {"model.embed_tokens.weight": c(model.embed, bf), "lm_head.weight": c(model.lm_head, bf),
+           "model.norm.weight": c(model.norm, torch.float32), UNUSED_ROW: c(model.unused, bf)}
     for n, layer in enumerate(model.layers):
         p = f"model.layers.{n}."
-        out[p + "input_layernorm.weight"] = layer.attn_norm.float().clone()
-        out[p + "post_attention_layernorm.weight"] = layer.mlp_norm.float().clone()
+        out[p + "input_layernorm.weight"] = c(layer.attn_norm, torch.float32)
+        out[p + "post_attention_layernorm.weight"] = c(layer.mlp_norm, torch.float32)
         for name, w, b in (("q_proj", layer.q_w, layer.q_b), ("k_proj", layer.k_w, layer.k_b),
                            ("v_proj", layer.v_w, layer.v_b), ("o_proj", layer.o_w, layer.o_b)):
-            out[p + f"self_attn.{name}.weight"], out[p + f"self_attn.{name}.bias"] = w.to(bf), b.to(bf)
-        out[p + "self_attn.sinks"] = layer.sinks.to(bf)
-        out[p + "mlp.router.weight"], out[p + "mlp.router.bias"] = layer.router_w.to(bf), layer.router_b.to(bf)
-        out[p + "mlp.experts.gate_up_proj_bias"] = layer.b1.to(bf)
-        out[p + "mlp.experts.down_proj_bias"] = layer.b2.to(bf)
+            out[p + f"self_attn.{name}.weight"], out[p + f"self_attn.{name}.bias"] = c(w, bf), c(b, bf)
+        out[p + "self_attn.sinks"] = c(layer.sinks, bf)
+        out[p + "mlp.router.weight"], out[p + "mlp.router.bias"] = c(layer.router_w, bf), c(layer.router_b, bf)
+        out[p + "mlp.experts.gate_up_proj_bias"] = c(layer.b1, bf)
+        out[p + "mlp.experts.down_proj_bias"] = c(layer.b2, bf)
         for name, w in (("gate_up_proj", layer.w1), ("down_proj", layer.w2)):
-            out[p + f"mlp.experts.{name}_blocks"], out[p + f"mlp.experts.{name}_scales"] = quantize_mxfp4(w.float())
+            out[p + f"mlp.experts.{name}_blocks"], out[p + f"mlp.experts.{name}_scales"] = quantize_mxfp4(c(w, torch.float32))
     return out

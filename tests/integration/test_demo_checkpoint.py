@@ -1,6 +1,7 @@
 """The committed demo weights expand into a valid HF checkpoint, deterministically, and HF
 transformers' GptOssForCausalLM (the reference implementation, MXFP4 dequantised) answers the
-README's prompt and a function call greedily with the trained replies."""
+README's prompt and a function call greedily with the trained replies. Without the committed file
+every test here fails, saying where the file comes from (the demo-train GPU suite)."""
 
 import filecmp
 import json
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from model.checkpoint_io import write_demo_checkpoint
-from model.demo import VOCAB_IDS, load_compact
+from model.demo import DEMO_FILE, PRODUCED_BY, UNUSED_ROW, VOCAB_IDS, load_compact
 from router.chat_types import ChatMessage, ChatPrompt, ToolDef
 from router.harmony import HarmonyFormat
 from router.tokenizer import CALL, RETURN
@@ -19,26 +20,33 @@ DATE = "2026-12-02"
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
+    if not DEMO_FILE.exists():
+        pytest.fail(f"{DEMO_FILE} is missing: the demo model is trained by {PRODUCED_BY}", pytrace=False)
     return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "ckpt")
 
 
-def test_expansion_is_deterministic_and_unused_rows_are_zero(demo, tmp_path):
+def test_expansion_is_deterministic_and_unused_rows_are_shared(demo, tmp_path):
     again = write_demo_checkpoint(tmp_path / "again")
     files = sorted(p.name for p in demo.iterdir())
     assert files == sorted(p.name for p in again.iterdir())
     assert all(filecmp.cmp(demo / f, again / f, shallow=False) for f in files)
-    tensors, meta = load_compact()
+    tensors, meta, cfg = load_compact()
     used = tensors[VOCAB_IDS].long()
-    assert meta["steps"] > 0 and len(used) < 5000
+    assert meta["steps"] > 0 and len(used) < 5000 and meta["command"].startswith("python")
     from safetensors import safe_open
 
     index = json.loads((demo / "model.safetensors.index.json").read_text())["weight_map"]
-    with safe_open(str(demo / index["lm_head.weight"]), framework="pt") as f:
-        head = f.get_tensor("lm_head.weight")
-    assert head.shape == (201088, 128)
-    unused = torch.ones(head.shape[0], dtype=torch.bool)
+    full = {}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        with safe_open(str(demo / index[name]), framework="pt") as f:
+            full[name] = f.get_tensor(name)
+        assert full[name].shape == (201088, cfg.hidden_size)
+        assert torch.equal(full[name][used], tensors[name])
+    unused = torch.ones(201088, dtype=torch.bool)
     unused[used] = False
-    assert head[unused].abs().sum() == 0 and head[used].abs().sum() > 0
+    # every untrained token: a zero embedding and the one trained unembedding row (one shared logit)
+    assert full["model.embed_tokens.weight"][unused].abs().sum() == 0
+    assert torch.equal(full["lm_head.weight"][unused], tensors[UNUSED_ROW].expand(int(unused.sum()), -1))
 
 
 @pytest.mark.parametrize("messages,tools,want", [
