@@ -51,6 +51,8 @@ class EngineCore:
             self.scheduler.on_launch(items, self.num_steps)
         if prev is not None:
             done += self._collect(prev)
+        if handle is not None and handle.deferred is not None:  # grammar rows: masks need prev's tokens
+            self.runner.finish_sample(handle)
         self.inflight = handle
         if handle is not None and not self.overlap:
             done += self._collect(handle)

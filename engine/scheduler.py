@@ -245,6 +245,8 @@ class Scheduler:
                 continue  # the surplus token of the overlapped loop
             seq.num_pending -= 1
             seq.output_ids.append(tok)
+            if seq.grammar is not None:
+                seq.grammar.advance(tok)
             if lp is not None:
                 seq.logprobs.append(lp)
             reason = self.stop_reason(seq, tok)
@@ -257,6 +259,8 @@ class Scheduler:
         p = seq.params
         n = len(seq.output_ids)
         if n >= p.min_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)):
+            return FinishReason.STOP
+        if seq.grammar is not None and seq.grammar.completed:  # the constrained answer ended (<|end|> too)
             return FinishReason.STOP
         if n >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
             return FinishReason.LENGTH
