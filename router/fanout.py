@@ -1,0 +1,61 @@
+"""n > 1: one request, n choices, each its own job through the orchestrator, merged into one stream
+of (choice index, item).
+
+Choice 0 starts alone; the other n - 1 start when choice 0 yields its first item: by then its prompt
+has been prefilled, so the prefill worker holds the prompt's KV in its prefix cache and the router's
+prefix index predicts it there (router/prefix_index.py), and the later choices compute only the
+prompt's last partial block (at most page_size - 1 tokens; a hit covers complete blocks and needs one
+uncached token to sample from). Measured on the CPU stack (benchmarks/results/2026-12-02/
+cpu-grammar-1/README.md) through usage.tandem.computed_tokens. What is not shared: each choice
+has its own decode pages (the prompt's KV is shipped once per choice), and on a colocated worker a
+running sequence's blocks enter the cache only when it finishes, so there the later choices
+recompute the prompt (a worker-side fork sharing the pages is the follow-up).
+
+Cancellation: closing the merged generator (client gone, timeout, drain) cancels every choice's
+pump; each pump's generator then runs its own `finally` (Abort to the workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+T = TypeVar("T")
+_DONE = object()
+
+
+async def fan_out(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of every generator as (index, item), in arrival order; the first error ends it all."""
+    q: asyncio.Queue = asyncio.Queue()  # bounded by the choices' max_tokens
+
+    async def pump(i: int, g: AsyncIterator[T]) -> None:
+        try:
+            async for x in g:
+                q.put_nowait((i, x, None))
+            q.put_nowait((i, _DONE, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            q.put_nowait((i, _DONE, e))
+        finally:
+            await g.aclose()  # type: ignore[attr-defined]
+
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(pump(0, gens[0]))]
+    remaining = len(gens)
+    try:
+        while remaining:
+            i, x, err = await q.get()
+            if err is not None:
+                raise err
+            if i == 0 and len(tasks) == 1 and len(gens) > 1:  # choice 0's prompt is computed: start the rest
+                tasks += [loop.create_task(pump(j, g)) for j, g in enumerate(gens[1:], start=1)]
+            if x is _DONE:
+                remaining -= 1
+                continue
+            yield i, x
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
