@@ -158,8 +158,10 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
     h = h ^ (h >> 13)
     h = (h * 0xC2B2AE35) & _MASK32
     h = h ^ (h >> 16)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
-    return -torch.log(u)
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1], 24 bits
+    # The top value rounds to u = 1.0 in fp32, so q = 0: a token with p = 0 (masked by a grammar,
+    # filtered by top-k/top-p) would then score 0/0 = NaN, which argmax picks. A floor keeps q > 0.
+    return (-torch.log(u)).clamp_min(1e-30)
 
 
 class Sampler:
