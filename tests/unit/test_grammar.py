@@ -108,20 +108,20 @@ def test_wire_round_trip_of_grammars():
     assert decode(encode(msg)) == msg
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_engine_constrained_answers_parse_and_validate(ckpt_factory, enc, overlap):
-    """The tiny random model, constrained: the final channel is reached deterministically by a prompt
-    that ends with its header; a free row shares the batch."""
+def test_engine_constrained_answers_parse_and_validate(ckpt_factory, enc):
+    """The tiny random model, constrained, in the overlapped loop (deferred sampling; the synchronous
+    loop samples inline, the simpler case): the final channel is reached deterministically by a
+    prompt that ends with its header; a free row shares the batch."""
     from engine.build import EngineConfig
     from engine.llm import LLM
 
-    llm = LLM(EngineConfig(checkpoint=ckpt_factory("tiny"), kv_cache_bytes=32 << 20, async_decode=overlap))
+    llm = LLM(EngineConfig(checkpoint=ckpt_factory("tiny"), kv_cache_bytes=32 << 20, async_decode=True))
     final = ids(enc, "<|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>final<|message|>")
     g = (JsonGrammar("final", schema_json(SCHEMA)),)
     stop = (RETURN, CALL)
-    params = [SamplingParams(max_tokens=40, temperature=0, stop_token_ids=stop, grammars=g),
-              SamplingParams(max_tokens=40, temperature=1.0, seed=5, stop_token_ids=stop, grammars=g),
-              SamplingParams(max_tokens=12, temperature=1.0, seed=5, stop_token_ids=stop)]
+    params = [SamplingParams(max_tokens=24, temperature=0, stop_token_ids=stop, grammars=g),
+              SamplingParams(max_tokens=24, temperature=1.0, seed=5, stop_token_ids=stop, grammars=g),
+              SamplingParams(max_tokens=8, temperature=1.0, seed=5, stop_token_ids=stop)]
     outs = llm.generate([final, final, final], params)
     for o in outs[:2]:
         assert o.finish_reason.value == "stop" and o.output_ids[-1] in (RETURN, END)

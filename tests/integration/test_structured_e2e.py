@@ -1,0 +1,89 @@
+"""End to end through the served stack (router + prefill + decode as processes, KV over NIXL/UCX
+loopback) with the unmodified `openai` client: structured outputs, n > 1, penalties and logit bias.
+
+Honest scope: the model is the tiny random checkpoint, which never chooses Harmony's final channel
+by itself, so the strict json_schema test sends a completions prompt that ends with
+`<|start|>assistant<|channel|>final<|message|>`: the grammar then acts from the first token, which
+the *prefill* worker samples (its mask included), and the rest on the decode worker. Chat and
+Responses requests with a response_format are checked for acceptance and shape only (their answer is
+free text until a model enters the final channel)."""
+
+import json
+
+import jsonschema
+import pytest
+from openai import OpenAI
+
+from router.tokenizer import load_encoding
+from tests.support.service import start_service
+
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                           "temp_c": {"type": "integer", "minimum": -50, "maximum": 50},
+                                           "sunny": {"type": "boolean"}},
+          "required": ["city", "temp_c", "sunny"], "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+MSGS = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(ckpt_factory):
+    svc = start_service(ckpt_factory("tiny"))
+    yield OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    svc.assert_no_leaks()
+    svc.stop()
+
+
+def test_strict_json_schema_answer_parses_and_validates(client):
+    enc = load_encoding()
+    prompt = enc.encode("<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant<|channel|>final"
+                        "<|message|>", allowed_special="all")
+    for seed in (1, 2):
+        r = client.completions.create(model="m", prompt=prompt, max_tokens=40, temperature=1.0, seed=seed,
+                                      extra_body={"response_format": FORMAT, "stop_token_ids": [200002, 200012],
+                                                  "return_token_ids": True})
+        ids = r.choices[0].model_extra["token_ids"]
+        assert r.choices[0].finish_reason == "stop" and ids[-1] in (200002, 200007)
+        jsonschema.validate(json.loads(enc.decode(ids[:-1])), SCHEMA)
+
+
+def test_n_2_gives_two_choices(client):
+    r = client.chat.completions.create(model="m", messages=MSGS, max_tokens=6, n=2, seed=7)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert 2 <= r.usage.completion_tokens <= 12
+    chunks = list(client.chat.completions.create(model="m", messages=MSGS, max_tokens=4, n=2, stream=True))
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1]
+    c = client.completions.create(model="m", prompt="Hello", max_tokens=4, n=3, seed=3, temperature=1.0)
+    assert [x.index for x in c.choices] == [0, 1, 2] and len({x.text for x in c.choices}) > 1
+
+
+def test_penalties_and_logit_bias_are_applied(client):
+    r = client.chat.completions.create(model="m", messages=MSGS, max_tokens=4, presence_penalty=1.5,
+                                       frequency_penalty=-0.5, logit_bias={"1000": 5})
+    assert r.choices[0].finish_reason in ("length", "stop")
+    forced = client.completions.create(model="m", prompt="Hello", max_tokens=3, temperature=0,
+                                       logit_bias={"4217": 100}, extra_body={"return_token_ids": True})
+    assert forced.choices[0].model_extra["token_ids"] == [4217] * 3
+    # frequency_penalty 2 on top of that bias still leaves 4217 first, then penalised each time it repeats
+    r = client.completions.create(model="m", prompt="Hello", max_tokens=3, temperature=0, frequency_penalty=2.0,
+                                  logit_bias={"4217": 100}, extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"][0] == 4217
+
+
+def test_chat_and_responses_accept_structured_formats(client):
+    r = client.chat.completions.create(model="m", messages=MSGS, max_tokens=4, response_format=FORMAT)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    r = client.chat.completions.create(model="m", messages=MSGS, max_tokens=4, response_format={"type": "json_object"},
+                                       tools=[{"type": "function", "function": {
+                                           "name": "get_weather", "strict": True,
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"], "additionalProperties": False}}}])
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    resp = client.responses.create(model="m", input="Weather in Paris?", max_output_tokens=4,
+                                   text={"format": {"type": "json_schema", "name": "weather", "schema": SCHEMA,
+                                                    "strict": True}})
+    assert resp.text.format.type == "json_schema" and resp.status in ("completed", "incomplete")
+    events = [e.type for e in client.responses.create(model="m", input="hi", max_output_tokens=3, stream=True,
+                                                      text={"format": {"type": "json_object"}})]
+    assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
