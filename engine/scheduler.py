@@ -260,7 +260,7 @@ class Scheduler:
         n = len(seq.output_ids)
         if n >= p.min_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)):
             return FinishReason.STOP
-        if seq.grammar is not None and seq.grammar.completed:  # the constrained answer ended (<|end|> too)
+        if seq.grammar is not None and seq.grammar.completed and not p.ignore_eos:  # the constrained answer ended
             return FinishReason.STOP
         if n >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
             return FinishReason.LENGTH
