@@ -256,6 +256,8 @@ class DecodeEngine:
             return [(self.peers.pop(seq.request_id), TokenChunk(seq.request_id, [], [], [], True, reason.value, ""))]
         self.seqs[seq.request_id] = seq
         self.scheduler.add_running(seq)
+        if seq.params.share_prompt:  # n > 1: the other choices find the landed prompt in this worker's cache
+            self.scheduler.share_prompt(seq)
         return []
 
     def step(self) -> list[tuple[bytes, TokenBatch]]:

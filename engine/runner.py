@@ -69,6 +69,7 @@ class ModelRunner:
         self.cuda = self.device.type == "cuda"
         self.graphs = None  # decode_worker.runner.CudaGraphDecoder, set by the decode worker on GPU
         self.supports_overlap = True
+        self.supports_page_copies = True  # model/prefix_share.py (a TP group's runner has no such copy)
         self.share_inputs: Callable[[torch.Tensor], None] | None = None  # TP rank 0: ids to the followers
         self._inputs_done: torch.cuda.Event | None = None
         self._pinned: list[tuple[torch.Tensor, ...]] = []  # two sets, alternating by step parity
@@ -228,6 +229,10 @@ class ModelRunner:
         if len(rows) != len(steps):  # mid-prompt chunks sample nothing (a device index: no pageable copy)
             last = last[_dev(torch.tensor(rows, dtype=torch.long), self.device)]
         return self.model.compute_logits(hidden[last])  # [B', V]
+
+    def copy_sliding_pages(self, src: list[int], dst: list[int]) -> None:
+        """Queue sliding-group page copies (a shared prompt's ring blocks into the cache's pages)."""
+        self.pool.copy_pages(PageGroup.SLIDING, src, dst)
 
     def _copy_ring_hits(self, steps: list[SeqStep]) -> None:
         """Prefix hits: cached sliding blocks into their ring slots, before this step reads them

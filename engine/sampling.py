@@ -52,6 +52,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit)
     grammars: tuple[JsonGrammar, ...] = ()  # structured outputs (common/grammar.py)
+    share_prompt: bool = False  # the prompt's KV enters the prefix cache once computed (model/prefix_share.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -92,7 +93,8 @@ def to_params(s: SamplingSpec) -> SamplingParams:
                           logprobs=s.logprobs, min_tokens=s.min_tokens, presence_penalty=s.presence_penalty,
                           frequency_penalty=s.frequency_penalty,
                           logit_bias=tuple((b.token_id, b.bias) for b in s.logit_bias),
-                          grammars=tuple(JsonGrammar(g.target, g.schema) for g in s.grammars))
+                          grammars=tuple(JsonGrammar(g.target, g.schema) for g in s.grammars),
+                          share_prompt=s.share_prompt)
 
 
 @dataclass(slots=True)

@@ -1,15 +1,16 @@
 """n > 1: one request, n choices, each its own job through the orchestrator, merged into one stream
 of (choice index, item).
 
-Choice 0 starts alone; the other n - 1 start when choice 0 yields its first item: by then its prompt
-has been prefilled, so the prefill worker holds the prompt's KV in its prefix cache and the router's
-prefix index predicts it there (router/prefix_index.py), and the later choices compute only the
-prompt's last partial block (at most page_size - 1 tokens; a hit covers complete blocks and needs one
-uncached token to sample from). Measured on the CPU stack (benchmarks/results/2026-12-02/
-cpu-grammar-1/README.md) through usage.tandem.computed_tokens. What is not shared: each choice
-has its own decode pages (the prompt's KV is shipped once per choice), and on a colocated worker a
-running sequence's blocks enter the cache only when it finishes, so there the later choices
-recompute the prompt (a worker-side fork sharing the pages is the follow-up).
+Choice 0 starts alone, flagged `share_prompt`; the other n - 1 start when choice 0 yields its
+first token. By then its prompt's KV exists and its worker has indexed it in its prefix cache while
+choice 0 keeps decoding (model/prefix_share.py: full blocks shared by reference, the sliding window's
+blocks copied into cache-owned pages), and the router's prefix index predicts it there, so placement
+sends the later choices to that decode worker, which prefills only the prompt's last partial block
+locally (at most page_size - 1 tokens). Measured on the CPU stack with a 203-token prompt and n = 4:
+prompt tokens computed 236 = 203 + 3 x 11, KV shipped once (disaggregated) or never (colocated),
+where n separate requests computed 812 (benchmarks/results/2026-12-02/cpu-grammar-1/README.md).
+A TP worker does not share early (its runner cannot copy pages on every rank): there the later
+choices hit the prefill worker's cache instead and each gets the prompt's KV shipped.
 
 Cancellation: closing the merged generator (client gone, timeout, drain) cancels every choice's
 pump; each pump's generator then runs its own `finally` (Abort to the workers).

@@ -146,9 +146,9 @@ class Handlers:
         """n jobs of one prompt: ids rid-c0.., seeds seed + i, the prompt's block hashes computed once."""
         if n == 1:
             return [Job(rid, ids, spec, priority)]
-        hashes = PromptHashes(ids)
-        return [Job(f"{rid}-c{i}", ids, dataclasses.replace(spec, seed=choice_seed(spec.seed, i)), priority,
-                    hashes=hashes) for i in range(n)]
+        hashes = PromptHashes(ids)  # choice 0 shares its prompt's KV as soon as it is computed (router/fanout.py)
+        return [Job(f"{rid}-c{i}", ids, dataclasses.replace(spec, seed=choice_seed(spec.seed, i), share_prompt=i == 0),
+                    priority, hashes=hashes) for i in range(n)]
 
     async def chat_events(self, job: Job, stops: list[str]) -> AsyncIterator[tuple[Event, ParsedCompletion | None]]:
         """Events as tokens arrive; the last one carries the ParsedCompletion and the finish reason."""

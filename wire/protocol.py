@@ -30,7 +30,7 @@ from common.errors import ProtocolError
 from wire.codec import brief, build, pack, to_wire, unpack
 
 PROTOCOL_VERSION = 4  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache;
-# 4: structured outputs (SamplingSpec.grammars)
+# 4: structured outputs (SamplingSpec.grammars), n > 1 (SamplingSpec.share_prompt)
 MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
 
 
@@ -65,6 +65,7 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     logit_bias: list[LogitBias] = field(default_factory=list)
     grammars: list[GrammarSpec] = field(default_factory=list)  # structured outputs; empty = unconstrained
+    share_prompt: bool = False  # n > 1: index the prompt's KV in the prefix cache once computed (model/prefix_share.py)
 
 
 @dataclass(frozen=True, slots=True)
