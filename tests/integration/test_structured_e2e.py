@@ -58,6 +58,24 @@ def test_n_2_gives_two_choices(client):
     assert [x.index for x in c.choices] == [0, 1, 2] and len({x.text for x in c.choices}) > 1
 
 
+def test_n_shares_the_prompt_and_greedy_choices_agree(client):
+    """Choice 0's prompt (203 tokens: past the sliding window) is prefilled once; the other choices
+    take its blocks from the decode worker's cache and prefill only the last 11 tokens there."""
+    prompt = list(range(3000, 3203))
+    one = client.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    prompt = list(range(4000, 4203))
+    ref = client.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    many = client.completions.create(model="m", prompt=list(range(4000, 4203)), max_tokens=24, temperature=0, n=3,
+                                     extra_body={"return_token_ids": True})
+    assert one.usage.model_extra["tandem"]["computed_tokens"] == 203
+    ids = [c.model_extra["token_ids"] for c in many.choices]
+    assert ids[0] == ids[1] == ids[2] == ref.choices[0].model_extra["token_ids"]
+    many = client.completions.create(model="m", prompt=list(range(5000, 5203)), max_tokens=24, temperature=0, n=3)
+    assert many.usage.model_extra["tandem"]["computed_tokens"] == 203 + 2 * 11
+
+
 def test_penalties_and_logit_bias_are_applied(client):
     r = client.chat.completions.create(model="m", messages=MSGS, max_tokens=4, presence_penalty=1.5,
                                        frequency_penalty=-0.5, logit_bias={"1000": 5})
