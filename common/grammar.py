@@ -65,6 +65,16 @@ O200K_PATTERN = "|".join([
 _RECIPIENT = re.compile(r"to=(\S+)")
 
 
+def _llguidance():
+    """The grammar library, or a 400 naming response_format where it is not installed."""
+    try:
+        import llguidance
+    except ImportError:
+        raise InvalidRequest("structured outputs are not available on this server (the llguidance package is not "
+                             "installed)", param="response_format") from None
+    return llguidance
+
+
 def special_name(token_id: int) -> str:
     return _NAMED.get(token_id, f"<|reserved_{token_id}|>")
 
@@ -104,8 +114,7 @@ class JsonGrammar:
 def grammar_text(g: JsonGrammar) -> str:
     """The llguidance grammar of a JSON target (compact separators: no free whitespace, so even a
     random model cannot wander in spaces)."""
-    import llguidance
-
+    llguidance = _llguidance()
     schema = g.schema or '{"type": "object"}'
     opts = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     try:
@@ -116,8 +125,7 @@ def grammar_text(g: JsonGrammar) -> str:
 
 def check_schema(schema: str, param: str) -> None:
     """Router-side validation: the schema compiles (no tokenizer needed). Raises InvalidRequest."""
-    import llguidance
-
+    llguidance = _llguidance()
     if len(schema.encode()) > MAX_SCHEMA_BYTES:
         raise InvalidRequest(f"the JSON schema exceeds {MAX_SCHEMA_BYTES} bytes", param=param)
     try:
@@ -144,8 +152,7 @@ class GrammarCompiler:
     def tokenizer(self):
         with self._lock:
             if self._tok is None:
-                import llguidance
-
+                llguidance = _llguidance()
                 ranks = o200k_ranks()
                 specials = {special_name(i): i for i in range(FIRST_SPECIAL_ID, VOCAB_SIZE)}
                 self._tok = llguidance.LLTokenizer.from_tiktoken(
@@ -163,8 +170,7 @@ class GrammarCompiler:
         return special_name(token_id).encode()
 
     def matcher(self, g: JsonGrammar):
-        import llguidance
-
+        llguidance = _llguidance()
         key = g.schema
         with self._lock:
             text = self._texts.get(key)
@@ -295,10 +301,8 @@ def fill_masks(states: Sequence[GrammarState], out: np.ndarray) -> None:
     row_bytes = out.shape[1] * 4
     live = [(i, s) for i, s in enumerate(states) if not s.matcher.is_stopped()]
     if len(live) >= PARALLEL_MIN_ROWS and (os.cpu_count() or 1) >= PARALLEL_MIN_CPUS:
-        import llguidance
-
         if _EXECUTOR is None:
-            _EXECUTOR = llguidance.LLExecutor()
+            _EXECUTOR = _llguidance().LLExecutor()
         _EXECUTOR.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in live], out.ctypes.data, row_bytes, out.shape[0])
     else:
         for i, s in live:

@@ -44,10 +44,15 @@ def build_parts(a: argparse.Namespace, role: str, group: RankGroup) -> EnginePar
 
         from common.grammar import GRAMMAR_LIBRARY, default_compiler
 
+        from common.errors import InvalidRequest
+
         t0 = time.monotonic()
-        default_compiler().tokenizer  # noqa: B018
-        log.info("structured outputs: %s tokenizer for o200k_harmony built in %.2f s", GRAMMAR_LIBRARY,
-                 time.monotonic() - t0)
+        try:
+            default_compiler().tokenizer  # noqa: B018
+            log.info("structured outputs: %s tokenizer for o200k_harmony built in %.2f s", GRAMMAR_LIBRARY,
+                     time.monotonic() - t0)
+        except InvalidRequest as e:  # the library is missing: requests with a response_format get a 400
+            log.warning("structured outputs unavailable: %s", e.message)
     if cfg.attention_backend != "torch":
         from engine.selftest import self_test_attention
 

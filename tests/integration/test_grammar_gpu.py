@@ -55,7 +55,7 @@ def test_constrained_answers_in_the_overlapped_loop_with_graphs(cuda):
     stop = (RETURN, CALL)
     params = [SamplingParams(max_tokens=32, temperature=t, seed=i, stop_token_ids=stop, grammars=g)
               for i, t in enumerate((0.0, 1.0, 1.0, 0.7))]
-    params.append(SamplingParams(max_tokens=24, temperature=1.0, seed=9, stop_token_ids=stop))
+    params.append(SamplingParams(max_tokens=24, temperature=1.0, seed=9, ignore_eos=True))
     outs = llm.generate([FINAL] * 5, params)
     for o in outs[:4]:
         assert o.finish_reason.value == "stop" and o.output_ids[-1] in (RETURN, END), enc.decode(o.output_ids)

@@ -121,7 +121,7 @@ def test_engine_constrained_answers_parse_and_validate(ckpt_factory, enc):
     stop = (RETURN, CALL)
     params = [SamplingParams(max_tokens=24, temperature=0, stop_token_ids=stop, grammars=g),
               SamplingParams(max_tokens=24, temperature=1.0, seed=5, stop_token_ids=stop, grammars=g),
-              SamplingParams(max_tokens=8, temperature=1.0, seed=5, stop_token_ids=stop)]
+              SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)]
     outs = llm.generate([final, final, final], params)
     for o in outs[:2]:
         assert o.finish_reason.value == "stop" and o.output_ids[-1] in (RETURN, END)
