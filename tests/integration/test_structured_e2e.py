@@ -8,8 +8,10 @@ the *prefill* worker samples (its mask included), and the rest on the decode wor
 Responses requests with a response_format are checked for acceptance and shape only (their answer is
 free text until a model enters the final channel)."""
 
+import asyncio
 import json
 
+import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
@@ -26,11 +28,16 @@ MSGS = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client(ckpt_factory):
-    svc = start_service(ckpt_factory("tiny"))
-    yield OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    svc.assert_no_leaks()
-    svc.stop()
+def svc(ckpt_factory):
+    s = start_service(ckpt_factory("tiny"))
+    yield s
+    s.assert_no_leaks()
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(svc):
+    return OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_strict_json_schema_answer_parses_and_validates(client):
@@ -105,3 +112,32 @@ def test_chat_and_responses_accept_structured_formats(client):
     events = [e.type for e in client.responses.create(model="m", input="hi", max_output_tokens=3, stream=True,
                                                       text={"format": {"type": "json_object"}})]
     assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
+
+
+def test_clients_that_leave_responses_and_n_requests_free_everything(svc):
+    """/v1/responses runs in the same lifecycle scope as chat: a client that goes away (non-streaming
+    or mid-stream) ends its generation on the workers; so does one that leaves an n = 3 request."""
+    long = {"model": "m", "input": "go on", "max_output_tokens": 4000}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=svc.url, timeout=120) as c:
+            async def leave(path: str, body: dict):
+                try:
+                    await c.post(path, json=body, timeout=1.5)
+                except httpx.TimeoutException:
+                    pass
+
+            async def leave_stream(path: str, body: dict):
+                async with c.stream("POST", path, json={**body, "stream": True}) as r:
+                    async for line in r.aiter_lines():
+                        if "delta" in line:
+                            break  # the client goes away mid-stream
+
+            await asyncio.gather(leave("/v1/responses", long), leave_stream("/v1/responses", long),
+                                 leave("/v1/chat/completions", {"model": "m", "messages": MSGS, "max_tokens": 4000,
+                                                                "n": 3}),
+                                 leave_stream("/v1/chat/completions", {"model": "m", "messages": MSGS,
+                                                                       "max_tokens": 4000, "n": 2}))
+
+    asyncio.run(main())
+    svc.assert_no_leaks(timeout_s=5.0)
