@@ -1,8 +1,8 @@
-# from the repository root: the same load twice on a freshly launched colocated CPU stack (tiny
-# model), without and with a json_schema response_format on every request
+# from the repository root: the same load three times on a freshly launched colocated CPU stack (tiny
+# random model): without, with, and again without a json_schema response_format on every request
 set -e
 D=benchmarks/results/2026-12-02/cpu-grammar-1
-for mode in free json; do
+for mode in free json free2; do
   extra=""; [ "$mode" = json ] && extra="--json-schema"
   .venv/bin/python -m launcher.cli bench serve --launch colocated --api completions \
     --num-requests 24 --max-concurrency 8 --input-len 32 --output-len 48 --seed 28 \
