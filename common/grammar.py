@@ -241,8 +241,12 @@ class GrammarState:
         self.failed = ""  # the matcher refused a token (never with the mask applied): unconstrained from then on
         self.completed = False  # a constrained final message ended: the answer is complete
         self.target = ""
-        start = max((i for i, t in enumerate(prompt_ids) if t == START), default=len(prompt_ids))
-        for t in prompt_ids[start:]:
+        ids = list(prompt_ids)
+        try:  # the tracker starts at the prompt's last <|start|> (a C-speed search: prompts may be 128k long)
+            start = len(ids) - 1 - ids[::-1].index(START)
+        except ValueError:
+            start = len(ids)
+        for t in ids[start:]:
             self.advance(t)
 
     @property
@@ -264,7 +268,7 @@ class GrammarState:
                 self.target = target
             return
         if not m.consume_token(tok):
-            self.failed = m.get_error() or f"token {tok} refused"
+            self.failed = (m.get_error() or f"token {tok} refused").splitlines()[0][:300]
             log.warning("grammar refused token %d: %s; the rest of this sequence is unconstrained", tok, self.failed)
             self.matcher = None
         elif tok in self.ends:
