@@ -1,8 +1,11 @@
 """n > 1: one request, n choices, each its own job through the orchestrator, merged into one stream
 of (choice index, item).
 
-Choice 0 starts alone, flagged `share_prompt`; the other n - 1 start when choice 0 yields its
-first token. By then its prompt's KV exists and its worker has indexed it in its prefix cache while
+Choice 0 starts alone, flagged `share_prompt`; the other n - 1 start when choice 0 has yielded its
+second chunk (or ended): that chunk comes from the decode worker's own step, so by then its prompt's
+KV exists there (computed there, or landed from the prefill worker: the first token, which the
+prefill worker samples, can reach the router before the decode worker has seen its KV land) and it
+has indexed it in its prefix cache while
 choice 0 keeps decoding (model/prefix_share.py: full blocks shared by reference, the sliding window's
 blocks copied into cache-owned pages), and the router's prefix index predicts it there, so placement
 sends the later choices to that decode worker, which prefills only the prompt's last partial block
@@ -24,6 +27,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 _DONE = object()
+START_AFTER = 2  # choice 0's items before the others start (module doc)
 
 
 async def fan_out(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -44,13 +48,14 @@ async def fan_out(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
 
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(pump(0, gens[0]))]
-    remaining = len(gens)
+    remaining, seen0 = len(gens), 0
     try:
         while remaining:
             i, x, err = await q.get()
             if err is not None:
                 raise err
-            if i == 0 and len(tasks) == 1 and len(gens) > 1:  # choice 0's prompt is computed: start the rest
+            seen0 += i == 0
+            if len(tasks) == 1 < len(gens) and (seen0 >= START_AFTER or x is _DONE):  # choice 0's prompt is shared
                 tasks += [loop.create_task(pump(j, g)) for j, g in enumerate(gens[1:], start=1)]
             if x is _DONE:
                 remaining -= 1
