@@ -33,9 +33,10 @@ def cuda():
 def test_cuda_sampler_masks_only_the_constrained_rows(cuda):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, VOCAB_SIZE, generator=g).to(cuda)  # [R, V]
-    st = GrammarState(default_compiler(), [JsonGrammar("final", schema_json(SCHEMA))], FINAL)
-    bits = np.empty((32, (VOCAB_SIZE + 31) // 32), dtype=np.int32)  # [Rc, W]
-    fill_masks([st] * 32, bits)
+    states = [GrammarState(default_compiler(), [JsonGrammar("final", schema_json(SCHEMA))], FINAL) for _ in range(32)]
+    bits = np.empty((32, (VOCAB_SIZE + 31) // 32), dtype=np.int32)  # [Rc, W]; 32 rows: llguidance's pool on a big host
+    fill_masks(states, bits)
+    assert all((bits[i] == bits[0]).all() for i in range(32))
     allowed = set(np.flatnonzero(np.unpackbits(bits[0].view(np.uint8), bitorder="little")[:VOCAB_SIZE]).tolist())
     rows = [SampleRow(f"r{i}", SamplingParams(temperature=0.0 if i % 3 == 0 else 1.0), 100 + i, 9, 0) for i in range(64)]
     masks = GrammarMasks(torch.arange(0, 64, 2, device=cuda), torch.from_numpy(bits).to(cuda))

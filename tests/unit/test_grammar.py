@@ -127,3 +127,21 @@ def test_engine_constrained_answers_parse_and_validate(ckpt_factory, enc):
         assert o.finish_reason.value == "stop" and o.output_ids[-1] in (RETURN, END)
         jsonschema.validate(json.loads(enc.decode(o.output_ids[:-1])), SCHEMA)
     assert outs[2].finish_reason.value == "length"  # the free row is not constrained
+
+
+def test_parallel_masks_equal_one_thread(enc, monkeypatch):
+    """Many rows on a many-core host go through llguidance's thread pool (the H200 host at batch 64)."""
+    import common.grammar as grammar
+
+    prompt = ids(enc, "<|start|>assistant<|channel|>final<|message|>")
+    answer = ids(enc, '{"answer": "no", "n": 7, "ok": true}')
+    states = [GrammarState(default_compiler(), [JsonGrammar("final", schema_json(SCHEMA))], prompt) for _ in range(17)]
+    for k, st in enumerate(states):  # each row at its own place in the JSON, the last one complete
+        for t in answer[:k if k < 16 else len(answer)]:
+            st.advance(t)
+    one = np.empty((17, W), dtype=np.int32)
+    fill_masks(states, one)
+    monkeypatch.setattr(grammar, "PARALLEL_MIN_CPUS", 1)
+    pooled = np.empty((17, W), dtype=np.int32)
+    fill_masks(states, pooled)
+    assert (one == pooled).all()
