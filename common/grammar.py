@@ -12,7 +12,7 @@ Where a grammar acts (`HarmonyTracker`): tokens are free until a Harmony header 
 `<|message|>` whose target has a grammar: "final" (channel final, no recipient: response_format),
 or "functions.NAME" (a strict function tool's arguments). Inside that message the mask allows what
 the JSON grammar allows, and once the JSON is complete only the message's end tokens
-(`<|return|>`/`<|end|>` for final, `<|call|>`/`<|end|>` for a tool call). A final message that
+(`<|return|>`/`<|end|>` for final, `<|call|>` for a tool call). A final message that
 ended is the complete answer: `completed` is set and the engine stops the sequence there (after
 `<|end|>` a model would go on to write outside any message). After a tool call's end token the
 tracker watches headers again. The tracker starts from the prompt's last `<|start|>`, so a prompt
@@ -52,7 +52,7 @@ FIRST_SPECIAL_ID = 199998
 RETURN, CONSTRAIN, CHANNEL, START, END, MESSAGE, CALL = 200002, 200003, 200005, 200006, 200007, 200008, 200012
 _NAMED = {199998: "<|startoftext|>", 199999: "<|endoftext|>", RETURN: "<|return|>", CONSTRAIN: "<|constrain|>",
           CHANNEL: "<|channel|>", START: "<|start|>", END: "<|end|>", MESSAGE: "<|message|>", CALL: "<|call|>"}
-END_TOKENS = {"final": (RETURN, END), "tool": (CALL, END)}
+END_TOKENS = {"final": (RETURN, END), "tool": (CALL,)}  # a tool call ends with <|call|> (a stop token) only
 MAX_HEADER_TOKENS = 64
 MAX_SCHEMA_BYTES = 64 << 10
 VOCAB_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"

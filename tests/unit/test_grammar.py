@@ -75,8 +75,7 @@ def test_strict_tool_arguments_end_with_call(enc):
     assert st.active
     for t in ids(enc, '{"city": "Paris"}'):
         st.advance(t)
-    ends = allowed(st) & {RETURN, END, CALL}
-    assert ends == {CALL, END} and not st.failed
+    assert allowed(st) == {CALL} and not st.failed
     st.advance(CALL)
     assert not st.active and not st.completed  # a tool call is not the answer
 
@@ -119,14 +118,22 @@ def test_engine_constrained_answers_parse_and_validate(ckpt_factory, enc):
     final = ids(enc, "<|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>final<|message|>")
     g = (JsonGrammar("final", schema_json(SCHEMA)),)
     stop = (RETURN, CALL)
+    tool_schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+                   "additionalProperties": False}
+    tool = (JsonGrammar("functions.get_weather", schema_json(tool_schema)),)
+    call = ids(enc, "<|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>commentary "
+                    "to=functions.get_weather <|constrain|>json<|message|>")
     params = [SamplingParams(max_tokens=24, temperature=0, stop_token_ids=stop, grammars=g),
               SamplingParams(max_tokens=24, temperature=1.0, seed=5, stop_token_ids=stop, grammars=g),
-              SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)]
-    outs = llm.generate([final, final, final], params)
+              SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=1.0, seed=6, stop_token_ids=stop, grammars=g + tool)]
+    outs = llm.generate([final, final, final, call], params)
     for o in outs[:2]:
         assert o.finish_reason.value == "stop" and o.output_ids[-1] in (RETURN, END)
         jsonschema.validate(json.loads(enc.decode(o.output_ids[:-1])), SCHEMA)
     assert outs[2].finish_reason.value == "length"  # the free row is not constrained
+    assert outs[3].output_ids[-1] == CALL  # a strict tool's arguments, then the call's end
+    jsonschema.validate(json.loads(enc.decode(outs[3].output_ids[:-1])), tool_schema)
 
 
 def test_parallel_masks_equal_one_thread(enc, monkeypatch):
