@@ -78,6 +78,7 @@ class LoadSpec:
     seed: int = 0
     extras: bool = True  # send ignore_eos + return_token_ids (vLLM-style extensions)
     token_id_range: tuple[int, int] = (1000, 100_000)  # ordinary text tokens, no specials
+    json_schema: bool = False  # structured outputs: response_format json_schema (GRAMMAR_SCHEMA), see request_body
     request_timeout_s: float = 120.0  # whole request, first byte to [DONE]
     connect_timeout_s: float = 10.0
 
@@ -155,15 +156,40 @@ def plan_requests(spec: LoadSpec) -> list[PlannedRequest]:
                            int(out_lens[i])) for i in range(spec.num_requests)]
 
 
+# --json-schema: 16 required free-string fields. A JSON answer ends only after 16 closing quotes, and
+# a token that closes a string is rare among the allowed ones, so the grammar stays active for
+# hundreds of tokens: every measured output token pays the mask (host) and its application (device).
+GRAMMAR_SCHEMA = {"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(16)},
+                  "required": [f"f{i}" for i in range(16)], "additionalProperties": False}
+# `<|start|>assistant<|channel|>final<|message|>` in o200k_harmony: the grammar acts inside the final
+# channel only, and a random-weight model never opens it by itself.
+FINAL_HEADER = (200006, 173781, 200005, 17196, 200008)
+END_IDS = (200002, 200007)
+
+
 def request_body(spec: LoadSpec, p: PlannedRequest) -> tuple[str, dict]:
     body: dict = {"model": spec.model, "max_tokens": p.max_tokens, "temperature": 0.0, "stream": True,
                   "stream_options": {"include_usage": True}}
     if spec.extras:
         body.update(ignore_eos=True, return_token_ids=True)
+    if spec.json_schema:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": GRAMMAR_SCHEMA,
+                                                                          "strict": True}}
     if spec.api == "chat":
         text = " ".join(WORDS[i] for i in p.prompt_ids)
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
-    return "/v1/completions", {**body, "prompt": list(p.prompt_ids)}
+    prompt = list(p.prompt_ids) + (list(FINAL_HEADER) if spec.json_schema else [])
+    return "/v1/completions", {**body, "prompt": prompt}
+
+
+def constrained_fraction(results: list[RequestResult]) -> float | None:
+    """Share of the returned output tokens generated before the first end token (inside the grammar)."""
+    total = sum(len(r.token_ids) for r in results if r.ok)
+    if not total:
+        return None
+    inside = sum(next((i for i, t in enumerate(r.token_ids) if t in END_IDS), len(r.token_ids))
+                 for r in results if r.ok)
+    return inside / total
 
 
 class SSEParser:

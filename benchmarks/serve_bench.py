@@ -44,7 +44,7 @@ import httpx
 import numpy as np
 
 from benchmarks import multi_turn
-from benchmarks.loadgen import LengthRange, LoadSpec, RequestResult, plan_requests, run_load
+from benchmarks.loadgen import LengthRange, LoadSpec, RequestResult, constrained_fraction, plan_requests, run_load
 from benchmarks.serve_checks import queue_waits, replay_greedy, settled_status
 from common.errors import ConfigError, WorkerUnavailable
 from launcher.cmd_serve import free_base_port, free_port
@@ -233,7 +233,8 @@ def _measure(label: str, url: str, a: argparse.Namespace, note: str | None, work
                     num_requests=a.num_requests, request_rate=a.request_rate, burstiness=a.burstiness,
                     max_concurrency=a.max_concurrency, input_len=LengthRange.parse(a.input_len),
                     output_len=LengthRange.parse(a.output_len), seed=a.seed, extras=not a.no_extras,
-                    request_timeout_s=a.request_timeout_s, connect_timeout_s=a.connect_timeout_s)
+                    request_timeout_s=a.request_timeout_s, connect_timeout_s=a.connect_timeout_s,
+                    json_schema=a.json_schema)
     if a.warmup:
         warm = replace(spec, num_requests=a.warmup, request_rate=math.inf, seed=spec.seed + 1)
         bad = [r for r in asyncio.run(run_load(warm, plan_requests(warm))).results if not r.ok]
@@ -246,6 +247,8 @@ def _measure(label: str, url: str, a: argparse.Namespace, note: str | None, work
     run = {"label": label, "url": url, "note": note, "load": load,
            "summary": summarize(out.results, out.duration_s, SLO(a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3))}
     run["summary"]["queue_wait"] = queue_waits(out.results)
+    if a.json_schema:
+        run["summary"]["constrained_fraction"] = constrained_fraction(out.results)
     if workers:
         run["workers_after"] = settled_status(workers)
         run["summary"]["pages_held_after"] = sum(w.get("pages_held", 0) + w.get("sliding_pages_held", 0)
@@ -284,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", default="64", help="N or LO:HI (uniform)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-extras", action="store_true", help="do not send ignore_eos / return_token_ids")
+    p.add_argument("--json-schema", action="store_true",
+                   help="structured outputs: every request carries a json_schema response_format (loadgen."
+                        "GRAMMAR_SCHEMA) and, with --api completions, a prompt ending in the Harmony final "
+                        "header, so each output token is grammar-constrained; compare ITL/TPOT with a run without")
     p.add_argument("--warmup", type=int, default=0, help="requests sent (all at once) before the measured run")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)

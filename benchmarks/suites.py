@@ -312,6 +312,20 @@ SUITES: dict[str, Suite] = {
         carry=(), gpu=False, kind="cpu",
         steps=(step("sweep", "{py} -m training.sweep --out {out} --device cpu --smoke", 400,
                     summary=r"^best|Error|Traceback", gpus=0),)),
+    # issue 28: structured outputs' cost per token, one H200, 20b random weights, batch 64 (colocated: one decode
+    # worker; the grammar work is the sampling rank's). The llguidance wheel travels in .whl (or inside
+    # .whl-site/site.tar.xz once the lead rebuilds it): common/grammar.py names it.
+    "grammar-gpu": Suite(
+        "issue 28: structured outputs on the H200: the grammar GPU tests (bitmask in the batched CUDA sampler, "
+        "constrained answers in the overlapped loop), then the served stack at batch 64 (20b random weights, "
+        "1024 in / 256 out) without, with, and again without a json_schema response_format on every request",
+        carry=(".whl-site", ".whl", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("grammar-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider "
+                                         "tests/integration/test_grammar_gpu.py", 120, summary=PYTEST),
+               step("serve-grammar", "{py} -m benchmarks.grammar_bench --batch 64 --input-len 1024 --output-len 256 "
+                                     "--warmup 8 --out {out}/serve_grammar_gpt-oss-20b-h200.json --serve-args "
+                                     + shlex.quote(SERVED_ARGS), 420, summary=r"grammar|Error|Traceback")),
+        reproduces=("issue 28: the grammar's cost per output token at batch 64 (TPOT json / free)",)),
     "cpu-smoke": Suite(
         "every suite's machinery on a CPU: the benchmarks' own smoke modes on tiny shapes (no GPU set-up)",
         carry=(), gpu=False, kind="cpu",

@@ -28,7 +28,7 @@ from common.errors import InvalidRequest, TandemError
 from engine.build import EngineParts
 from engine.core import EngineCore
 from engine.sampling import SamplingParams, check_request, to_params
-from engine.sequence import FinishReason, Sequence, TokenLogprob
+from engine.sequence import FinishReason, Sequence, TokenLogprob, attach_grammar
 from kv_transfer.interface import KVReceiver, TransferStatus
 from kv_transfer.messages import encode as encode_kv
 from model.kv_cache import SeqPages
@@ -148,7 +148,9 @@ class DecodeEngine:
             why = "prompt differs from admission"
         else:
             try:
-                check_request(m.prompt_ids + [m.first_token], to_params(m.sampling), self.vocab_size)
+                params = to_params(m.sampling)
+                check_request(m.prompt_ids + [m.first_token], params, self.vocab_size)
+                attach_grammar(Sequence(m.request_id, [], params))  # the schemas compile (cached for _activate)
             except InvalidRequest as e:
                 why = e.message
         if why:
@@ -164,6 +166,7 @@ class DecodeEngine:
             params = to_params(m.sampling)
             check_request(m.prompt_ids, params, self.vocab_size)
             seq = Sequence(m.request_id, list(m.prompt_ids), params, arrival=time.monotonic())
+            attach_grammar(seq)
             self.scheduler.add(seq)
         except InvalidRequest as e:
             return TokenChunk(m.request_id, [], [], [], True, "abort", e.message)
@@ -244,6 +247,7 @@ class DecodeEngine:
         seq.block_hashes = p.block_hashes or []
         seq.num_cached_prefix = p.cached_tokens
         seq.output_ids.append(m.first_token)
+        attach_grammar(seq)  # caught up with the prompt tail and the first token
         if m.first_logprob is not None:
             seq.logprobs.append(TokenLogprob(m.first_token, m.first_logprob, [(t.token_id, t.logprob) for t in m.first_top]))
         reason = self.scheduler.stop_reason(seq, m.first_token)
@@ -252,6 +256,8 @@ class DecodeEngine:
             return [(self.peers.pop(seq.request_id), TokenChunk(seq.request_id, [], [], [], True, reason.value, ""))]
         self.seqs[seq.request_id] = seq
         self.scheduler.add_running(seq)
+        if seq.params.share_prompt:  # n > 1: the other choices find the landed prompt in this worker's cache
+            self.scheduler.share_prompt(seq)
         return []
 
     def step(self) -> list[tuple[bytes, TokenBatch]]:

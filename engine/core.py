@@ -28,6 +28,7 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool = True) -> None:
         self.scheduler, self.runner = scheduler, runner
         self.overlap = overlap and getattr(runner, "supports_overlap", False)
+        scheduler.share_prompts = getattr(runner, "supports_page_copies", False)
         self.inflight: StepHandle | None = None
         self.num_steps = 0
 
@@ -39,6 +40,9 @@ class EngineCore:
         """One iteration. Returns the sequences that received a token (finished ones included)."""
         prev = self.inflight
         done: list[Sequence] = []
+        for src, dst in self.scheduler.pending_copies:  # prompts shared early: copied before anything writes their ring
+            self.runner.copy_sliding_pages(src, dst)
+        self.scheduler.pending_copies.clear()
         items = self.scheduler.schedule(preempt_ok=prev is None)
         if items is None:  # a preemption is due: complete the step in flight, then preempt
             done += self._collect(prev)
@@ -51,6 +55,8 @@ class EngineCore:
             self.scheduler.on_launch(items, self.num_steps)
         if prev is not None:
             done += self._collect(prev)
+        if handle is not None and handle.deferred is not None:  # grammar rows: masks need prev's tokens
+            self.runner.finish_sample(handle)
         self.inflight = handle
         if handle is not None and not self.overlap:
             done += self._collect(handle)

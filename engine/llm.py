@@ -14,7 +14,7 @@ from common.errors import InvalidRequest
 from engine.build import EngineConfig, build_engine_parts
 from engine.core import EngineCore
 from engine.sampling import SamplingParams
-from engine.sequence import FinishReason, Sequence, TokenLogprob
+from engine.sequence import FinishReason, Sequence, TokenLogprob, attach_grammar
 
 log = logging.getLogger("tandem.engine")
 
@@ -53,6 +53,7 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < self.model.cfg.vocab_size]
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary", param="prompt")
+        attach_grammar(seq)
         self.scheduler.add(seq)
         self.seqs[rid] = seq
         return rid

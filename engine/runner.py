@@ -11,6 +11,14 @@ Two halves, so the host can prepare step N+1 while the GPU runs step N (engine.c
   collect(handle) -> tokens, logprobs waits for that step's copy (an event), reads pinned memory
 `run(items)` is both at once (the prefill worker, tests).
 
+Structured outputs: a grammar-constrained row needs its bitmask before sampling, and the mask for
+step N+1 depends on step N's token, which the host learns only at collect(N). So a step with such
+rows and a step in flight is launched with its sampling *deferred*: launch queues the forward
+(the part that does not need the mask), the core collects step N (the matchers advance with its
+tokens), and `finish_sample(handle)` computes the masks on the host and queues the sampler. The
+GPU runs step N+1's forward meanwhile, so the loop stays overlapped for every row; the host's mask
+work must fit inside one forward for the GPU not to wait (measured by the grammar bench suite).
+
 Host buffers the GPU reads (pinned staging, FlashInfer's plan buffers) are reused step after step:
 a launch first waits for the previous launch's input copies to have executed (`_inputs_done`), so
 it never overwrites a buffer a queued copy still reads. That wait is normally already over: it
@@ -24,7 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import Sampler, SampleRow, _dev
+import numpy as np
+
+from common.grammar import VOCAB_SIZE as GRAMMAR_VOCAB
+from common.grammar import fill_masks
+from engine.sampling import GrammarMasks, Sampler, SampleRow, _dev
 from engine.scheduler import ScheduledSeq
 from engine.sequence import TokenLogprob
 from model.context import SeqStep, build_step_meta
@@ -43,6 +55,7 @@ class StepHandle:
     token_ids: torch.Tensor | None  # [R] int64 on the device
     host: tuple[torch.Tensor, ...] | None  # pinned (ids, logprob, top ids, top logprobs) views
     event: torch.cuda.Event | None  # recorded after the device -> host copies
+    deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # logits [R, V] + rows awaiting finish_sample
 
 
 class ModelRunner:
@@ -56,6 +69,7 @@ class ModelRunner:
         self.cuda = self.device.type == "cuda"
         self.graphs = None  # decode_worker.runner.CudaGraphDecoder, set by the decode worker on GPU
         self.supports_overlap = True
+        self.supports_page_copies = True  # model/prefix_share.py (a TP group's runner has no such copy)
         self.share_inputs: Callable[[torch.Tensor], None] | None = None  # TP rank 0: ids to the followers
         self._inputs_done: torch.cuda.Event | None = None
         self._pinned: list[tuple[torch.Tensor, ...]] = []  # two sets, alternating by step parity
@@ -75,7 +89,7 @@ class ModelRunner:
         handle = StepHandle(no, items, rows, {}, None, None, None)
         if logits is None:
             return handle
-        sample_rows = []
+        sample_rows: list[SampleRow] = []
         for i in rows:
             seq = items[i].seq
             if seq.noise_seed is None:
@@ -83,8 +97,19 @@ class ModelRunner:
             sample_rows.append(SampleRow(seq.request_id, seq.params, seq.noise_seed, items[i].start + items[i].q_len,
                                          len(seq.output_ids) + seq.num_pending,
                                          seq.output_ids if seq.params.penalized else None))
+        handle.deferred = (logits, sample_rows)
+        if prev is None or not any(items[i].seq.grammar is not None for i in rows):
+            self.finish_sample(handle)  # every token a mask depends on is known: sample now
+        return handle
+
+    def finish_sample(self, handle: StepHandle) -> None:
+        """Queue the sampling of a launched step (masks from the sequences' grammars as they are now)."""
+        assert handle.deferred is not None
+        logits, sample_rows = handle.deferred
+        handle.deferred = None
+        items, rows, no = handle.items, handle.rows, handle.no
         with torch.profiler.record_function("sample"):
-            out = self.sampler.sample(logits, sample_rows)
+            out = self.sampler.sample(logits, sample_rows, self._grammar_masks(items, rows, logits.shape[1]))
         handle.token_ids = out.token_ids
         handle.row_of = {id(items[i].seq): r for r, i in enumerate(rows)}
         parts = [out.token_ids] + ([] if out.logprobs is None else [out.logprobs, out.top_ids, out.top_logprobs])
@@ -94,7 +119,18 @@ class ModelRunner:
             handle.event.record()
         else:
             handle.host = tuple(parts)
-        return handle
+
+    def _grammar_masks(self, items: list[ScheduledSeq], rows: list[int], vocab: int) -> GrammarMasks | None:
+        """Bitmasks of the rows whose next token a grammar constrains (None: no such row)."""
+        active = [(r, items[i].seq.grammar) for r, i in enumerate(rows)
+                  if items[i].seq.grammar is not None and items[i].seq.grammar.active]
+        if not active:
+            return None
+        with torch.profiler.record_function("grammar_mask"):
+            bits = np.empty((len(active), (max(vocab, GRAMMAR_VOCAB) + 31) // 32), dtype=np.int32)  # [Rc, W]
+            fill_masks([g for _, g in active], bits)
+            return GrammarMasks(_dev(torch.tensor([r for r, _ in active], dtype=torch.int64), self.device),
+                                _dev(torch.from_numpy(bits), self.device))
 
     def collect(self, h: StepHandle) -> tuple[list[int | None], list[TokenLogprob | None]]:
         tokens: list[int | None] = [None] * len(h.items)
@@ -193,6 +229,10 @@ class ModelRunner:
         if len(rows) != len(steps):  # mid-prompt chunks sample nothing (a device index: no pageable copy)
             last = last[_dev(torch.tensor(rows, dtype=torch.long), self.device)]
         return self.model.compute_logits(hidden[last])  # [B', V]
+
+    def copy_sliding_pages(self, src: list[int], dst: list[int]) -> None:
+        """Queue sliding-group page copies (a shared prompt's ring blocks into the cache's pages)."""
+        self.pool.copy_pages(PageGroup.SLIDING, src, dst)
 
     def _copy_ring_hits(self, steps: list[SeqStep]) -> None:
         """Prefix hits: cached sliding blocks into their ring slots, before this step reads them

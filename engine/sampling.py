@@ -5,6 +5,8 @@ One step samples R rows (the sequences whose chunk reaches their last token):
   logits [R, V] fp32
     -> penalties (presence / frequency over each sequence's generated tokens, counted on the device)
     -> logit bias and min_tokens masking (sparse, only for the rows that ask)
+    -> grammar bitmasks (structured outputs, only the constrained rows: [Rc, ceil(V/32)] int32
+       words computed on the host by common.grammar, unpacked to [Rc, V] on the device)
     -> greedy rows: argmax
     -> stochastic rows: softmax(logits / T), top-k / top-p filtered when any row asks, then the
        exponential race argmax(p / q), q ~ Exp(1) (gpt-fast, nano-vllm)
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from common.errors import InvalidRequest
+from common.grammar import JsonGrammar
 from wire.protocol import SamplingSpec
 
 MAX_TOP_LOGPROBS = 20
@@ -48,6 +51,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI semantics, over generated tokens
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit)
+    grammars: tuple[JsonGrammar, ...] = ()  # structured outputs (common/grammar.py)
+    share_prompt: bool = False  # the prompt's KV enters the prefix cache once computed (model/prefix_share.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -87,7 +92,9 @@ def to_params(s: SamplingSpec) -> SamplingParams:
                           seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
                           logprobs=s.logprobs, min_tokens=s.min_tokens, presence_penalty=s.presence_penalty,
                           frequency_penalty=s.frequency_penalty,
-                          logit_bias=tuple((b.token_id, b.bias) for b in s.logit_bias))
+                          logit_bias=tuple((b.token_id, b.bias) for b in s.logit_bias),
+                          grammars=tuple(JsonGrammar(g.target, g.schema) for g in s.grammars),
+                          share_prompt=s.share_prompt)
 
 
 @dataclass(slots=True)
@@ -153,8 +160,10 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
     h = h ^ (h >> 13)
     h = (h * 0xC2B2AE35) & _MASK32
     h = h ^ (h >> 16)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
-    return -torch.log(u)
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1], 24 bits
+    # The top value rounds to u = 1.0 in fp32, so q = 0: a token with p = 0 (masked by a grammar,
+    # filtered by top-k/top-p) would then score 0/0 = NaN, which argmax picks. A floor keeps q > 0.
+    return (-torch.log(u)).clamp_min(1e-30)
 
 
 class Sampler:
@@ -228,13 +237,16 @@ class Sampler:
         return slot
 
     # ---- the step ------------------------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
-        """logits [R, V] fp32 -> sampled ids (+ logprobs when any row asks). No host sync."""
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow], masks: GrammarMasks | None = None) -> SampleOutput:
+        """logits [R, V] fp32 -> sampled ids (+ logprobs when any row asks). No host sync.
+        `masks`: the allowed tokens of the grammar-constrained rows (the others are free)."""
         r, v = logits.shape
         assert r == len(rows)
         t = self._row_tensors(rows, v)
         raw = logits
         logits = self._adjust(logits, rows, t)
+        if masks is not None:
+            logits = apply_bitmask(logits if logits is not raw else logits.clone(), masks)
         ids = logits.argmax(-1)  # [R]
         if not t.all_greedy:
             positions = _dev(torch.tensor([x.position for x in rows], dtype=torch.int64), self.device)
@@ -279,6 +291,33 @@ class Sampler:
                        _dev(torch.tensor(ti, dtype=torch.int64), self.device))
                 logits.index_put_(idx, _dev(torch.tensor(vals, dtype=logits.dtype), self.device), accumulate=True)
         return logits
+
+
+@dataclass(slots=True)
+class GrammarMasks:
+    """The constrained rows of one step and their allowed-token bitmasks, on the device."""
+
+    rows: torch.Tensor  # [Rc] int64 rows of the logits
+    bits: torch.Tensor  # [Rc, W] int32, W = ceil(V'/32): bit t % 32 of word t // 32 set = token t allowed
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_bitmask(logits: torch.Tensor, m: GrammarMasks) -> torch.Tensor:
+    """logits [R, V] (modified in place and returned): disallowed tokens of the masked rows -> -inf."""
+    v = logits.shape[1]
+    dev = logits.device
+    shifts = _SHIFTS.get(dev)
+    if shifts is None:
+        shifts = _SHIFTS.setdefault(dev, torch.arange(32, dtype=torch.int32, device=dev))
+    rc, w = m.bits.shape
+    allowed = ((m.bits[:, :, None] >> shifts) & 1).view(rc, w * 32)  # [Rc, 32 W]
+    if allowed.shape[1] < v:  # ids past the grammar's vocabulary are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, v - allowed.shape[1]))
+    sub = logits[m.rows].masked_fill(allowed[:, :v] == 0, float("-inf"))  # [Rc, V]
+    logits[m.rows] = sub
+    return logits
 
 
 def _dev(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -40,6 +40,7 @@ from engine.sequence import FinishReason, Sequence, SeqStatus, TokenLogprob
 from model.context import ring_keep_from
 from model.kv_cache import KVManager, PageGroup, SeqPages
 from model.prefix_cache import Hit
+from model.prefix_share import snapshot_prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,8 @@ class Scheduler:
         self.launched = 0  # number of the latest launched step
         self.completed = 0  # number of the latest step whose tokens reached the host
         self._fenced: deque[tuple[int, SeqPages]] = deque()  # (step that may still use them, pages)
+        self.share_prompts = True  # the runner can copy pages (engine/core.py); a TP group's cannot
+        self.pending_copies: list[tuple[list[int], list[int]]] = []  # sliding (src, dst), before the next launch
 
     # ---- admission ------------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -145,7 +148,20 @@ class Scheduler:
             if seq.pages.copy_src:  # the step copied its hit's sliding blocks: drop the sources after it
                 self._fenced.append((step, self.kv.release_copy_sources(seq.pages)))
             if it.sample:
+                if seq.params.share_prompt and not seq.output_ids and not seq.num_pending:
+                    self.share_prompt(seq)  # its prompt's KV exists once this step ran
                 seq.num_pending += 1
+
+    def share_prompt(self, seq: Sequence) -> None:
+        """Index a running sequence's prompt in the prefix cache now (model/prefix_share.py): the
+        sliding copies run before the next launch, the copies' pages are held until a step after it."""
+        if self.kv.cache is None or not self.share_prompts:
+            return
+        n = len(seq.prompt_ids)
+        src, dst, held = snapshot_prompt(self.kv, seq.pages, self.hashes(seq, n), n, seq.ring_valid_from)
+        if src:
+            self.pending_copies.append((src, dst))
+            self._fenced.append((self.launched + 1, held))
 
     def release_completed(self, step: int) -> None:
         """Step `step` completed: pages released while it (or an earlier step) was in flight are free
@@ -245,6 +261,8 @@ class Scheduler:
                 continue  # the surplus token of the overlapped loop
             seq.num_pending -= 1
             seq.output_ids.append(tok)
+            if seq.grammar is not None:
+                seq.grammar.advance(tok)
             if lp is not None:
                 seq.logprobs.append(lp)
             reason = self.stop_reason(seq, tok)
@@ -257,6 +275,8 @@ class Scheduler:
         p = seq.params
         n = len(seq.output_ids)
         if n >= p.min_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)):
+            return FinishReason.STOP
+        if seq.grammar is not None and seq.grammar.completed and not p.ignore_eos:  # the constrained answer ended
             return FinishReason.STOP
         if n >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
             return FinishReason.LENGTH

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from common.grammar import GrammarState, default_compiler
 from engine.sampling import SamplingParams
 from model.kv_cache import SeqPages
 
@@ -59,6 +60,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     ring_valid_from: int = 0
     num_cached_prefix: int = 0
+    grammar: GrammarState | None = None  # structured outputs: attach_grammar(), advanced by every output token
 
     @property
     def all_ids(self) -> list[int]:
@@ -89,3 +91,18 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
+
+
+def attach_grammar(seq: Sequence) -> None:
+    """Give a sequence whose parameters carry grammars its GrammarState, caught up with its prompt
+    tail and any output it already has (a first token from the prefill worker). Called where a
+    request arrives, not in the step: a schema that does not compile raises InvalidRequest here
+    (the compiled grammar is cached per schema, so this is a lookup plus a ~0.3 ms matcher)."""
+    if not seq.params.grammars or seq.grammar is not None:
+        return
+    compiler = default_compiler()
+    for g in seq.params.grammars:
+        compiler.matcher(g)  # compile (cached) and check now
+    seq.grammar = GrammarState(compiler, seq.params.grammars, seq.prompt_ids)
+    for t in seq.output_ids:
+        seq.grammar.advance(t)

@@ -39,6 +39,20 @@ def build_parts(a: argparse.Namespace, role: str, group: RankGroup) -> EnginePar
     model = load_model(cfg)
     parts = build_engine_parts(dataclasses.replace(cfg, kv_cache_bytes=group.min_int(kv_budget(cfg))), model)
     group.check_same("KV pages per page group", list(parts.spec.num_pages))
+    if group.rank == 0:  # the sampling rank: the grammar tokenizer is built now, not in a request's step
+        import time
+
+        from common.grammar import GRAMMAR_LIBRARY, default_compiler
+
+        from common.errors import InvalidRequest
+
+        t0 = time.monotonic()
+        try:
+            default_compiler().tokenizer  # noqa: B018
+            log.info("structured outputs: %s tokenizer for o200k_harmony built in %.2f s", GRAMMAR_LIBRARY,
+                     time.monotonic() - t0)
+        except InvalidRequest as e:  # the library is missing: requests with a response_format get a 400
+            log.warning("structured outputs unavailable: %s", e.message)
     if cfg.attention_backend != "torch":
         from engine.selftest import self_test_attention
 

@@ -33,7 +33,7 @@ from common.errors import InvalidRequest, ProtocolError
 from engine.build import EngineParts
 from engine.sampling import check_request, to_params
 from engine.scheduler import ScheduledSeq, note_ring_write
-from engine.sequence import Sequence
+from engine.sequence import Sequence, attach_grammar
 from kv_transfer.interface import KVSender, TransferStatus
 from kv_transfer.messages import FailureReason, TransferRequest
 from kv_transfer.messages import decode as decode_kv
@@ -83,6 +83,7 @@ class PrefillEngine:
             params = to_params(m.sampling)
             check_request(m.prompt_ids, params, self.vocab_size)
             seq = Sequence(m.request_id, list(m.prompt_ids), params)
+            attach_grammar(seq)  # the first token is constrained when the prompt ends inside a target message
             sched.check_fits(len(m.prompt_ids), 1)
             sched.admit_pages(seq, sched.lookup(seq), len(m.prompt_ids))
         except OutOfPages:

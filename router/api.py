@@ -12,9 +12,8 @@ Responses carry `x-tandem-queue-wait-s`: how long the request waited in the admi
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -23,9 +22,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import InvalidRequest, TandemError
-from router.chat_types import DeltaKind
+from router.chat_output import abort_tail, chat_sse, collect_chat, collect_completions, completion_sse
 from router.errors import ServiceDraining, error_code
-from router.handlers import Event, Handlers
+from router.fanout import fan_out
+from router.handlers import Handlers
 from router.lifecycle import ClientGone, InFlight
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.orchestrator import Job
@@ -52,38 +52,8 @@ def error_body(status: int, message: str, etype: str, param: str | None = None, 
                                    "code": status if code is None else code}}, status_code=status, headers=headers)
 
 
-def _error_event(e: TandemError) -> bytes:
-    return _sse({"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": error_code(e)}})
-
-
-def _abort_tail(head: dict, choice: dict, e: TandemError) -> list[bytes]:
-    """How a stream ends when the server ends it (timeout, drain): finish_reason abort, the reason, [DONE]."""
-    return [_sse({**head, "choices": [{"index": 0, **choice, "finish_reason": "abort"}]}), _error_event(e),
-            b"data: [DONE]\n\n"]
-
-
 def _trace_headers(job: Job) -> dict[str, str]:
     return {"x-tandem-queue-wait-s": f"{job.trace.queue_wait_s:.3f}"}
-
-
-def _sse(obj: dict) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
-
-
-def _delta_json(ev: Event) -> list[dict]:
-    """OpenAI chat deltas of one event: reasoning, content and tool-call pieces, in order."""
-    out = []
-    for d in ev.deltas:
-        if d.kind == DeltaKind.REASONING:
-            out.append({"reasoning_content": d.text})
-        elif d.kind == DeltaKind.CONTENT:
-            out.append({"content": d.text})
-        elif d.kind == DeltaKind.TOOL_CALL_START:
-            out.append({"tool_calls": [{"index": d.tool_index, "id": d.tool_call_id, "type": "function",
-                                        "function": {"name": d.tool_name, "arguments": ""}}]})
-        elif d.kind == DeltaKind.TOOL_CALL_ARGS:
-            out.append({"tool_calls": [{"index": d.tool_index, "function": {"arguments": d.text}}]})
-    return out
 
 
 def build_app(h: Handlers, serving: Serving) -> FastAPI:
@@ -130,11 +100,10 @@ def build_app(h: Handlers, serving: Serving) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         serving.admitting()
-        job, stops = h.prepare_chat(req)
-        base = {"id": job.request_id, "created": int(time.time()), "model": req.model}
-        usage = {"prompt_tokens": len(job.prompt_ids)}
-        events = h.chat_events(job, stops)
-        scope = serving.inflight.open(job.request_id)
+        jobs, stops = h.prepare_chat(req)
+        base = {"id": jobs[0].request_id.rsplit("-c", 1)[0], "created": int(time.time()), "model": req.model}
+        events = fan_out([h.chat_events(job, stops) for job in jobs])
+        scope = serving.inflight.open(base["id"])
         if req.stream:
             # Wait for the first event before answering: a failure before the first token (no worker,
             # queue bound, failed transfer) is then a proper HTTP status instead of a 200 stream.
@@ -143,131 +112,44 @@ def build_app(h: Handlers, serving: Serving) -> FastAPI:
             except BaseException:
                 serving.inflight.close(scope)
                 raise
-            tail = partial(_abort_tail, {**base, "object": "chat.completion.chunk"}, {"delta": {}})
-            return StreamingResponse(scope.stream(_chat_sse(_prepend(first, events), base, usage, req, job), tail),
-                                     media_type="text/event-stream", headers=_trace_headers(job))
-        try:
-            body = await scope.run(request, _collect_chat(events, base, usage, req, job))
-        finally:
-            serving.inflight.close(scope)
-        return JSONResponse(body, headers=_trace_headers(job))
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        serving.admitting()
-        jobs, stops = h.prepare_completion(req)
-        created = int(time.time())
-        if req.stream and len(jobs) != 1:
-            raise InvalidRequest("streaming takes a single prompt", param="prompt")
-        scope = serving.inflight.open(jobs[0].request_id)
-        if req.stream:
-            base = {"id": jobs[0].request_id, "created": created, "model": req.model, "object": "text_completion"}
-            events = h.completion_events(jobs[0], stops, req.skip_special_tokens)
-            try:
-                first = await scope.run(request, _first(events))
-            except BaseException:
-                serving.inflight.close(scope)
-                raise
-            tail = partial(_abort_tail, base, {"text": "", "logprobs": None})
-            return StreamingResponse(scope.stream(_completion_sse(h, jobs[0], _prepend(first, events), base, req), tail),
+            tail = partial(abort_tail, {**base, "object": "chat.completion.chunk"}, {"delta": {}})
+            return StreamingResponse(scope.stream(chat_sse(_prepend(first, events), base, req, jobs), tail),
                                      media_type="text/event-stream", headers=_trace_headers(jobs[0]))
         try:
-            body = await scope.run(request, _collect_completions(h, jobs, stops, req, created))
+            body = await scope.run(request, collect_chat(events, base, req, jobs))
         finally:
             serving.inflight.close(scope)
         return JSONResponse(body, headers=_trace_headers(jobs[0]))
 
-    register_responses(app, h, h.cfg.responses_store_size)
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        serving.admitting()
+        rid, jobs, stops = h.prepare_completion(req)
+        created = int(time.time())
+        if req.stream and len(jobs) != req.n:
+            raise InvalidRequest("streaming takes a single prompt", param="prompt")
+        n = req.n
+        groups = [fan_out([h.completion_events(j, stops, req.skip_special_tokens) for j in jobs[k:k + n]])
+                  for k in range(0, len(jobs), n)]
+        scope = serving.inflight.open(rid)
+        if req.stream:
+            base = {"id": rid, "created": created, "model": req.model, "object": "text_completion"}
+            try:
+                first = await scope.run(request, _first(groups[0]))
+            except BaseException:
+                serving.inflight.close(scope)
+                raise
+            tail = partial(abort_tail, base, {"text": "", "logprobs": None})
+            return StreamingResponse(scope.stream(completion_sse(h, jobs, _prepend(first, groups[0]), base, req), tail),
+                                     media_type="text/event-stream", headers=_trace_headers(jobs[0]))
+        try:
+            body = await scope.run(request, collect_completions(h, rid, groups, jobs, req, created))
+        finally:
+            serving.inflight.close(scope)
+        return JSONResponse(body, headers=_trace_headers(jobs[0]))
+
+    register_responses(app, h, h.cfg.responses_store_size, serving)
     return app
-
-
-async def _collect_chat(events, base: dict, usage: dict, req: ChatCompletionRequest, job: Job) -> dict:
-    ids: list[int] = []
-    logprobs: list[dict] = []
-    parsed = None
-    async for ev, p in events:
-        ids += ev.token_ids
-        logprobs += ev.logprobs
-        parsed = p or parsed
-    assert parsed is not None
-    msg: dict = {"role": "assistant", "content": parsed.content, "reasoning_content": parsed.reasoning}
-    if parsed.tool_calls:
-        msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in parsed.tool_calls]
-    choice = {"index": 0, "message": msg, "finish_reason": parsed.finish_reason,
-              "logprobs": {"content": logprobs} if req.logprobs else None}
-    if req.return_token_ids:
-        choice["token_ids"] = ids
-    usage = dict(usage, completion_tokens=len(ids), total_tokens=len(job.prompt_ids) + len(ids), **prefix_usage([job]))
-    return {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
-
-
-async def _collect_completions(h: Handlers, jobs: list[Job], stops: list[str], req: CompletionRequest,
-                               created: int) -> dict:
-    choices, n_out = [], 0
-    for i, job in enumerate(jobs):
-        text, ids, lps, finish = "", [], [], "stop"
-        async for ev in h.completion_events(job, stops, req.skip_special_tokens):
-            text += ev.text
-            ids += ev.token_ids
-            lps += ev.logprobs
-            finish = ev.finish_reason or finish
-        if req.echo:
-            text = h.tok.decode(job.prompt_ids, skip_special=req.skip_special_tokens) + text
-        choice = {"index": i, "text": text, "finish_reason": finish,
-                  "logprobs": _completion_logprobs(lps) if req.logprobs is not None else None}
-        if req.return_token_ids:
-            choice["token_ids"] = ids
-            choice["prompt_token_ids"] = job.prompt_ids
-        choices.append(choice)
-        n_out += len(ids)
-    n_in = sum(len(j.prompt_ids) for j in jobs)
-    return {"id": jobs[0].request_id, "object": "text_completion", "created": created, "model": req.model,
-            "choices": choices, "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
-                                          "total_tokens": n_in + n_out, **prefix_usage(jobs)}}
-
-
-def _completion_logprobs(entries: list[dict]) -> dict:
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]}
-
-
-def prefix_usage(jobs: list) -> dict:
-    """usage.prompt_tokens_details.cached_tokens as OpenAI and vLLM report it (prompt tokens not
-    recomputed), and tandem's own breakdown: computed tokens, KV bytes shipped, where it prefilled."""
-    st = [j.stats for j in jobs]
-    return {"prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in st)},
-            "tandem": {"computed_tokens": sum(s.computed_tokens for s in st),
-                       "decode_cached_tokens": sum(s.decode_cached_tokens for s in st),
-                       "kv_bytes_shipped": sum(s.kv_bytes for s in st), "prefill": st[0].prefill if st else ""}}
-
-
-async def _chat_sse(events, base: dict, usage: dict, req: ChatCompletionRequest, job) -> AsyncIterator[bytes]:
-    head = {**base, "object": "chat.completion.chunk"}
-    n_out = 0
-    try:
-        yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None}]})
-        async for ev, parsed in events:
-            n_out += len(ev.token_ids)
-            choices = [{"index": 0, "delta": piece, "finish_reason": None} for piece in _delta_json(ev)]
-            if not choices and (ev.logprobs or (req.return_token_ids and ev.token_ids)):
-                choices = [{"index": 0, "delta": {}, "finish_reason": None}]
-            if choices:  # logprobs and token ids of the event ride on its first chunk
-                if req.logprobs and ev.logprobs:
-                    choices[0]["logprobs"] = {"content": ev.logprobs}
-                if req.return_token_ids:
-                    choices[0]["token_ids"] = ev.token_ids
-            for c in choices:
-                yield _sse({**head, "choices": [c]})
-            if parsed is not None:
-                yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": parsed.finish_reason}]})
-        if req.stream_options and req.stream_options.include_usage:
-            u = dict(usage, completion_tokens=n_out, total_tokens=usage["prompt_tokens"] + n_out, **prefix_usage([job]))
-            yield _sse({**head, "choices": [], "usage": u})
-    except TandemError as e:
-        yield _error_event(e)
-    yield b"data: [DONE]\n\n"
 
 
 async def _first(events):
@@ -283,26 +165,3 @@ async def _prepend(first, events):
         yield first
         async for ev in events:
             yield ev
-
-
-async def _completion_sse(h: Handlers, job, events, base: dict, req: CompletionRequest) -> AsyncIterator[bytes]:
-    n_out = 0
-    try:
-        if req.echo:
-            yield _sse({**base, "choices": [{"index": 0, "text": h.tok.decode(job.prompt_ids), "finish_reason": None,
-                                             "logprobs": None}]})
-        async for ev in events:
-            n_out += len(ev.token_ids)
-            if ev.text or ev.token_ids or ev.finish_reason:
-                choice = {"index": 0, "text": ev.text, "finish_reason": ev.finish_reason,
-                          "logprobs": _completion_logprobs(ev.logprobs) if req.logprobs is not None else None}
-                if req.return_token_ids:
-                    choice["token_ids"] = ev.token_ids
-                yield _sse({**base, "choices": [choice]})
-        if req.stream_options and req.stream_options.include_usage:
-            n_in = len(job.prompt_ids)
-            yield _sse({**base, "choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
-                                                         "total_tokens": n_in + n_out, **prefix_usage([job])}})
-    except TandemError as e:
-        yield _error_event(e)
-    yield b"data: [DONE]\n\n"

@@ -52,6 +52,7 @@ class ToolDef:
     name: str
     description: str = ""
     parameters: JsonObject | None = None
+    strict_schema: str | None = None  # strict: the arguments' JSON schema text (constrained decoding)
 
     def __post_init__(self) -> None:
         if not TOOL_NAME_PATTERN.fullmatch(self.name):
@@ -103,6 +104,15 @@ class ChatMessage:
 
 
 @dataclass(slots=True)
+class ResponseFormat:
+    """The answer's structured format: `schema` is JSON schema text, "" for any JSON object."""
+
+    name: str
+    schema: str
+    description: str = ""
+
+
+@dataclass(slots=True)
 class ChatPrompt:
     """Everything that goes into one prompt.
 
@@ -117,6 +127,7 @@ class ChatPrompt:
     model_identity: str | None = None
     knowledge_cutoff: str = "2024-06"
     current_date: str | None = None
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         if not self.messages:

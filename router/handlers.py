@@ -9,6 +9,7 @@ request on its workers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -20,8 +21,10 @@ from router.chat_types import Delta, DeltaKind, ParsedCompletion
 from router.config import RouterConfig
 from router.harmony import HarmonyFormat
 from router.metrics import RouterMetrics
-from router.openai_models import ChatCompletionRequest, CompletionRequest, sampling_spec, to_chat_prompt
+from router.openai_models import (ChatCompletionRequest, CompletionRequest, choice_seed, completion_grammars,
+                                  prompt_grammars, sampling_spec, to_chat_prompt)
 from router.orchestrator import Job, Orchestrator
+from router.prefix_index import PromptHashes
 from router.textguard import check_texts, guarded
 from wire.protocol import SamplingSpec, TokenChunk
 from router.tokenizer import VOCAB_SIZE, Tokenizer
@@ -127,7 +130,8 @@ class Handlers:
             self.metrics.e2e.observe(time.monotonic() - t0)
 
     # ---- chat -----------------------------------------------------------------------------------------
-    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[Job, list[str]]:
+    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[list[Job], list[str]]:
+        """The request's n choices as jobs (one for n = 1) and its stop strings."""
         self.check_model(req.model)
         req.check_unsupported()
         check_texts(_chat_texts(req), self.cfg.max_model_len)  # before the tokenizer sees it
@@ -135,8 +139,16 @@ class Handlers:
         ids = guarded(self.fmt.render, prompt, param="messages")
         max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens, len(ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        spec = sampling_spec(req, max_tokens, self.fmt.stop_token_ids(), logprobs)
-        return Job(f"chatcmpl-{uuid.uuid4().hex}", ids, spec, req.priority), req.stop_strings()
+        spec = sampling_spec(req, max_tokens, self.fmt.stop_token_ids(), logprobs, prompt_grammars(prompt, req.min_tokens))
+        return self.choices(f"chatcmpl-{uuid.uuid4().hex}", ids, spec, req.n, req.priority), req.stop_strings()
+
+    def choices(self, rid: str, ids: list[int], spec: SamplingSpec, n: int, priority: int) -> list[Job]:
+        """n jobs of one prompt: ids rid-c0.., seeds seed + i, the prompt's block hashes computed once."""
+        if n == 1:
+            return [Job(rid, ids, spec, priority)]
+        hashes = PromptHashes(ids)  # choice 0 shares its prompt's KV as soon as it is computed (router/fanout.py)
+        return [Job(f"{rid}-c{i}", ids, dataclasses.replace(spec, seed=choice_seed(spec.seed, i), share_prompt=i == 0),
+                    priority, hashes=hashes) for i in range(n)]
 
     async def chat_events(self, job: Job, stops: list[str]) -> AsyncIterator[tuple[Event, ParsedCompletion | None]]:
         """Events as tokens arrive; the last one carries the ParsedCompletion and the finish reason."""
@@ -205,17 +217,22 @@ class Handlers:
             raise InvalidRequest(f"prompt token ids must be in [0, {VOCAB_SIZE})", param="prompt")
         return prompts
 
-    def prepare_completion(self, req: CompletionRequest) -> tuple[list[Job], list[str]]:
+    def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[Job], list[str]]:
+        """(response id, jobs: prompt k's choice i at k * n + i, stop strings)."""
         self.check_model(req.model)
         req.check_unsupported()
         if req.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
-        jobs = []
-        for ids in self.prompts_of(req):
+        prompts = self.prompts_of(req)
+        if len(prompts) * req.n > 128:
+            raise InvalidRequest("prompts x n must be at most 128", param="n")
+        grammars = completion_grammars(req)
+        rid, jobs = f"cmpl-{uuid.uuid4().hex}", []
+        for k, ids in enumerate(prompts):
             max_tokens = self._max_tokens(req.max_tokens if req.max_tokens is not None else 16, len(ids))
-            jobs.append(Job(f"cmpl-{uuid.uuid4().hex}", ids, sampling_spec(req, max_tokens, [], req.logprobs),
-                            req.priority))
-        return jobs, req.stop_strings()
+            spec = sampling_spec(req, max_tokens, [], req.logprobs, grammars)
+            jobs += self.choices(rid if len(prompts) == 1 else f"{rid}-p{k}", ids, spec, req.n, req.priority)
+        return rid, jobs, req.stop_strings()
 
     async def completion_events(self, job: Job, stops: list[str], skip_special: bool) -> AsyncIterator[Event]:
         detok = self.tok.new_detokenizer(skip_special=skip_special)

@@ -133,6 +133,10 @@ def to_harmony_messages(prompt: ChatPrompt) -> list[Message]:
     note = _tool_choice_note(prompt)
     if note is not None:
         instructions.append(note)
+    rf = prompt.response_format
+    if rf is not None:  # Harmony's place for it: the developer message, after the instructions
+        desc = f"// {rf.description}\n" if rf.description else ""
+        instructions.append(f"# Response Formats\n\n## {rf.name}\n\n{desc}{rf.schema or 'a JSON object'}")
     tools = _visible_tools(prompt)
     if instructions or tools:
         developer = DeveloperContent.new()

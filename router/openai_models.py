@@ -10,8 +10,9 @@ import jsonschema
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import InvalidRequest
-from router.chat_types import ChatMessage, ChatPrompt, NamedToolChoice, ToolCall, ToolDef
-from wire.protocol import LogitBias, SamplingSpec
+from router.chat_types import ChatMessage, ChatPrompt, NamedToolChoice, ResponseFormat, ToolCall, ToolDef
+from router.structured import ResponseFormatIn, check_combination, final_format, grammars, tool_grammar
+from wire.protocol import GrammarSpec, LogitBias, SamplingSpec
 from router.tokenizer import VOCAB_SIZE
 
 
@@ -71,7 +72,7 @@ class FunctionDef(_Model):
     name: str
     description: str = ""
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # true (constrained arguments) is refused in tool_def
+    strict: bool | None = None  # true: the arguments are constrained to `parameters` (router.structured)
 
 
 class ToolIn(_Model):
@@ -121,8 +122,6 @@ class _SamplingFields(_Model):
     service_tier: str | None = None
 
     def check_unsupported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequest("only n=1 is supported", param="n")
         _refuse(self.service_tier not in (None, "auto", "default"), "service_tier",
                 f"service_tier {self.service_tier!r} is not supported")
         _refuse(self.stream_options is not None and not self.stream, "stream_options",
@@ -144,7 +143,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT32)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormatIn | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     modalities: list[str] | None = None
@@ -178,10 +177,11 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     skip_special_tokens: bool = True  # vLLM extension
     best_of: Annotated[int, Field(ge=1)] | None = None
+    response_format: ResponseFormatIn | None = None  # vLLM extension: constrains Harmony final messages
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        _refuse(self.best_of not in (None, 1), "best_of", "only best_of=1 is supported")
+        _refuse(self.best_of not in (None, 1, self.n), "best_of", "best_of other than n (or 1) is not supported")
 
 
 # ---- conversion ---------------------------------------------------------------------------------
@@ -191,10 +191,7 @@ def _text(content: str | list[ContentPart] | None) -> str:
     return "".join(p.text for p in content)
 
 
-def tool_def(t: ToolIn) -> ToolDef:
-    if t.function.strict:
-        raise InvalidRequest(f"tool {t.function.name!r}: strict function calling (constrained arguments) is not "
-                             "supported; send strict: false", param="tools")
+def tool_def(t: ToolIn, param: str = "tools") -> ToolDef:
     params = t.function.parameters
     if params is not None:
         try:
@@ -204,26 +201,50 @@ def tool_def(t: ToolIn) -> ToolDef:
                                  param="tools") from None
         if params.get("type", "object") != "object":
             raise InvalidRequest(f"tool {t.function.name!r}: parameters must describe an object", param="tools")
-    return ToolDef(t.function.name, t.function.description, params)
+    strict = tool_grammar(t.function.name, params, f"{param}.parameters").schema if t.function.strict else None
+    return ToolDef(t.function.name, t.function.description, params, strict)
 
 
 def to_chat_prompt(req: ChatCompletionRequest, current_date: str, knowledge_cutoff: str) -> ChatPrompt:
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise InvalidRequest("response_format other than text is not supported", param="response_format")
     msgs = []
     for m in req.messages:
         calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
         msgs.append(ChatMessage(role=m.role, content=_text(m.content), reasoning=m.reasoning_content or m.reasoning,
                                 tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name))
-    tools = [tool_def(t) for t in req.tools or []]
+    tools = [tool_def(t, f"tools[{i}].function") for i, t in enumerate(req.tools or [])]
     choice: Any = req.tool_choice or "auto"
     if isinstance(choice, NamedToolChoiceIn):
         choice = NamedToolChoice(choice.function.name)
     return ChatPrompt(messages=msgs, tools=tools, tool_choice=choice, reasoning_effort=req.reasoning_effort or "medium",
-                      knowledge_cutoff=knowledge_cutoff, current_date=current_date)
+                      knowledge_cutoff=knowledge_cutoff, current_date=current_date,
+                      response_format=final_format(req.response_format, "response_format"))
 
 
-def sampling_spec(req: _SamplingFields, max_tokens: int, stop_ids: list[int], logprobs: int | None) -> SamplingSpec:
+def prompt_grammars(prompt: ChatPrompt, min_tokens: int) -> list[GrammarSpec]:
+    """The grammars of a chat prompt: its answer format and its strict tools (visible or not: the
+    model can only call the tools it was shown)."""
+    out = grammars(prompt.response_format, prompt.tools)
+    check_combination(bool(out), min_tokens)
+    return out
+
+
+def completion_grammars(req: CompletionRequest) -> list[GrammarSpec]:
+    fmt: ResponseFormat | None = final_format(req.response_format, "response_format")
+    out = grammars(fmt, [])
+    check_combination(bool(out), req.min_tokens)
+    return out
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """Choice i of an n > 1 request samples with seed + i (wrapping in int64), so each choice of a
+    seeded request reproduces and the choices differ."""
+    if seed is None:
+        return None
+    return (seed + i + 2**63) % 2**64 - 2**63
+
+
+def sampling_spec(req: _SamplingFields, max_tokens: int, stop_ids: list[int], logprobs: int | None,
+                  grammar_specs: list[GrammarSpec] | None = None) -> SamplingSpec:
     extra = list(req.stop_token_ids or [])
     if any(t >= VOCAB_SIZE for t in extra):
         raise InvalidRequest("stop_token_ids must be inside the vocabulary", param="stop_token_ids")
@@ -234,7 +255,7 @@ def sampling_spec(req: _SamplingFields, max_tokens: int, stop_ids: list[int], lo
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
         stop_token_ids=sorted(set(stop_ids + extra)), ignore_eos=req.ignore_eos, logprobs=logprobs,
         min_tokens=req.min_tokens, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        logit_bias=_logit_bias(req.logit_bias))
+        logit_bias=_logit_bias(req.logit_bias), grammars=list(grammar_specs or []))
 
 
 def _logit_bias(bias: dict[str, float] | None) -> list[LogitBias]:

@@ -152,6 +152,8 @@ class Orchestrator:
                 await decode.send(StartDecode(rid, job.prompt_ids, job.sampling, first.first_token,
                                               first.first_logprob, first.first_top))
                 output.append(first.first_token)
+                if job.sampling.share_prompt:  # n > 1: decode indexes the landed prompt (model/prefix_share.py)
+                    self.fleet.predict(p.decode, job.hashes, job.prompt_ids, len(job.prompt_ids))
                 yield TokenChunk(rid, [first.first_token], [first.first_logprob] if first.first_logprob is not None else [],
                                  [first.first_top] if job.sampling.logprobs is not None else [], False, "", "",
                                  first.cached_tokens)
@@ -169,6 +171,8 @@ class Orchestrator:
                 finished = item.finished
                 if p.prefill is None and not output:
                     self._count(job, "decode", item.cached_tokens)
+                if not output and job.sampling.share_prompt:  # n > 1: the prompt is cached on decode now
+                    self.fleet.predict(p.decode, job.hashes, job.prompt_ids, len(job.prompt_ids))
                 output += item.token_ids
                 yield item
         finally:

@@ -13,7 +13,13 @@ function_call) and the SSE events the openai client expects, in this order:
               output_item.done,
     response.completed (response.incomplete when max_output_tokens cut the answer).
 The non-streaming body is the final `response` of the same builder, so both agree by
-construction. Stored responses (store: true, the default) live in a bounded in-memory LRU
+construction.
+
+Serving machinery shared with chat (router/api.py): new requests are refused (503) while the router
+drains; each request runs in a router.lifecycle scope, so a client disconnect, the request timeout
+or the drain deadline cancels its generation on the workers (a stream the server ends gets an
+`error` event and `response.failed`); `priority` orders the admission queue; responses carry the
+queue-wait header. Stored responses (store: true, the default) live in a bounded in-memory LRU
 (`--responses-store-size`); an unknown or evicted previous_response_id is a 404.
 """
 
@@ -26,15 +32,23 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
+from functools import partial
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from common.errors import InvalidRequest, NotFound, TandemError
+from router.chat_output import prefix_usage
 from router.chat_types import ChatMessage, ChatPrompt, DeltaKind, ParsedCompletion
 from router.handlers import Handlers
+from router.openai_models import prompt_grammars
 from router.orchestrator import Job
 from router.responses_models import ResponsesRequest
 from wire.protocol import SamplingSpec
+
+if TYPE_CHECKING:
+    from router.api import Serving
 
 
 def _id(prefix: str) -> str:
@@ -205,9 +219,10 @@ class Responses:
         tools = req.tool_defs()
         effort = (req.reasoning.effort if req.reasoning else None) or "medium"
         instructions = [ChatMessage("developer", req.instructions)] if req.instructions else []
+        fmt = req.response_format()
         prompt = ChatPrompt(instructions + history, tools=tools, tool_choice=req.tool_choice_mode(),
                             reasoning_effort=effort, knowledge_cutoff=h.cfg.knowledge_cutoff,
-                            current_date=time.strftime("%Y-%m-%d"))
+                            current_date=time.strftime("%Y-%m-%d"), response_format=fmt)
         ids = h.fmt.render(prompt)
         room = h.cfg.max_model_len - len(ids)
         if room < 1 or (req.max_output_tokens or 0) > room:
@@ -216,7 +231,8 @@ class Responses:
                                  param="input" if room < 1 else "max_output_tokens")
         spec = SamplingSpec(max_tokens=req.max_output_tokens or min(h.cfg.default_max_tokens, room),
                             temperature=1.0 if req.temperature is None else req.temperature,
-                            top_p=1.0 if req.top_p is None else req.top_p, stop_token_ids=h.fmt.stop_token_ids())
+                            top_p=1.0 if req.top_p is None else req.top_p, stop_token_ids=h.fmt.stop_token_ids(),
+                            grammars=prompt_grammars(prompt, 0))
         response = {
             "id": _id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "model": req.model, "output": [], "instructions": req.instructions, "error": None,
@@ -224,19 +240,17 @@ class Responses:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id, "reasoning": {"effort": effort, "summary": None},
             "store": req.store, "temperature": spec.temperature, "top_p": spec.top_p,
-            "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice_mode(),
+            "text": {"format": _format_echo(fmt)}, "tool_choice": req.tool_choice_mode(),
             "tools": [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
-                       "strict": False} for t in tools],
+                       "strict": t.strict_schema is not None} for t in tools],
             "truncation": "disabled", "usage": None, "metadata": req.metadata or {}, "user": req.user,
             "background": False,
         }
-        return Job(response["id"], ids, spec), history, calls, response
+        return Job(response["id"], ids, spec, req.priority), history, calls, response
 
-    async def run(self, req: ResponsesRequest) -> tuple[OutputBuilder, AsyncIterator[dict]]:
-        job, history, calls, response = self.prepare(req)
-        b = OutputBuilder(response)
-        events = self.h.chat_events(job, [])
-        first = await _first(events)  # a failure before the first token is an HTTP error, not a 200 stream
+    def events(self, req: ResponsesRequest, job: Job, history: list[ChatMessage], calls: dict[str, str],
+               b: OutputBuilder, first, events) -> AsyncIterator[dict]:
+        """The response's SSE events, from the first chat event (already awaited) on."""
 
         async def gen() -> AsyncIterator[dict]:
             n_out = 0
@@ -252,12 +266,13 @@ class Responses:
                         yield out
                     self._remember(req, b.response, history, calls, parsed)
 
-        return b, gen()
+        return gen()
 
     def _usage(self, job: Job, n_out: int, parsed: ParsedCompletion) -> dict:
         reasoning = len(self.h.tok.encode(parsed.reasoning, allow_special=False)) if parsed.reasoning else 0
         n_in = len(job.prompt_ids)
-        return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        cached = prefix_usage([job])["prompt_tokens_details"]["cached_tokens"]
+        return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                 "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": min(reasoning, n_out)},
                 "total_tokens": n_in + n_out}
 
@@ -291,20 +306,59 @@ async def _sse_stream(events: AsyncIterator[dict], b: OutputBuilder) -> AsyncIte
         async for ev in events:
             yield _sse(ev)
     except TandemError as e:
-        yield _sse(b.event("error", code=e.error_type, message=e.message, param=e.param))
+        for ev in _failed(b, e):
+            yield ev
 
 
-def register_responses(app: FastAPI, h: Handlers, store_size: int) -> Responses:
+def _failed(b: OutputBuilder, e: TandemError) -> list[bytes]:
+    """How a stream ends on an error after it started (a worker lost, the request timeout, the drain
+    deadline): an `error` event, then `response.failed` with the reason."""
+    b.response.update(status="failed", error={"code": e.error_type, "message": e.message})
+    return [_sse(b.event("error", code=e.error_type, message=e.message, param=e.param)),
+            _sse(b.event("response.failed", response=b.snapshot()))]
+
+
+def _format_echo(fmt) -> dict:
+    if fmt is None:
+        return {"type": "text"}
+    if fmt.name == "json_object" and not fmt.schema:
+        return {"type": "json_object"}
+    return {"type": "json_schema", "name": fmt.name, "schema": json.loads(fmt.schema), "strict": True,
+            "description": fmt.description or None}
+
+
+def register_responses(app: FastAPI, h: Handlers, store_size: int, serving: Serving) -> Responses:
     api = Responses(h, ResponseStore(store_size))
 
     @app.post("/v1/responses")
-    async def create(req: ResponsesRequest):
-        b, events = await api.run(req)
+    async def create(req: ResponsesRequest, request: Request):
+        serving.admitting()
+        job, history, calls, response = api.prepare(req)
+        b = OutputBuilder(response)
+        chat = h.chat_events(job, [])
+        scope = serving.inflight.open(job.request_id)
         if req.stream:
-            return StreamingResponse(_sse_stream(events, b), media_type="text/event-stream")
-        async for _ in events:
-            pass
-        return b.response
+            try:  # a failure before the first token is an HTTP error, not a 200 stream
+                first = await scope.run(request, _first(chat))
+            except BaseException:
+                serving.inflight.close(scope)
+                raise
+            headers = {"x-tandem-queue-wait-s": f"{job.trace.queue_wait_s:.3f}"}
+            body = _sse_stream(api.events(req, job, history, calls, b, first, chat), b)
+            return StreamingResponse(scope.stream(body, partial(_failed, b)), media_type="text/event-stream",
+                                     headers=headers)
+
+        async def collect() -> dict:
+            first = await _first(chat)
+            async for _ in api.events(req, job, history, calls, b, first, chat):
+                pass
+            return b.response
+
+        try:
+            body = await scope.run(request, collect())
+        finally:
+            serving.inflight.close(scope)
+        return JSONResponse(body, headers={"x-tandem-queue-wait-s": f"{job.trace.queue_wait_s:.3f}"})
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> dict:

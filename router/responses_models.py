@@ -10,7 +10,9 @@ completions render through the same Harmony layer:
 `instructions` become a developer message of this request only (not carried over by
 previous_response_id, as in OpenAI's API). Everything else a client may send is either supported
 or refused with a 400 that names the parameter: unknown fields, built-in tools, tool_choice other
-than auto/none, structured outputs, encrypted reasoning, image/file inputs, background mode.
+than auto/none, encrypted reasoning, image/file inputs, background mode. Structured outputs
+(`text.format` json_object / json_schema) and strict function tools (`strict: true`; the Responses
+API's default of true is taken as false here unless sent) are constrained (router/structured.py).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import InvalidRequest
-from router.chat_types import ChatMessage, ToolCall, ToolDef
-from router.openai_models import FunctionDef, ToolIn, tool_def
+from router.chat_types import ChatMessage, ResponseFormat, ToolCall, ToolDef
+from router.openai_models import INT32, FunctionDef, ToolIn, tool_def
+from router.structured import TextFormatIn, final_format
 
 
 class _Strict(BaseModel):
@@ -86,10 +89,6 @@ class ReasoningIn(_Strict):
     generate_summary: str | None = None
 
 
-class TextFormatIn(_Lenient):
-    type: str
-
-
 class TextIn(_Strict):
     format: TextFormatIn | None = None
     verbosity: str | None = None
@@ -119,6 +118,7 @@ class ResponsesRequest(_Strict):
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
     service_tier: str | None = None
+    priority: Annotated[int, Field(ge=-INT32, le=INT32)] = 0  # vLLM extension: lower is admitted sooner when queued
 
     def check_unsupported(self) -> None:
         """Refuse, naming the parameter, what we accept in the schema but cannot honour."""
@@ -140,8 +140,6 @@ class ResponsesRequest(_Strict):
                "reasoning.summary", "reasoning summaries are not supported (the reasoning text itself is "
                "returned as reasoning_text content)")
         if self.text is not None:
-            no(self.text.format is not None and self.text.format.type != "text", "text.format",
-               "structured outputs (text.format other than text) are not supported yet")
             no(self.text.verbosity not in (None, "medium"), "text.verbosity", "text.verbosity is not supported")
 
     def tool_defs(self) -> list[ToolDef]:
@@ -152,16 +150,16 @@ class ResponsesRequest(_Strict):
                                      param=f"tools[{i}].type")
             if not t.name:
                 raise InvalidRequest(f"tools[{i}]: a function tool needs a name", param=f"tools[{i}].name")
-            if t.strict:
-                raise InvalidRequest(f"tools[{i}]: strict function calling (constrained arguments) is not "
-                                     "supported; send strict: false", param=f"tools[{i}].strict")
             extra = sorted(k for k, v in (t.model_extra or {}).items() if v is not None)
             if extra:
                 raise InvalidRequest(f"tools[{i}]: unsupported function tool field {extra[0]!r}",
                                      param=f"tools[{i}].{extra[0]}")
-            fn = FunctionDef(name=t.name, description=t.description or "", parameters=t.parameters)
-            out.append(tool_def(ToolIn(type="function", function=fn)))
+            fn = FunctionDef(name=t.name, description=t.description or "", parameters=t.parameters, strict=t.strict)
+            out.append(tool_def(ToolIn(type="function", function=fn), f"tools[{i}]"))
         return out
+
+    def response_format(self) -> ResponseFormat | None:
+        return final_format(self.text.format if self.text is not None else None, "text.format")
 
     def tool_choice_mode(self) -> Literal["auto", "none"]:
         c = self.tool_choice

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from common.errors import ProtocolError
 from wire.codec import brief, build, pack, to_wire, unpack
 
-PROTOCOL_VERSION = 3  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache
+PROTOCOL_VERSION = 4  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache;
+# 4: structured outputs (SamplingSpec.grammars), n > 1 (SamplingSpec.share_prompt)
 MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
 
 
@@ -37,6 +38,16 @@ MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this i
 class LogitBias:
     token_id: int
     bias: float
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A JSON grammar for one Harmony message target (common/grammar.py): target "final" (the
+    answer: response_format) or "functions.NAME" (a strict tool's arguments); schema is the JSON
+    schema text, "" for any JSON object (response_format json_object)."""
+
+    target: str
+    schema: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +64,8 @@ class SamplingSpec:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: list[LogitBias] = field(default_factory=list)
+    grammars: list[GrammarSpec] = field(default_factory=list)  # structured outputs; empty = unconstrained
+    share_prompt: bool = False  # n > 1: index the prompt's KV in the prefix cache once computed (model/prefix_share.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +212,7 @@ class Ack:
 
 MESSAGES: tuple[type, ...] = (SamplingSpec, TopLogprob, StatusRequest, WorkerStatus, AdmitRequest, Admitted, Rejected,
                               PrefillRequest, PrefillResult, StartDecode, GenerateRequest, TokenChunk, Abort, Ack,
-                              LogitBias, TokenBatch)
+                              LogitBias, TokenBatch, GrammarSpec)
 _TAGS = {cls: i for i, cls in enumerate(MESSAGES)}
 
 

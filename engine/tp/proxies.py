@@ -107,6 +107,9 @@ class GroupRunner:
     def collect(self, h: StepHandle) -> tuple[list[int | None], list[TokenLogprob | None]]:
         return self.local.collect(h)
 
+    def finish_sample(self, h: StepHandle) -> None:
+        self.local.finish_sample(h)  # sampling is rank 0's alone
+
     def run(self, items: list[ScheduledSeq], on_layer_done: Callable[[int], None] | None = None
             ) -> tuple[list[int | None], list[TokenLogprob | None]]:
         return self.collect(self.launch(items, None, 0, on_layer_done))

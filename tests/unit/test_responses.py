@@ -89,13 +89,16 @@ def test_items_become_one_assistant_turn_per_group():
 @pytest.mark.parametrize("body,param", [
     ({"foo": 1}, "foo"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"tools": [{"type": "function", "name": "f", "strict": True}]}, "tools[0].strict"),
+    ({"tools": [{"type": "function", "name": "f", "strict": True,
+                 "parameters": {"type": "object", "properties": 3}}]}, "tools"),
     ({"tools": [{"type": "function", "name": "f", "defer_loading": True}]}, "tools[0].defer_loading"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
     ({"reasoning": {"effort": "minimal"}}, "reasoning.effort"),
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"background": True}, "background"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
@@ -142,7 +145,19 @@ def test_store_is_a_bounded_lru():
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"top_logprobs": 3}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True,
+                                                  "parameters": {"type": "object", "properties": 3}}}]}, "tools"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x y", "schema": {}}}},
+     "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
+    ({"n": 129}, "n"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"300000": 1}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name"),
     ({"messages": [{"role": "user", "content": "hi", "foo": 1}]}, "messages.0.foo"),
 ])
@@ -155,6 +170,10 @@ def test_chat_unsupported_is_a_400_naming_the_parameter(http, body, param):
 def test_completions_unsupported_is_a_400(http):
     r = http.post("/v1/completions", json={"model": "m", "prompt": "x", "best_of": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+    r = http.post("/v1/completions", json={"model": "m", "prompt": ["x"] * 3, "n": 50})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = http.post("/v1/completions", json={"model": "m", "prompt": ["x", "y"], "n": 2, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     r = http.post("/v1/completions", json={"model": "m", "prompt": "x", "suffix": "y"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
 

@@ -103,5 +103,7 @@ def test_draining_router_refuses_new_requests():
         app.state.serving.draining = True
         r = c.post("/v1/chat/completions", json=chat())
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        r = c.post("/v1/responses", json={"model": "m", "input": "hi"})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
         r = c.get("/ready")
         assert r.status_code == 503 and r.json()["reason"] == "draining"

@@ -30,7 +30,7 @@ def chat(**kw):
     (chat(max_tokens=-1), 400, "max_tokens"),
     (chat(max_tokens=5000), 400, "max_tokens"),
     (chat(temperature=5), 400, "temperature"),
-    (chat(n=2), 400, "n"),
+    (chat(n=200), 400, "n"),
     (chat(messages=[]), 400, "messages"),
     (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]), 400, "tools"),
     (chat(tools=[{"type": "function", "function": {"name": "bad name!", "parameters": {}}}]), 400, "tools"),
