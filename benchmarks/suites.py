@@ -297,15 +297,15 @@ SUITES: dict[str, Suite] = {
         reproduces=("issue 27: the fusions' share of the 20b prefill 8k (89.8 ms) and batch-1 decode replay "
                     "(2.44-2.53 ms at 8k)",)),
     # issue 28: the embedded demo model. Training needs torch only; the data is rendered by openai-harmony,
-    # which the GPU machine lacks: it travels in .whl-site. The sweep stops its runs by 450 s (4.5 min of
+    # which the GPU machine lacks: it travels in .whl-site. The sweep stops its runs by 330 s (3.5 min of
     # training each, 6 at once; ~6.5 min expected in all), so the step ends well inside one device call.
     "demo-train": Suite(
         "the embedded demo model (issue 28): training.sweep renders the synthetic Harmony data once, trains 6 "
-        "configurations/seeds of the tiny gpt-oss as concurrent processes on this GPU (4.5 min each), evaluates each "
+        "configurations/seeds of the tiny gpt-oss as concurrent processes on this GPU (3.5 min each), evaluates each "
         "by greedy decoding (structure, exact answers, the integration tests' conversations) and by sampling, and "
         "leaves the best as gpt-oss-tiny-demo.safetensors (copy it to model/demo/)",
         carry=(".whl-site",),
-        steps=(step("sweep", "{py} -m training.sweep --out {out} --device cuda --minutes 4.5 --deadline-s 450", 520,
+        steps=(step("sweep", "{py} -m training.sweep --out {out} --device cuda --minutes 3.5 --deadline-s 330", 400,
                     summary=r"^best|Error|Traceback"),)),
     "demo-train-smoke": Suite(
         "demo-train's machinery on a CPU: the same sweep with --smoke (small data, two runs of 20 steps)",
