@@ -195,11 +195,19 @@ def serve(argv: list[str]) -> int:
     if a.colocated:
         a.num_prefill = 0
     if a.checkpoint is None and not a.random_weights:
-        from model.checkpoint_io import ensure_demo_checkpoint
+        from model.checkpoint_io import ensure_checkpoint, ensure_demo_checkpoint
+        from model.demo import DEMO_FILE, PRODUCED_BY
 
-        # No fallback to a random model: it never emits a stop token, so the README example would
-        # never return. A tree without model/demo's weights fails here, saying how to get them.
-        a.checkpoint = str(ensure_demo_checkpoint(DEFAULT_CACHE))
+        if DEMO_FILE.exists():
+            a.checkpoint = str(ensure_demo_checkpoint(DEFAULT_CACHE))
+        else:
+            # A tree without the trained demo weights serves the random tiny model. It never emits a
+            # stop token, so a request without max_tokens would run to the context's end: the router's
+            # default max_tokens becomes 64 (a request may still ask for more).
+            print(f"note: {DEMO_FILE.name} is not in this tree (trained by {PRODUCED_BY}); serving the random "
+                  "tiny model, whose replies are noise, with a default max_tokens of 64", file=sys.stderr)
+            a.checkpoint = str(ensure_checkpoint("tiny", DEFAULT_CACHE))
+            a.router_args = f"--default-max-tokens 64 {getattr(a, 'router_args', '') or ''}"
     env = worker_env(a.device)
     procs = [subprocess.Popen(cmd, env=env) for cmd in build_commands(a, a.checkpoint)]
     stop = {"now": False}

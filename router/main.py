@@ -53,6 +53,8 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
     p.add_argument("--decode-port", type=int, default=7200)
     p.add_argument("--colocated", action="store_true", help="prefill on the decode workers")
     p.add_argument("--max-model-len", type=int, default=131072)
+    p.add_argument("--default-max-tokens", type=int, default=4096,
+                   help="max_tokens of a request that names none (capped by the room left in the context)")
     p.add_argument("--poll-interval-s", type=float, default=1.0)
     p.add_argument("--transfer-deadline-s", type=float, default=60.0)
     p.add_argument("--prefill-timeout-s", type=float, default=600.0)
@@ -101,7 +103,8 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
                        decode=tuple(disc.decode), dns_discovery=disc.dns, colocated=a.colocated,
                        poll_interval_s=a.poll_interval_s, transfer_deadline_s=a.transfer_deadline_s,
                        prefill_timeout_s=a.prefill_timeout_s, stream_timeout_s=a.stream_timeout_s,
-                       max_model_len=a.max_model_len, max_queued_requests=a.max_queued_requests,
+                       max_model_len=a.max_model_len, default_max_tokens=a.default_max_tokens,
+                       max_queued_requests=a.max_queued_requests,
                        max_queue_wait_s=a.max_queue_wait_s, max_prefill_queue=a.max_prefill_queue,
                        request_timeout_s=a.request_timeout_s,
                        drain_timeout_s=a.drain_timeout_s, max_request_bytes=a.max_request_bytes,
