@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", default="64", help="N or LO:HI (uniform)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-extras", action="store_true", help="do not send ignore_eos / return_token_ids")
-    p.add_argument("--warmup", type=int, default=0, help="requests sent (all at once) before the measured run")
+    p.add_argument("--warmup", type=int, default=0, help="requests sent (all at once) before the measured run; "
+                   "--multi-turn: conversations of two turns (another seed) before each measured load")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--request-timeout-s", type=float, default=120.0)
@@ -364,7 +365,7 @@ def main_multi_turn(a: argparse.Namespace, argv: list[str]) -> int:
 
     runs = []
     if a.url:
-        runs.append(multi_turn.run(spec(a.url.rstrip("/")), a.url))
+        runs.append(multi_turn.run(spec(a.url.rstrip("/")), a.url, warmup=a.warmup))
     else:
         base_args = shlex.split(a.serve_args)
         for mode in (["colocated", "disaggregated"] if a.launch == "both" else [a.launch]):
@@ -376,7 +377,7 @@ def main_multi_turn(a: argparse.Namespace, argv: list[str]) -> int:
             for name, flags in variants:
                 label = f"{mode} {name}".strip()
                 with LaunchedService(mode, a.num_prefill, a.num_decode, base_args + flags, a.ready_timeout_s) as svc:
-                    run = multi_turn.run(spec(svc.url), label, svc.workers)
+                    run = multi_turn.run(spec(svc.url), label, svc.workers, warmup=a.warmup)
                     run["launched"] = {"mode": mode, "command": svc.cmd[2:]}
                     if "cuda" not in a.serve_args:
                         run["note"] = CPU_NOTE

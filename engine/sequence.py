@@ -59,6 +59,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     ring_valid_from: int = 0
     num_cached_prefix: int = 0
+    first_launch: float | None = None  # monotonic time its first step was scheduled and launched (TTFT breakdown)
 
     @property
     def all_ids(self) -> list[int]:
