@@ -237,7 +237,7 @@ class Fleet:
         return WorkerView(address=addr, healthy=st.healthy, ready=s.ready and not s.draining,
                           queue_depth=s.queue_depth, queued_tokens=queued, running=max(seqs, 0),
                           kv_free_pages=max(free, 0), page_size=s.page_size, max_num_seqs=s.max_num_seqs,
-                          kv_total_pages=s.kv_total_pages)
+                          kv_total_pages=s.kv_total_pages, cached_pages=s.cached_pages)
 
     def prefix_matches(self, hashes: PromptHashes, num_tokens: int) -> dict[str, int]:
         """address -> prompt tokens that worker's prefix cache holds (as the router knows it)."""

@@ -44,6 +44,7 @@ class WorkerView:
     page_size: int
     max_num_seqs: int
     kv_total_pages: int = 0  # 0: unknown (no status yet)
+    cached_pages: int = 0  # decode: pages its prefix cache alone holds (evictable; counted in kv_free_pages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,9 +134,12 @@ def ttft_cost(w: WorkerView, prompt_len: int, matches: dict[str, int]) -> int:
 def _decode_key(roomy: list[WorkerView], matches: dict[str, int], need, prompt_len: int = 0):
     """The max() key choosing among roomy decode workers (module docstring): the fewest running
     when the loads differ beyond the slack; room then load when the cached prefixes do not differ;
-    else the lowest estimated time to first token. Room and load break ties, the address last."""
-    def base(w: WorkerView) -> tuple:
-        return (w.kv_free_pages - need(w) - w.running, -w.running, w.address)
+    else the lowest estimated time to first token. Room and load break ties, then the smaller
+    cache (SGLang's router sends an unmatched request to the worker with the smallest tree: without
+    it an idle fleet gave every new conversation to the same worker, the highest address, and
+    stickiness then kept their later turns there), the address last."""
+    def base(w: WorkerView) -> tuple:  # on an idle fleet, the least cached: new conversations spread
+        return (w.kv_free_pages - need(w) - w.running, -w.running, -w.cached_pages, w.address)
 
     running = [w.running for w in roomy]
     if max(running) - min(running) > balance_slack(roomy):

@@ -40,6 +40,8 @@ CASES = [
      (d("d1", running=20), d("d2", running=3)), {"d1": 2800}, "d2"),
     ("... even though the cached prefix leaves more free KV where it is held",
      (d("d1", running=20, free=9000), d("d2", running=3, free=8000)), {"d1": 2800}, "d2"),
+    ("an idle fleet: the worker with the smaller cache takes a new conversation",
+     (replace(d("d1"), cached_pages=10), replace(d("d2"), cached_pages=300)), {}, "d1"),
     ("a worker without room is never chosen, whatever it holds",
      (d("d1", free=10), d("d2")), {"d1": 2800}, "d2"),
 ]
