@@ -103,11 +103,11 @@ def snapshot_kv(eng, seq) -> dict[int, tuple[int, torch.Tensor]]:
     if spec.sliding_layers and seq.pages.ring and not seq.pages.copy_src:
         last = (n - 1) // p
         lo = max(seq.ring_valid_from, (last - r + 1) * p, 0)
+        dev = pool.pools[PageGroup.SLIDING].device
         pos = torch.arange(lo, n)
-        ring = torch.tensor(seq.pages.ring)
-        slots = (ring[(pos // p) % r] * p + pos % p).to(pool.pools[1].device)
-        flat = pool.pools[PageGroup.SLIDING].permute(0, 1, 2, 4, 3, 5).flatten(2, 3)  # [L, 2, NP*P, Hkv, D]
-        kv = flat.index_select(2, slots)
+        pages = torch.tensor(seq.pages.ring)[(pos // p) % r].to(dev)
+        # [L, 2, NP, Hkv, P, D] indexed at (page, offset) per position -> [N, L, 2, Hkv, D]
+        kv = pool.pools[PageGroup.SLIDING][:, :, pages, :, (pos % p).to(dev)].permute(1, 2, 0, 3, 4)
         for i, layer in enumerate(spec.sliding_layers):
             out[layer] = (lo, kv[i].clone())
     return out
