@@ -70,6 +70,10 @@ class TurnResult:
     computed_tokens: int | None = None
     kv_bytes: int | None = None
     prefill: str = ""
+    decode_worker: str = ""  # the server's x-tandem-decode header: where it ran (placement)
+    queue_wait_s: float | None = None  # x-tandem-queue-wait-s: time in the router's admission queue
+    start_s: float | None = None  # sent, seconds after the load started (a timeline: stalls hit requests in flight)
+    ttft_parts: dict[str, float] = field(default_factory=dict)  # x-tandem-ttft-breakdown: component -> seconds
 
 
 def plan(spec: MultiTurnSpec) -> tuple[list[int], list[list[tuple[list[int], int]]]]:
@@ -86,13 +90,19 @@ def plan(spec: MultiTurnSpec) -> tuple[list[int], list[list[tuple[list[int], int
 
 
 async def one_turn(client: httpx.AsyncClient, spec: MultiTurnSpec, r: TurnResult, prompt: list[int],
-                   max_tokens: int) -> TurnResult:
+                   max_tokens: int, t_load: float) -> TurnResult:
     body = {"model": spec.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True}
     t0 = time.perf_counter()
+    r.start_s = t0 - t_load
     try:
         async with asyncio.timeout(spec.request_timeout_s):
             async with client.stream("POST", "/v1/completions", json=body) as resp:
+                r.decode_worker = resp.headers.get("x-tandem-decode", "")
+                wait = resp.headers.get("x-tandem-queue-wait-s")
+                r.queue_wait_s = float(wait) if wait else None
+                r.ttft_parts = {k: float(v) for k, _, v in (p.partition("=") for p in
+                                resp.headers.get("x-tandem-ttft-breakdown", "").split(";") if p)}
                 if resp.status_code != 200:
                     r.error = f"http_{resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
                     return r
@@ -140,7 +150,7 @@ async def run_conversations(spec: MultiTurnSpec) -> tuple[list[TurnResult], floa
             for k, (user, max_tokens) in enumerate(convs[c]):
                 new = len(user) + (len(system) if k == 0 else 1)
                 prompt = prompt + user
-                r = await one_turn(client, spec, TurnResult(c, k + 1, len(prompt), new), prompt, max_tokens)
+                r = await one_turn(client, spec, TurnResult(c, k + 1, len(prompt), new), prompt, max_tokens, t0)
                 out.append(r)
                 if not r.ok:
                     break  # the conversation cannot continue without its answer
@@ -182,6 +192,15 @@ def summarize(results: list[TurnResult], duration_s: float, kv_bytes_per_token: 
             "prefilled_locally": sum(r.prefill == "local" for r in rs),
         }
     t1, t2 = out["turn1"], out["turns2plus"]
+    for name, rs in groups.items():  # where the TTFT went, per component (the server's breakdown)
+        comps = sorted({k for r in rs for k in r.ttft_parts})
+        out[name]["ttft_breakdown_ms"] = {k: _pct([r.ttft_parts[k] for r in rs if k in r.ttft_parts], 1e3)
+                                          for k in comps}
+    out["by_decode_worker"] = {
+        w: {"turn1": sum(r.turn == 1 for r in rs), "turns2plus": sum(r.turn > 1 for r in rs),
+            "ttft_ms_turns2plus": _pct([r.ttft_s for r in rs if r.turn > 1], 1e3)}
+        for w in sorted({r.decode_worker for r in ok if r.decode_worker})
+        for rs in [[r for r in ok if r.decode_worker == w]]}
     out["kv_bytes_per_token"] = kv_bytes_per_token
     # the goal: a later turn ships no more than its new tokens' KV (all layers). The cached prefix is
     # block-aligned (up to 15 earlier tokens go again), the sliding layers need only their last W tokens.
@@ -192,17 +211,56 @@ def summarize(results: list[TurnResult], duration_s: float, kv_bytes_per_token: 
     return out
 
 
-def run(spec: MultiTurnSpec, label: str, workers: list[str] = ()) -> dict:
-    """One load against a service; `workers` (its decode and prefill addresses): KV bytes per token
-    from their status, and the leak check after the load."""
+def warm_up(spec: MultiTurnSpec, conversations: int) -> dict:
+    """Conversations of two turns with another seed (their prompts share no block with the measured
+    ones) before the measured load: a fresh server's first long prefills, first short prefills into
+    a running batch and first batch sizes compile kernels (Triton, DeepGEMM, FlashInfer JIT) that a
+    later launch finds in the on-disk caches; without this the first launched configuration pays
+    them in its TTFT (multi-turn-1 on the H200: turn 1 of the first run shifted by ~1.9 s)."""
+    from dataclasses import replace
+
+    results, duration = asyncio.run(run_conversations(
+        replace(spec, conversations=conversations, turns=min(2, spec.turns), seed=spec.seed + 1000,
+                conversation_gap_s=0.0)))
+    return {"conversations": conversations, "requests": len(results), "failed": sum(not r.ok for r in results),
+            "duration_s": duration}
+
+
+def run(spec: MultiTurnSpec, label: str, workers: list[str] = (), warmup: int = 0) -> dict:
+    """One load against a service (after `warmup` warm-up conversations, when > 0); `workers` (its
+    decode and prefill addresses): KV bytes per token from their status, and the leak check after
+    the load."""
+    warm = warm_up(spec, warmup) if warmup else None
+    before = ttft_breakdown(spec.base_url)
     results, duration = asyncio.run(run_conversations(spec))
+    after = ttft_breakdown(spec.base_url)
     doc = asdict(spec)
     sts = worker_status(list(workers))
     per_token = next((st.kv_bytes_per_token for st in sts if st is not None and st.role == "decode"), None)
-    return {"label": label, "load": doc, "summary": summarize(results, duration, per_token),
+    parts = {k: {"n": n, "mean_ms": 1e3 * s / n} for k, (s, n) in
+             ((k, (after[k][0] - before.get(k, (0.0, 0))[0], after[k][1] - before.get(k, (0.0, 0))[1])) for k in after)
+             if n > 0}
+    return {"label": label, "load": doc, "warmup": warm, "summary": summarize(results, duration, per_token),
+            "ttft_breakdown": parts,
             "leaks": worker_leaks(list(workers)) if workers else None,
             "requests": [{k: v for k, v in asdict(r).items() if k != "output_ids"} | {"output_tokens": len(r.output_ids)}
                          for r in results]}
+
+
+def ttft_breakdown(base_url: str) -> dict[str, tuple[float, int]]:
+    """The router's tandem_ttft_breakdown_seconds: component -> (sum of seconds, count); {} when it
+    does not answer (the load's own numbers do not depend on it)."""
+    import re
+
+    try:
+        text = httpx.get(base_url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, list] = {}
+    for kind, comp, val in re.findall(r'^tandem_ttft_breakdown_seconds_(sum|count)\{component="([^"]+)"\} (\S+)$',
+                                      text, re.M):
+        out.setdefault(comp, [0.0, 0])[kind == "count"] = float(val)
+    return {k: (v[0], int(v[1])) for k, v in out.items()}
 
 
 def format_runs(runs: list[dict]) -> str:

@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="structured outputs: every request carries a json_schema response_format (loadgen."
                         "GRAMMAR_SCHEMA) and, with --api completions, a prompt ending in the Harmony final "
                         "header, so each output token is grammar-constrained; compare ITL/TPOT with a run without")
-    p.add_argument("--warmup", type=int, default=0, help="requests sent (all at once) before the measured run")
+    p.add_argument("--warmup", type=int, default=0, help="requests sent (all at once) before the measured run; "
+                   "--multi-turn: conversations of two turns (another seed) before each measured load")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--request-timeout-s", type=float, default=120.0)
@@ -371,7 +372,7 @@ def main_multi_turn(a: argparse.Namespace, argv: list[str]) -> int:
 
     runs = []
     if a.url:
-        runs.append(multi_turn.run(spec(a.url.rstrip("/")), a.url))
+        runs.append(multi_turn.run(spec(a.url.rstrip("/")), a.url, warmup=a.warmup))
     else:
         base_args = shlex.split(a.serve_args)
         for mode in (["colocated", "disaggregated"] if a.launch == "both" else [a.launch]):
@@ -383,7 +384,7 @@ def main_multi_turn(a: argparse.Namespace, argv: list[str]) -> int:
             for name, flags in variants:
                 label = f"{mode} {name}".strip()
                 with LaunchedService(mode, a.num_prefill, a.num_decode, base_args + flags, a.ready_timeout_s) as svc:
-                    run = multi_turn.run(spec(svc.url), label, svc.workers)
+                    run = multi_turn.run(spec(svc.url), label, svc.workers, warmup=a.warmup)
                     run["launched"] = {"mode": mode, "command": svc.cmd[2:]}
                     if "cuda" not in a.serve_args:
                         run["note"] = CPU_NOTE

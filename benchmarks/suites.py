@@ -117,9 +117,11 @@ MT_SERVE_ARGS = ("--device cuda --fp8 --random-weights gpt-oss-20b --share-gpu -
 def multi_turn_step(mode: str, timeout_s: int) -> Step:
     """64 conversations x 8 turns, a 2k shared system prompt, 100-300 new user tokens and 100-200 answer
     tokens per turn; each mode launched with and without prefix caching (disaggregated also with every
-    prefill remote: shipping only the pages decode lacks)."""
+    prefill remote: shipping only the pages decode lacks). Each launch first runs 8 warm-up
+    conversations (another seed): a fresh server's first shapes compile kernels, which the first
+    launch otherwise paid in its TTFT (multi-turn-1)."""
     return step(mode, f"{{py}} -m launcher.cli bench serve --multi-turn --launch {mode} --compare-caching "
-                      "--conversations 64 --turns 8 --system-len 2048 --user-len 100:300 --output-len 100:200 "
+                      "--conversations 64 --turns 8 --system-len 2048 --user-len 100:300 --output-len 100:200 --warmup 8 "
                       "--num-prefill 1 --num-decode 1 --request-timeout-s 200 --ready-timeout-s 150 "
                       f"--out {{out}}/serve_multi_turn_{mode}.json --serve-args " + shlex.quote(MT_SERVE_ARGS),
                 timeout_s, summary=r"cache|failed|Error|Traceback")
@@ -278,7 +280,7 @@ SUITES: dict[str, Suite] = {
         "issue 25: prefix caching on the GPU (FlashInfer, CUDA graphs, overlapped loop): later turns hit, "
         "tokens agree with the uncached engine, no leaks; and the overlapped loop's GPU tests with the cache on",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
-        steps=(step("prefix-gpu", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_prefix_cache_gpu.py "
+        steps=(step("prefix-gpu", "{py} -m pytest -q -rP -m gpu -p no:cacheprovider tests/integration/test_prefix_cache_gpu.py "
                                   "tests/integration/test_async_decode_gpu.py", 300, summary=PYTEST),)),
     "fusion-ab": Suite(
         "issue 27's launch-bound fusions (--fusions): their GPU parity tests first (bits of the unfused kernels, "

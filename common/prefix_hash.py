@@ -32,12 +32,19 @@ def identity_root(identity: str) -> int:
 def extend_hashes(hashes: list[int], token_ids: Sequence[int], page_size: int, root: int) -> list[int]:
     """Append the hashes of the complete blocks of `token_ids` not yet in `hashes` (in place; the
     first len(hashes) blocks are assumed unchanged). Returns `hashes`."""
-    pack = struct.Struct(f"<Q{page_size}I").pack
     n_blocks = len(token_ids) // page_size
+    first = len(hashes)
+    if first >= n_blocks:
+        return hashes
     parent = hashes[-1] if hashes else root
-    for j in range(len(hashes), n_blocks):
-        block = token_ids[j * page_size:(j + 1) * page_size]
-        parent = int.from_bytes(hashlib.blake2b(pack(parent, *block), digest_size=8).digest(), "little")
+    # H(parent as <Q || the block as <I...): the new blocks' tokens packed in one call (a per-block
+    # struct.pack of 17 values cost ~2 us a block: ~0.5 ms for a 4k-token prompt, hashed per request)
+    step = 4 * page_size
+    data = struct.pack(f"<{(n_blocks - first) * page_size}I", *token_ids[first * page_size:n_blocks * page_size])
+    blake2b = hashlib.blake2b
+    for i in range(0, len(data), step):
+        parent = int.from_bytes(blake2b(parent.to_bytes(8, "little") + data[i:i + step], digest_size=8).digest(),
+                                "little")
         hashes.append(parent)
     return hashes
 

@@ -34,7 +34,7 @@ class WorkerIO:
     def __init__(self, bind: str, status_fn: Callable[[StatusRequest], WorkerStatus]) -> None:
         self.bind, self.status_fn = bind, status_fn
         self.ctx = zmq.Context.instance()
-        self.inbox: queue.Queue[tuple[bytes, object]] = queue.Queue()
+        self.inbox: queue.Queue[tuple[bytes, object, float]] = queue.Queue()  # (peer, msg, monotonic arrival)
         self._outbox_addr = f"inproc://outbox-{uuid.uuid4().hex}"
         self._push = self.ctx.socket(zmq.PUSH)
         self._push.bind(self._outbox_addr)
@@ -62,6 +62,11 @@ class WorkerIO:
 
     def drain(self, timeout_s: float) -> list[tuple[bytes, object]]:
         """Every message that arrived; waits up to timeout_s for the first when there is none."""
+        return [(peer, msg) for peer, msg, _ in self.drain_timed(timeout_s)]
+
+    def drain_timed(self, timeout_s: float) -> list[tuple[bytes, object, float]]:
+        """drain() with each message's arrival time (time.monotonic() when this thread received it:
+        the loop picks messages up between steps, and a request's wait counts from here)."""
         out = []
         try:
             out.append(self.inbox.get(timeout=timeout_s) if timeout_s > 0 else self.inbox.get_nowait())
@@ -137,7 +142,7 @@ class WorkerIO:
                     if isinstance(msg, StatusRequest):
                         router.send_multipart([peer, encode(self.status_fn(msg))])
                     else:
-                        self.inbox.put((peer, msg))
+                        self.inbox.put((peer, msg, time.monotonic()))
         watch.stop()
         router.close(0)
         pull.close(0)

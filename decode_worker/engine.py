@@ -63,12 +63,18 @@ class Pending:
     cached_tokens: int = 0
 
 
-def chunk_of(seq: Sequence, n_new: int, cached_tokens: int = 0) -> TokenChunk:
+def chunk_of(seq: Sequence, n_new: int, cached_tokens: int = 0, first_local: bool = False) -> TokenChunk:
+    """The sequence's last n_new tokens. The first chunk of a GenerateRequest (`first_local`) also
+    says what its prefill took here: the cached prefix, the wait for its first step, and that step's
+    launch to its token on the host (engine.core stamps first_launch)."""
     new = seq.output_ids[-n_new:] if n_new else []
     lps = seq.logprobs[-n_new:] if (n_new and seq.params.logprobs is not None) else []
+    queue_s = prefill_s = 0.0
+    if first_local and seq.first_launch is not None:
+        queue_s, prefill_s = seq.first_launch - seq.arrival, time.monotonic() - seq.first_launch
     return TokenChunk(seq.request_id, new, [lp.logprob for lp in lps],
                       [[TopLogprob(t, v) for t, v in lp.top] for lp in lps], seq.finished,
-                      seq.finish_reason.value if seq.finish_reason else "", "", cached_tokens)
+                      seq.finish_reason.value if seq.finish_reason else "", "", cached_tokens, queue_s, prefill_s)
 
 
 class DecodeEngine:
@@ -159,13 +165,15 @@ class DecodeEngine:
         p.start, self.peers[m.request_id] = m, peer
         return None
 
-    def generate(self, peer: bytes, m: GenerateRequest) -> TokenChunk | None:
+    def generate(self, peer: bytes, m: GenerateRequest, received: float | None = None) -> TokenChunk | None:
+        """A prompt to prefill here; `received` (monotonic) starts its TTFT breakdown's queue time."""
         if m.request_id in self.peers or m.request_id in self.pending:
             return TokenChunk(m.request_id, [], [], [], True, "abort", "request id already in use on this worker")
         try:
             params = to_params(m.sampling)
             check_request(m.prompt_ids, params, self.vocab_size)
-            seq = Sequence(m.request_id, list(m.prompt_ids), params, arrival=time.monotonic())
+            seq = Sequence(m.request_id, list(m.prompt_ids), params,
+                           arrival=received if received is not None else time.monotonic())
             attach_grammar(seq)
             self.scheduler.add(seq)
         except InvalidRequest as e:
@@ -270,7 +278,7 @@ class DecodeEngine:
             if peer is not None:
                 first = seq.request_id in self.local
                 self.local.discard(seq.request_id)
-                by_peer.setdefault(peer, []).append(chunk_of(seq, 1, seq.num_cached_prefix if first else 0))
+                by_peer.setdefault(peer, []).append(chunk_of(seq, 1, seq.num_cached_prefix if first else 0, first))
             if seq.finished:
                 self.local.discard(seq.request_id)
                 self.seqs.pop(seq.request_id, None)

@@ -85,7 +85,8 @@ class DecodeServer:
             kv_total_sliding_pages=e.kv.spec.num_pages[PageGroup.SLIDING] - own_ring, page_size=e.kv.spec.page_size,
             max_num_seqs=sched.cfg.max_num_seqs, busy_seconds=self.busy_seconds, **status_fields(e.kv))
 
-    def handle(self, peer: bytes, msg: object) -> None:
+    def handle(self, peer: bytes, msg: object, received: float | None = None) -> None:
+        """One message from a router; `received`: when the I/O thread got it (monotonic)."""
         e = self.engine
         if isinstance(msg, AdmitRequest):
             reply = Rejected(msg.request_id, "draining", True) if self.draining.is_set() else e.admit(peer, msg)
@@ -98,7 +99,7 @@ class DecodeServer:
             if self.draining.is_set():
                 self.io.send(peer, TokenChunk(msg.request_id, [], [], [], True, "abort", "worker is draining"))
                 return
-            chunk = e.generate(peer, msg)
+            chunk = e.generate(peer, msg, received)
             if chunk is not None:
                 self.io.send(peer, chunk)
         elif isinstance(msg, Abort):
@@ -120,8 +121,8 @@ class DecodeServer:
             # runnable sequences: no wait; only KV transfers in flight: poll them every 0.5 ms (as the
             # prefill side does) instead of spinning a core; idle: 20 ms
             wait = 0.0 if e.core.has_work else 0.0005 if e.pending else 0.02
-            for peer, msg in self.io.drain(wait):
-                self.handle(peer, msg)
+            for peer, msg, received in self.io.drain_timed(wait):
+                self.handle(peer, msg, received)
             for peer, chunk in e.poll_transfers():
                 self.io.send(peer, chunk)
             t0 = time.perf_counter()

@@ -19,6 +19,8 @@ step is collected right after its launch: the same code, synchronous.
 
 from __future__ import annotations
 
+import time
+
 from engine.runner import ModelRunner, StepHandle
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
@@ -51,6 +53,10 @@ class EngineCore:
         handle = None
         if items:
             self.num_steps += 1
+            now = time.monotonic()  # before the launch: on a CPU the launch is the whole forward
+            for it in items:
+                if it.seq.first_launch is None:
+                    it.seq.first_launch = now
             handle = self.runner.launch(items, prev, self.num_steps)
             self.scheduler.on_launch(items, self.num_steps)
         if prev is not None:

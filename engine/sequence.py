@@ -61,6 +61,7 @@ class Sequence:
     ring_valid_from: int = 0
     num_cached_prefix: int = 0
     grammar: GrammarState | None = None  # structured outputs: attach_grammar(), advanced by every output token
+    first_launch: float | None = None  # monotonic time its first step was scheduled and launched (TTFT breakdown)
 
     @property
     def all_ids(self) -> list[int]:

@@ -44,6 +44,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.errors import ConfigError
@@ -101,6 +102,25 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
     pinned memory: a copy from pageable memory may wait for the stream, and the overlapped decode
     loop plans step N+1 while step N still runs."""
     return t.pin_memory() if torch.cuda.is_available() else t
+
+
+def chunk_gather_indices(prefix_lens: list[int], q_lens: list[int], max_pages: int, page_size: int
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Where each key of a chunk step's dense [prefix ; new] K/V comes from and goes: for every
+    prefix position i of sequence b, its page-table entry b * max_pages + i // P, its offset i % P
+    and its row in the dense keys; the rows of the new tokens; and cu_k [B+1] int32 (keys per
+    sequence = prefix + new). int64 except cu_k."""
+    pre = np.asarray(prefix_lens, dtype=np.int64)
+    q = np.asarray(q_lens, dtype=np.int64)
+    cu_k = np.zeros(len(pre) + 1, dtype=np.int64)
+    np.cumsum(pre + q, out=cu_k[1:])
+    cu_pre = np.concatenate([[0], np.cumsum(pre)])
+    cu_new = np.concatenate([[0], np.cumsum(q)])
+    i = np.arange(cu_pre[-1]) - np.repeat(cu_pre[:-1], pre)  # position within its sequence's prefix
+    flat = np.repeat(np.arange(len(pre)) * max_pages, pre) + i // page_size
+    dst_pre = np.repeat(cu_k[:-1], pre) + i
+    dst_new = np.repeat(cu_k[:-1] + pre, q) + np.arange(cu_new[-1]) - np.repeat(cu_new[:-1], q)
+    return flat, i % page_size, dst_pre, dst_new, cu_k.astype(np.int32)
 
 
 def _jit_args(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool, kv_dtype: torch.dtype | None = None
@@ -327,7 +347,7 @@ class FlashInferAttention:
             indices = _pinned(torch.from_numpy(g.page_ids_host)).to(d.device, non_blocking=True)
         else:
             flat = [b * maxp + j for b, n in enumerate(num_pages) for j in range(n)]
-            indices = g.page_table.flatten()[torch.tensor(flat, dtype=torch.long).to(d.device)]
+            indices = g.page_table.flatten()[_pinned(torch.tensor(flat, dtype=torch.long)).to(d.device, non_blocking=True)]
         indptr = _pinned(torch.tensor([0] + num_pages, dtype=torch.int32).cumsum(0, dtype=torch.int32))
         last = _pinned(torch.tensor([n - (k - 1) * p for n, k in zip(g.kv_lens_host, num_pages)], dtype=torch.int32))
         decode = step.is_decode
@@ -345,25 +365,24 @@ class FlashInferAttention:
 
     def _plan_chunk(self, step: StepMeta, g: GroupMeta, window_left: int, cu_q: torch.Tensor) -> _GroupPlan:
         """Prefix from pages + new tokens, made dense by one gather per layer (sliding prefixes are
-        at most W + P tokens per sequence)."""
+        at most W + P tokens per sequence). The gather's indices are built with numpy and uploaded
+        in one pinned, non-blocking copy: this plan runs for every step with a prefill chunk wider
+        than the ring (each later turn's suffix), and a synchronous `.to(device)` there waited for
+        the step in flight, so the overlapped loop lost its overlap on exactly those steps."""
         d = self._dims
         p, maxp = d.page_size, g.page_table.shape[1]
-        flat, offs, dst_pre, dst_new, cu_k = [], [], [], [], [0]
-        for b, pre in enumerate(g.prefix_lens_host):
-            new = int(cu_q[b + 1] - cu_q[b])
-            flat += [b * maxp + i // p for i in range(pre)]
-            offs += [i % p for i in range(pre)]
-            dst_pre += range(cu_k[-1], cu_k[-1] + pre)
-            dst_new += range(cu_k[-1] + pre, cu_k[-1] + pre + new)
-            cu_k.append(cu_k[-1] + pre + new)
+        flat, offs, dst_pre, dst_new, cu_k = chunk_gather_indices(g.prefix_lens_host, step.q_lens_host, maxp, p)
         dev = d.device
-        pages = g.page_table.flatten()[torch.tensor(flat, dtype=torch.long).to(dev)].long()
-        gather = (pages, torch.tensor(offs, dtype=torch.long).to(dev), torch.tensor(dst_pre, dtype=torch.long).to(dev),
-                  torch.tensor(dst_new, dtype=torch.long).to(dev))
+        gather = None
+        if flat.size:
+            idx = _pinned(torch.from_numpy(np.concatenate([flat, offs, dst_pre, dst_new]))).to(dev, non_blocking=True)
+            n_pre = flat.size
+            pages = g.page_table.flatten()[idx[:n_pre]].long()
+            gather = (pages, idx[n_pre:2 * n_pre], idx[2 * n_pre:3 * n_pre], idx[3 * n_pre:])
         w = self._wrapper("prefill", "ragged", window_left)
-        w.plan(cu_q, torch.tensor(cu_k, dtype=torch.int32), d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True,
+        w.plan(cu_q, _pinned(torch.from_numpy(cu_k)), d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True,
                window_left=window_left, q_data_type=d.dtype, kv_data_type=d.dtype)
-        return _GroupPlan("ragged", w, gather=gather if flat else None, num_keys=cu_k[-1])
+        return _GroupPlan("ragged", w, gather=gather, num_keys=int(cu_k[-1]))
 
     def _plan_fp8_prefill(self, g: GroupMeta, window_left: int, cu_q: torch.Tensor) -> _GroupPlan:
         """A prefill step over e4m3 pages: forward stores, then reads every key of each view back

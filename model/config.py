@@ -258,6 +258,11 @@ PRESETS: dict[str, GptOssConfig] = {
     "tiny-demo": GptOssConfig(vocab_size=201088, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
                               num_experts_per_tok=2),
+    # Numerics on a CPU (benchmarks/prefix_agreement.py): the real vocabulary, head_dim, GQA ratio (8),
+    # window and layer alternation, so logit magnitudes and attention spans are realistic; small widths.
+    "tiny-wide": GptOssConfig(vocab_size=201088, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+                              num_attention_heads=16, num_key_value_heads=2, head_dim=64, num_local_experts=8,
+                              num_experts_per_tok=4),
     # Parity configs: small vocab and windows shorter than the test sequences.
     "tiny-a": GptOssConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                            num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_local_experts=8,

@@ -93,14 +93,14 @@ class PrefillServer:
         return self.draining.is_set() and time.monotonic() >= self.drain_deadline
 
     def _take_messages(self, timeout_s: float) -> None:
-        msgs = self.io.drain(timeout_s)
-        for peer, msg in msgs:
+        msgs = self.io.drain_timed(timeout_s)
+        for peer, msg, received in msgs:
             if isinstance(msg, PrefillRequest):
                 if self.draining.is_set():
                     self.io.send(peer, _failed(msg.request_id, "worker is draining"))
                 else:
                     self.queue.append((peer, msg))
-                    self.arrived[msg.request_id] = time.monotonic()
+                    self.arrived[msg.request_id] = received  # the queue wait counts from the I/O thread
             elif isinstance(msg, Abort):
                 self._abort(msg)
             else:

@@ -88,8 +88,10 @@ class AdmissionQueue:
                   max_prefill_queue=self.max_prefill_queue, matches=matches, cost=self.cost)
         st = self.fleet.workers.get(p.decode)
         page_size = st.status.page_size if st is not None and st.status is not None else 16
-        cached_pages = matches.get(p.decode, 0) // page_size  # decode maps these from its cache
-        self.fleet.reserve(p.decode, t.request_id, pages_for(t.prompt_len, page_size) - cached_pages)
+        cached = matches.get(p.decode, 0)
+        cached_pages = cached // page_size  # decode maps these from its cache
+        self.fleet.reserve(p.decode, t.request_id, pages_for(t.prompt_len, page_size) - cached_pages,
+                           t.prompt_len - cached if p.prefill is None else 0)
         if p.prefill is not None:
             self.fleet.reserve_prefill(p.prefill, t.request_id, t.prompt_len)
         return p

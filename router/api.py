@@ -7,7 +7,10 @@ the OpenAPI schema at /openapi.json (what API fuzzers read). Every TandemError b
 
 Each generation request runs in a router.lifecycle scope (client disconnect, request timeout and
 the drain deadline cancel it); while the router drains, new requests get 503 and /ready 503.
-Responses carry `x-tandem-queue-wait-s`: how long the request waited in the admission queue.
+Responses carry `x-tandem-queue-wait-s` (how long the request waited in the admission queue),
+`x-tandem-decode` / `x-tandem-prefill` (the workers it ran on; prefill empty: prefilled on decode)
+and `x-tandem-ttft-breakdown` (`component=seconds;...`, the components of tandem_ttft_breakdown_seconds
+for this request; streams send headers with the first token, so they are known by then).
 """
 
 from __future__ import annotations
@@ -53,7 +56,10 @@ def error_body(status: int, message: str, etype: str, param: str | None = None, 
 
 
 def _trace_headers(job: Job) -> dict[str, str]:
-    return {"x-tandem-queue-wait-s": f"{job.trace.queue_wait_s:.3f}"}
+    """Where the request ran (the placement that produced its first token) and how long it queued."""
+    return {"x-tandem-queue-wait-s": f"{job.trace.queue_wait_s:.3f}", "x-tandem-decode": job.trace.decode,
+            "x-tandem-prefill": job.trace.prefill,
+            "x-tandem-ttft-breakdown": ";".join(f"{k}={v:.4f}" for k, v in job.trace.parts.items())}
 
 
 def build_app(h: Handlers, serving: Serving) -> FastAPI:

@@ -50,7 +50,8 @@ class WorkerState:
     # yet answered -> prompt tokens (from placement on: a burst sees what it already sent)
     last_poll: float = 0.0  # monotonic time the previous status poll was sent
     live: dict[str, int] = field(default_factory=dict)  # decode: this router's requests -> prompt pages
-    events: list[tuple[int, int, int]] = field(default_factory=list)  # (event no, +1 placed / -1 ended, pages)
+    # (event no, +1 placed / -1 ended, pages, prompt tokens the worker prefills itself: local placements)
+    events: list[tuple[int, int, int, int]] = field(default_factory=list)
     next_event: int = 0
     full_until_poll: bool = False  # answered Rejected: no room until a fresh status says otherwise
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
@@ -96,12 +97,14 @@ class Fleet:
         self.on_poll: list[Callable[[], None]] = []
 
     # ---- router-side reservations on decode workers ------------------------------------------
-    def reserve(self, address: str, request_id: str, pages: int) -> None:
+    def reserve(self, address: str, request_id: str, pages: int, local_tokens: int = 0) -> None:
+        """A placement on decode worker `address`: `pages` reserved there, `local_tokens` of the
+        prompt it prefills itself (0 when a prefill worker computes them)."""
         st = self.workers.get(address)
         if st is None:
             return
         st.live[request_id] = pages
-        st.events.append((st.next_event, 1, pages))
+        st.events.append((st.next_event, 1, pages, local_tokens))
         st.next_event += 1
 
     def release(self, address: str, request_id: str) -> None:
@@ -109,7 +112,7 @@ class Fleet:
         if st is None or request_id not in st.live:
             return
         pages = st.live.pop(request_id)
-        st.events.append((st.next_event, -1, pages))
+        st.events.append((st.next_event, -1, pages, 0))
         st.next_event += 1
 
     def reserve_prefill(self, address: str, request_id: str, tokens: int) -> None:
@@ -222,17 +225,19 @@ class Fleet:
         s = st.status
         if s is None:
             return WorkerView(addr, st.healthy, False, 0, 0, 0, 0, 16, 0)
-        seqs = s.running + s.queue_depth + sum(kind for _, kind, _ in st.events)
-        free = s.kv_free_pages - sum(kind * pages for _, kind, pages in st.events)
+        seqs = s.running + s.queue_depth + sum(kind for _, kind, _, _ in st.events)
+        free = s.kv_free_pages - sum(kind * pages for _, kind, pages, _ in st.events)
+        # prompt tokens placed here to prefill locally since the poll: a burst sees its own backlog
+        queued = s.queued_tokens + sum(tokens for _, _, _, tokens in st.events)
         # Our own live requests are certainly there, whatever an older status says.
         seqs = max(seqs, len(st.live))
         free = min(free, s.kv_total_pages - sum(st.live.values()))
         if st.full_until_poll:
             seqs = s.max_num_seqs
         return WorkerView(address=addr, healthy=st.healthy, ready=s.ready and not s.draining,
-                          queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, running=max(seqs, 0),
+                          queue_depth=s.queue_depth, queued_tokens=queued, running=max(seqs, 0),
                           kv_free_pages=max(free, 0), page_size=s.page_size, max_num_seqs=s.max_num_seqs,
-                          kv_total_pages=s.kv_total_pages)
+                          kv_total_pages=s.kv_total_pages, cached_pages=s.cached_pages)
 
     def prefix_matches(self, hashes: PromptHashes, num_tokens: int) -> dict[str, int]:
         """address -> prompt tokens that worker's prefix cache holds (as the router knows it)."""

@@ -104,6 +104,9 @@ class Handlers:
                     self.metrics.ttft.observe(now - t0)
                     if job.trace.placed_at is not None:
                         self.metrics.ttft_placed.observe(now - job.trace.placed_at)
+                        own = max(0.0, now - t0 - job.trace.queue_wait_s - job.trace.worker_s)
+                        job.trace.parts["router"] = own
+                        self.metrics.ttft_part.labels("router").observe(own)
                 elif chunk.token_ids:
                     for _ in chunk.token_ids:
                         self.metrics.itl.observe((now - last) / len(chunk.token_ids))
@@ -213,7 +216,7 @@ class Handlers:
             prompts = [list(x) for x in p]  # type: ignore[union-attr]
         if not prompts or any(not x for x in prompts):
             raise InvalidRequest("prompt must not be empty", param="prompt")
-        if any(t < 0 or t >= VOCAB_SIZE for x in prompts for t in x):
+        if any(min(x) < 0 or max(x) >= VOCAB_SIZE for x in prompts):  # C loops: prompts are 1k-100k ids
             raise InvalidRequest(f"prompt token ids must be in [0, {VOCAB_SIZE})", param="prompt")
         return prompts
 

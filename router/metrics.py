@@ -38,9 +38,16 @@ class RouterMetrics:
         self.xfer_bytes = Counter("tandem_kv_transfer_bytes_total", "KV bytes pushed prefill -> decode", registry=r)
         self.xfer_seconds = Histogram("tandem_kv_transfer_seconds", "KV transfer duration", buckets=_LAT, registry=r)
         self.xfer_gbps = Gauge("tandem_kv_transfer_gbps", "throughput of the last KV transfer (GB/s)", registry=r)
-        # Where a disaggregated request's time to first token goes, one observation per component:
+        # Where a request's time to first token goes, one observation per component. Remote prefills:
         # decode_admission (reserve pages), prefill_queue, prefill_compute, kv_transfer_tail (what the
-        # layer-by-layer transfer adds after compute), result_to_router (the reply's way back).
+        # layer-by-layer transfer adds after compute), result_to_router (the reply's way back). Local
+        # prefills (colocated, or a short suffix on decode): local_queue (the decode worker's I/O
+        # thread received it -> its first step scheduled: the loop picks messages up between steps,
+        # then the scheduler's own queue), local_prefill (that step's launch -> its token on the
+        # worker's host: the step in flight before it, its own step(s), the loop's next launch; on a
+        # CPU the forwards themselves), local_rpc (the router's send -> the first chunk back, less
+        # those two: both hops). Both: router (the handler started the request -> its first token,
+        # less the admission queue wait and the worker round trip: hashing, placement, the event loop).
         self.ttft_part = Histogram("tandem_ttft_breakdown_seconds", "time to first token by component",
                                    ["component"], buckets=_ITL[:3] + _LAT, registry=r)
         # Prefix caching, by the role that computed the prompt (prefill = remote, decode = local):
@@ -60,12 +67,23 @@ class RouterMetrics:
                                     ["role"], registry=r)
 
     def observe_ttft_parts(self, admission_s: float, queue_s: float, compute_s: float, tail_s: float,
-                           rpc_s: float) -> None:
+                           rpc_s: float) -> dict[str, float]:
         """rpc_s: the prefill call as the router timed it; what the worker did not account for is the
-        way back (network, the worker's reply, the router's event loop)."""
-        for part, v in (("decode_admission", admission_s), ("prefill_queue", queue_s), ("prefill_compute", compute_s),
-                        ("kv_transfer_tail", tail_s), ("result_to_router", rpc_s - queue_s - compute_s - tail_s)):
-            self.ttft_part.labels(part).observe(max(0.0, v))
+        way back (network, the worker's reply, the router's event loop). Returns the parts observed."""
+        return self._observe_parts((("decode_admission", admission_s), ("prefill_queue", queue_s),
+                                    ("prefill_compute", compute_s), ("kv_transfer_tail", tail_s),
+                                    ("result_to_router", rpc_s - queue_s - compute_s - tail_s)))
+
+    def observe_local_ttft_parts(self, queue_s: float, prefill_s: float, rpc_s: float) -> dict[str, float]:
+        return self._observe_parts((("local_queue", queue_s), ("local_prefill", prefill_s),
+                                    ("local_rpc", rpc_s - queue_s - prefill_s)))
+
+    def _observe_parts(self, parts) -> dict[str, float]:
+        out = {}
+        for part, v in parts:
+            out[part] = max(0.0, v)
+            self.ttft_part.labels(part).observe(out[part])
+        return out
 
     def observe_prefill(self, prefill_s: float, xfer_bytes: int, xfer_s: float, total_s: float) -> None:
         self.prefill.observe(prefill_s)

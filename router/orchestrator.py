@@ -64,7 +64,10 @@ class Trace:
 
     queue_wait_s: float = 0.0
     placed_at: float | None = None  # monotonic time of the last placement
-    decode: str = ""
+    worker_s: float = 0.0  # the attempt that streamed: its send to the workers -> first token back
+    parts: dict[str, float] = field(default_factory=dict)  # its TTFT breakdown (router/metrics.py components)
+    decode: str = ""  # the workers of the last placement ("" prefill: on the decode worker)
+    prefill: str = ""
 
 
 @dataclass(slots=True)
@@ -108,11 +111,12 @@ class Orchestrator:
             rid = job.request_id if attempt == 0 else f"{job.request_id}.r{attempt}"
             ticket.request_id, ticket.exclude = rid, frozenset(exclude)
             p = await self.admission.admit(ticket)
-            job.trace.queue_wait_s, job.trace.placed_at, job.trace.decode = ticket.waited_s, time.monotonic(), p.decode
+            job.trace.queue_wait_s, job.trace.placed_at = ticket.waited_s, time.monotonic()
+            job.trace.decode, job.trace.prefill = p.decode, p.prefill or ""
             streamed, backoff_s = False, 0.0
             try:
-                async for chunk in self._attempt(Job(rid, job.prompt_ids, job.sampling, stats=job.stats, hashes=hashes),
-                                                 p, exclude):
+                async for chunk in self._attempt(Job(rid, job.prompt_ids, job.sampling, trace=job.trace,
+                                                     stats=job.stats, hashes=hashes), p, exclude):
                     streamed = True
                     yield chunk
                 return
@@ -144,6 +148,7 @@ class Orchestrator:
         finished = False
         output: list[int] = []
         try:
+            t_sent = time.monotonic()
             if p.prefill is None:
                 job.stats.prefill = "local"
                 await decode.send(GenerateRequest(rid, job.prompt_ids, job.sampling))
@@ -154,6 +159,7 @@ class Orchestrator:
                 output.append(first.first_token)
                 if job.sampling.share_prompt:  # n > 1: decode indexes the landed prompt (model/prefix_share.py)
                     self.fleet.predict(p.decode, job.hashes, job.prompt_ids, len(job.prompt_ids))
+                job.trace.worker_s = time.monotonic() - t_sent
                 yield TokenChunk(rid, [first.first_token], [first.first_logprob] if first.first_logprob is not None else [],
                                  [first.first_top] if job.sampling.logprobs is not None else [], False, "", "",
                                  first.cached_tokens)
@@ -171,6 +177,9 @@ class Orchestrator:
                 finished = item.finished
                 if p.prefill is None and not output:
                     self._count(job, "decode", item.cached_tokens)
+                    job.trace.worker_s = time.monotonic() - t_sent
+                    job.trace.parts = self.metrics.observe_local_ttft_parts(item.queue_seconds, item.prefill_seconds,
+                                                                            job.trace.worker_s)
                 if not output and job.sampling.share_prompt:  # n > 1: the prompt is cached on decode now
                     self.fleet.predict(p.decode, job.hashes, job.prompt_ids, len(job.prompt_ids))
                 output += item.token_ids
@@ -226,8 +235,8 @@ class Orchestrator:
         self.metrics.prefix_decode_cached.inc(reply.cached_tokens)
         assert job.hashes is not None
         self.fleet.predict(prefill_addr, job.hashes, job.prompt_ids, len(job.prompt_ids))
-        self.metrics.observe_ttft_parts(t_admitted - t0, res.queue_seconds, res.prefill_seconds, res.tail_seconds,
-                                        time.monotonic() - t_admitted)
+        job.trace.parts = self.metrics.observe_ttft_parts(t_admitted - t0, res.queue_seconds, res.prefill_seconds,
+                                                          res.tail_seconds, time.monotonic() - t_admitted)
         return res
 
     def _spawn(self, coro) -> None:

@@ -1,13 +1,22 @@
 """Placement: a pure function of a fleet snapshot. No I/O, no clocks; unit-tested on tables.
 
-Decode is chosen by KV room and running load (it must be able to reserve the prompt's pages now
-and keep decoding) and by its cached prefix of the prompt (`matches`, router/prefix_index.py):
-among decode workers with room, the one holding the longest prefix wins unless the running loads
-differ by more than `balance_slack` sequences (then load decides: a cache-aware policy with a
-load guard, as SGLang's router). Prefill by the prefill work ahead of this request's first token:
-queued prompt tokens + the tokens it would compute (prompt minus its cached prefix). When the
-decode worker holds a prefix and the uncached suffix is short, the request prefills there
-(router/prefill_cost.py). When the fleet has no prefill workers the request runs colocated.
+Decode is chosen among the workers that can reserve the prompt's pages now and have a free
+sequence slot ("roomy"), in one of two ways:
+  * by load: when the running loads differ by more than `balance_slack` sequences, the fewest
+    running (decode fairness; SGLang's router has the same guard); when no worker's prefix cache
+    holds more of the prompt than another's, the most free KV after this request, then the fewest
+    running (a prefix every worker holds, such as a shared system prompt, saves the same
+    everywhere and must not attract load);
+  * by estimated time to the first token, in prefill-token equivalents (router/prefill_cost.py):
+        queued prefill tokens + this prompt's uncached tokens there + RUNNING_TOKENS x running
+    A cached prefix wins by the tokens it saves, and loses once the worker holding it is that much
+    busier (a prefill backlog, a larger batch): a conversation stays on the worker that holds its
+    history unless that worker's queue costs more than recomputing the history elsewhere. As
+    Dynamo's KV router and llm-d's prefix scorer do, the match is weighed, never taken blindly.
+Prefill by the prefill work ahead of this request's first token: queued prompt tokens + the tokens
+it would compute (prompt minus its cached prefix). When the decode worker holds a prefix and the
+uncached suffix is short, the request prefills there (router/prefill_cost.py). When the fleet has
+no prefill workers the request runs colocated.
 
 Three outcomes the admission queue (router.admission) acts on: a Placement; AdmissionRejected
 (live workers, no room now: the request waits); WorkerUnavailable (no live worker of a needed
@@ -20,7 +29,7 @@ import math
 from dataclasses import dataclass
 
 from common.errors import AdmissionRejected, InvalidRequest, WorkerUnavailable
-from router.prefill_cost import PrefillCost
+from router.prefill_cost import RUNNING_TOKENS, PrefillCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +44,7 @@ class WorkerView:
     page_size: int
     max_num_seqs: int
     kv_total_pages: int = 0  # 0: unknown (no status yet)
+    cached_pages: int = 0  # decode: pages its prefix cache alone holds (evictable; counted in kv_free_pages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +99,7 @@ def place(prompt_len: int, max_tokens: int, fleet: FleetSnapshot, exclude: froze
     roomy = [w for w in live_decode if w.kv_free_pages >= need(w) + w.running and w.running < w.max_num_seqs]
     if not roomy:
         raise AdmissionRejected(f"no decode worker has KV room for {prompt_len} prompt tokens right now")
-    decode = max(roomy, key=_decode_key(roomy, matches, need))
+    decode = max(roomy, key=_decode_key(roomy, matches, need, prompt_len))
     if colocated or not fleet.prefill:
         return Placement(decode.address, None)
     if max_prefill_queue is not None:
@@ -110,14 +120,30 @@ def pages_for(prompt_len: int, page_size: int) -> int:
     return _pages(prompt_len + 1, page_size)
 
 
-def _decode_key(roomy: list[WorkerView], matches: dict[str, int], need):
-    """Most free KV after this request, then fewest running sequences; address breaks ties stably.
-    With a cached prefix somewhere and loads within `balance_slack`, the longest prefix first."""
-    def base(w: WorkerView) -> tuple:
-        return (w.kv_free_pages - need(w) - w.running, -w.running, w.address)
+def balance_slack(roomy: list[WorkerView]) -> int:
+    """Running sequences two decode workers may differ by before load alone decides."""
+    return max(4, max(w.max_num_seqs for w in roomy) // 8)
+
+
+def ttft_cost(w: WorkerView, prompt_len: int, matches: dict[str, int]) -> int:
+    """Work ahead of this request's first token on decode worker w, in prefill-token equivalents:
+    its queued prefill tokens, this prompt's tokens it would compute, and its running batch."""
+    return w.queued_tokens + prompt_len - matches.get(w.address, 0) + RUNNING_TOKENS * w.running
+
+
+def _decode_key(roomy: list[WorkerView], matches: dict[str, int], need, prompt_len: int = 0):
+    """The max() key choosing among roomy decode workers (module docstring): the fewest running
+    when the loads differ beyond the slack; room then load when the cached prefixes do not differ;
+    else the lowest estimated time to first token. Room and load break ties, then the smaller
+    cache (SGLang's router sends an unmatched request to the worker with the smallest tree: without
+    it an idle fleet gave every new conversation to the same worker, the highest address, and
+    stickiness then kept their later turns there), the address last."""
+    def base(w: WorkerView) -> tuple:  # on an idle fleet, the least cached: new conversations spread
+        return (w.kv_free_pages - need(w) - w.running, -w.running, -w.cached_pages, w.address)
 
     running = [w.running for w in roomy]
-    slack = max(4, max(w.max_num_seqs for w in roomy) // 8)
-    if not any(matches.get(w.address, 0) for w in roomy) or max(running) - min(running) > slack:
+    if max(running) - min(running) > balance_slack(roomy):
+        return lambda w: (-w.running, *base(w))  # not room first: a cached prefix needs fewer pages
+    if len({matches.get(w.address, 0) for w in roomy}) == 1:
         return base
-    return lambda w: (matches.get(w.address, 0), *base(w))
+    return lambda w: (-ttft_cost(w, prompt_len, matches), *base(w))

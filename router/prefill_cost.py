@@ -33,6 +33,13 @@ from dataclasses import dataclass
 REMOTE_OVERHEAD_MS = 57.03 - 49.33  # served run, TTFT p50 disaggregated - colocated, single stream
 PREFILL_MS_PER_TOKEN = 25.40 / 2048  # dg17, 2k prefill, workers' defaults
 DEFAULT_REMOTE_PREFILL_MIN_TOKENS = round(REMOTE_OVERHEAD_MS / PREFILL_MS_PER_TOKEN)  # 621
+# What one running sequence adds to a decode worker's step, in prefill tokens: a decode step at
+# batch 64 and 8k context takes 11.09 ms (benchmarks/results/2026-12-02/served/model-20b/
+# model_gpt-oss-20b-tp1-defaults.json), 0.173 ms a sequence = 14 tokens.
+# A new request's first token shares about one step with the running batch (its suffix is one
+# chunk), so placement (router/placement.py) counts each running sequence as this many tokens.
+DECODE_STEP_MS_BATCH64 = 11.09
+RUNNING_TOKENS = round(DECODE_STEP_MS_BATCH64 / 64 / PREFILL_MS_PER_TOKEN)  # 14
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from common.errors import ProtocolError
 from wire.codec import brief, build, pack, to_wire, unpack
 
-PROTOCOL_VERSION = 4  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache;
+PROTOCOL_VERSION = 5  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache;
 # 4: structured outputs (SamplingSpec.grammars), n > 1 (SamplingSpec.share_prompt)
+# 5: TokenChunk carries a local prefill's queue and compute time (the TTFT breakdown of colocated requests)
 MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
 
 
@@ -189,6 +190,8 @@ class TokenChunk:
     finish_reason: str  # "" | "stop" | "length" | "abort"
     error: str
     cached_tokens: int = 0  # first chunk of a GenerateRequest: prompt tokens taken from the prefix cache
+    queue_seconds: float = 0.0  # first chunk of a GenerateRequest: the worker received it -> its first step scheduled
+    prefill_seconds: float = 0.0  # ... that step's launch -> its first token on the worker's host
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,69 +1,69 @@
 """Prefix caching on the GPU (full-width gpt-oss-20b layers, random weights, a few layers; FlashInfer,
-CUDA graphs, the overlapped loop): later turns hit the cache, their sliding blocks are copied into
-the ring on the step's stream, and the tokens agree with an engine without the cache (bf16: the
-prefix is read through pages instead of computed in the same kernel, so only near-ties may flip);
-no page is leaked. Run through the device tool (suite `prefix-gpu-tests`)."""
+CUDA graphs, the overlapped loop): later turns hit the cache, and the cached engine's numbers stay
+at the level of an uncached engine that merely chunks differently (the noise control); no page is
+leaked. Run through the device tool (suite `prefix-gpu-tests`).
+
+Why a noise control rather than a fixed agreement bound: with random weights the logits are flat
+(top logits ~16-20, where bf16's spacing is 0.125, against a top-1/top-2 gap of ~0.8 on average), so
+greedy near-ties are frequent and any change of GEMM row counts or attention chunks flips some (run
+2 of this suite: 52 % agreement, benchmarks/results/2026-12-02/prefix-gpu-tests-2). The comparison
+(benchmarks/prefix_agreement.py) says where a real difference would start: per layer and page
+group, the cached KV against freshly computed KV, the first token's logits, and each first token
+mismatch with the reference's own margin there. Its report goes to $OUT/prefix_agreement.json (the
+suite's step folder) and the log."""
+
+import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
-from engine.build import EngineConfig
-from engine.llm import LLM
-from engine.sampling import SamplingParams
-from engine.scheduler import SchedulerConfig
+from benchmarks.prefix_agreement import make_engines, run_conversations, verdict
 
 pytestmark = pytest.mark.gpu
 
 LAYERS = 4
-
-
-def make_llm(cache: bool) -> LLM:
-    cfg = EngineConfig(random_preset="gpt-oss-20b", random_layers=LAYERS, device="cuda", dtype="bfloat16", fp8=True,
-                       fp8_attention=False, attention_backend="flashinfer", linear_backend="scaled_mm",
-                       moe_backend="triton", kv_cache_bytes=4 << 30, enable_prefix_caching=cache,
-                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=8192))
-    llm = LLM(cfg)
-    from decode_worker.runner import CudaGraphDecoder
-
-    eng = llm.engine
-    graphs = CudaGraphDecoder(eng.model, eng.runner.pool, eng.kv, 8, 8192, buckets=(1, 2, 4, 8))
-    graphs.capture()
-    eng.runner.graphs = graphs
-    return llm
+# Floors for the ratios against the noise control (the control's own error can be ~0 for a layer).
+KV_FLOOR, LOGITS_FLOOR = 0.02, 0.05
 
 
 @pytest.fixture(scope="module")
-def pair():
+def engines():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    return make_llm(True), make_llm(False)
+    return make_engines("cuda", "bfloat16", "flashinfer", "gpt-oss-20b", LAYERS, 1024, fp8=True, graphs=True,
+                        linear="scaled_mm", moe="triton")
 
 
-def test_prefix_gpu_turns_hit_and_agree(pair):
-    on, off = pair
-    g = torch.Generator().manual_seed(0)
-    system = torch.randint(1000, 100_000, (1500,), generator=g).tolist()  # > one 1024-token chunk
-    convs = [list(system) for _ in range(4)]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-    agree = total = 0
-    st = on.kv.cache.stats
-    for turn in range(4):
-        for c in range(len(convs)):
-            convs[c] += torch.randint(1000, 100_000, (40 + 30 * c,), generator=g).tolist()
-        queried, hit = st.queried_tokens, st.hit_tokens
-        got = on.generate([list(p) for p in convs], params)
-        ref = off.generate([list(p) for p in convs], params)
+def test_prefix_gpu_turns_hit_and_agree(engines):
+    st = engines["on"].kv.cache.stats
+    seen = {"queried": 0, "hit": 0}
+
+    def on_turn(turn, outs):
         if turn:  # a later turn computes little more than its new tokens
-            assert st.hit_tokens - hit >= 0.8 * (st.queried_tokens - queried), (turn, st)
-        for o, r in zip(got, ref):
-            # the first token's logprob is within bf16 noise (the suffix's K/V come from GEMMs of another
-            # row count than the uncached prefill's chunk: 0.103 seen on the H200); tokens agree until a
-            # near-tie flips
-            assert abs(o.logprobs[0].logprob - r.logprobs[0].logprob) < 0.25
-            agree += next((i for i, (a, b) in enumerate(zip(o.output_ids, r.output_ids)) if a != b), len(o.output_ids))
-            total += len(o.output_ids)
-        for c, r in enumerate(ref):  # both engines continue the same conversation: the reference's answers
-            convs[c] += r.output_ids
-    assert agree >= 0.9 * total, (agree, total)
-    for llm in pair:
+            assert st.hit_tokens - seen["hit"] >= 0.8 * (st.queried_tokens - seen["queried"]), (turn, st)
+        seen["queried"], seen["hit"] = st.queried_tokens, st.hit_tokens
+
+    res = run_conversations(engines, system_len=1500, on_turn=on_turn)  # > one 1024-token chunk
+    errs = res["errors"]
+    report = {"verdict": verdict(errs), "hits": res["hits"], "engines": {k: e.summary() for k, e in errs.items()}}
+    text = json.dumps(report, indent=1)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "prefix_agreement.json").write_text(text + "\n")
+    print(json.dumps(report["verdict"], indent=1))
+    on, ctl = errs["on"], errs["ctl"]
+    for group in ("full", "sliding"):  # where a wrong page, ring copy or plan would show first
+        for seg in ("cached", "computed"):
+            for name in ("K", "V"):
+                e_on, e_ctl = on.worst(group, f"{name} {seg}"), ctl.worst(group, f"{name} {seg}")
+                assert e_on <= max(4 * e_ctl, KV_FLOOR), (group, seg, name, e_on, e_ctl)
+    assert on.logits_rel <= max(4 * ctl.logits_rel, LOGITS_FLOOR), (on.logits_rel, ctl.logits_rel)
+    # Each first mismatch must be a near-tie: the two tokens within two bf16 steps of the top logits
+    # (0.25), or within twice the largest logit difference the control itself shows. The agreement
+    # itself only has to be of the control's order (it is a noisy count: 16 sequences).
+    tie = max(0.25, 2 * ctl.logits_abs)
+    assert len(on.beyond(tie)) <= len(ctl.beyond(tie)) + 1, (tie, on.beyond(tie), ctl.beyond(tie))
+    assert on.agree >= 0.5 * ctl.agree, (on.agree, ctl.agree, on.total)
+    for llm in engines.values():
         assert llm.kv.num_free() == tuple(n - 1 for n in llm.kv.spec.num_pages)  # only the graphs' padding page

@@ -53,3 +53,18 @@ def test_garbage_and_oversize(monkeypatch):
     encode(TokenChunk("r", list(range(512)), [], [], False, "", ""))  # ~1 KiB: under the cap
     with pytest.raises(ProtocolError, match="exceeds 4096"):
         encode(TokenChunk("r", list(range(4096)), [], [], False, "", ""))
+
+
+def test_scalar_lists_take_the_one_pass_check_with_the_same_semantics():
+    """wire.codec checks a list of scalars by its element types in one pass: a bool is still not
+    an int, a float list still takes ints (as floats), and a TokenChunk's times survive."""
+    ok = [PROTOCOL_VERSION, protocol._TAGS[AdmitRequest], ["r", 2, 20, 2, 1.0, list(range(5000))]]
+    assert decode(msgpack.packb(ok)).prompt_ids == list(range(5000))
+    for bad in ([1, True], [1, 2.0], [1, None]):
+        frame = [PROTOCOL_VERSION, protocol._TAGS[AdmitRequest], ["r", 2, 20, 2, 1.0, bad]]
+        with pytest.raises(ProtocolError, match=r"AdmitRequest.prompt_ids\[\]: expected int"):
+            decode(msgpack.packb(frame))
+    chunk = decode(msgpack.packb([PROTOCOL_VERSION, protocol._TAGS[TokenChunk],
+                                  ["r", [1], [-1], [[]], False, "", "", 3, 0.25, 1]]))
+    assert chunk.logprobs == [-1.0] and type(chunk.logprobs[0]) is float and chunk.prefill_seconds == 1.0
+    assert decode(encode(TokenChunk("r", [7], [], [], False, "", "", 0, 0.5, 0.75))).queue_seconds == 0.5
