@@ -303,11 +303,12 @@ SUITES: dict[str, Suite] = {
     # training each, 6 at once; ~6.5 min expected in all), so the step ends well inside one device call.
     "demo-train": Suite(
         "the embedded demo model (issue 28): training.sweep renders the synthetic Harmony data once, trains 6 "
-        "configurations/seeds of the tiny gpt-oss as concurrent processes on this GPU (3.5 min each), evaluates each "
-        "by greedy decoding (structure, exact answers, the integration tests' conversations) and by sampling, and "
+        "configurations/seeds of the tiny gpt-oss as concurrent processes on this GPU (up to 3.5 min each, all "
+        "done 225 s after the start), evaluates each by greedy decoding (structure, exact answers, the integration tests' conversations) and by sampling, and "
         "leaves the best as gpt-oss-tiny-demo.safetensors (copy it to model/demo/)",
         carry=(".whl-site",),
-        steps=(step("sweep", "{py} -m training.sweep --out {out} --device cuda --minutes 3.5 --deadline-s 330", 400,
+        steps=(step("sweep", "{py} -m training.sweep --out {out} --device cuda --minutes 3.5 --deadline-s 225 "
+                                      "--reserve-s 55", 400,
                     summary=r"^best|Error|Traceback"),)),
     "demo-train-smoke": Suite(
         "demo-train's machinery on a CPU: the same sweep with --smoke (small data, two runs of 20 steps)",

@@ -61,6 +61,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=4.5, help="each run's training-loop cap")
     p.add_argument("--deadline-s", type=float, default=450, help="runs still going this long after the start "
                    "are stopped and left out")
+    p.add_argument("--reserve-s", type=float, default=120, help="seconds left before the deadline for each run's "
+                   "start and its evaluation (a batched greedy + sampled decode: ~10 s on an H200)")
     p.add_argument("--examples", type=int, default=240000)
     p.add_argument("--copy-examples", type=int, default=60000)
     p.add_argument("--eval-per-task", type=int, default=40)
@@ -122,8 +124,8 @@ def build_data(a: argparse.Namespace, scratch: Path) -> Path:
 
 def train_all(a: argparse.Namespace, runs: list[tuple[str, str, int]], data: Path, t0: float) -> list[dict]:
     minutes = a.minutes
-    if minutes > 0:  # leave each run ~30 s to start and ~90 s to evaluate before the deadline
-        minutes = round(max(0.5, min(minutes, (a.deadline_s - (time.monotonic() - t0) - 120) / 60)), 2)
+    if minutes > 0:  # leave each run --reserve-s to start and to evaluate before the deadline
+        minutes = round(max(0.5, min(minutes, (a.deadline_s - (time.monotonic() - t0) - a.reserve_s) / 60)), 2)
         if minutes < a.minutes:
             print(f"[sweep] {minutes} min of training per run (the data took long)", flush=True)
     procs = []
