@@ -35,6 +35,9 @@ from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 
 log = logging.getLogger("tandem.router")
+# After the drain deadline: the aborted streams' tails get TAIL_S to reach slow readers, the Aborts 2 s,
+# open sockets CLOSE_S; 15 s in all, the chart's drain.marginSeconds.
+TAIL_S, CLOSE_S = 8.0, 5.0
 
 
 def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
@@ -150,7 +153,8 @@ def make_app(cfg: RouterConfig, disc: Discovery):
             f"({cfg.drain_timeout_s:g} s) and was aborted"))
         if n:
             log.warning("drain deadline: ended %d requests with finish_reason abort", n)
-        t_end = time.monotonic() + 5.0  # their tails written, their Aborts sent
+        # their tails written (a slow reader first gets the tokens queued before its tail), their Aborts sent
+        t_end = time.monotonic() + TAIL_S
         while len(serving.inflight) and time.monotonic() < t_end:
             await asyncio.sleep(0.02)
         await orch.settle(2.0)
@@ -203,6 +207,6 @@ def main(argv: list[str]) -> int:
     log.info("router on http://%s:%d, prefill %s, decode %s%s%s", cfg.host, cfg.port, list(cfg.prefill),
              list(cfg.decode), " (colocated)" if cfg.colocated else "", ", API keys required" if cfg.api_keys else "")
     server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                                           timeout_graceful_shutdown=5), app.state.drain)
+                                           timeout_graceful_shutdown=CLOSE_S), app.state.drain)
     server.run()
     return 0
