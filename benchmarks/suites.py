@@ -299,12 +299,14 @@ SUITES: dict[str, Suite] = {
         reproduces=("issue 27: the fusions' share of the 20b prefill 8k (89.8 ms) and batch-1 decode replay "
                     "(2.44-2.53 ms at 8k)",)),
     # issue 28: the embedded demo model. Training needs torch only; the data is rendered by openai-harmony,
-    # which the GPU machine lacks: it travels in .whl-site. The sweep stops its runs by 330 s (3.5 min of
-    # training each, 6 at once; ~6.5 min expected in all), so the step ends well inside one device call.
+    # which the GPU machine lacks: it travels in .whl-site. The sweep stops its runs by 225 s (up to 3.5 min of
+    # training each, 6 at once, less when the data takes long; 55 s kept for start-up and evaluation), so the
+    # step fits a short device budget.
     "demo-train": Suite(
         "the embedded demo model (issue 28): training.sweep renders the synthetic Harmony data once, trains 6 "
         "configurations/seeds of the tiny gpt-oss as concurrent processes on this GPU (up to 3.5 min each, all "
-        "done 225 s after the start), evaluates each by greedy decoding (structure, exact answers, the integration tests' conversations) and by sampling, and "
+        "done 225 s after the start), evaluates each by greedy decoding (structure, exact answers, the integration "
+        "tests' conversations) and by sampling, and "
         "leaves the best as gpt-oss-tiny-demo.safetensors (copy it to model/demo/)",
         carry=(".whl-site",),
         steps=(step("sweep", "{py} -m training.sweep --out {out} --device cuda --minutes 3.5 --deadline-s 225 "

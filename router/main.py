@@ -35,9 +35,9 @@ from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 
 log = logging.getLogger("tandem.router")
-# After the drain deadline: the aborted streams' tails get TAIL_S to reach slow readers, the Aborts 2 s,
+# After the drain deadline: the aborted streams' tails get TAIL_S to reach slow readers, the Aborts SETTLE_S,
 # open sockets CLOSE_S; 15 s in all, the chart's drain.marginSeconds.
-TAIL_S, CLOSE_S = 8.0, 5.0
+TAIL_S, SETTLE_S, CLOSE_S = 8.0, 2.0, 5.0
 
 
 def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
@@ -157,7 +157,7 @@ def make_app(cfg: RouterConfig, disc: Discovery):
         t_end = time.monotonic() + TAIL_S
         while len(serving.inflight) and time.monotonic() < t_end:
             await asyncio.sleep(0.02)
-        await orch.settle(2.0)
+        await orch.settle(SETTLE_S)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -29,6 +29,18 @@ def ckpt_factory(tmp_path_factory):
     return make
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Torch on one thread for the test: the Triton interpreter's numpy (OpenBLAS) threads spin against
+    torch's on 2 cores (~2x slower)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def hf_factory():
     """HF GptOssForCausalLM (eager attention, fp32, MXFP4 dequantised) from a checkpoint dir."""

@@ -158,14 +158,6 @@ def test_fp8_kv_engine_greedy_vs_fp32_and_bf16_kv_no_leaks(ckpt_factory):
     assert any(same_prefix(a, b) > 0 for a, b in zip(outs["fp8-cal"], outs["fp32"]))
 
 
-@pytest.fixture
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_fp8_kv_engine_tokens_triton_equal_torch(ckpt_factory, one_torch_thread, monkeypatch):
     """tiny-a (window 4, page 4): chunked prefill, sliding rings, decode; Triton under the
     interpreter reads and writes the same e4m3 pages as the reference."""

@@ -143,15 +143,6 @@ def test_triton_random_schedule_matches_torch():
     assert saw_chunk_mode
 
 
-@pytest.fixture
-def one_torch_thread():
-    """The interpreter's numpy (OpenBLAS) threads spin against torch's on 2 cores: ~2x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("preset", ["tiny-a", "tiny-b"])
 def test_engine_tokens_triton_equal_torch(ckpt_factory, one_torch_thread, preset):
     """End to end through the engine (tiny-a: window 4, G 4; tiny-b: window 7, one KV head):

@@ -153,14 +153,6 @@ def test_parse_fusions():
 
 
 # ---- the model: each fusion on against all off ------------------------------------------------------
-@pytest.fixture
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_model_with_fusions_matches_without(ckpt_factory, one_torch_thread):
     """tiny-a with FP8 experts on the Triton MoE and Triton attention: a 13-token prefill chunk (the
     grouped MoE, which takes the norm's FP8 copy), decodes (the few-token MoE) and a 6-token chunk,
