@@ -312,6 +312,16 @@ SUITES: dict[str, Suite] = {
         steps=(step("sweep", "{py} -m training.sweep --out {out} --device cuda --minutes 3.5 --deadline-s 225 "
                                       "--reserve-s 55", 400,
                     summary=r"^best|Error|Traceback"),)),
+    # demo-train run 1 (2026-12-03): six runs of 2.1 min got ~700 steps each; the best copied names wrong in
+    # JSON answers. Three runs of the two best recipes, up to 5.5 min each, done 420 s after the start.
+    "demo-train-long": Suite(
+        "the embedded demo model, longer: training.sweep with three runs (no synthetic copies, seeds 0 and 1; "
+        "the same with lr 3e-3) of up to 5.5 min each, all done 420 s after the start; the best is "
+        "gpt-oss-tiny-demo.safetensors (copy it to model/demo/)",
+        carry=(".whl-site",),
+        steps=(step("sweep", "{py} -m training.sweep --out {out} --device cuda --minutes 5.5 --deadline-s 420 "
+                             "--reserve-s 55 --runs no-copies:0,no-copies:1,no-copies-lr3e-3:0", 480,
+                    summary=r"^best|Error|Traceback"),)),
     "demo-train-smoke": Suite(
         "demo-train's machinery on a CPU: the same sweep with --smoke (small data, two runs of 20 steps)",
         carry=(), gpu=False, kind="cpu",

@@ -38,6 +38,7 @@ CONFIGS: dict[str, str] = {
     "base": "",
     "lr3e-3": "--lr 3e-3",
     "no-copies": "--repeat-frac 0",
+    "no-copies-lr3e-3": "--repeat-frac 0 --lr 3e-3",  # the two best changes of demo-train run 1 together
     "long-copies": "--repeat-frac 0.6 --copy-frac 0.3",
     "heads8": "--heads 8 --kv-heads 2 --head-dim 16",
     "deep6": "--layers 6",
