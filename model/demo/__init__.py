@@ -29,8 +29,9 @@ DEMO_PRESET = "tiny-demo"  # the default shape of training.train
 DEMO_FILE = Path(__file__).with_name("gpt-oss-tiny-demo.safetensors")
 VOCAB_IDS = "demo.vocab_ids"
 UNUSED_ROW = "demo.unused_head_row"
-PRODUCED_BY = ("the `demo-train` GPU suite (python3 -m launcher.cli bench suite demo-train --out $OUT/demo-train "
-               "--tar, see benchmarks/suites.py), which leaves gpt-oss-tiny-demo.safetensors in its output")
+PRODUCED_BY = ("the `demo-train-long` GPU suite (python3 -m launcher.cli bench suite demo-train-long --out "
+               "$OUT/demo-train-long --tar, see benchmarks/suites.py), which leaves gpt-oss-tiny-demo.safetensors "
+               "in its output")
 
 
 def save_compact(tensors: dict[str, torch.Tensor], vocab_ids: list[int], path: Path, meta: dict,

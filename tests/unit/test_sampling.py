@@ -50,6 +50,22 @@ def test_noise_is_exponential_and_depends_on_seed_and_position_only():
     assert abs(torch.corrcoef(torch.stack([q[0], q[1]]))[0, 1].item()) < 0.02
 
 
+def test_a_near_certain_token_is_sampled_at_every_position_of_a_full_vocabulary():
+    """201,088 tokens, one at p ~ 1, the rest at p ~ e^-40 each (1e-12 in all): 400 positions must all
+    sample it. With q = -log(u) and u rounding to 1.0, one token in 2^24 drew q = 0 and won: ~1.2 % of
+    sampled tokens were arbitrary (the demo model wrote '12 + dringend = 19.' at temperature 1)."""
+    v = 201_088
+    logits = torch.full((100, v), -40.0)
+    logits[:, 1234] = 0.0
+    s = sampler()
+    for chunk in range(4):
+        rows = rows_of([SamplingParams(temperature=1.0)] * 100, positions=[chunk * 100 + i for i in range(100)],
+                       seeds=[7] * 100)
+        assert (s.sample(logits, rows).token_ids == 1234).all()
+    q = exponential_noise(torch.tensor([7] * 64), torch.arange(64), v)
+    assert q.min().item() >= 2.0 ** -25 and not torch.isnan(q).any()
+
+
 def test_seeded_rows_are_independent_of_the_batch():
     torch.manual_seed(0)
     logits = torch.randn(5, 300)
