@@ -7,8 +7,14 @@ import os
 import warnings
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU every Triton kernel runs in the interpreter. @triton.jit reads TRITON_INTERPRET when a kernel
+# is decorated, so it is set before any test module imports kernels/ (through engine/ too): a test that set
+# it later got compiled-kernel objects it could not call ("outside of the scope of a kernel") in some -k runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", message=".*MXFP4.*")
 
 
