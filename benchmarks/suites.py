@@ -276,6 +276,18 @@ SUITES: dict[str, Suite] = {
         steps=(multi_turn_step("colocated", 240), multi_turn_step("disaggregated", 310)),
         reproduces=("issue 25 goals: TTFT p50 of turns 2+ >= 3x lower than without caching; KV bytes per turn <= "
                     "the new tokens' KV; zero leaked pages",)),
+    "prefill-prefix": Suite(
+        "the prefill worker's engine alone on the H200 (gpt-oss-20b, the multi-turn suite's prefill settings): 352 "
+        "tokens after a cached 3,296-token prefix against 352 and 3,648 uncached, compute time split into host "
+        "before launch / launch / hooks / wait and the GPU span, with the sender's run-ahead bound 2 and none; one "
+        "cached prefill profiled (kernels, their device time)",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("prefill-prefix", "{py} -m benchmarks.prefill_prefix --device cuda --fp8 --random-weights "
+                                      "gpt-oss-20b --kv-cache-gib 12 --max-model-len 16384 --reps 10 --layers-ahead 2,-1 "
+                                      "--profile --out {out}/prefill_prefix.json", 300,
+                    summary=r"^P=|^cached|^uncached|profile|Error"),),
+        reproduces=("multi-turn disaggregated (2026-12-03): prefill_compute p50 52.8 ms for ~355 computed tokens "
+                    "with the cache, 71 ms for 3,645 without, on a GPU shared with the decode worker",)),
     "prefix-gpu-tests": Suite(
         "issue 25: prefix caching on the GPU (FlashInfer, CUDA graphs, overlapped loop): later turns hit, "
         "tokens agree with the uncached engine, no leaks; and the overlapped loop's GPU tests with the cache on",

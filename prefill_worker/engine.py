@@ -6,7 +6,8 @@
         last chunk: on_layer_done(i) -> sender writes layer i while layer i+1 computes
         first token sampled from the last position
         wait until the transfer is terminal (deadline) -> release pages (their blocks stay cached)
-        -> PrefillResult
+        -> PrefillResult, its compute time split into host before launch / launch / GPU
+           (prefill_worker/compute_split.py)
 
 The prefill worker keeps its own prefix cache (model/prefix_cache.py): computing a suffix needs the
 prefix KV in its own pages, and a turn of a conversation usually extends the previous turn's
@@ -38,6 +39,7 @@ from kv_transfer.interface import KVSender, TransferStatus
 from kv_transfer.messages import FailureReason, TransferRequest
 from kv_transfer.messages import decode as decode_kv
 from model.kv_cache import OutOfPages, SeqPages
+from prefill_worker.compute_split import SplitClock
 from wire.protocol import PrefillRequest, PrefillResult, TopLogprob
 
 log = logging.getLogger("tandem.prefill")
@@ -106,6 +108,7 @@ class PrefillEngine:
         pos, tokens, lps = seq.num_cached, [None], [None]
         spec = self.kv.spec
         started = False
+        clock = SplitClock(t0, self.runner.device)
 
         def stop_reason() -> str:
             if started and self.tx.poll(rid) == TransferStatus.FAILED:
@@ -131,7 +134,10 @@ class PrefillEngine:
                     started = True
                 hook = (lambda i, last=last: check_layer(i, last)) if self.runner.interruptible else \
                     self.tx.layer_done if last else None
-                tokens, lps = self.runner.run([ScheduledSeq(seq, pos, q, last)], on_layer_done=hook)
+                since = clock.launching()
+                handle = self.runner.launch([ScheduledSeq(seq, pos, q, last)], None, 0, clock.timed(hook))
+                clock.launched(since)
+                tokens, lps = self.runner.collect(handle)
                 note_ring_write(seq, pos, pos + q, spec.page_size, spec.sliding_window)
                 if seq.pages.copy_src:  # the hit's sliding blocks were copied: the sources go at the end
                     self.copy_sources = self.kv.release_copy_sources(seq.pages)
@@ -150,6 +156,7 @@ class PrefillEngine:
                 self.tx.finish(rid)
             raise
         compute_s = time.monotonic() - t0
+        split = clock.split()
         deadline = time.monotonic() + max(0.0, req.deadline_unix - time.time())
         status = self._wait_terminal(rid, deadline, cancelled)
         outcome = self.tx.finish(rid)
@@ -160,7 +167,7 @@ class PrefillEngine:
         return PrefillResult(m.request_id, True, int(tokens[0]), lp.logprob if lp else None,
                              [TopLogprob(t, v) for t, v in lp.top] if lp else [], "", compute_s,
                              outcome.num_bytes, outcome.seconds, 0.0, time.monotonic() - t0 - compute_s,
-                             seq.num_cached_prefix)
+                             seq.num_cached_prefix, split)
 
     def _wait_terminal(self, rid: str, deadline: float, cancelled: Callable[[], str] = _never) -> TransferStatus:
         while True:

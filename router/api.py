@@ -10,7 +10,8 @@ the drain deadline cancel it); while the router drains, new requests get 503 and
 Responses carry `x-tandem-queue-wait-s` (how long the request waited in the admission queue),
 `x-tandem-decode` / `x-tandem-prefill` (the workers it ran on; prefill empty: prefilled on decode)
 and `x-tandem-ttft-breakdown` (`component=seconds;...`, the components of tandem_ttft_breakdown_seconds
-for this request; streams send headers with the first token, so they are known by then).
+for this request, then for a remote prefill `prefill_compute.<part>`, the parts of its prefill_compute in
+tandem_prefill_compute_split_seconds; streams send headers with the first token, so they are known by then).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from wire.protocol import ComputeSplit
+
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _WAIT = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
@@ -50,6 +52,10 @@ class RouterMetrics:
         # less the admission queue wait and the worker round trip: hashing, placement, the event loop).
         self.ttft_part = Histogram("tandem_ttft_breakdown_seconds", "time to first token by component",
                                    ["component"], buckets=_ITL[:3] + _LAT, registry=r)
+        # prefill_compute by part (wire.protocol.ComputeSplit): admit + launch + hooks + wait = prefill_compute
+        # on the host; gpu is the device's span of the same request and overlaps them (prefill_worker/compute_split.py)
+        self.compute_part = Histogram("tandem_prefill_compute_split_seconds", "a remote prefill's compute time by "
+                                      "part", ["part"], buckets=_ITL[:3] + _LAT, registry=r)
         # Prefix caching, by the role that computed the prompt (prefill = remote, decode = local):
         # hit rate = cached / prompt tokens; computed = prompt - cached.
         self.prefix_prompt = Counter("tandem_prefix_prompt_tokens", "prompt tokens by the role that prefilled them",
@@ -73,6 +79,18 @@ class RouterMetrics:
         return self._observe_parts((("decode_admission", admission_s), ("prefill_queue", queue_s),
                                     ("prefill_compute", compute_s), ("kv_transfer_tail", tail_s),
                                     ("result_to_router", rpc_s - queue_s - compute_s - tail_s)))
+
+    def observe_compute_split(self, compute_s: float, split: ComputeSplit) -> dict[str, float]:
+        """The parts of one remote prefill's compute time, keyed for the TTFT breakdown header
+        (`prefill_compute.<part>`: sub-parts of prefill_compute, not components of their own)."""
+        parts = (("admit", split.admit_seconds), ("launch", split.launch_seconds - split.hook_seconds),
+                 ("hooks", split.hook_seconds),
+                 ("wait", compute_s - split.admit_seconds - split.launch_seconds), ("gpu", split.gpu_seconds))
+        out = {}
+        for part, v in parts:
+            out[f"prefill_compute.{part}"] = max(0.0, v)
+            self.compute_part.labels(part).observe(max(0.0, v))
+        return out
 
     def observe_local_ttft_parts(self, queue_s: float, prefill_s: float, rpc_s: float) -> dict[str, float]:
         return self._observe_parts((("local_queue", queue_s), ("local_prefill", prefill_s),

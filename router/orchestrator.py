@@ -237,6 +237,8 @@ class Orchestrator:
         self.fleet.predict(prefill_addr, job.hashes, job.prompt_ids, len(job.prompt_ids))
         job.trace.parts = self.metrics.observe_ttft_parts(t_admitted - t0, res.queue_seconds, res.prefill_seconds,
                                                           res.tail_seconds, time.monotonic() - t_admitted)
+        if res.split is not None:
+            job.trace.parts |= self.metrics.observe_compute_split(res.prefill_seconds, res.split)
         return res
 
     def _spawn(self, coro) -> None:

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from common.errors import ProtocolError
 from wire.codec import brief, build, pack, to_wire, unpack
 
-PROTOCOL_VERSION = 5  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache;
+PROTOCOL_VERSION = 6  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache;
 # 4: structured outputs (SamplingSpec.grammars), n > 1 (SamplingSpec.share_prompt)
 # 5: TokenChunk carries a local prefill's queue and compute time (the TTFT breakdown of colocated requests)
+# 6: PrefillResult.split: where the prefill worker's compute time went (host before launch, launch, GPU)
 MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
 
 
@@ -148,6 +149,17 @@ class PrefillRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class ComputeSplit:
+    """Where a prefill worker's compute time (PrefillResult.prefill_seconds) went, in seconds. What
+    admit and launch leave of it is the host waiting for the GPU (and between-chunk bookkeeping)."""
+
+    admit_seconds: float  # host, before the first launch: KV target, prefix lookup, page mapping, transfer start
+    launch_seconds: float  # host, inside the forward launches: metadata, attention plan, queuing every kernel, hooks
+    hook_seconds: float  # of launch: per-layer hooks (KV transfer posts, the sender's run-ahead waits, cancel checks)
+    gpu_seconds: float  # device: CUDA-event span from the first launch to the first token's copy (0 off CUDA)
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillResult:
     request_id: str
     ok: bool
@@ -161,6 +173,7 @@ class PrefillResult:
     queue_seconds: float = 0.0  # waiting in the prefill worker's queue
     tail_seconds: float = 0.0  # compute done -> the KV transfer terminal (what the transfer added to TTFT)
     cached_tokens: int = 0  # prompt tokens the prefill worker took from its own prefix cache
+    split: ComputeSplit | None = None  # prefill_seconds by part (None: a failed request)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +228,7 @@ class Ack:
 
 MESSAGES: tuple[type, ...] = (SamplingSpec, TopLogprob, StatusRequest, WorkerStatus, AdmitRequest, Admitted, Rejected,
                               PrefillRequest, PrefillResult, StartDecode, GenerateRequest, TokenChunk, Abort, Ack,
-                              LogitBias, TokenBatch, GrammarSpec)
+                              LogitBias, TokenBatch, GrammarSpec, ComputeSplit)
 _TAGS = {cls: i for i, cls in enumerate(MESSAGES)}
 
 

@@ -70,6 +70,10 @@ def test_prefix_disaggregated_turns_ship_only_new_pages_and_match_colocated(stac
     for turn in range(4):
         prompt = prompt + torch.randint(0, 201088, (int(torch.randint(20, 60, (1,), generator=g)),), generator=g).tolist()
         adm, res, toks = serve_turn(dec, pre, f"t{turn}", prompt)
+        sp = res.split  # the compute time's parts (wire.protocol.ComputeSplit): host parts within it, no GPU
+        assert sp is not None and sp.gpu_seconds == 0.0
+        assert 0 < sp.admit_seconds and 0 <= sp.hook_seconds <= sp.launch_seconds
+        assert sp.admit_seconds + sp.launch_seconds <= res.prefill_seconds
         outs.append(toks)
         log.append((len(prompt), adm.cached_tokens, res.cached_tokens, res.transfer_bytes))
         prompt = prompt + toks

@@ -124,6 +124,9 @@ def test_ttft_breakdown_metrics(client, svc):
         assert m and float(m.group(1)) >= 1, part
     compute = re.search(r'tandem_ttft_breakdown_seconds_sum{component="prefill_compute"} (\S+)', text)
     assert float(compute.group(1)) > 0
+    for part in ("admit", "launch", "hooks", "wait", "gpu"):  # prefill_compute's own parts, from the prefill worker
+        m = re.search(rf'tandem_prefill_compute_split_seconds_count{{part="{part}"}} (\S+)', text)
+        assert m and float(m.group(1)) >= 1, part
 
 
 def test_pages_all_returned(client, svc):

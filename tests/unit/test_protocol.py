@@ -24,6 +24,8 @@ def test_round_trip_every_field_kind():
             protocol.WorkerStatus("decode", "w", 1, True, False, 0, 0, 0, 10, 10, 9, 9, 16, 4, 0.0, "id/page16",
                                   128, 40, True, [0, 2**64 - 1, 3, 5], 7),
             PrefillResult("r", True, 5, -0.5, [TopLogprob(5, -0.5)], "", 0.1, 1 << 40, 0.2),
+            PrefillResult("r", True, 5, None, [], "", 0.1, 0, 0.2, 0.0, 0.01, 32,
+                          protocol.ComputeSplit(0.001, 0.02, 0.004, 0.05)),
             TokenChunk("r", [1, 2], [-0.1, -0.2], [[TopLogprob(1, -0.1)], [TopLogprob(2, -0.2)]], True, "stop", "")]
     for m in msgs:
         assert decode(encode(m)) == m
