@@ -154,19 +154,22 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
     dev = seeds.device
     key = seeds * -7046029254386353131 + positions * -4658895280553007687  # wrapping int64 products
     key = (key ^ (key >> 31)) & _MASK32  # [R]
-    h = (key[:, None] + torch.arange(vocab, device=dev, dtype=torch.int64)[None, :] * 0x9E3779B9) & _MASK32
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _MASK32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _MASK32
-    h = h ^ (h >> 16)
-    v = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # [2^-25, 1 - 2^-25], 24 bits
+    # In place on the [R, V] int64 tensor: ~4x faster on a CPU (no 100 MB temporary per operation at
+    # R = 64 over 201,088 tokens), the same bits.
+    h = torch.arange(vocab, device=dev, dtype=torch.int64).mul_(0x9E3779B9)[None, :] + key[:, None]
+    h.bitwise_and_(_MASK32)
+    h.bitwise_xor_(h >> 16)
+    h.mul_(0x85EBCA6B).bitwise_and_(_MASK32)
+    h.bitwise_xor_(h >> 13)
+    h.mul_(0xC2B2AE35).bitwise_and_(_MASK32)
+    h.bitwise_xor_(h >> 16)
+    v = h.bitwise_right_shift_(8).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))  # [2^-25, 1 - 2^-25], 24 bits
     # q = -log(1 - v), not -log(v): the top v rounds to 1.0 in fp32, and -log(1.0) would be q = 0, a
     # token that wins whatever its p (2^-24 of all draws: with 201,088 tokens, 1.2 % of sampled
     # tokens were any token of the vocabulary, p ~ 0 included). Here it gives q = inf (p / q = 0,
     # that token loses) and the smallest q is 2^-25 > 0, drawn as often as Exp(1) says; p = 0 rows
     # (grammar masks, top-k/top-p) score 0, never NaN.
-    return -torch.log1p(-v)
+    return v.neg_().log1p_().neg_()
 
 
 class Sampler:

@@ -66,6 +66,33 @@ def test_a_near_certain_token_is_sampled_at_every_position_of_a_full_vocabulary(
     assert q.min().item() >= 2.0 ** -25 and not torch.isnan(q).any()
 
 
+def _noise_of(seed: int, position: int, token: int) -> float:
+    """The noise of one (seed, position, token), in Python integers: pins the hash's bits."""
+    import math
+
+    m64, m32 = (1 << 64) - 1, (1 << 32) - 1
+    key = (seed * (-7046029254386353131 & m64) + position * (-4658895280553007687 & m64)) & m64
+    key = key - (1 << 64) if key >> 63 else key  # int64
+    key = (key ^ (key >> 31)) & m32
+    h = (key + token * 0x9E3779B9) & m32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & m32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & m32
+    h ^= h >> 16
+    v = float(torch.tensor(((h >> 8) + 0.5) * (1.0 / (1 << 24)), dtype=torch.float32))
+    return -math.log1p(-v)
+
+
+def test_noise_bits_are_the_hash_of_seed_position_and_token():
+    seeds, positions = torch.tensor([3, 2**61 + 5, 11]), torch.tensor([10, 0, 4095])
+    q = exponential_noise(seeds, positions, 201_088)
+    for r in range(3):
+        for tok in (0, 1, 31, 200_005, 201_087):
+            want = _noise_of(int(seeds[r]), int(positions[r]), tok)
+            assert abs(q[r, tok].item() - want) <= 1e-6 * max(1.0, want), (r, tok)
+
+
 def test_seeded_rows_are_independent_of_the_batch():
     torch.manual_seed(0)
     logits = torch.randn(5, 300)
