@@ -79,6 +79,7 @@ class LoadSpec:
     extras: bool = True  # send ignore_eos + return_token_ids (vLLM-style extensions)
     token_id_range: tuple[int, int] = (1000, 100_000)  # ordinary text tokens, no specials
     json_schema: bool = False  # structured outputs: response_format json_schema (GRAMMAR_SCHEMA), see request_body
+    temperature: float = 0.0  # 0: greedy; > 0 (the OpenAI default is 1) measures the sampler too
     request_timeout_s: float = 120.0  # whole request, first byte to [DONE]
     connect_timeout_s: float = 10.0
 
@@ -91,6 +92,8 @@ class LoadSpec:
             raise ConfigError("request_rate must be > 0 (inf for all at once)")
         if not self.burstiness > 0:
             raise ConfigError("burstiness must be > 0")
+        if not 0 <= self.temperature <= 2:
+            raise ConfigError("temperature must be in [0, 2]")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ConfigError("max_concurrency must be >= 1")
         if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
@@ -168,7 +171,7 @@ END_IDS = (200002, 200007)
 
 
 def request_body(spec: LoadSpec, p: PlannedRequest) -> tuple[str, dict]:
-    body: dict = {"model": spec.model, "max_tokens": p.max_tokens, "temperature": 0.0, "stream": True,
+    body: dict = {"model": spec.model, "max_tokens": p.max_tokens, "temperature": spec.temperature, "stream": True,
                   "stream_options": {"include_usage": True}}
     if spec.extras:
         body.update(ignore_eos=True, return_token_ids=True)

@@ -234,7 +234,7 @@ def _measure(label: str, url: str, a: argparse.Namespace, note: str | None, work
                     max_concurrency=a.max_concurrency, input_len=LengthRange.parse(a.input_len),
                     output_len=LengthRange.parse(a.output_len), seed=a.seed, extras=not a.no_extras,
                     request_timeout_s=a.request_timeout_s, connect_timeout_s=a.connect_timeout_s,
-                    json_schema=a.json_schema)
+                    json_schema=a.json_schema, temperature=a.temperature)
     if a.warmup:
         warm = replace(spec, num_requests=a.warmup, request_rate=math.inf, seed=spec.seed + 1)
         bad = [r for r in asyncio.run(run_load(warm, plan_requests(warm))).results if not r.ok]
@@ -254,8 +254,9 @@ def _measure(label: str, url: str, a: argparse.Namespace, note: str | None, work
         run["summary"]["pages_held_after"] = sum(w.get("pages_held", 0) + w.get("sliding_pages_held", 0)
                                                  for w in run["workers_after"])
     if a.verify_greedy:
-        if spec.api != "completions" or not checkpoint:
-            raise ConfigError("--verify-greedy needs --api completions (token-id prompts) and a checkpoint")
+        if spec.api != "completions" or not checkpoint or spec.temperature:
+            raise ConfigError("--verify-greedy needs --api completions (token-id prompts), a checkpoint and "
+                              "--temperature 0")
         run["summary"]["replay"] = replay_greedy(checkpoint, planned, out.results)
     if a.save_requests:
         run["requests"] = [{**{f.name: getattr(r, f.name) for f in fields(r)}, "tpot_s": r.tpot_s} for r in out.results]
@@ -291,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="structured outputs: every request carries a json_schema response_format (loadgen."
                         "GRAMMAR_SCHEMA) and, with --api completions, a prompt ending in the Harmony final "
                         "header, so each output token is grammar-constrained; compare ITL/TPOT with a run without")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (0: greedy; the OpenAI default is 1)")
     p.add_argument("--warmup", type=int, default=0, help="requests sent (all at once) before the measured run; "
                    "--multi-turn: conversations of two turns (another seed) before each measured load")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)

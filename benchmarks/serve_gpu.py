@@ -70,7 +70,8 @@ def steady_state(requests: list[dict]) -> dict | None:
 def load_args(a: argparse.Namespace, **kw) -> argparse.Namespace:
     """serve_bench's own arguments for one load run."""
     base = ["--url", "http://unused", "--api", "completions", "--seed", str(a.seed), "--slo-ttft-ms",
-            str(a.slo_ttft_ms), "--slo-tpot-ms", str(a.slo_tpot_ms), "--request-timeout-s", str(a.request_timeout_s)]
+            str(a.slo_ttft_ms), "--slo-tpot-ms", str(a.slo_tpot_ms), "--request-timeout-s", str(a.request_timeout_s),
+            "--temperature", str(getattr(a, "temperature", 0.0))]
     ns = build_parser().parse_args(base)
     for k, v in kw.items():
         setattr(ns, k, v)
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sat-rounds", type=int, default=1)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="of every request (0: greedy, as bench_model)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--request-timeout-s", type=float, default=300.0)

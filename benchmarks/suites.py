@@ -288,6 +288,20 @@ SUITES: dict[str, Suite] = {
                     summary=r"^P=|^cached|^uncached|profile|Error"),),
         reproduces=("multi-turn disaggregated (2026-12-03): prefill_compute p50 52.8 ms for ~355 computed tokens "
                     "with the cache, 71 ms for 3,645 without, on a GPU shared with the decode worker",)),
+    # Every served figure so far is greedy (loadgen sent temperature 0); OpenAI clients default to 1. At
+    # temperature > 0 the sampler hashes exponential noise over the whole [B, 201088] logits, outside the graph.
+    "served-sampled": Suite(
+        "the served stack on one H200 (20b random weights, disaggregated: one prefill and one decode worker with "
+        "CUDA graphs sharing the GPU), 64 streams of 1024 in / 512 out at once, greedy then temperature 1: what "
+        "sampling costs per decode step",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=tuple(step(f"serve-t{t}", "{py} -m launcher.cli bench serve --launch disaggregated "
+                                        "--num-requests 64 --max-concurrency 64 --input-len 1024 --output-len 512 "
+                                        f"--warmup 8 --temperature {t} --save-requests --request-timeout-s 300 "
+                                        f"--ready-timeout-s 300 --out {{out}}/serve_t{t}.json --serve-args "
+                                        + shlex.quote(SERVED_ARGS), 270, summary=r"throughput|tpot|failed|Error")
+                    for t in (0, 1)),
+        reproduces=("the sampler's cost at temperature 1 against greedy, batch 64",)),
     "prefix-gpu-tests": Suite(
         "issue 25: prefix caching on the GPU (FlashInfer, CUDA graphs, overlapped loop): later turns hit, "
         "tokens agree with the uncached engine, no leaks; and the overlapped loop's GPU tests with the cache on",

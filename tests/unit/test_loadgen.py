@@ -61,6 +61,9 @@ def test_plan_requests_lengths_ids_and_determinism():
     path, body = request_body(chat, plan_requests(chat)[0])
     assert path == "/v1/chat/completions" and len(body["messages"][0]["content"].split()) == 12
     assert "ignore_eos" not in body
+    assert body["temperature"] == 0.0
+    _, body = request_body(LoadSpec("http://x", "m", temperature=1.0), plan[0])
+    assert body["temperature"] == 1.0
 
 
 @pytest.mark.parametrize("text", ["0", "5:4", "a", "1:2:3", "-3"])
@@ -71,7 +74,8 @@ def test_bad_lengths_and_specs_raise_config_errors(text):
 
 def test_spec_validation():
     assert LengthRange.parse("64:256") == LengthRange(64, 256) and LengthRange.parse("8") == LengthRange(8, 8)
-    for kw in ({"request_rate": 0}, {"api": "embeddings"}, {"max_concurrency": 0}, {"num_requests": 0}):
+    for kw in ({"request_rate": 0}, {"api": "embeddings"}, {"max_concurrency": 0}, {"num_requests": 0},
+               {"temperature": -1}):
         with pytest.raises(ConfigError):
             LoadSpec("http://x", "m", **kw)
 
