@@ -302,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout-s", type=float, default=10.0)
     p.add_argument("--num-prefill", type=int, default=1, help="--launch: prefill workers (disaggregated)")
     p.add_argument("--num-decode", type=int, default=1, help="--launch: decode workers (disaggregated)")
+    p.add_argument("--colocated-decode", type=int, default=None,
+                   help="--launch colocated: decode workers (default: --num-prefill + --num-decode, the same number "
+                        "of workers as disaggregated; 1 is how vLLM or SGLang would run on one GPU)")
     p.add_argument("--serve-args", default="", help="--launch: extra flags for tandem serve, one string")
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
     p.add_argument("--out", default=None, help="JSON output path")
@@ -327,11 +330,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _workers(mode: str, a: argparse.Namespace) -> tuple[int, int]:
+    """(prefill, decode) counts for LaunchedService (colocated runs their sum as decode workers)."""
+    if mode == "colocated" and a.colocated_decode is not None:
+        return 0, a.colocated_decode
+    return a.num_prefill, a.num_decode
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
-    if a.num_prefill < 1 or a.num_decode < 1:
-        raise ConfigError("--num-prefill and --num-decode must be >= 1")
+    if a.num_prefill < 1 or a.num_decode < 1 or (a.colocated_decode is not None and a.colocated_decode < 1):
+        raise ConfigError("--num-prefill, --num-decode and --colocated-decode must be >= 1")
     if a.multi_turn:
         return main_multi_turn(a, sys.argv[1:] if argv is None else argv)
     runs = []
@@ -344,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         note = None if "cuda" in a.serve_args else CPU_NOTE
         checkpoint = a.checkpoint or _serve_checkpoint(serve_args) if a.verify_greedy else None
         for mode in (["disaggregated", "colocated"] if a.launch == "both" else [a.launch]):
-            with LaunchedService(mode, a.num_prefill, a.num_decode, serve_args, a.ready_timeout_s) as svc:
+            with LaunchedService(mode, *_workers(mode, a), serve_args, a.ready_timeout_s) as svc:
                 for run in run_one(mode, svc.url, a, note, svc.workers, checkpoint):
                     run["launched"] = {"mode": mode, "command": svc.cmd[2:]}
                     runs.append(run)
@@ -386,7 +396,7 @@ def main_multi_turn(a: argparse.Namespace, argv: list[str]) -> int:
                     if mode == "disaggregated" else []) + [("cache off", ["--no-enable-prefix-caching"])]
             for name, flags in variants:
                 label = f"{mode} {name}".strip()
-                with LaunchedService(mode, a.num_prefill, a.num_decode, base_args + flags, a.ready_timeout_s) as svc:
+                with LaunchedService(mode, *_workers(mode, a), base_args + flags, a.ready_timeout_s) as svc:
                     run = multi_turn.run(spec(svc.url), label, svc.workers, warmup=a.warmup)
                     run["launched"] = {"mode": mode, "command": svc.cmd[2:]}
                     if "cuda" not in a.serve_args:

@@ -114,16 +114,16 @@ MT_SERVE_ARGS = ("--device cuda --fp8 --random-weights gpt-oss-20b --share-gpu -
                  "--max-num-batched-tokens 4096' --prefill-args '--max-model-len 16384'")
 
 
-def multi_turn_step(mode: str, timeout_s: int) -> Step:
+def multi_turn_step(mode: str, timeout_s: int, name: str = "", extra: str = "") -> Step:
     """64 conversations x 8 turns, a 2k shared system prompt, 100-300 new user tokens and 100-200 answer
     tokens per turn; each mode launched with and without prefix caching (disaggregated also with every
     prefill remote: shipping only the pages decode lacks). Each launch first runs 8 warm-up
     conversations (another seed): a fresh server's first shapes compile kernels, which the first
     launch otherwise paid in its TTFT (multi-turn-1)."""
-    return step(mode, f"{{py}} -m launcher.cli bench serve --multi-turn --launch {mode} --compare-caching "
+    return step(name or mode, f"{{py}} -m launcher.cli bench serve --multi-turn --launch {mode} --compare-caching "
                       "--conversations 64 --turns 8 --system-len 2048 --user-len 100:300 --output-len 100:200 --warmup 8 "
                       "--num-prefill 1 --num-decode 1 --request-timeout-s 200 --ready-timeout-s 150 "
-                      f"--out {{out}}/serve_multi_turn_{mode}.json --serve-args " + shlex.quote(MT_SERVE_ARGS),
+                      f"{extra}--out {{out}}/serve_multi_turn_{name or mode}.json --serve-args " + shlex.quote(MT_SERVE_ARGS),
                 timeout_s, summary=r"cache|failed|Error|Traceback")
 
 # Issue 27's launch-bound fusions (kernels.registry.Fusion), measured against each other on one loaded model:
@@ -302,6 +302,14 @@ SUITES: dict[str, Suite] = {
                                         + shlex.quote(SERVED_ARGS), 270, summary=r"throughput|tpot|failed|Error")
                     for t in (0, 1)),
         reproduces=("the sampler's cost at temperature 1 against greedy, batch 64",)),
+    # multi-turn's colocated step runs two decode processes time-slicing the GPU (cache-aware placement
+    # between them); this one is how vLLM or SGLang would serve on one GPU: one decode worker alone.
+    "multi-turn-colocated-1": Suite(
+        "issue 25: multi-turn's colocated conversations (64 x 8 turns, 2k shared system prompt) with ONE decode "
+        "worker alone on the H200, with and without prefix caching",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(multi_turn_step("colocated", 240, name="colocated-1", extra="--colocated-decode 1 "),),
+        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
     "prefix-gpu-tests": Suite(
         "issue 25: prefix caching on the GPU (FlashInfer, CUDA graphs, overlapped loop): later turns hit, "
         "tokens agree with the uncached engine, no leaks; and the overlapped loop's GPU tests with the cache on",
