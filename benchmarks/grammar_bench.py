@@ -24,7 +24,8 @@ import shlex
 import time
 from pathlib import Path
 
-from benchmarks.serve_bench import LaunchedService, format_table, run_one
+from benchmarks.launched import LaunchedService
+from benchmarks.serve_bench import format_table, run_one
 from benchmarks.serve_gpu import gpu_name, load_args, steady_state
 from common.errors import WorkerUnavailable
 

@@ -32,10 +32,7 @@ import math
 import os
 import platform
 import shlex
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -47,7 +44,7 @@ from benchmarks import multi_turn
 from benchmarks.loadgen import LengthRange, LoadSpec, RequestResult, constrained_fraction, plan_requests, run_load
 from benchmarks.serve_checks import queue_waits, replay_greedy, settled_status
 from common.errors import ConfigError, WorkerUnavailable
-from launcher.cmd_serve import free_base_port, free_port
+from benchmarks.launched import LaunchedService
 
 CPU_NOTE = ("service launched on the CPU with the embedded tiny model: these numbers measure the load generator "
             "and the serving path (HTTP, router, ZMQ, KV transfer, scheduling), not model speed")
@@ -153,61 +150,6 @@ def format_comparison(runs: list[dict]) -> str:
 
 
 # ---- launching `tandem serve` ----------------------------------------------------------------------
-class LaunchedService:
-    """`tandem serve` in its own session (so a stuck shutdown can take its workers down with it)."""
-
-    def __init__(self, mode: str, num_prefill: int, num_decode: int, serve_args: list[str], ready_timeout_s: float):
-        self.mode, self.ready_timeout_s = mode, ready_timeout_s
-        port, base = free_port(), free_base_port(num_prefill + num_decode)
-        n_pre, n_dec = (0, num_prefill + num_decode) if mode == "colocated" else (num_prefill, num_decode)
-        self.workers = ([f"tcp://127.0.0.1:{base + 100 + i}" for i in range(n_pre)]
-                        + [f"tcp://127.0.0.1:{base + 200 + i}" for i in range(n_dec)])
-        self.url = f"http://127.0.0.1:{port}"
-        workers = (["--colocated", "--num-decode", str(num_prefill + num_decode)] if mode == "colocated"
-                   else ["--num-prefill", str(num_prefill), "--num-decode", str(num_decode)])
-        self.cmd = [sys.executable, "-m", "launcher.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                    "--base-port", str(base), *workers, *serve_args]
-        self.log = tempfile.NamedTemporaryFile(prefix=f"tandem-bench-{mode}-", suffix=".log", delete=False)
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> LaunchedService:
-        print(f"launching ({self.mode}): {' '.join(self.cmd[2:])}  [log {self.log.name}]", flush=True)
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        t_end = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < t_end:
-            if self.proc.poll() is not None:
-                raise WorkerUnavailable(f"tandem serve ({self.mode}) exited with code {self.proc.returncode} during "
-                                        f"start-up; log tail:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.__exit__(None, None, None)
-        raise WorkerUnavailable(f"tandem serve ({self.mode}) was not ready within {self.ready_timeout_s:.0f} s; "
-                                f"log tail:\n{self.log_tail()}")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # tandem serve drains and stops its workers
-            try:
-                self.proc.wait(45)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # whatever is left of the session we created at launch (nothing else is in it)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-
-    def log_tail(self, n: int = 3000) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-n:]
-
-
 def _model_of(url: str, timeout_s: float) -> str:
     try:
         r = httpx.get(url + "/v1/models", timeout=timeout_s)

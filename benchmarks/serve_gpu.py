@@ -27,7 +27,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from benchmarks.serve_bench import LaunchedService, build_parser, format_comparison, format_table, run_one
+from benchmarks.launched import LaunchedService
+from benchmarks.serve_bench import build_parser, format_comparison, format_table, run_one
 
 
 def gpu_name() -> str:
