@@ -27,14 +27,6 @@ from pathlib import Path
 from benchmarks.launched import LaunchedService
 from benchmarks.serve_bench import format_table, run_one
 from benchmarks.serve_gpu import gpu_name, load_args, steady_state
-from common.errors import WorkerUnavailable
-
-
-def alive(svc: LaunchedService, after: str) -> None:
-    """A service that died mid-run shows as connection errors; say so with its log (grammar-gpu run 1)."""
-    if svc.proc is not None and svc.proc.poll() is not None:
-        raise WorkerUnavailable(f"tandem serve exited with code {svc.proc.returncode} during {after}; "
-                                f"log tail:\n{svc.log_tail()}")
 
 
 def measure(url: str, a: argparse.Namespace, label: str, json_schema: bool) -> dict:
@@ -85,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
                 run_one("warmup", svc.url, load_args(a, num_requests=a.warmup, input_len=str(a.input_len),
                                                      output_len="16", max_concurrency=None, request_rate=math.inf,
                                                      json_schema=js, model=None), None)
-                alive(svc, f"the warm-up (json_schema={js})")
+                svc.check_alive(f"the warm-up (json_schema={js})")  # grammar-gpu run 1 died there
         for label, js in (("free", False), ("json_schema", True), ("free again", False)):
             run = measure(svc.url, a, label, js)
-            alive(svc, f"the {label} run")
+            svc.check_alive(f"the {label} run")
             run["launched"] = {"mode": a.mode, "command": svc.cmd[2:]}
             runs.append(run)
             print(format_table(run), flush=True)

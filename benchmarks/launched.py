@@ -40,9 +40,7 @@ class LaunchedService:
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
         t_end = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < t_end:
-            if self.proc.poll() is not None:
-                raise WorkerUnavailable(f"tandem serve ({self.mode}) exited with code {self.proc.returncode} during "
-                                        f"start-up; log tail:\n{self.log_tail()}")
+            self.check_alive("start-up")
             try:
                 if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
                     return self
@@ -67,6 +65,12 @@ class LaunchedService:
         except ProcessLookupError:
             pass
         self.proc.wait()
+
+    def check_alive(self, during: str) -> None:
+        """A service that exited shows to a load as connection errors: say so, with its log."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise WorkerUnavailable(f"tandem serve ({self.mode}) exited with code {self.proc.returncode} during "
+                                    f"{during}; log tail:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 3000) -> str:
         return Path(self.log.name).read_text(errors="replace")[-n:]

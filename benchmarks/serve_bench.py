@@ -41,10 +41,10 @@ import httpx
 import numpy as np
 
 from benchmarks import multi_turn
+from benchmarks.launched import LaunchedService
 from benchmarks.loadgen import LengthRange, LoadSpec, RequestResult, constrained_fraction, plan_requests, run_load
 from benchmarks.serve_checks import queue_waits, replay_greedy, settled_status
 from common.errors import ConfigError, WorkerUnavailable
-from benchmarks.launched import LaunchedService
 
 CPU_NOTE = ("service launched on the CPU with the embedded tiny model: these numbers measure the load generator "
             "and the serving path (HTTP, router, ZMQ, KV transfer, scheduling), not model speed")

@@ -123,8 +123,15 @@ def multi_turn_step(mode: str, timeout_s: int, name: str = "", extra: str = "") 
     return step(name or mode, f"{{py}} -m launcher.cli bench serve --multi-turn --launch {mode} --compare-caching "
                       "--conversations 64 --turns 8 --system-len 2048 --user-len 100:300 --output-len 100:200 --warmup 8 "
                       "--num-prefill 1 --num-decode 1 --request-timeout-s 200 --ready-timeout-s 150 "
-                      f"{extra}--out {{out}}/serve_multi_turn_{name or mode}.json --serve-args " + shlex.quote(MT_SERVE_ARGS),
+                      f"{extra}--out {{out}}/serve_multi_turn_{name or mode}.json --serve-args "
+                      + shlex.quote(MT_SERVE_ARGS),
                 timeout_s, summary=r"cache|failed|Error|Traceback")
+
+def sweep_step(flags: str, timeout_s: int, **kw) -> Step:
+    """training.sweep (the demo model, issue 28) with `flags`; its summary is the winner line."""
+    return step("sweep", "{py} -m training.sweep --out {out} " + flags, timeout_s, summary=r"^best|Error|Traceback",
+                **kw)
+
 
 # Issue 27's launch-bound fusions (kernels.registry.Fusion), measured against each other on one loaded model:
 # all off (the workers' defaults), each alone, all on.
@@ -283,8 +290,8 @@ SUITES: dict[str, Suite] = {
         "cached prefill profiled (kernels, their device time)",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(step("prefill-prefix", "{py} -m benchmarks.prefill_prefix --device cuda --fp8 --random-weights "
-                                      "gpt-oss-20b --kv-cache-gib 12 --max-model-len 16384 --reps 10 --layers-ahead 2,-1 "
-                                      "--profile --out {out}/prefill_prefix.json", 300,
+                                      "gpt-oss-20b --kv-cache-gib 12 --max-model-len 16384 --reps 10 "
+                                      "--layers-ahead 2,-1 --profile --out {out}/prefill_prefix.json", 300,
                     summary=r"^P=|^cached|^uncached|profile|Error"),),
         reproduces=("multi-turn disaggregated (2026-12-03): prefill_compute p50 52.8 ms for ~355 computed tokens "
                     "with the cache, 71 ms for 3,645 without, on a GPU shared with the decode worker",)),
@@ -343,9 +350,7 @@ SUITES: dict[str, Suite] = {
         "tests' conversations) and by sampling, and "
         "leaves the best as gpt-oss-tiny-demo.safetensors (copy it to model/demo/)",
         carry=(".whl-site",),
-        steps=(step("sweep", "{py} -m training.sweep --out {out} --device cuda --minutes 3.5 --deadline-s 225 "
-                                      "--reserve-s 55", 400,
-                    summary=r"^best|Error|Traceback"),)),
+        steps=(sweep_step("--device cuda --minutes 3.5 --deadline-s 225 --reserve-s 55", 400),)),
     # demo-train run 1 (2026-12-03): six runs of 2.1 min got ~700 steps each; the best copied names wrong in
     # JSON answers. Three runs of the two best recipes, up to 5.5 min each, done 420 s after the start.
     "demo-train-long": Suite(
@@ -353,14 +358,12 @@ SUITES: dict[str, Suite] = {
         "the same with lr 3e-3) of up to 5.5 min each, all done 420 s after the start; the best is "
         "gpt-oss-tiny-demo.safetensors (copy it to model/demo/)",
         carry=(".whl-site",),
-        steps=(step("sweep", "{py} -m training.sweep --out {out} --device cuda --minutes 5.5 --deadline-s 420 "
-                             "--reserve-s 55 --runs no-copies:0,no-copies:1,no-copies-lr3e-3:0", 480,
-                    summary=r"^best|Error|Traceback"),)),
+        steps=(sweep_step("--device cuda --minutes 5.5 --deadline-s 420 --reserve-s 55 "
+                          "--runs no-copies:0,no-copies:1,no-copies-lr3e-3:0", 480),)),
     "demo-train-smoke": Suite(
         "demo-train's machinery on a CPU: the same sweep with --smoke (small data, two runs of 20 steps)",
         carry=(), gpu=False, kind="cpu",
-        steps=(step("sweep", "{py} -m training.sweep --out {out} --device cpu --smoke", 400,
-                    summary=r"^best|Error|Traceback", gpus=0),)),
+        steps=(sweep_step("--device cpu --smoke", 400, gpus=0),)),
     # issue 28: structured outputs' cost per token, one H200, 20b random weights, batch 64 (colocated: one decode
     # worker; the grammar work is the sampling rank's). The llguidance wheel travels in .whl (or inside
     # .whl-site/site.tar.xz once the lead rebuilds it): common/grammar.py names it.

@@ -15,9 +15,10 @@ sits next to a norm folded into the same launch:
 Same math as kernels.reference.rms_norm: fp32 statistics, fp32 weight, y cast to the activation
 dtype. Every variant runs the same row code (`_norm_row`) with the same launch shape per row; on the
 H200 the router variant's y can still differ from the plain norm's in the last bit (the compiler may
-pick another layout for the row, so x^2 sums in another order; tests/kernels/test_fusion_gpu.py). Router logits: an fp32 dot of the rounded y and
-W_r plus b_r, rounded once to the logits dtype (cuBLAS's rounding points; its summation order
-differs, so logits can differ from F.linear's in the last bit).
+pick another layout for the row, so x^2 sums in another order; tests/kernels/test_fusion_gpu.py).
+Router logits: an fp32 dot of the rounded y and W_r plus b_r, rounded once to the logits dtype
+(cuBLAS's rounding points; its summation order differs, so logits can differ from F.linear's in the
+last bit).
 Rows are [T, H] with any row stride; columns are laid out as [NG, 128] groups (NG = the next power
 of two of ceil(H/128)), which is what the 1x128 quantisation needs and costs nothing elsewhere.
 """
