@@ -17,6 +17,7 @@ and the whole prompt again with the cache cleared, whose first token must equal 
 (exact in fp32 on the CPU; bf16 may differ by rounding). The first repetition is a warm-up.
 --profile: one more cached P+N under torch.profiler: kernels launched, their summed device time
 (against the GPU span: the rest is the GPU waiting for the host) and the table, in $OUT.
+--host-profile: one cached P+N and one uncached N under cProfile (which Python the launch time is).
 Served numbers (a GPU shared with a decode worker) come from the router's TTFT breakdown header:
 `prefill_compute.<part>` (benchmarks/multi_turn.py lists them per turn group).
 """
@@ -109,9 +110,25 @@ def profile(run, path: Path) -> dict:
         r = run()
     avgs = prof.key_averages()
     kernels = [k for k in avgs if k.device_type == torch.autograd.DeviceType.CUDA]  # as benchmarks/profile_decode.py
-    path.write_text(avgs.table(sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total", row_limit=40))
+    path.write_text(avgs.table(sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total", row_limit=40)
+                    + "\n\nby host time\n" + avgs.table(sort_by="self_cpu_time_total", row_limit=40))
     return {"kernels": sum(k.count for k in kernels), "kernel_ms": sum(k.self_device_time_total for k in kernels) / 1e3,
             **row(r)}
+
+
+def host_profile(run, path: Path) -> None:
+    """One call of run() under cProfile: where the host's launch time goes (Python, per function)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(run)
+    buf = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        buf.write(f"\n==== sorted by {key}\n")
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
+    path.write_text(buf.getvalue())
 
 
 def main() -> None:
@@ -123,6 +140,7 @@ def main() -> None:
     ap.add_argument("--layers-ahead", default="2", help="the KV sender's bound on host run-ahead, comma-separated "
                                                          "settings (-1: none)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile one cached P+N and one uncached N")
     ap.add_argument("--out", default=None, help="JSON file (default: $OUT/prefill_prefix.json)")
     a = ap.parse_args()
     cfg = engine_config(a, role="prefill")
@@ -174,6 +192,12 @@ def main() -> None:
         res["profile"] = profile(lambda: eng.run(request("prof-b", whole, p)), path.with_suffix(".profile.txt"))
         path.write_text(json.dumps(res, indent=1, default=str))
         print("profile of one cached P+N (under the profiler):", res["profile"])
+    if a.host_profile:
+        whole = prompt(a.prefix + a.new)
+        eng.run(request("hprof-a", whole[:a.prefix], p))
+        host_profile(lambda: eng.run(request("hprof-b", whole, p)), path.with_suffix(".host_cached.txt"))
+        host_profile(lambda: eng.run(request("hprof-c", prompt(a.new), p)), path.with_suffix(".host_uncached_n.txt"))
+        print("host profiles:", path.with_suffix(".host_cached.txt"), path.with_suffix(".host_uncached_n.txt"))
 
 
 if __name__ == "__main__":

@@ -291,7 +291,7 @@ SUITES: dict[str, Suite] = {
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(step("prefill-prefix", "{py} -m benchmarks.prefill_prefix --device cuda --fp8 --random-weights "
                                       "gpt-oss-20b --kv-cache-gib 12 --max-model-len 16384 --reps 10 "
-                                      "--layers-ahead 2,-1 --profile --out {out}/prefill_prefix.json", 300,
+                                      "--layers-ahead 2,-1 --profile --host-profile --out {out}/prefill_prefix.json", 300,
                     summary=r"^P=|^cached|^uncached|profile|Error"),),
         reproduces=("multi-turn disaggregated (2026-12-03): prefill_compute p50 52.8 ms for ~355 computed tokens "
                     "with the cache, 71 ms for 3,645 without, on a GPU shared with the decode worker",)),
