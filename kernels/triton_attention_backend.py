@@ -13,6 +13,11 @@ store's launch (`rope_qk_store_kv`), the others rotate them first.
 FP8 (e4m3) pages: the store quantises with the layer's per-head scales, the kernel dequantises the
 paged range in registers (kernels/triton_attention.py); plan() does not depend on the KV dtype.
 
+Which kernel reads the pages of a pure-decode step (`DecodeKernel`, default FP8): the decode kernel
+(kernels/triton_decode.py) for e4m3 pages, where the generic kernel is bound by instruction issue
+(~0.42 of copy bandwidth); the generic `_attn_fwd` for every other step, and for 16-bit pages until
+the attention benchmark's triton-decode rows show the decode kernel ahead there too (ALL).
+
 Decode CUDA graphs: after `enable_cuda_graphs(batch_sizes, max_pages_per_seq)`, a pure-decode
 step of one of those batch sizes plans into static buffers (sequence table, page table, slots)
 owned per (batch size, group); the split count is fixed from the capacity, so the launch grid
@@ -24,20 +29,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
 from kernels.interface import GroupMeta, StepMeta
 from kernels.triton_attention import AttnBatch, KernelConfig, sink_attention
+from kernels.triton_decode import FP8, DecodeConfig, decode_supported, paged_decode
 from kernels.triton_store_kv import rope_qk, rope_qk_store_kv, store_kv
 
 
-def _target_programs(device: torch.device) -> int:
-    """Split the KV range until about two programs per SM run; never on the CPU interpreter
-    (there splits only cost time; the kernel tests force them explicitly)."""
+class DecodeKernel(str, Enum):
+    """Which pages a pure-decode step reads with the decode kernel (the rest: the generic one)."""
+
+    OFF = "off"
+    FP8 = "fp8"  # e4m3 pages only
+    ALL = "all"
+
+
+def _num_sms(device: torch.device) -> int:
+    """SMs the split heuristics fill; 0 on the CPU interpreter (there splits only cost time; the
+    kernel tests force them explicitly)."""
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 0
 
 
 @dataclass(slots=True)
@@ -49,15 +64,19 @@ class _GraphBuffers:
 class TritonAttention:
     name = "triton"
 
-    def __init__(self, *, config: KernelConfig | None = None, num_splits: int | None = None) -> None:
-        """config / num_splits override the per-step heuristics (tests, benchmarks, tuning)."""
+    def __init__(self, *, config: KernelConfig | None = None, num_splits: int | None = None,
+                 decode: DecodeKernel | str = DecodeKernel.FP8, decode_config: DecodeConfig | None = None) -> None:
+        """config (generic kernel) / decode_config (decode kernel) / num_splits (both) override the
+        per-step heuristics (tests, benchmarks, tuning)."""
         self._config = config
         self._num_splits = num_splits
+        self._decode = DecodeKernel(decode)
+        self._decode_config = decode_config
         self._step: StepMeta | None = None
         self._dense: AttnBatch | None = None
         self._groups: list[AttnBatch | None] = []
         self._slots: list[torch.Tensor | None] = []
-        self._target_programs: int | None = None
+        self._num_sms: int | None = None
         self._graph_sizes: set[int] = set()
         self._graph_max_pages = 0
         self._graph: dict[tuple[int, int, int], _GraphBuffers] = {}
@@ -71,8 +90,8 @@ class TritonAttention:
             return  # already planned: GptOss.forward re-plans inside a CUDA-graph capture, where host work is illegal
         self._step = step
         device = step.cu_seqlens_q.device
-        if self._target_programs is None:
-            self._target_programs = _target_programs(device)
+        if self._num_sms is None:
+            self._num_sms = _num_sms(device)
         q_lens = step.q_lens_host
         graphed = step.is_decode and step.num_seqs in self._graph_sizes
         self._dense = None
@@ -121,7 +140,8 @@ class TritonAttention:
         step = self._step
         assert step is not None, "plan() must run before forward()"
         g = step.groups[group]
-        cfg, splits, target = self._config, self._num_splits, self._target_programs or 1
+        cfg, splits = self._config, self._num_splits
+        target = max(1, 2 * (self._num_sms or 0))  # the generic kernel: about two programs per SM
         if rope is not None and not (kv is not None and g is not None and g.pages_hold_all):
             q, k = rope_qk(q, k, *rope)  # no store ahead of the read to fuse with
             rope = None
@@ -138,6 +158,9 @@ class TritonAttention:
                 q, k = rope_qk_store_kv(q, k, v, k_cache, v_cache, slots, *rope, kv_scale, write_k=True)
             else:
                 store_kv(k, v, k_cache, v_cache, slots, kv_scale)
+            if self._decodes(batch, q, kv):
+                return paged_decode(q, kv, batch, sinks, sm_scale, window, kv_scale=kv_scale,
+                                    config=self._decode_config, num_splits=splits, num_sms=self._num_sms or 0)
             return sink_attention(q, k, v, kv, batch, sinks, sm_scale, window, config=cfg, num_splits=splits,
                                   target_programs=target, kv_scale=kv_scale)
         out = sink_attention(q, k, v, kv, batch, sinks, sm_scale, window, config=cfg, num_splits=splits,
@@ -145,3 +168,11 @@ class TritonAttention:
         store_kv(k, v, k_cache, v_cache, slots, kv_scale)
         return out
 
+
+    def _decodes(self, batch: AttnBatch, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Whether this paged read goes to the decode kernel (every key in the pages, q_len 1)."""
+        if self._decode == DecodeKernel.OFF or batch.max_q_len != 1:
+            return False
+        if self._decode == DecodeKernel.FP8 and kv[0].dtype != FP8:
+            return False
+        return decode_supported(q, kv)
