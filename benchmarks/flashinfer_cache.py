@@ -100,7 +100,7 @@ def prebuild(out_dir: str, base: str | None) -> dict:
     """Build, for sm_90a on this machine (no GPU needed: nvcc only), every gpt-oss module that the
     `base` tarball lacks, and write base's modules and these as <out_dir>/flashinfer-cache.tar.xz."""
     os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")  # read when flashinfer is imported
-    from kernels.flashinfer_backend import variant_spec
+    from kernels.flashinfer_variants import variant_spec
     _link_without_driver()
     members, kept = {}, []
     tmp = "/tmp/fi-cache-base"

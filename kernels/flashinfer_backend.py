@@ -20,12 +20,16 @@ Lifecycle:
     rope= (Fusion.ROPE_STORE) q and k arrive unrotated: where the store comes first (paged, FP8
     prefill) one launch rotates q and k and stores (`rope_qk_store_kv`), elsewhere they are rotated
     first, as the model would have.
-  * FP8 (e4m3) pages (`FP8_KV` below): decode reads them with fa2 (FlashInfer 0.6.6's fa2 template
-    widens e4m3 K/V tiles to the query dtype in registers, head_dim 64 included; its fa3/sm90 mainloop
-    has no bf16 x e4m3 GMMA and its FP8 path wants q in e4m3 too), through our variant of the sink
-    template with per-KV-head K/V scales; prefill steps store, then read their keys back dequantised
-    (`gather_kv`) into the bf16 ragged kernel (fa3), so prefill keeps fa3's speed. If the FP8 variant
-    cannot be built, FP8 layers run on TritonAttention and the log says why.
+  * FP8 (e4m3) pages (`FP8_KV` below): pure-decode steps run on our Triton decode kernel by default
+    (`fp8_decode="triton"`: kernels/triton_decode.py, planned and graphed by a TritonAttention this
+    backend drives); FlashInfer's own path (`fp8_decode="flashinfer"`) reads them with fa2 (its fa2
+    template widens e4m3 K/V tiles to the query dtype in registers, head_dim 64 included; its
+    fa3/sm90 mainloop has no bf16 x e4m3 GMMA and its FP8 path wants q in e4m3 too) through our
+    variant of the sink template with per-KV-head K/V scales, and measured 0.568 of copy bandwidth
+    at 128 x 8k (benchmarks/results/2026-12-02/fp8-kv-2), instruction-bound like our generic kernel.
+    Prefill steps store, then read their keys back dequantised (`gather_kv`) into the bf16 ragged
+    kernel (fa3), so prefill keeps fa3's speed. If the FP8 variant cannot be built (flashinfer
+    mode), FP8 layers run on TritonAttention and the log says why.
   * decode CUDA graphs: `enable_cuda_graphs(batch_sizes, max_pages_per_seq)`; a pure-decode step
     of one of those batch sizes then runs on wrappers with static index buffers (page indices,
     indptrs, last-page lengths, and the slot_mapping the store reads). plan() runs outside the
@@ -37,7 +41,6 @@ Lifecycle:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import sys
@@ -48,7 +51,8 @@ import numpy as np
 import torch
 
 from common.errors import ConfigError
-from kernels.flashinfer_fp8kv import FP8_KV, FP8_VARIANT, fp8_variant_decl, read_slots
+from kernels.flashinfer_fp8kv import FP8_KV, read_slots
+from kernels.flashinfer_variants import build_variant, jit_args
 from kernels.interface import GroupMeta, StepMeta
 from kernels.triton_store_kv import gather_kv, rope_qk, rope_qk_store_kv, store_kv
 
@@ -123,44 +127,6 @@ def chunk_gather_indices(prefix_lens: list[int], q_lens: list[int], max_pages: i
     return flat, i % page_size, dst_pre, dst_new, cu_k.astype(np.int32)
 
 
-def _jit_args(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool, kv_dtype: torch.dtype | None = None
-              ) -> list:
-    from flashinfer.jit.attention.variants import attention_sink_decl
-    name = str(dtype).removeprefix("torch.")
-    if kv_dtype == FP8_KV:  # paged reads of e4m3 pages: fa2 only (see the module docstring)
-        assert backend == "fa2", "FlashInfer reads bf16 queries against e4m3 pages with fa2 only"
-        tensors, decl = ["sink", "k_scale", "v_scale"], fp8_variant_decl(attention_sink_decl["fa2"])
-        # FlashInfer loads a carried module by its uri alone (benchmarks/flashinfer_cache.py restores
-        # .so files as AOT modules, sources unchecked): the uri names our edit of the declaration, so a
-        # module built from an older edit is never loaded for this one.
-        tag = hashlib.sha256("\n".join([decl, *tensors]).encode()).hexdigest()[:8]
-        uri = f"tandem_attention_sink_{name}_kv_e4m3_d{head_dim}_swa{int(sliding)}_{backend}_{tag}"
-        return [uri, dtype, FP8_KV, dtype, torch.int32, head_dim, head_dim, tensors,
-                ["float", "float", "float"], ["sm_scale"], ["double"], FP8_VARIANT, decl]
-    uri = f"tandem_attention_sink_{name}_d{head_dim}_swa{int(sliding)}_{backend}"
-    return [uri, dtype, dtype, dtype, torch.int32, head_dim, head_dim, ["sink"], ["float"], ["sm_scale"],
-            ["double"], "AttentionSink", attention_sink_decl[backend]]
-
-
-def variant_spec(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool,
-                 kv_dtype: torch.dtype | None = None):
-    """FlashInfer's JitSpec of one variant (sources generated, nothing compiled or loaded): what a
-    machine without a GPU builds ahead (benchmarks/flashinfer_cache.py --prebuild)."""
-    from flashinfer.jit.attention.modules import gen_customize_batch_prefill_module
-    return gen_customize_batch_prefill_module(backend, *_jit_args(backend, dtype, head_dim, sliding, kv_dtype),
-                                              use_sliding_window=sliding)
-
-
-def build_variant(backend: str, dtype: torch.dtype, head_dim: int, sliding: bool,
-                  kv_dtype: torch.dtype | None = None) -> None:
-    """Compile (or load from the JIT cache) one AttentionSink variant exactly as the wrappers will
-    ask for it (FlashInfer caches the module by these arguments), so start-up can build several
-    variants in parallel threads: each build is a ninja/nvcc subprocess."""
-    from flashinfer.prefill import get_customize_batch_prefill_module
-    get_customize_batch_prefill_module(backend, *_jit_args(backend, dtype, head_dim, sliding, kv_dtype),
-                                       use_sliding_window=sliding)
-
-
 @dataclass(slots=True)
 class _GroupPlan:
     """What one page group needs at forward time in the current step."""
@@ -177,11 +143,15 @@ class FlashInferAttention:
     name = "flashinfer"
 
     def __init__(self, *, prefill_backend: str = "auto", decode_backend: str = "fa2",
-                 cache_dir: str | None = None) -> None:
+                 cache_dir: str | None = None, fp8_decode: str = "triton") -> None:
         self._fi = import_flashinfer(cache_dir)
         for b in (prefill_backend, decode_backend):
             if b not in ("auto", "fa2", "fa3"):
                 raise ConfigError(f"unknown FlashInfer backend {b!r} (auto, fa2, fa3)")
+        if fp8_decode not in ("triton", "flashinfer"):
+            raise ConfigError(f"unknown e4m3 decode kernel {fp8_decode!r} (triton, flashinfer)")
+        self._fp8_decode_kind = fp8_decode
+        self._fp8_decode = None  # TritonAttention for pure-decode steps over e4m3 pages (fp8_decode="triton")
         self._want = {"prefill": prefill_backend, "decode": decode_backend}
         self._backend: dict[str, str] = {}  # resolved per role once the device is known
         self._dims: AttentionDims | None = None
@@ -213,7 +183,8 @@ class FlashInferAttention:
             return
         for role in ("prefill", "decode"):
             for wl in set(self._windows.values()):
-                if not (role == "prefill" and self._dims.fp8_kv):  # FP8 prefill reads pages densely (ragged)
+                # FP8: prefill reads pages densely (ragged); decode may run on the Triton decode kernel
+                if not self._dims.fp8_kv or (role == "decode" and self._fp8_decode is None):
                     self._wrapper(role, "paged", wl)
                 if role == "prefill":
                     self._wrapper(role, "ragged", wl)
@@ -221,8 +192,9 @@ class FlashInferAttention:
     def enable_cuda_graphs(self, batch_sizes: Sequence[int], max_pages_per_seq: int) -> None:
         self._graph_sizes = set(batch_sizes)
         self._graph_max_pages = max_pages_per_seq
-        if self._fp8_fallback is not None:
-            self._fp8_fallback.enable_cuda_graphs(batch_sizes, max_pages_per_seq)
+        for t in (self._fp8_fallback, self._fp8_decode):
+            if t is not None:
+                t.enable_cuda_graphs(batch_sizes, max_pages_per_seq)
 
     def _check_fp8_kv(self, dims: AttentionDims) -> None:
         """Build the FP8-KV decode variants (both window kinds) once per (dtype, head_dim); when they
@@ -235,16 +207,21 @@ class FlashInferAttention:
             for sliding in (False, True):
                 build_variant("fa2", dims.dtype, dims.head_dim, sliding, FP8_KV)
         except Exception as e:  # a JIT build error, or FlashInfer's template text changed (ConfigError)
-            from kernels.triton_attention_backend import TritonAttention
             log.warning("FlashInfer cannot read e4m3 KV pages here (%s: %s); FP8-KV attention runs on Triton",
                         type(e).__name__, str(e)[-300:])
-            self._fp8_fallback = TritonAttention()
-            if self._graph_sizes:
-                self._fp8_fallback.enable_cuda_graphs(sorted(self._graph_sizes), self._graph_max_pages)
-            if self._step is not None:
-                self._fp8_fallback.plan(self._step)
+            self._fp8_fallback = self._triton()
             return
         self._fp8_checked.add(key)
+
+    def _triton(self):
+        """A TritonAttention planned and graphed like this backend (it takes over FP8 layers)."""
+        from kernels.triton_attention_backend import TritonAttention
+        t = TritonAttention()
+        if self._graph_sizes:
+            t.enable_cuda_graphs(sorted(self._graph_sizes), self._graph_max_pages)
+        if self._step is not None:
+            t.plan(self._step)
+        return t
 
     def _unit_scales(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         t = self._unit.get((n, device))
@@ -266,7 +243,9 @@ class FlashInferAttention:
             self._graph_slots.clear()
             self._plans = {}
         self._dims = dims
-        if dims.fp8_kv:
+        if dims.fp8_kv and self._fp8_decode_kind == "triton":
+            self._fp8_decode = self._fp8_decode or self._triton()
+        elif dims.fp8_kv:
             self._check_fp8_kv(dims)
         if self._workspace is None:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dims.device)
@@ -297,11 +276,11 @@ class FlashInferAttention:
 
     def _make_wrapper(self, backend: str, kind: str, window_left: int, graph_batch: int):
         fi, d = self._fi, self._dims
-        jit_args = _jit_args(backend, d.dtype, d.head_dim, window_left >= 0, d.kv_dtype if kind == "paged" else None)
+        args = jit_args(backend, d.dtype, d.head_dim, window_left >= 0, d.kv_dtype if kind == "paged" else None)
         jit_kwargs = {"use_sliding_window": window_left >= 0}
         if kind == "ragged":
             return fi.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD", backend=backend,
-                                                           jit_args=jit_args, jit_kwargs=jit_kwargs)
+                                                           jit_args=args, jit_kwargs=jit_kwargs)
         if graph_batch:
             dev, n = d.device, graph_batch
             return fi.BatchPrefillWithPagedKVCacheWrapper(
@@ -310,9 +289,9 @@ class FlashInferAttention:
                 paged_kv_indptr_buf=torch.zeros(n + 1, dtype=torch.int32, device=dev),
                 paged_kv_indices_buf=torch.zeros(n * self._graph_max_pages, dtype=torch.int32, device=dev),
                 paged_kv_last_page_len_buf=torch.zeros(n, dtype=torch.int32, device=dev),
-                backend=backend, jit_args=jit_args, jit_kwargs=jit_kwargs)
+                backend=backend, jit_args=args, jit_kwargs=jit_kwargs)
         return fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "HND", backend=backend,
-                                                      jit_args=jit_args, jit_kwargs=jit_kwargs)
+                                                      jit_args=args, jit_kwargs=jit_kwargs)
 
     # ---- per step ----------------------------------------------------------------------------------
     def plan(self, step: StepMeta) -> None:
@@ -325,6 +304,9 @@ class FlashInferAttention:
             return
         if self._dims is None:
             return  # shapes unknown until the first forward: planned lazily there
+        if self._fp8_decode is not None and self._dims.fp8_kv and step.is_decode:
+            self._fp8_decode.plan(step)  # every paged read of this step is the decode kernel's
+            return
         for gi, g in enumerate(step.groups):
             if g is not None and gi in self._windows:
                 self._plans[gi] = self._plan_group(step, g, self._windows[gi])
@@ -417,6 +399,9 @@ class FlashInferAttention:
         self._set_dims(AttentionDims(q.shape[1], k.shape[1], q.shape[2], page, q.dtype, q.device, kv_dtype))
         if self._fp8_fallback is not None:
             return self._fp8_fallback.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale, rope=rope)
+        if self._fp8_decode is not None and kv_dtype == FP8_KV and step.is_decode:
+            self._fp8_decode.plan(step)  # a no-op when plan() saw this step (always under graph capture)
+            return self._fp8_decode.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale, rope=rope)
         if self._windows.get(group) != window_left:  # learned from the first layer of the group
             self._windows[group] = window_left
             self._plans.pop(group, None)

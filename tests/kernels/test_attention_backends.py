@@ -307,17 +307,19 @@ def test_flashinfer_prepare_builds_every_variant_up_front(fake_flashinfer):
                                      ("fa2", "ragged", True, False), ("fa2", "ragged", False, False)}
     with pytest.raises(ConfigError, match="unknown FlashInfer backend"):
         fake_flashinfer.FlashInferAttention(decode_backend="fa4")
+    with pytest.raises(ConfigError, match="unknown e4m3 decode kernel"):
+        fake_flashinfer.FlashInferAttention(fp8_decode="fa2")
 
 
 def test_flashinfer_fp8_kv_planning_matches_torch(fake_flashinfer):
-    """e4m3 pages: decode through the FP8 variant (fa2, per-head K/V scales), prefill stores and
-    reads its keys back dequantised into the ragged kernel (fa3), chunks dequantise their prefix;
-    caches bit-equal to the reference's and outputs within the self-test's tolerance."""
+    """e4m3 pages, fp8_decode="flashinfer": decode through the FP8 variant (fa2, per-head K/V scales),
+    prefill stores and reads its keys back dequantised into the ragged kernel (fa3), chunks dequantise
+    their prefix; caches bit-equal to the reference's and outputs within the self-test's tolerance."""
     fp8 = torch.float8_e4m3fn
-    impl = fake_flashinfer.FlashInferAttention()
+    impl = fake_flashinfer.FlashInferAttention(fp8_decode="flashinfer")
     impl.enable_cuda_graphs([3], max_pages_per_seq=64)
     self_test_attention(impl, "cpu", torch.float32, shape=SMALL, kv_dtype=fp8)
-    assert impl._fp8_fallback is None
+    assert impl._fp8_fallback is None and impl._fp8_decode is None
     kinds = set(_FakeWrapper.log)
     assert {("fa2", "paged", True, True), ("fa2", "paged", False, True),  # decode of 3: graph wrappers
             ("fa3", "ragged", True, False), ("fa3", "ragged", False, False)} <= kinds
@@ -327,9 +329,35 @@ def test_flashinfer_fp8_kv_planning_matches_torch(fake_flashinfer):
     self_test_attention(impl, "cpu", torch.float32, shape=SMALL)  # back to fp32 pages: new wrappers
 
 
+def test_flashinfer_fp8_kv_decode_runs_on_the_triton_decode_kernel(fake_flashinfer, monkeypatch):
+    """The default (fp8_decode="triton"): pure-decode steps over e4m3 pages go to the Triton decode
+    kernel through a TritonAttention graphed like the backend (its static tables for batch 3), no
+    FlashInfer paged wrapper or e4m3 variant is ever built, prefill keeps the ragged fa3 path."""
+    import kernels.triton_attention_backend as tab
+    calls = []
+    real = tab.paged_decode
+    monkeypatch.setattr(tab, "paged_decode", lambda q, kv, *a, **kw: calls.append(kv[0].dtype) or real(q, kv, *a, **kw))
+    impl = fake_flashinfer.FlashInferAttention()
+    impl.enable_cuda_graphs([3], max_pages_per_seq=64)
+    self_test_attention(impl, "cpu", torch.float32, shape=SMALL, kv_dtype=torch.float8_e4m3fn)
+    assert calls and set(calls) == {torch.float8_e4m3fn}
+    assert sorted(impl._fp8_decode._graph) == [(3, PageGroup.FULL, 64), (3, PageGroup.SLIDING, 64)]
+    kinds = set(_FakeWrapper.log)
+    assert not any(kind == "paged" for _, kind, _, _ in kinds) and ("fa3", "ragged", True, False) in kinds
+    assert not any("e4m3" in uri for _, uri, _ in sys.modules["flashinfer.prefill"].built)
+    calls.clear()
+    self_test_attention(impl, "cpu", torch.float32, shape=SMALL)  # fp32 pages: FlashInfer decodes again
+    assert not calls and ("fa2", "paged", True, True) in set(_FakeWrapper.log)
+    _FakeWrapper.log = []
+    fresh = fake_flashinfer.FlashInferAttention()  # start-up builds no wrapper the e4m3 decode would not use
+    fresh.prepare(fake_flashinfer.AttentionDims(8, 2, 16, 4, torch.float32, torch.device("cpu"), torch.float8_e4m3fn),
+                  {PageGroup.FULL: None, PageGroup.SLIDING: 8})
+    assert set(_FakeWrapper.log) == {("fa3", "ragged", True, False), ("fa3", "ragged", False, False)}
+
+
 def test_flashinfer_fp8_kv_falls_back_to_triton_when_the_variant_does_not_build(fake_flashinfer, caplog):
     sys.modules["flashinfer.prefill"].fail = True
-    impl = fake_flashinfer.FlashInferAttention()
+    impl = fake_flashinfer.FlashInferAttention(fp8_decode="flashinfer")
     with caplog.at_level("WARNING"):
         self_test_attention(impl, "cpu", torch.float32, shape=SMALL, kv_dtype=torch.float8_e4m3fn)
     assert impl._fp8_fallback is not None and impl._fp8_fallback.name == "triton"
