@@ -156,6 +156,16 @@ def _launch_attention() -> None:
     rope_qk_store_kv(q, k, v, kc, vc, slots, cos, sin, write_k=True)
     rope_qk_store_kv(q, k, v, kc8, vc8, slots, cos, sin, scales)
     gather_kv(kc8, vc8, slots.clamp(min=0), scales, torch.bfloat16)
+    # the decode kernel: e4m3 pages under bf16 queries (f16 MMAs, the inline-PTX conversion, q
+    # scaling; d 32: an f16 MMA's K is 16 = half the head dim), split + window; bf16 pages
+    from kernels.triton_attention import AttnBatch
+    from kernels.triton_decode import paged_decode
+    d8 = Fp8Case([1, 1, 1], [30, 9, 4], hq=8, hkv=2, d=32, dtype=torch.bfloat16, seed=2)
+    batch = AttnBatch.build(d8.q_lens, d8.kv_lens, d8.kv_lens, d8.page_table, "cpu")
+    paged_decode(d8.q, (d8.k_cache, d8.v_cache), batch, d8.sinks, 0.2, None, kv_scale=d8.kv_scale)
+    paged_decode(d8.q, (d8.k_cache, d8.v_cache), batch, d8.sinks, 0.2, 8, kv_scale=d8.kv_scale, num_splits=2)
+    kb, vb = torch.randn(d8.k_cache.shape).to(torch.bfloat16), torch.randn(d8.v_cache.shape).to(torch.bfloat16)
+    paged_decode(d8.q, (kb, vb), batch, d8.sinks, 0.2, None)
 
 
 def test_gpu_branches_of_every_kernel_lower_for_sm90():
@@ -166,8 +176,11 @@ def test_gpu_branches_of_every_kernel_lower_for_sm90():
     assert len(kernels) >= 20, sorted(kernels)  # all but allreduce's (multi-GPU symmetric memory only)
     fp8_kv = [(r["kernel"], r["sig"].get("KC") or r["sig"].get("XC")) for r in seen.values()
               if r["const"].get("KV_WIDEN") or r["const"].get("QUANT") or r["kernel"] == "_gather_kv_kernel"]
-    # FP8 KV: widened e4m3 pages with and without splits, quantising stores with and without RoPE, the gather
-    assert sorted(k for k, _ in fp8_kv).count("_attn_fwd") >= 2 and len(fp8_kv) >= 5, fp8_kv
+    fp8_kv += [(r["kernel"], r["sig"]["KC"]) for r in seen.values() if r["const"].get("FP8_PAGES")]
+    # FP8 KV: widened e4m3 pages with and without splits, quantising stores with and without RoPE, the
+    # gather, the decode kernel with and without splits
+    assert sorted(k for k, _ in fp8_kv).count("_attn_fwd") >= 2 and len(fp8_kv) >= 7, fp8_kv
+    assert sorted(k for k, _ in fp8_kv).count("_decode_fwd") >= 2, fp8_kv
     assert all(ty == "*fp8e4nv" for _, ty in fp8_kv), fp8_kv
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", LOWER], input=json.dumps(list(seen.values())), env=env,
