@@ -9,6 +9,13 @@ after every section so a crash loses nothing):
   3. timing (triton.testing.do_bench median): prefill TFLOP/s (causal/window-aware FLOPs) and decode
      GB/s of K/V read, for Triton, FlashInfer fa3/fa2 and the torch reference (small sizes), as
      ratios to the ceilings; a small Triton launch-config sweep; decode under a CUDA graph.
+Backends: triton = the generic kernel for every step (TritonAttention(decode="off")), triton-decode =
+the decode kernel of kernels/triton_decode.py for pure-decode steps (decode rows only: its prefill is
+triton's), fi-fa3 / fi-fa2 = FlashInfer's own kernels (with e4m3 pages its fa2 decode variant; the
+workers' FlashInfer default sends e4m3 decode to the triton-decode kernel instead). The decode
+kernel's sweep (BLOCK_N x warps x stages on decode 128 x 8k, split targets on 64 x 8k; with --kv-fp8
+also on bf16 pages against the generic kernel) prints the fraction of copy bandwidth per config and
+the summary names the best: the default to pick (kernels/triton_decode.py DEFAULT_DECODE).
 FlashInfer JIT variants (fa3 + fa2, window + full) build in a background thread while the Triton
 sections run. The built .so files are packed into $OUT/flashinfer-cache.tar.xz (split into
 <= 15 MiB parts); FLASHINFER_CACHE_TAR=<that file> restores them as AOT modules (no rebuild).
@@ -46,6 +53,7 @@ from kernels.interface import GroupMeta, StepMeta  # noqa: E402
 from kernels.torch_backend import TorchAttention  # noqa: E402
 from kernels.triton_attention import KernelConfig  # noqa: E402
 from kernels.triton_attention_backend import TritonAttention  # noqa: E402
+from kernels.triton_decode import DEFAULT_DECODE, DecodeConfig  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
 DT = torch.float32 if SMOKE else torch.bfloat16  # the interpreter's bf16 arithmetic is not exact
@@ -125,12 +133,12 @@ class Case:
                             kv_scale=KV_SCALE)
 
 
-def make_case(q_lens, prefix, window, hold_all=True, seed=0) -> Case:
+def make_case(q_lens, prefix, window, hold_all=True, seed=0, kv_dtype=None) -> Case:
     g = torch.Generator(device=DEV).manual_seed(seed)
     kv_lens = [a + b for a, b in zip(q_lens, prefix)]
     pages = [-(-n // P) for n in kv_lens]
     np_ = sum(pages) + 1
-    if KV_FP8:  # e4m3 codes spread over the range; KV_SCALE turns them into values ~ N(0, 1)
+    if (kv_dtype or KV_DT) == torch.float8_e4m3fn:  # e4m3 codes spread over the range; KV_SCALE makes them ~ N(0, 1)
         kc = (torch.randn(np_, HKV, P, D, generator=g, device=DEV) * 8).to(KV_DT)
         vc = (torch.randn(np_, HKV, P, D, generator=g, device=DEV) * 8).to(KV_DT)
     else:
@@ -170,7 +178,7 @@ def parity(case: Case, out: torch.Tensor, max_seqs=16) -> tuple[float, float]:
     for b in range(min(len(case.q_lens), max_seqs)):
         n, kv, pre = case.q_lens[b], case.kv_lens[b], case.prefix[b]
         table = case.step.groups[case.group].page_table[b]
-        ks, vs = KV_SCALE if KV_FP8 else (None, None)  # e4m3 pages read back dequantised
+        ks, vs = KV_SCALE if case.kc.dtype == torch.float8_e4m3fn else (None, None)  # e4m3: read back dequantised
         if case.hold_all:
             keys, vals = ref.gather_pages(case.kc, table, kv, ks), ref.gather_pages(case.vc, table, kv, vs)
         else:
@@ -217,8 +225,11 @@ def ceilings() -> None:
           f"bf16 matmul {REC.data['ceilings']['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
 
 
-def impls() -> dict:
-    out = {"triton": TritonAttention()}
+def impls(decode: bool = False) -> dict:
+    """The backends of a case; decode cases add the decode kernel's row."""
+    out = {"triton": TritonAttention(decode="off")}
+    if decode:
+        out["triton-decode"] = TritonAttention(decode="all")
     out.update(FI_IMPLS)
     return out
 
@@ -263,9 +274,10 @@ def decode_section() -> None:
     for ctx in DECODE_CTX:
         for b in DECODE_B:
             case = make_case([1] * b, [ctx - 1] * b, None, seed=b)
-            parity_and_timing("decode", case, impls(), time_it=True)
+            parity_and_timing("decode", case, impls(decode=True), time_it=True)
             if b == DECODE_B[-2]:
-                parity_and_timing("decode", make_case([1] * b, [ctx - 1] * b, W, seed=b + 1), impls(), time_it=True)
+                parity_and_timing("decode", make_case([1] * b, [ctx - 1] * b, W, seed=b + 1), impls(decode=True),
+                                  time_it=True)
             del case
 
 
@@ -284,22 +296,56 @@ def sweep_section() -> None:
              "decode64x8k": (make_case([1] * DECODE_B[-2], [CTX8K - 1] * DECODE_B[-2], None, seed=4),
                              [KernelConfig(16, 64, hpp, 4, 3), KernelConfig(16, 128, hpp, 4, 3),
                               KernelConfig(16, 64, hpp, 4, 4)])}
-    ceil = REC.data["ceilings"]
     for name, (case, cfgs) in cases.items():
         for cfg in cfgs:
-            try:
-                impl = TritonAttention(config=cfg)
-                impl.plan(case.step)
-                rel, _ = parity(case, case.run(impl), max_seqs=4)
-                ms = bench_ms(lambda: case.run(impl))
-                row = {"case": name, "config": str(cfg), "ms": ms, "rel_err": rel,
-                       "TFLOPs": case.flops() / ms / 1e9, "GBps": case.kv_bytes() / ms / 1e6}
-                REC.data["sweep"].append(row)
-                print(f"sweep {name:12s} {cfg}  {ms:.3f} ms  {row['TFLOPs']:.0f} TFLOP/s "
-                      f"({row['TFLOPs'] / ceil['matmul_TFLOPs']:.0%})  {row['GBps']:.0f} GB/s "
-                      f"({row['GBps'] / ceil['copy_GBps']:.0%})  rel={rel:.1e}", flush=True)
-            except Exception as e:
-                record_error(f"sweep/{name}/{cfg}", e)
+            sweep_one(name, case, lambda c=cfg: TritonAttention(config=c, decode="off"), str(cfg))
+
+
+def sweep_one(name: str, case: Case, make_impl, label: str) -> None:
+    ceil = REC.data["ceilings"]
+    try:
+        impl = make_impl()
+        impl.plan(case.step)
+        rel, _ = parity(case, case.run(impl), max_seqs=4)
+        ms = bench_ms(lambda: case.run(impl))
+        row = {"case": name, "config": label, "ms": ms, "rel_err": rel, "TFLOPs": case.flops() / ms / 1e9,
+               "GBps": case.kv_bytes() / ms / 1e6, "kv_dtype": str(case.kc.dtype)}
+        row["frac_copy"] = row["GBps"] / ceil["copy_GBps"]
+        REC.data["sweep"].append(row)
+        print(f"sweep {name:16s} {label}  {ms:.3f} ms  {row['TFLOPs']:.0f} TFLOP/s "
+              f"({row['TFLOPs'] / ceil['matmul_TFLOPs']:.0%})  {row['GBps']:.0f} GB/s "
+              f"({row['frac_copy']:.3f} of copy)  rel={rel:.1e}" + ("" if rel <= 1e-2 else "   <-- FAIL"), flush=True)
+    except Exception as e:
+        record_error(f"sweep/{name}/{label}", e)
+
+
+def decode_sweep_section() -> None:
+    """The decode kernel's launch configs on decode 128 x 8k (issue 26's case; 1024 programs, no
+    split), split targets on 64 x 8k (512 programs: splits fill the SMs), and with --kv-fp8 a few
+    configs on bf16 pages against the generic kernel (whether bf16 pages should use it too)."""
+    b = DECODE_B[-1]
+    big = make_case([1] * b, [CTX8K - 1] * b, None, seed=6)
+    grid = [(32, 1, 3), (64, 1, 3), (128, 1, 3), (64, 2, 3), (128, 2, 3), (64, 4, 3), (128, 4, 3),
+            (64, 1, 2), (64, 1, 4), (128, 1, 2), (128, 1, 4), (256, 1, 2), (32, 1, 4)]  # (BLOCK_N, warps, stages)
+    for bn, w, st in grid:
+        cfg = DecodeConfig(block_n=bn, num_warps=w, num_stages=st)
+        sweep_one(f"decode{b}x8k", big, lambda c=cfg: TritonAttention(decode="all", decode_config=c), str(cfg))
+    del big
+    mid = make_case([1] * DECODE_B[-2], [CTX8K - 1] * DECODE_B[-2], None, seed=7)
+    for pps in (2, 4, 8, 16):
+        cfg = DecodeConfig(block_n=DEFAULT_DECODE.block_n, num_warps=DEFAULT_DECODE.num_warps,
+                           num_stages=DEFAULT_DECODE.num_stages, programs_per_sm=pps)
+        sweep_one(f"decode{DECODE_B[-2]}x8k", mid, lambda c=cfg: TritonAttention(decode="all", decode_config=c),
+                  str(cfg))
+    del mid
+    if KV_FP8:
+        bf = make_case([1] * b, [CTX8K - 1] * b, None, seed=8, kv_dtype=DT)
+        sweep_one(f"decode{b}x8k-{str(DT).removeprefix('torch.')}", bf, lambda: TritonAttention(decode="off"),
+                  "generic kernel (pick_config)")
+        for bn, w, st in ((32, 1, 3), (64, 1, 2), (64, 2, 3), (64, 4, 3)):
+            cfg = DecodeConfig(block_n=bn, num_warps=w, num_stages=st)
+            sweep_one(f"decode{b}x8k-{str(DT).removeprefix('torch.')}", bf,
+                      lambda c=cfg: TritonAttention(decode="all", decode_config=c), str(cfg))
 
 
 def graph_section() -> None:
@@ -308,7 +354,8 @@ def graph_section() -> None:
         return
     b, ctx = 64, 8192
     case = make_case([1] * b, [ctx - 1] * b, None, seed=5)
-    for name, impl in list(FI_IMPLS.items()) + [("triton", TritonAttention())]:
+    for name, impl in list(FI_IMPLS.items()) + [("triton", TritonAttention(decode="off")),
+                                                ("triton-decode", TritonAttention(decode="all"))]:
         try:
             ms, gbs, rel = _graph_decode(impl, case, b, ctx)
         except Exception as e:
@@ -371,7 +418,7 @@ def flashinfer_build() -> None:
             if any(key.startswith(name) and key.endswith("_error") and "e4m3" not in key for key in FI_BUILD):
                 continue  # its build failed once already; retrying would cost another build
             try:
-                impl = FlashInferAttention(prefill_backend=name, decode_backend=name)
+                impl = FlashInferAttention(prefill_backend=name, decode_backend=name, fp8_decode="flashinfer")
                 impl.prepare(dims, {FULL: None, SLIDING: W})
                 if impl._fp8_fallback is not None:
                     FI_BUILD[f"{name}_kv_e4m3_fallback"] = "FP8-KV variant unavailable: runs on Triton"
@@ -401,6 +448,7 @@ def main() -> None:
         builder.start()
     REC.section("ceilings", ceilings)
     REC.section("sweep", sweep_section)
+    REC.section("decode kernel sweep", decode_sweep_section)
     if builder is not None:
         builder.join()
         REC.data["meta"]["flashinfer_build"] = dict(FI_BUILD)
@@ -428,10 +476,17 @@ def summarize() -> None:
         if r["kind"] == "decode" and r["window"] is None and r["batch"] == DECODE_B[-1] and r["ctx"] == DECODE_CTX[0]:
             rows.setdefault(r["backend"], {})["decode_128x8k_frac_copy"] = round(r["frac_copy"], 3)
     for r in REC.data["sweep"]:
-        key = "best_sweep_prefill8k_TFLOPs" if r["case"] == "prefill8k" else "best_sweep_decode64x8k_GBps"
-        val = r["TFLOPs"] if r["case"] == "prefill8k" else r["GBps"]
-        best = rows.setdefault("triton", {})
-        best[key] = round(max(best.get(key, 0.0), val), 1)
+        if r["case"] in ("prefill8k", "decode64x8k") and "KernelConfig" in r["config"]:  # the generic kernel
+            key = "best_sweep_prefill8k_TFLOPs" if r["case"] == "prefill8k" else "best_sweep_decode64x8k_GBps"
+            val = r["TFLOPs"] if r["case"] == "prefill8k" else r["GBps"]
+            best = rows.setdefault("triton", {})
+            best[key] = round(max(best.get(key, 0.0), val), 1)
+        elif "DecodeConfig" in r["config"] and r["rel_err"] <= 1e-2:  # the decode kernel, per sweep case
+            best = rows.setdefault("triton-decode", {})
+            key = f"best_sweep_{r['case']}_frac_copy"
+            if r["frac_copy"] > best.get(key, 0.0):
+                best[key] = round(r["frac_copy"], 3)
+                best[f"best_sweep_{r['case']}_config"] = r["config"]
     targets = {"prefill_full_8k_TFLOPs": 300, "decode_64x8k_frac_copy": 0.70}
     if KV_FP8:  # issue 26: e4m3 pages, bandwidth counted on the halved bytes
         targets = {"prefill_full_8k_TFLOPs": 300, "decode_128x8k_frac_copy": 0.80}
@@ -439,6 +494,11 @@ def summarize() -> None:
     print(f"summary (KV {KV_DT}; targets: " + ", ".join(f"{k} >= {v}" for k, v in targets.items()) + ")")
     for name, vals in rows.items():
         print(f"  {name:8s} " + "  ".join(f"{k}={v}" for k, v in vals.items()), flush=True)
+    head = {n: v["decode_128x8k_frac_copy"] for n, v in rows.items() if "decode_128x8k_frac_copy" in v}
+    best = rows.get("triton-decode", {}).get(f"best_sweep_decode{DECODE_B[-1]}x8k_frac_copy")
+    print(f"decode {DECODE_B[-1]}x8k frac of copy ({str(KV_DT).removeprefix('torch.')} pages): "
+          + " ".join(f"{n}={v}" for n, v in head.items()) + (f" best-sweep={best}" if best else "")
+          + (" (target 0.8)" if KV_FP8 else ""), flush=True)
 
 
 SINKS: torch.Tensor

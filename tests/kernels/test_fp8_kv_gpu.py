@@ -73,7 +73,7 @@ def test_fp8_kv_store_rope_and_gather_write_the_reference_bytes():
     assert torch.equal(gv, ref.dequantize_kv(vc[keep // P, :, keep % P], sc[1]).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("name", ["triton", "triton-generic", "flashinfer", "flashinfer-fa3", "flashinfer-fa2"])
+@pytest.mark.parametrize("name", ["triton", "flashinfer", "flashinfer-fa3", "flashinfer-fa2"])
 def test_fp8_kv_self_test(name):
     impl = _impl(name)
     self_test_attention(impl, DEV, torch.bfloat16, kv_dtype=FP8)
@@ -140,7 +140,7 @@ def _decode_case(b, kv_lens, kv_dtype, seed=0):
 
 
 @pytest.mark.parametrize("kv_dtype", [FP8, torch.bfloat16])
-@pytest.mark.parametrize("cfg", [(64, 1, 3), (128, 1, 3), (32, 1, 4), (64, 2, 3), (64, 4, 2), (256, 1, 2)])
+@pytest.mark.parametrize("cfg", [(64, 1, 3), (128, 1, 4), (64, 4, 2)])
 def test_fp8_kv_decode_kernel_configs(kv_dtype, cfg):
     """The decode kernel at real dims under the launch configs the benchmark sweeps (BLOCK_N, warps,
     stages): ragged lengths (1 key, page boundaries, 8k), windows, splits."""
