@@ -129,13 +129,13 @@ def _noise_kernel(seed_ptr, pos_ptr, h_ptr, q_ptr, V, BLOCK: tl.constexpr, LIBDE
 
 def _splits(r: int, v: int, device: torch.device, block: int, programs_per_sm: int) -> tuple[int, int]:
     """(S programs per row, CHUNK tokens each): ~programs_per_sm x SMs programs in all, >= 1 tile each."""
+    sms = 1  # the interpreter runs programs one after another: as if on one SM
     if device.type == "cuda":
-        sms = _SMS.get(device.index or 0)
+        i = device.index if device.index is not None else torch.cuda.current_device()
+        sms = _SMS.get(i)
         if sms is None:
-            sms = _SMS.setdefault(device.index or 0, torch.cuda.get_device_properties(device).multi_processor_count)
-        target = sms * programs_per_sm
-    else:
-        target = 1  # the interpreter runs programs one after another: fewest programs is fastest
+            sms = _SMS.setdefault(i, torch.cuda.get_device_properties(i).multi_processor_count)
+    target = sms * programs_per_sm
     tiles = triton.cdiv(v, block)
     s = max(1, min(tiles, triton.cdiv(target, max(r, 1))))
     chunk = triton.cdiv(tiles, s) * block
