@@ -152,6 +152,7 @@ def build_engine_parts(cfg: EngineConfig, model: GptOss | None = None) -> Engine
     kv = KVManager(spec, cache_identity(model, spec) if cfg.enable_prefix_caching else None)
     scheduler = Scheduler(cfg.scheduler, kv, model.cfg.eos_token_ids)
     sampler = Sampler(torch.device(cfg.device), cfg.seed, model.cfg.eos_token_ids)
+    sampler.warm_up(model.cfg.vocab_size)
     return EngineParts(model, spec, pool, kv, scheduler, ModelRunner(model, pool, sampler), sampler)
 
 

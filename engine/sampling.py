@@ -199,6 +199,16 @@ class Sampler:
         self._slot_of: dict[str, int] = {}
         self._free_slots: list[int] = []
 
+    def warm_up(self, vocab: int) -> None:
+        """Compiles the fused kernels for [R, vocab] fp32 logits at start-up (Triton JITs on first use:
+        ~seconds that the first sampled request would otherwise wait)."""
+        if self.fused:
+            r = 2
+            logits = torch.zeros(r, vocab, device=self.device)  # [2, V]: one greedy row, one sampled
+            zeros = torch.zeros(r, dtype=torch.int64, device=self.device)
+            self._fused_sample(logits, torch.ones(r, device=self.device), zeros, zeros,
+                               torch.tensor([True, False], device=self.device))
+
     def draw_seed(self) -> int:
         """A seed for an unseeded sequence (drawn once per sequence, kept on it)."""
         return int(self._rng.integers(0, 2**62))

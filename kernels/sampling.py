@@ -20,9 +20,11 @@ benchmarks/results/2026-12-03/served-sampled-1). Here, per row:
     as p / inf = 0 loses in the torch path; a row of only -inf gives 0, as torch.argmax does.
 
 Two launches, no host sync: (1) grid (R, S) programs each take a contiguous chunk of a row (an online
-argmax over BLOCK-wide tiles; ties -> lowest index) and write (best score, its index) partials [R, S];
+argmax over BLOCK-wide tiles, per lane, reduced once; ties -> lowest index) and write (best score, its
+index) partials [R, S];
 (2) grid (R,) reduces a row's S partials to the id (ties -> lowest index: torch.argmax's rule).
-S is chosen from R so that a batch of 1 still spreads over the SMs.
+S is chosen from R so that a batch of 1 still spreads over the SMs; it and R are runtime arguments, so a
+new batch size compiles nothing (Sampler.warm_up compiles the kernels for the model's V at start-up).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from triton.language.extra import libdevice
 BLOCK = 1024  # tokens per tile of the online argmax
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 8  # target programs for one launch (benchmarks/sampling.py sweeps it)
+MAX_SPLITS = 256  # programs per row at most: the reduction's width, one compiled variant for every batch size
 _SMS: dict[int, int] = {}
 
 _INT32_MAX = 2**31 - 1
@@ -73,9 +76,9 @@ def _q(h, LIBDEVICE: tl.constexpr):
     return -lp
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # S varies with the batch size: one compiled kernel for all
 def _partial_kernel(l_ptr, temp_ptr, seed_ptr, pos_ptr, noise_ptr, best_ptr, idx_ptr, V, stride_l, CHUNK,
-                    S: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+                    S, BLOCK: tl.constexpr, IMAX: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Program (row, part): the best score over tokens [part * CHUNK, min(V, (part + 1) * CHUNK)) and its
     index -> best [R, S] fp32, idx [R, S] int32."""
     row = tl.program_id(0)
@@ -86,25 +89,26 @@ def _partial_kernel(l_ptr, temp_ptr, seed_ptr, pos_ptr, noise_ptr, best_ptr, idx
     noisy = tl.load(noise_ptr + row) != 0
     inv_t = 1.0 / tl.load(temp_ptr + row)
     key = _row_key(seed_ptr, pos_ptr, row)
-    best = tl.full((), -float("inf"), tl.float32)
-    best_i = start
+    # Per lane: the best score so far and its token (strict >: a lane's earlier token keeps a tie); one
+    # cross-lane reduction at the end instead of one per tile.
+    best = tl.full((BLOCK,), -float("inf"), tl.float32)
+    best_i = start + tl.arange(0, BLOCK)  # an all -inf chunk answers its first token
     for off in range(start, end, BLOCK):
-        offs = off + tl.arange(0, BLOCK)  # [BLOCK]
-        mask = offs < end
+        offs = tl.multiple_of(off, BLOCK) + tl.arange(0, BLOCK)  # [BLOCK]; CHUNK is whole tiles
+        mask = offs < V
         s = tl.load(base + offs, mask=mask, other=-float("inf")).to(tl.float32)
         if noisy:  # uniform per program: greedy rows skip the hash
             s = s * inv_t - tl.log(_q(_hash(key, offs), LIBDEVICE))
-        s = tl.where(mask, s, -float("inf"))
-        m, i = tl.max(s, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        better = m > best  # strict: an earlier tile keeps a tie
-        best_i = tl.where(better, off + i, best_i)
-        best = tl.where(better, m, best)
-    tl.store(best_ptr + row * S + part, best)
-    tl.store(idx_ptr + row * S + part, best_i)
+        better = mask & (s > best)
+        best_i = tl.where(better, offs, best_i)
+        best = tl.where(better, s, best)
+    top = tl.max(best, axis=0)
+    tl.store(best_ptr + row * S + part, top)
+    tl.store(idx_ptr + row * S + part, tl.min(tl.where(best == top, best_i, IMAX), axis=0))
 
 
-@triton.jit
-def _reduce_kernel(best_ptr, idx_ptr, out_ptr, S: tl.constexpr, SP: tl.constexpr, IMAX: tl.constexpr):
+@triton.jit(do_not_specialize=["S"])
+def _reduce_kernel(best_ptr, idx_ptr, out_ptr, S, SP: tl.constexpr, IMAX: tl.constexpr):
     """Row `row`: the index of the best partial (ties -> lowest token index) -> out [R] int64."""
     row = tl.program_id(0)
     p = tl.arange(0, SP)
@@ -137,7 +141,7 @@ def _splits(r: int, v: int, device: torch.device, block: int, programs_per_sm: i
             sms = _SMS.setdefault(i, torch.cuda.get_device_properties(i).multi_processor_count)
     target = sms * programs_per_sm
     tiles = triton.cdiv(v, block)
-    s = max(1, min(tiles, triton.cdiv(target, max(r, 1))))
+    s = max(1, min(tiles, MAX_SPLITS, triton.cdiv(target, max(r, 1))))
     chunk = triton.cdiv(tiles, s) * block
     return triton.cdiv(v, chunk), chunk
 
@@ -154,12 +158,13 @@ def fused_sample(logits: torch.Tensor, temp: torch.Tensor, seeds: torch.Tensor, 
     out = torch.empty(r, dtype=torch.int64, device=logits.device)
     if r == 0:
         return out
-    s, chunk = _splits(r, v, logits.device, block, programs_per_sm)
+    s, chunk = _splits(r, v, logits.device, block, programs_per_sm)  # chunk: whole tiles (the kernel's mask is < V)
     best = torch.empty(r, s, dtype=torch.float32, device=logits.device)  # [R, S]
     idx = torch.empty(r, s, dtype=torch.int32, device=logits.device)  # [R, S]
-    _partial_kernel[(r, s)](logits, temp, seeds, positions, noise.view(torch.uint8), best, idx, v, logits.stride(0), chunk,
-                            S=s, BLOCK=block, LIBDEVICE=logits.is_cuda, num_warps=num_warps)
-    _reduce_kernel[(r,)](best, idx, out, S=s, SP=triton.next_power_of_2(s), IMAX=_INT32_MAX, num_warps=1)
+    _partial_kernel[(r, s)](logits, temp, seeds, positions, noise.view(torch.uint8), best, idx, v,
+                            logits.stride(0), chunk, s, BLOCK=block, IMAX=_INT32_MAX, LIBDEVICE=logits.is_cuda,
+                            num_warps=num_warps)
+    _reduce_kernel[(r,)](best, idx, out, s, SP=MAX_SPLITS, IMAX=_INT32_MAX, num_warps=1)
     return out
 
 
