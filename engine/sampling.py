@@ -306,6 +306,8 @@ class Sampler:
         if not self.fused:
             sampled = _race(logits, t.temp, t.seeds, positions, (t.top_k, t.top_p) if t.any_filter else None)
             return torch.where(t.greedy, logits.argmax(-1), sampled)
+        if logits.stride(1) != 1:  # the kernel reads rows with unit stride
+            logits = logits.contiguous()
         ids = self._fused_sample(logits, t.temp, t.seeds, positions, t.noise)  # [R]
         if t.filtered is not None:  # rows are independent: the same ids as the whole batch through _race
             fr, temp, top_k, top_p, seeds = t.filtered
