@@ -10,12 +10,13 @@ benchmarks/results/2026-12-03/served-sampled-1). Here, per row:
 (log p_i = l_i / T - logsumexp is a row constant, so no softmax pass), one read of the logits:
   * the noise bits are the torch path's: the same 64-bit row key from (seed, position), murmur3's
     32-bit finaliser over the token index in uint32 arithmetic (wrapping products, logical shifts:
-    the bits of the int64-masked torch code), v = ((h >> 8) + 0.5) / 2^24 rounded alike, q = -log1p(-v);
-    on CUDA log1p is libdevice's (CUDA's log1pf), in the interpreter Goldberg's log(1 + x) * x / ((1 + x) - 1)
-    (no libdevice there; within an ulp or two);
-  * the score's rounding differs from p / q's (l * (1 / T), not a softmax; log q), so the chosen token can
-    differ from the torch path's only where two tokens' p / q agree to ~1e-6 relative (a near tie: both
-    are draws of the same distribution). Greedy rows (noise flag 0) take argmax(l), torch.argmax's answer;
+    the bits of the int64-masked torch code), v = ((h >> 8) + 0.5) / 2^24 rounded alike, and
+    q = -log1p(-v): on CUDA libdevice's log1pf (CUDA's), in the interpreter (no libdevice) Goldberg's
+    log(1 + x) * x / ((1 + x) - 1), within ~2 ulp;
+  * the score's rounding differs from p / q's (l * (1 / T) fused with - log q, no softmax; log q by
+    lg2.approx on CUDA), so the chosen token can differ from the torch path's only where two tokens'
+    p / q agree to ~1e-6 relative (a near tie: both are draws of the same distribution);
+  * greedy rows (noise flag 0) take argmax(l) in the same launch: torch.argmax's answer;
   * -inf logits (grammar masks, min_tokens) score -inf and never win; q = inf (v rounded to 1) scores -inf
     as p / inf = 0 loses in the torch path; a row of only -inf gives 0, as torch.argmax does.
 
@@ -65,6 +66,16 @@ def _hash(key, offs):
 
 
 @triton.jit
+def _log_fast(x, LIBDEVICE: tl.constexpr):
+    """log x: lg2.approx on CUDA (~2 instructions, ~1e-7 absolute: far below the score's own fp32
+    rounding), the interpreter's exact log elsewhere."""
+    if LIBDEVICE:
+        return libdevice.fast_logf(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
 def _q(h, LIBDEVICE: tl.constexpr):
     """Exp(1) noise fp32 [BLOCK] from hash bits: v in [2^-25, 1] (24 bits), q = -log1p(-v) in (0, inf]."""
     v = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
@@ -98,7 +109,7 @@ def _partial_kernel(l_ptr, temp_ptr, seed_ptr, pos_ptr, noise_ptr, best_ptr, idx
         mask = offs < V
         s = tl.load(base + offs, mask=mask, other=-float("inf")).to(tl.float32)
         if noisy:  # uniform per program: greedy rows skip the hash
-            s = s * inv_t - tl.log(_q(_hash(key, offs), LIBDEVICE))
+            s = s * inv_t - _log_fast(_q(_hash(key, offs), LIBDEVICE), LIBDEVICE)
         better = mask & (s > best)
         best_i = tl.where(better, offs, best_i)
         best = tl.where(better, s, best)
