@@ -103,7 +103,8 @@ def test_sampler_fused_equals_the_torch_sampler():
              SamplingParams(temperature=1.0, frequency_penalty=1.0, presence_penalty=0.5),
              SamplingParams(temperature=1.0, min_tokens=4, logit_bias=((17, 3.0),))]
     ps = [kinds[i % len(kinds)] for i in range(64)]
-    fused, plain = Sampler(torch.device(DEV), eos_ids=(200002,)), Sampler(torch.device(DEV), eos_ids=(200002,), fused=False)
+    fused = Sampler(torch.device(DEV), eos_ids=(200002,))
+    plain = Sampler(torch.device(DEV), eos_ids=(200002,), fused=False)
     assert fused.fused and not plain.fused
     masks = _masks(range(3, 64, 8))
 
@@ -124,7 +125,8 @@ def test_fused_sampler_step_does_not_sync():
     row tensors cached after the first step, nothing waits for the GPU."""
     from engine.sampling import SampleRow, Sampler, SamplingParams
 
-    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)]
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+             SamplingParams(temperature=1.0, top_p=0.9)]
     ps = [kinds[i % 3] for i in range(64)]
     s = Sampler(torch.device(DEV))
     logits, _, _, _ = _case(64, 5)
