@@ -33,7 +33,7 @@ from benchmarks.common import (Results, dollars_per_million, environment, markdo
 from benchmarks.engine_loop import EXTRA_TOKENS, engine_loop_ms
 from benchmarks.model_setup import build, decode_state, fill_random, floor_bytes_decode, prefill_flops
 from model.context import SeqStep, build_step_meta
-from kernels.registry import fusions_name, parse_fusions
+from kernels.registry import DEFAULT_FUSIONS, fusions_name, parse_fusions
 from model.kv_cache import KVManager, KVPool, SeqPages
 
 
@@ -175,7 +175,7 @@ def main() -> None:
     ap.add_argument("--hf-peer", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"],
                     help="KV pages of the prefill and decode sections (auto = the model dtype, bf16)")
-    ap.add_argument("--fusions", default="off",
+    ap.add_argument("--fusions", default=DEFAULT_FUSIONS,
                     help="kernel fusions (kernels.registry.Fusion): one setting, or several separated by commas for "
                          "an A/B on the same model, e.g. off,rope_store,norm_router,norm_quant,on")
     ap.add_argument("--tag", default="")

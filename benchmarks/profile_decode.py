@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import out_dir
 from benchmarks.model_setup import build, decode_state, fill_random
-from kernels.registry import auto_moe_backend, parse_fusions
+from kernels.registry import DEFAULT_FUSIONS, auto_moe_backend, parse_fusions
 from model.context import SeqStep, build_step_meta
 from model.kv_cache import SeqPages
 
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--attention", default="flashinfer", choices=["flashinfer", "triton"])
     ap.add_argument("--linear", default="scaled_mm", choices=["scaled_mm", "deepgemm", "triton"])
     ap.add_argument("--moe", default="auto", help="auto: what the workers pick (kernels.registry)")
-    ap.add_argument("--fusions", default="off", help="kernels.registry.Fusion setting: off, on, or '+'-joined names")
+    ap.add_argument("--fusions", default=DEFAULT_FUSIONS, help="kernels.registry.Fusion setting: off, on, or '+'-joined names")
     a = ap.parse_args()
     moe = auto_moe_backend("cuda:0", fp8=True, whole_experts=True) if a.moe == "auto" else a.moe
     model = build(a.preset, a.attention, a.linear, moe, fp8_attention=a.fp8_attention)
@@ -55,7 +55,7 @@ def main() -> None:
         kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
         table += f"\nCUDA kernels per step: {kernels / 5:.0f}\n"
         print(f"\n### batch {b}, context {a.context} (5 steps)\n{table}", flush=True)
-        suffix = "" if a.fusions == "off" else f"_fusions-{a.fusions}"
+        suffix = "" if a.fusions == DEFAULT_FUSIONS else f"_fusions-{a.fusions}"
         (out_dir() / f"profile_decode_b{b}{suffix}.txt").write_text(table)
         del pool, kv, seqs
 

@@ -18,10 +18,16 @@ def model_docs(docs: dict[str, dict]) -> list[tuple[str, dict]]:
     return sorted(runs, key=lambda nd: (nd[1].get("world", 1), nd[1]["args"]["preset"], nd[0]))
 
 
+def _plain(d: dict) -> bool:
+    """A run of one --fusions setting: the defaults of its day (off before 2026-12-03, rope_store since;
+    kernels.registry.DEFAULT_FUSIONS). An A/B lists several settings, separated by commas."""
+    return "," not in (d["args"].get("fusions") or "")
+
+
 def fusion_settings(d: dict) -> list[str | None]:
-    """The fusion settings a model run measured: [None] for a plain run; a run with --fusions other than
-    off (an A/B: its rows carry "fusions") gives one series per setting, never merged with the defaults'."""
-    if d["args"].get("fusions") in (None, "", "off"):
+    """The fusion settings a model run measured: [None] for a plain run; an A/B (its rows carry
+    "fusions") gives one series per setting, never merged with the defaults'."""
+    if _plain(d):
         return [None]
     rows = d.get("prefill", {}).get("rows", []) + d.get("decode", {}).get("rows", [])
     return sorted({r.get("fusions") or "off" for r in rows})
@@ -31,8 +37,8 @@ def label_of(d: dict, fusions: str | None = None) -> tuple[str, int]:
     """The configuration's label. An A/B run of fusion settings is labelled by `fusions` (one of its
     settings) or, without it, by its whole list: never the label of a plain run, which it must not
     replace when results folders are merged."""
-    if d["args"].get("fusions") in (None, "", "off"):
-        fusions = None  # a plain run (its rows say "off")
+    if _plain(d):
+        fusions = None  # a plain run: the defaults of its day (its rows say which)
     elif fusions is None:
         fusions = d["args"]["fusions"]
     tp = int(d.get("world", 1))

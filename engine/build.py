@@ -17,7 +17,7 @@ from common.errors import ConfigError
 from engine.runner import ModelRunner
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
-from kernels.registry import Backends, make_backends
+from kernels.registry import DEFAULT_FUSIONS, Backends, make_backends
 from model.checkpoint_io import ensure_checkpoint
 from model.gpt_oss import GptOss
 from model.config import GptOssConfig
@@ -46,7 +46,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     linear_backend: str = "torch"
     moe_backend: str = "torch"
-    fusions: str = "off"  # kernels.registry.parse_fusions: off | on | names joined by '+'
+    fusions: str = DEFAULT_FUSIONS  # kernels.registry.parse_fusions: off | on | names joined by '+'
     page_size: int = 16
     kv_cache_dtype: str = "auto"  # auto (= dtype) | bf16 | fp8 (e4m3, per layer/head scales) | fp32
     kv_scale_calibration: int = 0  # FP8 KV without checkpoint scales: calibrate on this many prompts (0 = 1.0)
@@ -152,6 +152,7 @@ def build_engine_parts(cfg: EngineConfig, model: GptOss | None = None) -> Engine
     kv = KVManager(spec, cache_identity(model, spec) if cfg.enable_prefix_caching else None)
     scheduler = Scheduler(cfg.scheduler, kv, model.cfg.eos_token_ids)
     sampler = Sampler(torch.device(cfg.device), cfg.seed, model.cfg.eos_token_ids)
+    sampler.warm_up(model.cfg.vocab_size)
     return EngineParts(model, spec, pool, kv, scheduler, ModelRunner(model, pool, sampler), sampler)
 
 

@@ -10,7 +10,7 @@ import uuid
 from engine.build import EngineConfig
 from engine.scheduler import SchedulerConfig
 from engine.tp.group import rank_device
-from kernels.registry import auto_moe_backend
+from kernels.registry import DEFAULT_FUSIONS, auto_moe_backend
 from model.parallel import MoEMode, ParallelConfig
 
 
@@ -45,9 +45,9 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"])
     p.add_argument("--linear-backend", default=None, choices=["torch", "scaled_mm", "triton", "deepgemm"])
     p.add_argument("--moe-backend", default=None, choices=["torch", "triton", "deepgemm"])
-    p.add_argument("--fusions", default="off",
+    p.add_argument("--fusions", default=DEFAULT_FUSIONS,
                    help="launch-saving kernel fusions (kernels.registry.Fusion): off, on, or '+'-joined names of "
-                        "rope_store, norm_router, norm_quant; off until measured (benchmarks.bench_model --fusions). "
+                        f"rope_store, norm_router, norm_quant (default {DEFAULT_FUSIONS}: measured, see kernels/registry.py). "
                         "rope_store and norm_quant keep the bits; norm_router's logits may differ in the last bit")
     p.add_argument("--kv-backend", default="nixl", choices=["nixl", "ipc", "loopback", "none"],
                    help="KV transfer (kv_transfer.factory.TransferBackend): nixl; ipc = NIXL control plane, "

@@ -35,12 +35,19 @@ class MoEBackend(str, Enum):
 
 class Fusion(str, Enum):
     """Launch-saving fusions, each switchable so one run can A/B it (benchmarks.bench_model --fusions).
-    Off by default until measured. The norm fusions need the Triton norms (`Backends.fused_norm`)."""
+    The default is DEFAULT_FUSIONS. The norm fusions need the Triton norms (`Backends.fused_norm`)."""
 
     ROPE_STORE = "rope_store"  # q and k RoPE + the K/V page store in one launch (triton_store_kv.rope_qk_store_kv)
     NORM_ROUTER = "norm_router"  # the MoE router GEMV inside the add + RMSNorm launch, few tokens (kernels/norm.py)
     NORM_QUANT = "norm_quant"  # the FP8 MoE's 1x128 input quantisation inside the add + RMSNorm launch
 
+
+# The workers' default (EngineConfig, --fusions), measured by suite fusion-ab (2026-12-03/fusion-ab-1, 20b on
+# one H200): rope_store keeps the bits of the three launches it replaces and was faster everywhere (prefill 8k
+# 90.5 -> 89.7 ms, decode replay at 8k x 1 2.48 -> 2.41 ms, x 64 10.85 -> 10.75 ms), and a short prefill is
+# launch-bound (2026-12-03/prefill-prefix-2: two launches fewer per layer). norm_router changes the router
+# logits' last bit and norm_quant was slower: both stay off. "off" was the default before 2026-12-03.
+DEFAULT_FUSIONS = "rope_store"
 
 # Tokens up to which the router runs inside the norm launch (larger steps: one cuBLAS GEMM).
 ROUTER_FUSION_MAX_TOKENS = 64
