@@ -135,6 +135,7 @@ def _decode_fwd(Q, KC, VC, PT, Sinks, Out, PartAcc, PartM, PartL, KVLens, KScale
     HALF: tl.constexpr = HEAD_DIM // 2
     KPR: tl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # keys per contiguous row of a block
     ROWS: tl.constexpr = BLOCK_N // KPR
+    PAGE_SHIFT: tl.constexpr = PAGE.bit_length() - 1  # PAGE is a power of two; key indices are >= 0
     DT: tl.constexpr = tl.float16 if DOT_F16 else Q.dtype.element_ty
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -204,21 +205,21 @@ def _decode_fwd(Q, KC, VC, PT, Sinks, Out, PartAcc, PartM, PartL, KVLens, KScale
         n_loop = (s_hi - first) // BLOCK_N
     r = tl.arange(0, ROWS)
     # row r of block i holds keys first + i * BLOCK_N + r * KPR.. (KPR keys, inside one page)
-    page = tl.load(pt_row + (first + r * KPR) // PAGE, mask=first + r * KPR < s_hi, other=0)  # [ROWS]
+    page = tl.load(pt_row + ((first + r * KPR) >> PAGE_SHIFT), mask=first + r * KPR < s_hi, other=0)  # [ROWS]
     for i in range(0, n_loop):
         j0 = first + i * BLOCK_N
-        row_base = page.to(tl.int64) * cp + (((j0 + r * KPR) % PAGE) * row_len).to(tl.int64)
+        row_base = page.to(tl.int64) * cp + (((j0 + r * KPR) & (PAGE - 1)) * row_len).to(tl.int64)
         # next block's page ids now: the K/V copies then depend on a loop-carried value, not on a
         # load of the same iteration, and the pipeliner can run them num_stages - 1 blocks ahead
         jn = j0 + BLOCK_N + r * KPR
-        page = tl.load(pt_row + jn // PAGE, mask=jn < s_hi, other=0)
+        page = tl.load(pt_row + (jn >> PAGE_SHIFT), mask=jn < s_hi, other=0)
         o_lo, o_hi, m_i, l_i = _decode_block(o_lo, o_hi, m_i, l_i, q_lo, q_hi, row_base, j0, s_lo, s_hi, KB, VB,
                                              qk_scale, HAS_WINDOW, BLOCK_N, KPR, HEAD_DIM, FP8_PAGES, DOT_F16, DT,
                                              DOT_PREC, HW_CVT)
     if not HAS_WINDOW:
         j0 = first + n_loop * BLOCK_N
         if j0 < s_hi:  # the partial last block
-            row_base = page.to(tl.int64) * cp + (((j0 + r * KPR) % PAGE) * row_len).to(tl.int64)
+            row_base = page.to(tl.int64) * cp + (((j0 + r * KPR) & (PAGE - 1)) * row_len).to(tl.int64)
             o_lo, o_hi, m_i, l_i = _decode_block(o_lo, o_hi, m_i, l_i, q_lo, q_hi, row_base, j0, s_lo, s_hi, KB,
                                                  VB, qk_scale, True, BLOCK_N, KPR, HEAD_DIM, FP8_PAGES, DOT_F16,
                                                  DT, DOT_PREC, HW_CVT)
