@@ -162,7 +162,7 @@ def decode_sweep_section() -> None:
     b = DECODE_B[-1]
     big = make_case([1] * b, [CTX8K - 1] * b, None, seed=6)
     grid = [(32, 1, 3), (64, 1, 3), (128, 1, 3), (64, 2, 3), (128, 2, 3), (64, 4, 3), (128, 4, 3),
-            (64, 1, 2), (64, 1, 4), (128, 1, 2), (128, 1, 4), (256, 1, 2), (32, 1, 4)]  # (BLOCK_N, warps, stages)
+            (64, 1, 2), (64, 1, 4), (128, 1, 2), (128, 1, 4), (32, 1, 4)]  # (BLOCK_N, warps, stages); 256 spills
     for bn, w, st in grid:
         cfg = DecodeConfig(block_n=bn, num_warps=w, num_stages=st)
         sweep_one(f"decode{b}x8k", big, lambda c=cfg: TritonAttention(decode="all", decode_config=c), str(cfg))
