@@ -273,11 +273,11 @@ def decode_splits(batch: AttnBatch, num_kv_heads: int, window: int | None, cfg: 
 
 
 def decode_supported(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """Shapes the kernel handles: power-of-two head dim >= 16 (>= 32 for e4m3 pages on the GPU:
-    an f16 MMA's K is 16), contiguous [P, D] runs per page and head."""
+    """Shapes the kernel handles: power-of-two head dim >= 16 (>= 32 on the GPU: the QK products
+    contract half the head dim, and a GPU dot's K is >= 16), contiguous [P, D] runs per page and head."""
     kc = kv_cache[0]
     d, page = q.shape[2], kc.shape[2]
-    min_d = 32 if kc.dtype == FP8 and q.is_cuda else 16
+    min_d = 32 if q.is_cuda else 16
     return (d >= min_d and d & (d - 1) == 0 and kc.stride(3) == 1 and kc.stride(2) == d
             and page & (page - 1) == 0 and kc.stride() == kv_cache[1].stride())
 
@@ -296,7 +296,8 @@ def paged_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], b
     hkv, page = kc.shape[1], kc.shape[2]
     assert b == batch.num_seqs and batch.max_q_len <= 1 and batch.page_table is not None
     assert hq % hkv == 0 and q.stride(2) == 1 and decode_supported(q, kv_cache)
-    assert cfg.block_n % page == 0 or page % cfg.block_n == 0
+    assert cfg.block_n % page == 0 or page % cfg.block_n == 0, "blocks of whole pages, or pages of whole blocks"
+    assert cfg.block_n >= 16 or not q.is_cuda, "the PV product contracts BLOCK_N keys: a GPU dot's K is >= 16"
     if out is None:
         out = torch.empty_like(q)
     if b == 0:
