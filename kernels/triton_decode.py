@@ -273,12 +273,14 @@ def decode_splits(batch: AttnBatch, num_kv_heads: int, window: int | None, cfg: 
 
 
 def decode_supported(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """Shapes the kernel handles: power-of-two head dim >= 16 (>= 32 on the GPU: the QK products
-    contract half the head dim, and a GPU dot's K is >= 16), contiguous [P, D] runs per page and head."""
+    """What the kernel handles: power-of-two head dim >= 16, contiguous [P, D] runs per page and head;
+    on the GPU head dim >= 32 (the QK products contract half of it, and a GPU dot's K is >= 16) and
+    16-bit queries (fp32 ones would take fp32 FMA dots, which spill at one warp: the generic kernel
+    serves fp32 models, i.e. tests)."""
     kc = kv_cache[0]
     d, page = q.shape[2], kc.shape[2]
-    min_d = 32 if q.is_cuda else 16
-    return (d >= min_d and d & (d - 1) == 0 and kc.stride(3) == 1 and kc.stride(2) == d
+    gpu_ok = not q.is_cuda or (d >= 32 and q.dtype in (torch.bfloat16, torch.float16))
+    return (gpu_ok and d >= 16 and d & (d - 1) == 0 and kc.stride(3) == 1 and kc.stride(2) == d
             and page & (page - 1) == 0 and kc.stride() == kv_cache[1].stride())
 
 
