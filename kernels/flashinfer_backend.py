@@ -26,7 +26,7 @@ Lifecycle:
     template widens e4m3 K/V tiles to the query dtype in registers, head_dim 64 included; its
     fa3/sm90 mainloop has no bf16 x e4m3 GMMA and its FP8 path wants q in e4m3 too) through our
     variant of the sink template with per-KV-head K/V scales, and measured 0.568 of copy bandwidth
-    at 128 x 8k (benchmarks/results/2026-12-02/fp8-kv-2), instruction-bound like our generic kernel.
+    at 128 x 8k (benchmarks/results/2026-12-02/fp8-kv-2): not bandwidth-bound either.
     Prefill steps store, then read their keys back dequantised (`gather_kv`) into the bf16 ragged
     kernel (fa3), so prefill keeps fa3's speed. If the FP8 variant cannot be built (flashinfer
     mode), FP8 layers run on TritonAttention and the log says why.

@@ -14,9 +14,10 @@ FP8 (e4m3) pages: the store quantises with the layer's per-head scales, the kern
 paged range in registers (kernels/triton_attention.py); plan() does not depend on the KV dtype.
 
 Which kernel reads the pages of a pure-decode step (`DecodeKernel`, default FP8): the decode kernel
-(kernels/triton_decode.py) for e4m3 pages, where the generic kernel is bound by instruction issue
-(~0.42 of copy bandwidth); the generic `_attn_fwd` for every other step, and for 16-bit pages until
-the attention benchmark's triton-decode rows show the decode kernel ahead there too (ALL).
+(kernels/triton_decode.py) for e4m3 pages, which the generic kernel reads at ~0.42 of copy bandwidth
+(in bf16's time: instruction-bound, see that module); the generic `_attn_fwd` for every other step,
+and for 16-bit pages until the attention benchmark's triton-decode rows show the decode kernel ahead
+there too (then ALL).
 
 Decode CUDA graphs: after `enable_cuda_graphs(batch_sizes, max_pages_per_seq)`, a pure-decode
 step of one of those batch sizes plans into static buffers (sequence table, page table, slots)
@@ -167,7 +168,6 @@ class TritonAttention:
                              target_programs=target, kv_scale=kv_scale)
         store_kv(k, v, k_cache, v_cache, slots, kv_scale)
         return out
-
 
     def _decodes(self, batch: AttnBatch, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> bool:
         """Whether this paged read goes to the decode kernel (every key in the pages, q_len 1)."""
