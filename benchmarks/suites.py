@@ -261,7 +261,7 @@ SUITES: dict[str, Suite] = {
         "sweep on 128 x 8k, its split targets on 64 x 8k and a few configs on bf16 pages: the summary names the best)",
         carry=(".whl-site", ".cache/fi"),
         steps=(step("fp8-kv-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8_kv_gpu.py",
-                    240, summary=PYTEST),
+                    260, summary=PYTEST),
                step("attention-fp8kv", "{py} -m benchmarks.attention --kv-fp8", 300, summary=r"^decode 128x8k frac"))),
     "fp8-kv-model": Suite(
         "FP8 KV against bf16 KV on one loaded 20b (workers' defaults): prefill 8k A/B (target <= 3 % slower), decode "
