@@ -254,6 +254,10 @@ class DecodeConfig:
     programs_per_sm: int = 6  # split the KV range until about this many programs per SM
 
 
+# Not yet measured on the GPU: one warp, 64 keys, two K/V buffers is the compiled variant with the
+# fewest SASS instructions per byte that keeps ~12 programs per SM (120 registers, 17 KB of smem).
+# Replace it by the best row of `benchmarks.attention --kv-fp8`'s decode sweep (its summary line
+# best_sweep_decode128x8k_config), as measured on the H200.
 DEFAULT_DECODE = DecodeConfig()
 
 
