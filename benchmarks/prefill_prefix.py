@@ -200,7 +200,9 @@ def main() -> None:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
     res: dict = {"env": environment(), "args": vars(a), "piecewise_graphs": pw is not None,
-                 "buckets": list(pw.buckets) if pw is not None else [], "build_s": build_s, "settings": {}}
+                 "buckets": list(pw.buckets) if pw is not None else [], "build_s": build_s,
+                 "piecewise_mib": {"static": pw.static_bytes() / 2**20, "pool": pw.pool_bytes() / 2**20}
+                 if pw is not None else None, "settings": {}}
     for ahead in (int(x) for x in a.layers_ahead.split(",")):
         tx.layers_ahead = ahead
         rows: dict[str, list[dict]] = {c: [] for c in CASES}

@@ -158,6 +158,14 @@ class PiecewiseGraphs:
                 graphs.append(g)
             self.graphs[b] = graphs
         torch.cuda.synchronize(dev)
-        log.info("captured piecewise CUDA graphs: %d pieces x buckets %s; static buffers %.1f MiB, memory "
-                 "reserved by the capture %.1f MiB", self.num_pieces, list(self.buckets), self.static_bytes() / 2**20,
+        log.info("captured piecewise CUDA graphs: %d pieces x buckets %s; static buffers %.1f MiB, graph pool "
+                 "%.1f MiB, reserved by warm-up and capture %.1f MiB", self.num_pieces, list(self.buckets),
+                 self.static_bytes() / 2**20, self.pool_bytes() / 2**20,
                  (torch.cuda.memory_reserved(dev) - before) / 2**20)
+
+    def pool_bytes(self) -> int:
+        """Device memory held by the graphs' pool (the largest bucket's peak piece, about)."""
+        if self.mempool is None:
+            return 0
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id", ())) == tuple(self.mempool))

@@ -67,7 +67,7 @@ def test_piecewise_gpu_matches_eager(parts):
     cases = [("T=1", [(1, 0, 1)]), ("T=17", [(2, 0, 17)]), ("T=352", [(3, 0, 352)]), ("T=1000", [(0, 0, 1000)]),
              ("352 after 1000", [(0, 1000, 352)]),
              ("mixed 2 decode + 40", [(0, 1352, 1), (2, 17, 1), (1, 1, 40)])]
-    report = {"build_and_capture_s": BUILD_S[0], "static_mib": pw.static_bytes() / 2**20,
+    report = {"build_and_capture_s": BUILD_S[0], "static_mib": pw.static_bytes() / 2**20, "pool_mib": pw.pool_bytes() / 2**20,
               "reserved_gib": torch.cuda.memory_reserved() / 2**30, "cases": {}}
     try:
         for name, spec in cases:
