@@ -398,6 +398,19 @@ SUITES: dict[str, Suite] = {
                                      "--warmup 8 --out {out}/serve_grammar_gpt-oss-20b-h200.json --serve-args "
                                      + shlex.quote(SERVED_ARGS), 420, summary=r"grammar|Error|Traceback")),
         reproduces=("issue 28: the grammar's cost per output token at batch 64 (TPOT json / free)",)),
+    # The sampler at temperature > 0 (served-sampled-1: ~1.0 ms per decode step at batch 64): the fused kernel's
+    # GPU parity first, then its micro-benchmark against the torch race.
+    "sampling-gpu": Suite(
+        "the fused sampling kernel (kernels/sampling.py): its GPU tests (noise bits == the torch path's, tokens == "
+        "the torch race at V = 201,088 and batch 1/64/256 but for near ties, the Sampler fused == unfused on a mixed "
+        "batch, no host sync, CUDA-graph replay), then the micro-benchmark: torch race vs fused at batch 1/64/128/256 "
+        "(graph and eager ms, R x V x 4 bytes read against this run's copy bandwidth) and a launch-shape sweep",
+        carry=(".whl-site",),
+        steps=(step("sampling-gpu-tests", "{py} -m pytest -q -rP -m gpu -p no:cacheprovider "
+                                          "tests/kernels/test_sampling_gpu.py", 110, summary=PYTEST),
+               step("sampling-micro", "{py} -m benchmarks.sampling", 110, summary=r"^R=256|^sweep R=64|wrote|Error",
+                    publish={"sampling.json": "kernels_sampling.json"})),
+        reproduces=("served-sampled-1 (2026-12-03): the sampler's ~1.0 ms per decode step at batch 64, temperature 1",)),
     "cpu-smoke": Suite(
         "every suite's machinery on a CPU: the benchmarks' own smoke modes on tiny shapes (no GPU set-up)",
         carry=(), gpu=False, kind="cpu",
@@ -405,5 +418,6 @@ SUITES: dict[str, Suite] = {
                                   "--prefill-lens 64 --contexts 64 --batches 1,2 --tag tiny", 240, summary=r"^decode ctx|^prefill", gpus=0),
                step("kv-transfer-cpu", "{py} -m benchmarks.kv_transfer --devices cpu cpu --tokens 64 --layers 2 "
                                        "--iters 1 --placements contig --data-paths ipc --prefill-gflop-per-token 0.001", 240,
-                    summary=r"wrote|ERROR", gpus=0))),
+                    summary=r"wrote|ERROR", gpus=0),
+               step("sampling-smoke", "{py} -m benchmarks.sampling --smoke", 60, summary=r"wrote|Error", gpus=0))),
 }

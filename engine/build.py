@@ -155,6 +155,7 @@ def build_engine_parts(cfg: EngineConfig, model: GptOss | None = None) -> Engine
     kv = KVManager(spec, cache_identity(model, spec) if cfg.enable_prefix_caching else None)
     scheduler = Scheduler(cfg.scheduler, kv, model.cfg.eos_token_ids)
     sampler = Sampler(torch.device(cfg.device), cfg.seed, model.cfg.eos_token_ids)
+    sampler.warm_up(model.cfg.vocab_size)
     runner = ModelRunner(model, pool, sampler)
     if cfg.piecewise_graphs:
         from engine.piecewise import PiecewiseGraphs, buckets_for

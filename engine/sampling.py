@@ -8,8 +8,11 @@ One step samples R rows (the sequences whose chunk reaches their last token):
     -> grammar bitmasks (structured outputs, only the constrained rows: [Rc, ceil(V/32)] int32
        words computed on the host by common.grammar, unpacked to [Rc, V] on the device)
     -> greedy rows: argmax
-    -> stochastic rows: softmax(logits / T), top-k / top-p filtered when any row asks, then the
-       exponential race argmax(p / q), q ~ Exp(1) (gpt-fast, nano-vllm)
+    -> stochastic rows: the exponential race argmax(p / q), p = softmax(logits / T), q ~ Exp(1)
+       (gpt-fast, nano-vllm). On CUDA one fused kernel (kernels/sampling.py: argmax(l / T - log q),
+       one read of the logits, greedy rows in the same launch); rows with top-k / top-p go through
+       the torch race (_race: softmax, sort-based filter, noise, argmax), which is also the CPU path
+       and the kernel's reference (the two agree but for near ties of p / q, ~1e-6 relative)
     -> logprobs of the raw distribution when any row asks (sampled token + top-n)
 The noise is counter-based: q for (seed, position, token) is a hash, not a generator's stream, so
 a sequence's samples depend only on its seed and positions, never on which other sequences share
@@ -140,6 +143,8 @@ class _RowTensors:
     seeds: torch.Tensor  # [R] int64
     all_greedy: bool
     any_filter: bool
+    noise: torch.Tensor  # [R] bool: stochastic rows without top-k/top-p (the fused kernel's noisy rows)
+    filtered: tuple[torch.Tensor, ...] | None  # ([Rf] rows, their temp, top_k, top_p, seeds): top-k/top-p rows
     max_logprobs: int | None
     penal_rows: torch.Tensor | None  # [Rp] rows with penalties
     penal_slots: torch.Tensor | None  # [Rp] their count rows
@@ -147,10 +152,10 @@ class _RowTensors:
     frequency: torch.Tensor | None
 
 
-def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """q ~ Exp(1) of shape [R, V] from (seed, position, token) alone: a 64-bit mix of seed and
-    position per row, then murmur3's 32-bit finaliser over the token index (int64 arithmetic
-    masked to 32 bits, so the shifts are logical on every backend)."""
+def noise_hash(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The noise's bits: [R, V] int64 in [0, 2^32). A 64-bit mix of seed and position per row, then
+    murmur3's 32-bit finaliser over the token index (int64 arithmetic masked to 32 bits, so the shifts
+    are logical on every backend; kernels/sampling.py draws the same bits in uint32)."""
     dev = seeds.device
     key = seeds * -7046029254386353131 + positions * -4658895280553007687  # wrapping int64 products
     key = (key ^ (key >> 31)) & _MASK32  # [R]
@@ -162,7 +167,12 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
     h.mul_(0x85EBCA6B).bitwise_and_(_MASK32)
     h.bitwise_xor_(h >> 13)
     h.mul_(0xC2B2AE35).bitwise_and_(_MASK32)
-    h.bitwise_xor_(h >> 16)
+    return h.bitwise_xor_(h >> 16)
+
+
+def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """q ~ Exp(1) of shape [R, V] from (seed, position, token) alone (the bits of noise_hash)."""
+    h = noise_hash(seeds, positions, vocab)
     v = h.bitwise_right_shift_(8).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))  # [2^-25, 1 - 2^-25], 24 bits
     # q = -log(1 - v), not -log(v): the top v rounds to 1.0 in fp32, and -log(1.0) would be q = 0, a
     # token that wins whatever its p (2^-24 of all draws: with 201,088 tokens, 1.2 % of sampled
@@ -173,14 +183,31 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0, eos_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, eos_ids: tuple[int, ...] = (),
+                 fused: bool | None = None) -> None:
+        """fused: stochastic rows through kernels/sampling.py (default: on CUDA; tests run it on the CPU
+        through the Triton interpreter); otherwise the torch race (_race), its reference."""
         self.device = device
+        self.fused = device.type == "cuda" if fused is None else fused
+        if self.fused:  # Triton only where the kernel runs (GPU-import-guarded)
+            from kernels.sampling import fused_sample
+            self._fused_sample = fused_sample
         self.eos_ids = tuple(eos_ids)
         self._rng = np.random.default_rng(seed)
         self._rows: _RowTensors | None = None
         self._counts: torch.Tensor | None = None  # [S, V] int32 generated-token counts (penalties)
         self._slot_of: dict[str, int] = {}
         self._free_slots: list[int] = []
+
+    def warm_up(self, vocab: int) -> None:
+        """Compiles the fused kernels for [R, vocab] fp32 logits at start-up (Triton JITs on first use:
+        ~seconds that the first sampled request would otherwise wait)."""
+        if self.fused:
+            r = 2
+            logits = torch.zeros(r, vocab, device=self.device)  # [2, V]: one greedy row, one sampled
+            zeros = torch.zeros(r, dtype=torch.int64, device=self.device)
+            self._fused_sample(logits, torch.ones(r, device=self.device), zeros, zeros,
+                               torch.tensor([True, False], device=self.device))
 
     def draw_seed(self) -> int:
         """A seed for an unseeded sequence (drawn once per sequence, kept on it)."""
@@ -200,6 +227,7 @@ class Sampler:
         dev = self.device
         ps = [r.params for r in rows]
         penal = [i for i, p in enumerate(ps) if p.penalized]
+        filt = [(p.top_p < 1.0 or p.top_k > 0) and not p.greedy for p in ps]
         slots = [self._slot(rows[i], vocab) for i in penal]
         t = _RowTensors(
             key, _dev(torch.tensor([p.greedy for p in ps]), dev),
@@ -207,9 +235,13 @@ class Sampler:
             _dev(torch.tensor([p.top_p for p in ps], dtype=torch.float32), dev),
             _dev(torch.tensor([p.top_k if p.top_k > 0 else vocab for p in ps], dtype=torch.int64), dev),
             _dev(torch.tensor([r.seed for r in rows], dtype=torch.int64), dev),
-            all(p.greedy for p in ps), any((p.top_p < 1.0 or p.top_k > 0) and not p.greedy for p in ps),
+            all(p.greedy for p in ps), any(filt),
+            _dev(torch.tensor([not p.greedy and not f for p, f in zip(ps, filt)]), dev), None,
             max((p.logprobs for p in ps if p.logprobs is not None), default=None),
             None, None, None, None)
+        if any(filt):
+            fr = _dev(torch.tensor([i for i, f in enumerate(filt) if f], dtype=torch.int64), dev)
+            t.filtered = (fr, t.temp[fr], t.top_k[fr], t.top_p[fr], t.seeds[fr])
         if penal:
             t.penal_rows = _dev(torch.tensor(penal, dtype=torch.int64), dev)
             t.penal_slots = _dev(torch.tensor(slots, dtype=torch.int64), dev)
@@ -253,14 +285,11 @@ class Sampler:
         logits = self._adjust(logits, rows, t)
         if masks is not None:
             logits = apply_bitmask(logits if logits is not raw else logits.clone(), masks)
-        ids = logits.argmax(-1)  # [R]
-        if not t.all_greedy:
-            positions = _dev(torch.tensor([x.position for x in rows], dtype=torch.int64), self.device)
-            probs = torch.softmax(logits / t.temp[:, None], dim=-1)
-            if t.any_filter:
-                probs = _filter_top_k_top_p(probs, t.top_k, t.top_p)
-            sampled = (probs / exponential_noise(t.seeds, positions, v)).argmax(-1)
-            ids = torch.where(t.greedy, ids, sampled)
+        if t.all_greedy:
+            ids = logits.argmax(-1)  # [R]
+        else:
+            positions = _dev(torch.tensor([x.position for x in rows], dtype=torch.int64), self.device)  # [R]
+            ids = self._sample_stochastic(logits, positions, t)
         if t.penal_rows is not None:  # count the new tokens (dropped surplus tokens too: harmless)
             assert self._counts is not None
             self._counts.index_put_((t.penal_slots, ids[t.penal_rows]),
@@ -270,6 +299,20 @@ class Sampler:
         lp = torch.log_softmax(raw.float(), dim=-1)
         top_lp, top_ids = lp.topk(max(t.max_logprobs, 1), dim=-1)
         return SampleOutput(ids, lp.gather(1, ids[:, None])[:, 0], top_ids, top_lp)
+
+    def _sample_stochastic(self, logits: torch.Tensor, positions: torch.Tensor, t: _RowTensors) -> torch.Tensor:
+        """logits [R, V] (adjusted, masked), a row at least not greedy -> ids [R] int64. Fused: one kernel
+        for the greedy and unfiltered rows, the sort-based torch path for the top-k/top-p rows only."""
+        if not self.fused:
+            sampled = _race(logits, t.temp, t.seeds, positions, (t.top_k, t.top_p) if t.any_filter else None)
+            return torch.where(t.greedy, logits.argmax(-1), sampled)
+        if logits.stride(1) != 1:  # the kernel reads rows with unit stride
+            logits = logits.contiguous()
+        ids = self._fused_sample(logits, t.temp, t.seeds, positions, t.noise)  # [R]
+        if t.filtered is not None:  # rows are independent: the same ids as the whole batch through _race
+            fr, temp, top_k, top_p, seeds = t.filtered
+            ids.index_copy_(0, fr, _race(logits[fr], temp, seeds, positions[fr], (top_k, top_p)))
+        return ids
 
     def _adjust(self, logits: torch.Tensor, rows: list[SampleRow], t: _RowTensors) -> torch.Tensor:
         """Penalties, logit bias and min_tokens masking; the input is left as is (logprobs read it)."""
@@ -332,6 +375,16 @@ def _dev(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _race(logits: torch.Tensor, temp: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+          filt: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The torch exponential race: argmax(softmax(logits / T) / q) over [R, V] (top-k/top-p filtered
+    when `filt` = (top_k [R], top_p [R])) -> ids [R] int64; the reference of kernels/sampling.py."""
+    probs = torch.softmax(logits / temp[:, None], dim=-1)  # [R, V]
+    if filt is not None:
+        probs = _filter_top_k_top_p(probs, *filt)
+    return (probs / exponential_noise(seeds, positions, logits.shape[1])).argmax(-1)
 
 
 def _filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

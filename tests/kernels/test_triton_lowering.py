@@ -31,7 +31,7 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 from tests.kernels.test_moe import _experts, _logits  # noqa: E402
 
 # What the GPU wrappers pass where the CPU ones pass the interpreter's value.
-GPU_CONSTEXPRS = {"HW_CVT": True, "DOT_F32": False}
+GPU_CONSTEXPRS = {"HW_CVT": True, "DOT_F32": False, "LIBDEVICE": True}
 
 
 @contextmanager
@@ -125,6 +125,10 @@ def _launch_every_kernel() -> None:
         moe_dg.SWIGLU_TILE_EXPERT = tile
     ids = torch.randint(0, e, (4096, 1), dtype=torch.int32)
     moe_align.align_by_expert(ids, 0, e, 64)  # the many-program path (>= 4096 pairs)
+    from kernels.sampling import fused_sample, noise_bits
+    seeds, pos = torch.tensor([1, 2]), torch.tensor([3, 4])
+    fused_sample(torch.randn(2, 3000), torch.ones(2), seeds, pos, torch.tensor([True, False]), programs_per_sm=2)
+    noise_bits(seeds, pos, 3000)
 
 
 def _launch_attention() -> None:
@@ -163,7 +167,7 @@ def test_gpu_branches_of_every_kernel_lower_for_sm90():
         _launch_every_kernel()
         _launch_attention()
     kernels = {(r["module"], r["kernel"]) for r in seen.values()}
-    assert len(kernels) >= 20, sorted(kernels)  # all but allreduce's (multi-GPU symmetric memory only)
+    assert len(kernels) >= 23, sorted(kernels)  # all but allreduce's (multi-GPU symmetric memory only)
     fp8_kv = [(r["kernel"], r["sig"].get("KC") or r["sig"].get("XC")) for r in seen.values()
               if r["const"].get("KV_WIDEN") or r["const"].get("QUANT") or r["kernel"] == "_gather_kv_kernel"]
     # FP8 KV: widened e4m3 pages with and without splits, quantising stores with and without RoPE, the gather
