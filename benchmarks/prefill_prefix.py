@@ -19,6 +19,9 @@ and the whole prompt again with the cache cleared, whose first token must equal 
 (against the GPU span: the rest is the GPU waiting for the host) and the table, in $OUT.
 --host-profile: one cached P+N and one uncached N under cProfile (which Python the launch time is).
 --linear-ab: host time per eager call of addmm against mm + add at the QKV projection's shape.
+--piecewise-graphs (a worker flag): the forward replays CUDA graphs between its attention calls
+(engine/piecewise.py); the JSON's "piecewise_graphs" and the table's title say which, and
+"build_s" includes their capture. Suite piecewise-ab runs it both ways.
 Served numbers (a GPU shared with a decode worker) come from the router's TTFT breakdown header:
 `prefill_compute.<part>` (benchmarks/multi_turn.py lists them per turn group).
 """
@@ -177,7 +180,12 @@ def main() -> None:
     cfg = engine_config(a, role="prefill")
     if cfg.device == "cpu":
         torch.set_num_threads(a.cpu_threads)
-    parts = build_engine_parts(cfg, load_model(cfg))
+    model = load_model(cfg)
+    t0 = time.monotonic()
+    parts = build_engine_parts(cfg, model)  # KV pool (+ the piecewise graphs' capture)
+    build_s = time.monotonic() - t0
+    pw = parts.runner.piecewise
+    mode = f"piecewise graphs (buckets {list(pw.buckets)})" if pw is not None else "eager forward"
     p = parts.spec.page_size
     if a.prefix % p or a.prefix <= 0:
         raise SystemExit(f"--prefix must be a positive multiple of the page size {p}")
@@ -191,7 +199,10 @@ def main() -> None:
     def prompt(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
-    res: dict = {"env": environment(), "args": vars(a), "settings": {}}
+    res: dict = {"env": environment(), "args": vars(a), "piecewise_graphs": pw is not None,
+                 "buckets": list(pw.buckets) if pw is not None else [], "build_s": build_s,
+                 "piecewise_mib": {"static": pw.static_bytes() / 2**20, "pool": pw.pool_bytes() / 2**20}
+                 if pw is not None else None, "settings": {}}
     for ahead in (int(x) for x in a.layers_ahead.split(",")):
         tx.layers_ahead = ahead
         rows: dict[str, list[dict]] = {c: [] for c in CASES}
@@ -212,8 +223,8 @@ def main() -> None:
         med = {c: median(rows[c]) for c in CASES}
         res["settings"][ahead] = {"first_token_agreement": f"{agree}/{a.reps}", "median": med, "rows": rows}
         path.write_text(json.dumps(res, indent=1, default=str))
-        print(f"P={a.prefix} N={a.new}, layers ahead {ahead}, median of {a.reps} (ms); first token cached == "
-              f"uncached: {agree}/{a.reps}")
+        print(f"P={a.prefix} N={a.new}, {mode}, layers ahead {ahead}, median of {a.reps} (ms); first token "
+              f"cached == uncached: {agree}/{a.reps}")
         print(f"{'':14}" + "".join(f"{k:>11}" for k in med[CASES[0]]))
         for c in CASES:
             print(f"{c:14}" + "".join(f"{v:11.2f}" for v in med[c].values()))

@@ -302,6 +302,22 @@ SUITES: dict[str, Suite] = {
                     summary=r"^P=|^cached|^uncached|profile|Error"),),
         reproduces=("multi-turn disaggregated (2026-12-03): prefill_compute p50 52.8 ms for ~355 computed tokens "
                     "with the cache, 71 ms for 3,645 without, on a GPU shared with the decode worker",)),
+    # The prefill worker is host-launch-bound (prefill-prefix-1/-2: ~36 ms of wall time for ~11.7 ms of kernels
+    # at N = 352): piecewise CUDA graphs (engine/piecewise.py) replay everything between attention calls.
+    "piecewise-ab": Suite(
+        "piecewise CUDA graphs for eager steps (--piecewise-graphs): their GPU test (20b widths, 4 layers: pieces "
+        "vs eager forward at T = 1, 17, 352, 1000, a chunk after a prefix, a mixed step; hooks, fallback, pages), "
+        "then the prefill worker's engine (gpt-oss-20b, the prefill-prefix suite's settings, run-ahead bound 2) "
+        "without and with the flag",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("piecewise-gpu-test", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
+                                          "tests/integration/test_piecewise_gpu.py", 100, summary=PYTEST),
+               *(step(f"prefill-prefix-{tag}", "{py} -m benchmarks.prefill_prefix --device cuda --fp8 "
+                                               "--random-weights gpt-oss-20b --kv-cache-gib 12 --max-model-len 16384 "
+                                               f"--reps 5 --layers-ahead 2 {flag} --out {{out}}/prefill_prefix.json",
+                      150, summary=r"^P=|^cached|^uncached|Error")
+                 for tag, flag in (("eager", ""), ("piecewise", "--piecewise-graphs")))),
+        reproduces=("prefill-prefix-2 (2026-12-03): cached P+N (N = 352) 36 ms of compute for 11.7 ms of kernels",)),
     # Every served figure so far is greedy (loadgen sent temperature 0); OpenAI clients default to 1. At
     # temperature > 0 the sampler hashes exponential noise over the whole [B, 201088] logits, outside the graph.
     "served-sampled": Suite(

@@ -59,6 +59,9 @@ class EngineConfig:
     progress: bool = False
     async_decode: bool = True  # overlapped step loop (engine.core); False: every step synchronous
     enable_prefix_caching: bool = True  # model/prefix_cache.py
+    # engine/piecewise.py: eager steps (prefill chunks, mixed steps) up to the largest bucket replay CUDA
+    # graphs between their attention calls; captured here at start-up (a CPU runs the pieces directly)
+    piecewise_graphs: bool = False
 
 
 @dataclass(slots=True)
@@ -153,7 +156,13 @@ def build_engine_parts(cfg: EngineConfig, model: GptOss | None = None) -> Engine
     scheduler = Scheduler(cfg.scheduler, kv, model.cfg.eos_token_ids)
     sampler = Sampler(torch.device(cfg.device), cfg.seed, model.cfg.eos_token_ids)
     sampler.warm_up(model.cfg.vocab_size)
-    return EngineParts(model, spec, pool, kv, scheduler, ModelRunner(model, pool, sampler), sampler)
+    runner = ModelRunner(model, pool, sampler)
+    if cfg.piecewise_graphs:
+        from engine.piecewise import PiecewiseGraphs, buckets_for
+
+        runner.piecewise = PiecewiseGraphs(model, buckets_for(cfg.scheduler.max_num_batched_tokens))
+        runner.piecewise.capture()
+    return EngineParts(model, spec, pool, kv, scheduler, runner, sampler)
 
 
 def plan_and_log_kv(model_cfg: GptOssConfig, budget: int, dtype: torch.dtype, *, page_size: int, max_num_seqs: int,

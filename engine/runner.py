@@ -68,6 +68,7 @@ class ModelRunner:
         self.device = model.device
         self.cuda = self.device.type == "cuda"
         self.graphs = None  # decode_worker.runner.CudaGraphDecoder, set by the decode worker on GPU
+        self.piecewise = None  # engine.piecewise.PiecewiseGraphs (EngineConfig.piecewise_graphs): eager steps
         self.supports_overlap = True
         self.supports_page_copies = True  # model/prefix_share.py (a TP group's runner has no such copy)
         self.share_inputs: Callable[[torch.Tensor], None] | None = None  # TP rank 0: ids to the followers
@@ -222,8 +223,12 @@ class ModelRunner:
         meta = build_step_meta(steps, self.pool.spec, self.device)
         self.model.backends.attention.plan(meta)  # the forward's own plan() is then a no-op
         self._mark_inputs()
-        with torch.profiler.record_function("forward"):
-            hidden = self.model(input_ids, meta, self.pool, on_layer_done)  # [T, H]
+        if self.piecewise is not None and self.piecewise.bucket(input_ids.shape[0]) is not None:
+            with torch.profiler.record_function("forward_piecewise"):
+                hidden = self.piecewise.run(input_ids, meta, self.pool, on_layer_done)  # [T, H]
+        else:
+            with torch.profiler.record_function("forward"):
+                hidden = self.model(input_ids, meta, self.pool, on_layer_done)  # [T, H]
         if not rows or not want_logits:
             return None
         last = meta.logits_indices  # [B] each sequence's last new token

@@ -66,6 +66,10 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=131072)
     p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--piecewise-graphs", action="store_true",
+                   help="eager steps (prefill chunks, mixed steps) of up to 4096 tokens replay CUDA graphs captured "
+                        "at start-up per token-count bucket between their attention calls (engine/piecewise.py); "
+                        "a decode worker's pure-decode graphs (--cuda-graphs) are unchanged")
     p.add_argument("--async-decode", choices=["on", "off"], default="on",
                    help="overlapped step loop: the host schedules step N+1 while the GPU runs step N; "
                         "tokens reach the host one step later and a stop token costs one dropped token")
@@ -104,7 +108,7 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         kv_cache_fraction=a.kv_cache_fraction,
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),
         seed=a.seed, progress=tp_rank == 0, async_decode=a.async_decode == "on",
-        enable_prefix_caching=a.enable_prefix_caching,
+        enable_prefix_caching=a.enable_prefix_caching, piecewise_graphs=a.piecewise_graphs,
         parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group,
                                 max(0, a.fast_allreduce_kib) << 10 if gpu else 0, a.fast_allreduce_impl, a.vocab_parallel))
 

@@ -62,8 +62,18 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, be: Backends,
                 kv: tuple[torch.Tensor, torch.Tensor] | None,
                 kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = be.linear(x, self.qkv_w, self.qkv_s, self.qkv_b)  # [T, (Hq + 2 Hkv) D]
+        return self.project(self.attend(self.qkv(x, be), cos, sin, be, kv, kv_scale), be)
+
+    # The three parts of forward, apart for the piecewise CUDA graphs (engine/piecewise.py): qkv and
+    # project are row-wise and captured; attend reads the KV cache and runs eagerly between graphs.
+    def qkv(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
+        return be.linear(x, self.qkv_w, self.qkv_s, self.qkv_b)  # [T, (Hq + 2 Hkv) D]
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, be: Backends,
+               kv: tuple[torch.Tensor, torch.Tensor] | None,
+               kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D]; stores this step's K/V."""
+        t = qkv.shape[0]
         q_sz, kv_sz = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :q_sz].view(t, self.num_heads, self.head_dim)
         k = qkv[:, q_sz:q_sz + kv_sz].view(t, self.num_kv_heads, self.head_dim)
@@ -82,8 +92,11 @@ class Attention(nn.Module):
                 q, k = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
             o = be.attention.forward(self.group, q, k, v, kv, self.sinks, self.sm_scale, self.window,
                                      kv_scale=kv_scale)
-        out = be.linear(o.reshape(t, q_sz), self.o_w, self.o_s, self.o_b)  # [T, H]
-        return self.par.all_reduce(out)
+        return o.reshape(t, q_sz)
+
+    def project(self, o: torch.Tensor, be: Backends) -> torch.Tensor:
+        """o [T, Hq D] -> [T, H], summed over TP ranks."""
+        return self.par.all_reduce(be.linear(o, self.o_w, self.o_s, self.o_b))
 
 
 class MoE(nn.Module):
@@ -142,16 +155,28 @@ class Block(nn.Module):
         per layer, the same bits as adding it here. The MoE's norm may also compute the router
         logits (Fusion.NORM_ROUTER, few tokens) and the FP8 copy of its output the MoE would make
         first (Fusion.NORM_QUANT); QKV takes bf16 by default, so the attention norm is add + norm."""
+        x, h = self.attn_input(x, pending, be)
+        return self.mlp_residual(x, self.attn(h, cos, sin, be, kv, kv_scale), be)
+
+    def attn_input(self, x: torch.Tensor, pending: torch.Tensor | None, be: Backends
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (residual stream with `pending` added, its attention norm) [T, H] each."""
         if not be.fused_norm:
-            x = x + self.attn(ref.rms_norm(x, self.attn_norm, self.eps), cos, sin, be, kv, kv_scale)
-            return x + self.mlp(ref.rms_norm(x, self.mlp_norm, self.eps), be), None
-        from kernels.norm import add_rms_norm, fused_norm, rms_norm
+            assert pending is None
+            return x, ref.rms_norm(x, self.attn_norm, self.eps)
+        from kernels.norm import add_rms_norm, rms_norm
 
         if pending is None:
-            h = rms_norm(x, self.attn_norm, self.eps)
-        else:
-            x, h = add_rms_norm(x, pending, self.attn_norm, self.eps)
-        a = self.attn(h, cos, sin, be, kv, kv_scale)
+            return x, rms_norm(x, self.attn_norm, self.eps)
+        return add_rms_norm(x, pending, self.attn_norm, self.eps)
+
+    def mlp_residual(self, x: torch.Tensor, a: torch.Tensor, be: Backends) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x + the attention output a, then the MoE half -> (residual stream, pending) [T, H]."""
+        if not be.fused_norm:
+            x = x + a
+            return x + self.mlp(ref.rms_norm(x, self.mlp_norm, self.eps), be), None
+        from kernels.norm import fused_norm
+
         t = x.shape[0]
         # residual add and the next norm in one pass (+ the router, + the MoE's FP8 input)
         n = fused_norm(x, a, self.mlp_norm, self.eps, quant=be.norm_quant and self.mlp.takes_fp8_input(t, be),
@@ -198,6 +223,10 @@ class GptOss(nn.Module):
                                    kv.layer_scales(i) if kv is not None else None)
             if on_layer_done is not None:
                 on_layer_done(i)
+        return self.final_norm(x, pending)
+
+    def final_norm(self, x: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
+        """(residual stream, pending MoE output) [T, H] -> final-normed hidden states [T, H]."""
         if self.backends.fused_norm:
             from kernels.norm import add_rms_norm, rms_norm
 

@@ -1,0 +1,171 @@
+"""Piecewise CUDA graphs for the eager forward steps (prefill chunks, mixed steps), vLLM's answer to
+a host-launch-bound forward: a 352-token prefill of gpt-oss-20b took ~36 ms of wall time for
+~11.7 ms of kernels (benchmarks/results/2026-12-03/prefill-prefix-1, -2), ~1.5 ms of Python per
+layer launching ~11 Triton kernels, cuBLAS calls and allocations one by one.
+
+A forward of L layers is cut at its attention calls into L + 1 pieces, each captured once per
+token-count bucket; attention itself (RoPE + the K/V store + paged attention, which depend on the
+step's page tables and sequence lengths) runs eagerly in between, on the real tokens only:
+
+    piece 0      embed, layer 0's attention norm, QKV                        -> x, qkv
+    island i     layer i's RoPE + K/V store + attention, then on_layer_done(i)  qkv -> o
+    piece i      layer i-1's O projection (+ all-reduce), residual add + norm, MoE (router, experts,
+                 all-reduce), layer i's residual add + attention norm, QKV      x, o -> x, qkv
+    piece L      layer L-1's O projection and MoE, the final norm              x, o -> hidden
+
+A step of T tokens runs the smallest bucket B >= T: its ids go into rows [0, T) of static buffers
+shared by all buckets (a bucket uses their first B rows), rows [T, B) hold whatever an earlier
+step left there (finite values: zeros at start-up, then real tokens' data). They never reach real
+rows: every op in a piece is row-wise (embedding, norms, GEMMs, the per-token quantisation, the
+all-reduce) except the MoE's grouping, where padded rows take their own (token, expert) pairs and
+rows of capacity sized from B; an expert GEMM row is its own pair's, and the combine sums a token's
+own pairs (tests/integration/test_piecewise.py checks the bits on the CPU with the grouped Triton MoE).
+Per-call host decisions by token count (the MoE path and tile table, the router fusion, the FP8
+input) are taken for B, fixed per bucket. The islands read only rows [0, T): padded rows store
+no K/V.
+
+Graphs are captured at start-up (build_engine_parts), not on a bucket's first use: a capture (a
+warm-up of every piece, then L + 1 captures) would otherwise land on a request's TTFT, and at
+start-up no other thread launches work (KV transfers) that a global-mode capture would trip on.
+Buckets are captured largest first into one memory pool: a piece copies its outputs into the
+static buffers, so its temporaries die with its capture and the next capture reuses them; pieces
+never run concurrently. Without CUDA (tests) the pieces run directly on the same static buffers.
+Steps above the largest bucket run the monolithic eager forward. Shapes: T real tokens, B bucket,
+H hidden, Q = Hq D, N = (Hq + 2 Hkv) D.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from kernels.interface import StepMeta
+from model.gpt_oss import GptOss
+from model.kv_cache import KVPool
+
+log = logging.getLogger("tandem.piecewise")
+
+DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def buckets_for(max_tokens: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
+    """The buckets a step of at most `max_tokens` tokens can use (the engine's max batched tokens)."""
+    return tuple(b for b in buckets if b <= max_tokens) or (max_tokens,)
+
+
+class PiecewiseGraphs:
+    def __init__(self, model: GptOss, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+        assert buckets and all(b > 0 for b in buckets)
+        self.model = model
+        self.buckets = tuple(sorted(set(buckets)))
+        self.num_pieces = len(model.layers) + 1
+        a = model.layers[0].attn
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        n, h, dt, dev = self.buckets[-1], model.cfg.hidden_size, model.dtype, model.device
+        with torch.inference_mode():
+            self.ids = torch.zeros(n, dtype=torch.long, device=dev)  # [B] token ids
+            self.x = torch.zeros(n, h, dtype=dt, device=dev)  # [B, H] residual stream between pieces
+            self.qkv = torch.zeros(n, q + 2 * kv, dtype=dt, device=dev)  # [B, N] a piece's QKV, an island's input
+            self.o = torch.zeros(n, q, dtype=dt, device=dev)  # [B, Q] an island's output, the next piece's input
+            self.hidden = torch.zeros(n, h, dtype=dt, device=dev)  # [B, H] the last piece's output
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.mempool = None
+
+    def bucket(self, t: int) -> int | None:
+        """The smallest bucket >= t tokens; None: the step runs the eager forward."""
+        return next((b for b in self.buckets if b >= t), None) if t > 0 else None
+
+    def static_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.ids, self.x, self.qkv, self.o, self.hidden))
+
+    # ---- the split forward ------------------------------------------------------------------------
+    def piece(self, i: int, b: int) -> None:
+        """Piece i (0..L) on the first b rows of the static buffers: what a graph of bucket b replays."""
+        m, be = self.model, self.model.backends
+        if i == 0:
+            x, pending = m.embed[self.ids[:b]], None  # [b, H]
+        else:
+            prev = m.layers[i - 1]
+            x, pending = prev.mlp_residual(self.x[:b], prev.attn.project(self.o[:b], be), be)
+        if i == len(m.layers):
+            self.hidden[:b].copy_(m.final_norm(x, pending))
+            return
+        block = m.layers[i]
+        x, h = block.attn_input(x, pending, be)
+        self.x[:b].copy_(x)
+        self.qkv[:b].copy_(block.attn.qkv(h, be))
+
+    def island(self, i: int, t: int, cos: torch.Tensor, sin: torch.Tensor, kv: KVPool | None) -> None:
+        """Layer i's attention on the t real tokens (eager: it depends on the step's page tables)."""
+        attn = self.model.layers[i].attn
+        o = attn.attend(self.qkv[:t], cos, sin, self.model.backends, kv.layer_kv(i) if kv is not None else None,
+                        kv.layer_scales(i) if kv is not None else None)  # [t, Q]
+        self.o[:t].copy_(o)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, step: StepMeta, kv: KVPool | None,
+            on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids [T] (T <= the largest bucket) -> final-normed hidden states [T, H], a view of a
+        static buffer the next step overwrites (consumers queued before it on the stream read it).
+        `on_layer_done(i)` runs right after layer i stored its K/V (island i)."""
+        t = input_ids.shape[0]
+        b = self.bucket(t)
+        assert b is not None, f"{t} tokens: no bucket (the caller runs the eager forward)"
+        graphs = self.graphs.get(b)
+        self.ids[:t].copy_(input_ids)
+        cos, sin = self.model.rotary.cos_sin(step.positions)  # [T, D/2] each, real tokens only
+        self.model.backends.attention.plan(step)  # a no-op when the runner planned this step
+        for i in range(self.num_pieces):
+            with torch.profiler.record_function(f"piece{i}"):
+                if graphs is not None:
+                    graphs[i].replay()
+                else:
+                    self.piece(i, b)
+            if i < len(self.model.layers):
+                with torch.profiler.record_function(f"attention{i}"):
+                    self.island(i, t, cos, sin, kv)
+                if on_layer_done is not None:
+                    on_layer_done(i)
+        return self.hidden[:t]
+
+    # ---- capture ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every bucket, largest first, all pieces into one pool (CUDA only: on a CPU the pieces run
+        directly). Each bucket first runs its pieces twice outside capture (Triton compilation,
+        DeepGEMM launchers, cuBLAS handles, all-reduce buffers), as the decode graphs do."""
+        if self.model.device.type != "cuda":
+            return
+        dev = self.model.device
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_reserved(dev)
+        for b in sorted(self.buckets, reverse=True):
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    for i in range(self.num_pieces):
+                        self.piece(i, b)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graphs = []
+            for i in range(self.num_pieces):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.mempool):
+                    self.piece(i, b)
+                self.mempool = self.mempool or g.pool()
+                graphs.append(g)
+            self.graphs[b] = graphs
+        torch.cuda.synchronize(dev)
+        log.info("captured piecewise CUDA graphs: %d pieces x buckets %s; static buffers %.1f MiB, graph pool "
+                 "%.1f MiB, reserved by warm-up and capture %.1f MiB", self.num_pieces, list(self.buckets),
+                 self.static_bytes() / 2**20, self.pool_bytes() / 2**20,
+                 (torch.cuda.memory_reserved(dev) - before) / 2**20)
+
+    def pool_bytes(self) -> int:
+        """Device memory held by the graphs' pool (the largest bucket's peak piece, about)."""
+        if self.mempool is None:
+            return 0
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id", ())) == tuple(self.mempool))

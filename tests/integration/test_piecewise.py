@@ -1,0 +1,187 @@
+"""Piecewise forward (engine/piecewise.py) on the CPU: the pieces run directly on the static buffers
+(no capture), padded to a bucket, against the monolithic GptOss.forward, bit for bit in fp32:
+
+  * fused norms (Triton norms, attention and grouped MoE in the interpreter, rope_store): the
+    `pending` MoE output handed from piece to piece, padded rows that never reach real rows;
+  * torch backends (unfused norms) at exact buckets: the reference MoE's per-expert GEMMs and the
+    dense GEMMs change kernels with their row counts (MKL takes another path at M <= 3), so padded
+    rows there are compared within fp32 rounding;
+  * on_layer_done(i) runs in order, after layer i stored its K/V and before layer i + 1 did;
+  * bucket choice; steps above the largest bucket run the eager forward; the engine flag end to end.
+The GPU twin (captured graphs, bf16, 20b widths) is tests/integration/test_piecewise_gpu.py."""
+
+import pytest
+import torch
+
+from engine.build import EngineConfig
+from engine.llm import LLM
+from engine.piecewise import DEFAULT_BUCKETS, PiecewiseGraphs, buckets_for
+from engine.sampling import SamplingParams
+from kernels.registry import make_backends
+from engine.scheduler import SchedulerConfig
+from model.config import preset
+from model.context import SeqStep, build_step_meta
+from model.gpt_oss import GptOss
+from model.kv_cache import KVManager, KVPool, SeqPages, plan_kv_cache
+from model.loader import load_weights
+from model.weights import SafetensorsSource
+
+
+def _model(path: str, fused: bool) -> GptOss:
+    src = SafetensorsSource(path)
+    if fused:  # FP8 experts on the grouped Triton MoE with one tile table for every token count
+        from kernels.moe import TritonMoE
+        from kernels.tuning import default_moe_config
+
+        be = make_backends("triton", "torch", "triton", "rope_store")
+        be.moe = TritonMoE(config=default_moe_config(4, fp8=True))
+        model = GptOss(src.config, be, dtype=torch.float32, fp8=True)
+    else:
+        model = GptOss(src.config, make_backends("torch", "torch", "torch", "off"), dtype=torch.float32)
+    load_weights(model, src, progress=False)
+    return model
+
+
+def _layer_kv(pool: KVPool, layer: int) -> list[torch.Tensor]:
+    return [t.clone() for t in pool.layer_kv(layer)]
+
+
+def _run_steps(model: GptOss, buckets: tuple[int, ...], chunks: tuple[int, ...], exact: bool) -> None:
+    """One sequence fed in `chunks`: the eager forward on one pool, the pieces on another; hidden
+    states and every page equal after each step (exact) or close (not exact)."""
+    spec = plan_kv_cache(model.cfg, 1 << 20, page_size=4, max_num_seqs=2, dtype=torch.float32)
+    mgr = KVManager(spec)
+    ref_pool, pw_pool = KVPool(spec), KVPool(spec)
+    pw = PiecewiseGraphs(model, buckets)
+    pages = SeqPages()
+    layers = len(model.layers)
+    ids = torch.randint(0, model.cfg.vocab_size, (sum(chunks),), generator=torch.Generator().manual_seed(0))
+    pos = 0
+    for n in chunks:
+        mgr.grow(pages, pos + n)
+        meta = build_step_meta([SeqStep(pages, pos, n)], spec)
+        want = model(ids[pos:pos + n], meta, ref_pool)
+        before = [_layer_kv(pw_pool, i) for i in range(layers)]
+        seen: list[int] = []
+
+        def hook(i: int) -> None:  # layer i stored, layer i + 1 not yet
+            seen.append(i)
+            got, ref = _layer_kv(pw_pool, i), _layer_kv(ref_pool, i)
+            if exact:
+                assert all(torch.equal(a, b) for a, b in zip(got, ref)), (n, i)
+            else:
+                for a, b in zip(got, ref):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            if i + 1 < layers:
+                assert all(torch.equal(a, b) for a, b in zip(_layer_kv(pw_pool, i + 1), before[i + 1])), (n, i)
+                assert not all(torch.equal(a, b) for a, b in zip(_layer_kv(ref_pool, i + 1), before[i + 1]))
+
+        got = pw.run(ids[pos:pos + n], meta, pw_pool, hook)
+        assert seen == list(range(layers))
+        assert got.shape == want.shape
+        if exact:
+            assert torch.equal(got, want), (n, (got - want).abs().max())
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        pos += n
+
+
+def test_piecewise_fused_norms_padded_bit_exact(ckpt_factory, one_torch_thread):
+    """tiny-a (window 4, page 4): a 13-token chunk in bucket 16, decodes in bucket 1, a 6-token chunk
+    in bucket 8 (past the window: the sliding layers' prefix-plus-chunk path), a 5-token chunk in 8.
+    Real rows >= 4 or an exact bucket: the dense GEMMs keep MKL's kernel (see the module doc)."""
+    model = _model(ckpt_factory("tiny-a"), fused=True)
+    assert model.backends.fused_norm and model.backends.fused_rope_store
+    _run_steps(model, (1, 8, 16, 32), (13, 1, 1, 6, 1, 5), exact=True)
+
+
+def test_piecewise_padding_never_reaches_real_rows(ckpt_factory, one_torch_thread):
+    """The same real tokens with other contents in the padded rows (stale ids, a stale residual
+    stream and attention output): the real rows' hidden states keep their bits."""
+    model = _model(ckpt_factory("tiny-a"), fused=True)
+    spec = plan_kv_cache(model.cfg, 1 << 20, page_size=4, max_num_seqs=2, dtype=torch.float32)
+    mgr = KVManager(spec)
+    pages = SeqPages()
+    mgr.grow(pages, 9)
+    meta = build_step_meta([SeqStep(pages, 0, 9)], spec)
+    ids = torch.randint(0, model.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
+    pw = PiecewiseGraphs(model, (16,))
+    outs = []
+    for seed in (2, 3):
+        g = torch.Generator().manual_seed(seed)
+        with torch.inference_mode():  # the static buffers are inference tensors
+            pw.ids.random_(0, model.cfg.vocab_size, generator=g)
+            pw.o.normal_(generator=g)
+            pw.x.normal_(generator=g)
+        outs.append(pw.run(ids, meta, KVPool(spec)).clone())
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_piecewise_torch_backends(ckpt_factory):
+    """Unfused norms (the CPU engine's path): exact buckets bit for bit, padded ones within rounding."""
+    model = _model(ckpt_factory("tiny-a"), fused=False)
+    assert not model.backends.fused_norm
+    _run_steps(model, (1, 6, 13), (13, 1, 6, 1), exact=True)
+    _run_steps(model, (16, 32), (13, 1, 6, 1, 20), exact=False)
+
+
+def test_piecewise_bucket_choice():
+    assert buckets_for(8192) == DEFAULT_BUCKETS
+    assert buckets_for(100) == (16, 32, 64)
+    assert buckets_for(8) == (8,)
+    model = GptOss(preset("tiny-a"), make_backends())
+    pw = PiecewiseGraphs(model, (64, 16, 32))
+    assert pw.buckets == (16, 32, 64)
+    assert [pw.bucket(t) for t in (0, 1, 16, 17, 33, 64, 65)] == [None, 16, 16, 32, 64, 64, None]
+    assert pw.x.shape == (64, model.cfg.hidden_size) and pw.ids.shape == (64,)
+    pw.capture()  # no CUDA: nothing captured, the pieces run directly
+    assert pw.graphs == {}
+
+
+def test_piecewise_runner_falls_back_above_largest_bucket(ckpt_factory, monkeypatch):
+    """ModelRunner.forward: a step within the buckets runs the pieces, a larger one the eager forward,
+    with the same logits in either case."""
+    cfg = EngineConfig(checkpoint=ckpt_factory("tiny-a"), kv_cache_bytes=1 << 20, piecewise_graphs=True,
+                       scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256))
+    llm = LLM(cfg)
+    runner = llm.engine.runner
+    assert runner.piecewise is not None and runner.piecewise.buckets == (16, 32)
+    calls = []
+    real_run = runner.piecewise.run
+    monkeypatch.setattr(runner.piecewise, "run", lambda *a, **k: calls.append(a[0].shape[0]) or real_run(*a, **k))
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    kv = llm.engine.kv
+    logits = {}
+    for n in (20, 40):  # 20 -> bucket 32; 40 > 32 -> eager
+        pages = SeqPages()
+        kv.grow(pages, n)
+        try:
+            out = runner.forward(ids[:n], [SeqStep(pages, 0, n)], [0])
+            runner.piecewise, saved = None, runner.piecewise
+            ref = runner.forward(ids[:n], [SeqStep(pages, 0, n)], [0])
+            runner.piecewise = saved
+        finally:
+            kv.release(pages)
+        logits[n] = (out, ref)
+    assert calls == [20]
+    torch.testing.assert_close(*logits[20], rtol=1e-5, atol=1e-5)
+    assert torch.equal(*logits[40])
+    kv.assert_all_free()
+
+
+def test_piecewise_engine_flag_same_tokens(ckpt_factory):
+    """The engine with the flag (chunked prefills, mixed steps, decode steps through the pieces) gives
+    the greedy tokens of the engine without it; every page comes back."""
+    path = ckpt_factory("tiny-a")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 70)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = {}
+    for flag in (False, True):
+        llm = LLM(EngineConfig(checkpoint=path, kv_cache_bytes=1 << 20, piecewise_graphs=flag,
+                               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                                         max_model_len=256)))
+        assert (llm.engine.runner.piecewise is not None) == flag
+        outs[flag] = [o.output_ids for o in llm.generate(prompts, params)]
+        llm.kv.assert_all_free()
+    assert outs[True] == outs[False]
