@@ -18,7 +18,6 @@ and the whole prompt again with the cache cleared, whose first token must equal 
 --profile: one more cached P+N under torch.profiler: kernels launched, their summed device time
 (against the GPU span: the rest is the GPU waiting for the host) and the table, in $OUT.
 --host-profile: one cached P+N and one uncached N under cProfile (which Python the launch time is).
---linear-ab: host time per eager call of addmm against mm + add at the QKV projection's shape.
 --piecewise-graphs (a worker flag): the forward replays CUDA graphs between its attention calls
 (engine/piecewise.py); the JSON's "piecewise_graphs" and the table's title say which, and
 "build_s" includes their capture. Suite piecewise-ab runs it both ways.
@@ -135,35 +134,6 @@ def host_profile(run, path: Path) -> None:
     path.write_text(buf.getvalue())
 
 
-def linear_ab(tokens: int, n: int, k: int, dtype: torch.dtype, device: str, calls: int = 200) -> dict:
-    """Host microseconds per eager call (no sync inside the loop) of F.linear (addmm, cuBLASLt's
-    bias epilogue) against kernels.fp8_gemm.native_linear (mm + add), and each one's device time."""
-    import torch.nn.functional as F
-
-    from kernels.fp8_gemm import native_linear
-
-    x = torch.randn(tokens, k, device=device, dtype=dtype)
-    w = torch.randn(n, k, device=device, dtype=dtype) * 0.02
-    b = torch.randn(n, device=device, dtype=dtype)
-    out = {}
-    for name, fn in (("addmm", F.linear), ("mm_add", native_linear)):
-        for _ in range(5):
-            fn(x, w, b)
-        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn(x, w, b)
-        host = (time.perf_counter() - t0) / calls * 1e6
-        sync()
-        dev_ms = (time.perf_counter() - t0) / calls * 1e3
-        out[name] = {"host_us": host, "wall_ms_per_call": dev_ms}
-    ref = F.linear(x.float(), w.float(), b.float())
-    out["rel_err"] = {name: float((fn(x, w, b).float() - ref).norm() / ref.norm())
-                      for name, fn in (("addmm", F.linear), ("mm_add", native_linear))}
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_worker_args(ap, port=0, metrics_port=0)
@@ -174,7 +144,6 @@ def main() -> None:
                                                          "settings (-1: none)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--host-profile", action="store_true", help="cProfile one cached P+N and one uncached N")
-    ap.add_argument("--linear-ab", action="store_true", help="host cost of addmm vs mm + add at the QKV shape, N tokens")
     ap.add_argument("--out", default=None, help="JSON file (default: $OUT/prefill_prefix.json)")
     a = ap.parse_args()
     cfg = engine_config(a, role="prefill")
@@ -234,12 +203,6 @@ def main() -> None:
         res["profile"] = profile(lambda: eng.run(request("prof-b", whole, p)), path.with_suffix(".profile.txt"))
         path.write_text(json.dumps(res, indent=1, default=str))
         print("profile of one cached P+N (under the profiler):", res["profile"])
-    if a.linear_ab:
-        c = parts.model.cfg
-        n_qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-        res["linear_ab"] = linear_ab(a.new, n_qkv, c.hidden_size, parts.model.embed.dtype, cfg.device)
-        path.write_text(json.dumps(res, indent=1, default=str))
-        print("linear A/B at the QKV shape:", res["linear_ab"])
     if a.host_profile:
         whole = prompt(a.prefix + a.new)
         eng.run(request("hprof-a", whole[:a.prefix], p))

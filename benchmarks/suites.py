@@ -290,14 +290,11 @@ SUITES: dict[str, Suite] = {
         "the prefill worker's engine alone on the H200 (gpt-oss-20b, the multi-turn suite's prefill settings): 352 "
         "tokens after a cached 3,296-token prefix against 352 and 3,648 uncached, compute time split into host "
         "before launch / launch / hooks / wait and the GPU span, with the sender's run-ahead bound 2 and none; one "
-        "cached prefill profiled (kernels, their device time; cProfile of the host launch); first, native_linear's "
-        "GPU test and an A/B of its host time against addmm",
+        "cached prefill profiled (kernels, their device time; cProfile of the host launch)",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
-        steps=(step("linear-gpu-test", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
-                                       "tests/kernels/test_native_linear_gpu.py", 60, summary=PYTEST),
-               step("prefill-prefix", "{py} -m benchmarks.prefill_prefix --device cuda --fp8 --random-weights "
+        steps=(step("prefill-prefix", "{py} -m benchmarks.prefill_prefix --device cuda --fp8 --random-weights "
                                       "gpt-oss-20b --kv-cache-gib 12 --max-model-len 16384 --reps 10 "
-                                      "--layers-ahead 2,-1 --profile --host-profile --linear-ab "
+                                      "--layers-ahead 2,-1 --profile --host-profile "
                                       "--out {out}/prefill_prefix.json", 300,
                     summary=r"^P=|^cached|^uncached|profile|Error"),),
         reproduces=("multi-turn disaggregated (2026-12-03): prefill_compute p50 52.8 ms for ~355 computed tokens "

@@ -122,28 +122,13 @@ def _flatten(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
 
 
-def native_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [.., K] @ w [N, K]^T + bias [N] with native (bf16 / fp32) weights.
-
-    Eager CUDA calls with a bias run mm, then one in-place add: torch's addmm sends a 1-d bias to
-    cuBLASLt's bias epilogue, which asks cuBLASLt's heuristics for an algorithm on every call, ~90 us
-    of host time each on the H200 (2026-12-03/prefill-prefix-2), three per layer in a prefill whose
-    launches are what the GPU waits for; mm (beta 0) takes plain cuBLAS. Under CUDA-graph capture the
-    fused epilogue stays: the query is paid once and the graph has one kernel fewer. The add rounds
-    the product to the activation dtype first (one more rounding than the epilogue)."""
-    if bias is None or not x.is_cuda or torch.cuda.is_current_stream_capturing():
-        return F.linear(x, w, bias)
-    x2, lead = _flatten(x)
-    return torch.mm(x2, w.t()).add_(bias).reshape(*lead, w.shape[0])
-
-
 class TritonFp8Linear:
     name = "triton"
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
                  bias: torch.Tensor | None) -> torch.Tensor:
         if w_scale is None:
-            return native_linear(x, w, bias)
+            return F.linear(x, w, bias)
         x2, lead = _flatten(x)
         xq, xs = quantize_act_1x128(x2)
         y = triton_fp8_gemm(xq, xs, w, w_scale, bias, x.dtype)  # [M, N]
@@ -260,7 +245,7 @@ class ScaledMMLinear:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
                  bias: torch.Tensor | None) -> torch.Tensor:
         if w_scale is None:
-            return native_linear(x, w, bias)
+            return F.linear(x, w, bias)
         if not x.is_cuda:  # cuBLASLt only; on CPU the same function through the reference
             return ref.fp8_linear(x, w, w_scale, bias, quantize_activations=True)
         x2, lead = _flatten(x)

@@ -131,8 +131,7 @@ class MoE(nn.Module):
         """logits / x_fp8: the router's output and x quantised 1x128, when the norm before made them."""
         if logits is None:
             # The router runs in the activation dtype (bf16 in bf16 mode): this mattered for accuracy.
-            logits = be.linear(x, self.router_w, None, self.router_b)  # [T, E], native weights
-
+            logits = torch.nn.functional.linear(x, self.router_w, self.router_b)  # [T, E]
         out = be.moe(x, logits, self.cfg.num_experts_per_tok, self.experts(), x_fp8)  # [T, H] partial
         return self.par.all_reduce(out)
 
