@@ -56,9 +56,11 @@ class _FakeQuantKV:
         self.layer = 0
         self.inner.plan(step)
 
-    def forward(self, group, q, k, v, kv, sinks, sm_scale, window, kv_scale=None):
+    def forward(self, group, q, k, v, kv, sinks, sm_scale, window, kv_scale=None, rope=None):
         ks, vs = self.scales.k[self.layer], self.scales.v[self.layer]
         self.layer += 1
+        if rope is not None:  # Fusion.ROPE_STORE (the default): the cache holds rotated keys
+            q, k = ref.apply_rope(q, *rope), ref.apply_rope(k, *rope)
         k = ref.dequantize_kv(ref.quantize_kv(k, ks), ks)
         v = ref.dequantize_kv(ref.quantize_kv(v, vs), vs)
         return self.inner.forward(group, q, k, v, kv, sinks, sm_scale, window)
