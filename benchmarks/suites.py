@@ -265,8 +265,8 @@ SUITES: dict[str, Suite] = {
                step("attention-fp8kv", "{py} -m benchmarks.attention --kv-fp8", 300, summary=r"^decode 128x8k frac"))),
     "fp8-kv-model": Suite(
         "FP8 KV against bf16 KV on one loaded 20b (workers' defaults): prefill 8k A/B (target <= 3 % slower), decode "
-        "with e4m3 pages at 8k x 1/32/128/256 (target >= 12,000 tok/s per GPU at >= 60 tok/s per user) and 32k x 128, "
-        "bf16 pages at 8k and 32k x 128",
+        "with e4m3 pages at 8k x 1/32/128/192/256 (target >= 12,000 tok/s per GPU at >= 60 tok/s per user) and "
+        "32k x 128, bf16 pages at 8k and 32k x 128",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(step("ab-20b", "{py} -m benchmarks.kv_fp8_ab --preset gpt-oss-20b", 540,
                     summary=r"^decode ctx|^prefill|summary|FAILED"),)),
