@@ -60,6 +60,34 @@ def time_cuda(fn, warmup: int = 2, iters: int = 10) -> float:
     return times[len(times) // 2]
 
 
+def graph_ms(fn, reps: int) -> float:
+    """Device milliseconds per fn() from a CUDA graph of `reps` calls (median of 10 replays), after 3
+    eager calls on a side stream (Triton JIT, autotuning, the allocator). CUDA only."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    del g
+    return sorted(times)[len(times) // 2]
+
+
 def measure_ceilings(device: str = "cuda", n: int = 1 << 30, m: int = 8192) -> dict[str, float]:
     """Copy bandwidth (bytes read + written) and matmul rates on random data, in this run."""
     out = {}

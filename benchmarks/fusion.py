@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.common import environment, markdown_table, out_dir
+from benchmarks.common import environment, graph_ms, markdown_table, out_dir
 
 DEV = "cuda"  # a CPU smoke of the call paths sets "cpu" (TRITON_INTERPRET=1) and replaces graph_us
 HBM_GBPS = 4800.0
@@ -38,29 +38,7 @@ H, E, HQ, HKV, D, PAGE = 2880, 32, 64, 8, 64, 16
 
 def graph_us(fn, reps: int) -> float:
     """Device microseconds per fn() from a CUDA graph of `reps` calls (median of 10 replays)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):  # JIT, autotune, allocator
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    del g
-    return sorted(times)[len(times) // 2]
+    return graph_ms(fn, reps) * 1e3
 
 
 def copy_gbps() -> float:

@@ -32,6 +32,7 @@ import json  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import environment, markdown_table, out_dir, time_cuda  # noqa: E402
+from benchmarks.common import graph_ms as cuda_graph_ms  # noqa: E402
 from engine.sampling import _race, exponential_noise  # noqa: E402
 from kernels import sampling as ks  # noqa: E402
 
@@ -46,29 +47,7 @@ def graph_ms(fn, reps: int) -> float:
     (smoke) the host clock."""
     if not torch.cuda.is_available() or SMOKE:
         return time_cuda(fn, warmup=1, iters=3)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):  # Triton JIT, allocator
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    del g
-    return sorted(times)[len(times) // 2]
+    return cuda_graph_ms(fn, reps)
 
 
 def copy_gbps() -> float:
