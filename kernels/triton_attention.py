@@ -323,6 +323,35 @@ def pick_num_splits(batch: AttnBatch, num_programs: int, window: int | None, cfg
     return max(1, min(-(-target_programs // num_programs), useful, 64))
 
 
+def page_scales(kv_scale: tuple[torch.Tensor, torch.Tensor] | None, hkv: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_scale, v_scale) [Hkv] fp32 of e4m3 pages; None = 1.0 for every head."""
+    if kv_scale is None:
+        kv_scale = (torch.ones(hkv, dtype=torch.float32, device=device),) * 2
+    ks, vs = kv_scale
+    assert ks.dtype == vs.dtype == torch.float32 and ks.shape == vs.shape == (hkv,)
+    return ks, vs
+
+
+def split_partials(splits: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split-KV partials for out [T, Hq, D]: (acc [S, T, Hq, D], m [S, T, Hq], l [S, T, Hq]) fp32, or
+    out itself three times when there is one split (the kernels then write out directly)."""
+    if splits <= 1:
+        return out, out, out
+    t, hq, d = out.shape
+    part_m = torch.empty(splits, t, hq, dtype=torch.float32, device=out.device)
+    return torch.empty(splits, t, hq, d, dtype=torch.float32, device=out.device), part_m, torch.empty_like(part_m)
+
+
+def merge_splits(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, Hq, D] <- the split-KV partials of `split_partials`."""
+    splits, t, hq, d = part_acc.shape
+    block_h = min(16, triton.next_power_of_2(hq))
+    _merge_splits[(t, math.ceil(hq / block_h))](
+        part_acc, part_m, part_l, out, t, hq, splits, out.stride(0), out.stride(1),
+        BLOCK_H=block_h, HEAD_DIM=d, num_warps=4)
+
+
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    kv_cache: tuple[torch.Tensor, torch.Tensor] | None, batch: AttnBatch, sinks: torch.Tensor,
                    sm_scale: float, window: int | None, *, config: KernelConfig | None = None,
@@ -353,22 +382,15 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         page, pt = kc.shape[2], batch.page_table
         widen = kc.dtype != q.dtype
         if widen:
-            if kv_scale is None or kc.dtype != torch.float8_e4m3fn:  # scales only mean something for e4m3
-                kv_scale = (torch.ones(hkv, dtype=torch.float32, device=q.device),) * 2
-            ks, vs = kv_scale
-            assert ks.dtype == vs.dtype == torch.float32 and ks.shape == vs.shape == (hkv,)
+            # scales only mean something for e4m3 (bf16 pages under an fp32 model widen at 1.0)
+            ks, vs = page_scales(kv_scale if kc.dtype == torch.float8_e4m3fn else None, hkv, q.device)
     else:  # no pages: the paged range is empty, any valid pointers do
         kc, vc, page, pt = k, v, 16, batch.seq_info
     tiles = batch.tiles(cfg.block_m // cfg.heads_per_program)
     num_tiles = tiles.shape[1]
     hgroups = hkv * (group // cfg.heads_per_program)
     splits = num_splits or pick_num_splits(batch, num_tiles * hgroups, window, cfg, target_programs)
-    if splits > 1:
-        part_acc = torch.empty(splits, t, hq, d, dtype=torch.float32, device=q.device)
-        part_m = torch.empty(splits, t, hq, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_acc = part_m = part_l = out
+    part_acc, part_m, part_l = split_partials(splits, out)
     _attn_fwd[(num_tiles, hgroups, splits)](
         q, k, v, kc, vc, pt, sinks, out, part_acc, part_m, part_l, batch.seq_info, tiles, ks, vs,
         batch.num_seqs, num_tiles, t, hq, splits, sm_scale * LOG2E, window or 0,
@@ -379,8 +401,5 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_WIDEN=widen,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        block_h = min(16, triton.next_power_of_2(hq))
-        _merge_splits[(t, math.ceil(hq / block_h))](
-            part_acc, part_m, part_l, out, t, hq, splits, out.stride(0), out.stride(1),
-            BLOCK_H=block_h, HEAD_DIM=d, num_warps=4)
+        merge_splits(part_acc, part_m, part_l, out)
     return out

@@ -37,14 +37,13 @@ NP pages, S splits.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attention import LOG2E, AttnBatch, _merge_splits
+from kernels.triton_attention import LOG2E, AttnBatch, merge_splits, page_scales, split_partials
 
 FP8 = torch.float8_e4m3fn
 
@@ -309,20 +308,12 @@ def paged_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], b
     fp8 = kc.dtype == FP8
     dot_f16 = fp8 and q.dtype in (torch.bfloat16, torch.float16)  # e4m3 codes are exact in f16
     if fp8:
-        if kv_scale is None:
-            kv_scale = (torch.ones(hkv, dtype=torch.float32, device=q.device),) * 2
-        ks, vs = kv_scale
-        assert ks.dtype == vs.dtype == torch.float32 and ks.shape == vs.shape == (hkv,)
+        ks, vs = page_scales(kv_scale, hkv, q.device)
     else:
         ks = vs = sinks  # any fp32 pointer: unused
     group = hq // hkv
     splits = num_splits or (decode_splits(batch, hkv, window, cfg, num_sms) if num_sms else 1)
-    if splits > 1:
-        part_acc = torch.empty(splits, b, hq, d, dtype=torch.float32, device=q.device)
-        part_m = torch.empty(splits, b, hq, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_acc = part_m = part_l = out
+    part_acc, part_m, part_l = split_partials(splits, out)
     pt = batch.page_table
     _decode_fwd[(b, hkv, splits)](
         q, kc, vc, pt, sinks, out, part_acc, part_m, part_l, batch.seq_info[3], ks, vs,
@@ -333,8 +324,5 @@ def paged_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], b
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", Q_SCALE=dot_f16 and q.dtype == torch.bfloat16,
         HW_CVT=q.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        block_h = min(16, triton.next_power_of_2(hq))
-        _merge_splits[(b, math.ceil(hq / block_h))](
-            part_acc, part_m, part_l, out, b, hq, splits, out.stride(0), out.stride(1),
-            BLOCK_H=block_h, HEAD_DIM=d, num_warps=4)
+        merge_splits(part_acc, part_m, part_l, out)
     return out
