@@ -7,17 +7,12 @@ these kernels into interpreted ones in the same process):
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                       reason="TRITON_INTERPRET is set (CPU tests imported first): run this file alone"),
-]
+from tests.kernels.gpu_alone import GPU_ALONE
+
+pytestmark = GPU_ALONE
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -16,17 +16,12 @@ Run alone (CPU kernel tests set TRITON_INTERPRET=1 at import):
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                       reason="TRITON_INTERPRET is set (CPU tests imported first): run this file alone"),
-]
+from tests.kernels.gpu_alone import GPU_ALONE
+
+pytestmark = GPU_ALONE
 
 DEV = "cuda"
 V = 201_088
