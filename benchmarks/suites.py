@@ -38,6 +38,10 @@ from benchmarks.suite_defs import (FUSION_AB, MT_SERVE_ARGS, PYTEST, SERVED_ARGS
                                    SUITE_BUDGET_S, TP, Step, Suite, model_step, multi_turn_step, smoke_step, step,
                                    sweep_step)  # Step, Suite, SUITE_BUDGET_S: re-exported for suite_run and tests
 
+# The prefill worker's engine alone (benchmarks/prefill_prefix.py) with the multi-turn suite's prefill settings.
+PREFILL_PREFIX = ("{py} -m benchmarks.prefill_prefix --device cuda --fp8 --random-weights gpt-oss-20b "
+                  "--kv-cache-gib 12 --max-model-len 16384 ")
+
 SUITES: dict[str, Suite] = {
     "kernels": Suite(
         "attention, FP8 GEMM and MoE kernel benchmarks, each with parity at real dims and the ceilings of the run",
@@ -193,10 +197,8 @@ SUITES: dict[str, Suite] = {
         "before launch / launch / hooks / wait and the GPU span, with the sender's run-ahead bound 2 and none; one "
         "cached prefill profiled (kernels, their device time; cProfile of the host launch)",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
-        steps=(step("prefill-prefix", "{py} -m benchmarks.prefill_prefix --device cuda --fp8 --random-weights "
-                                      "gpt-oss-20b --kv-cache-gib 12 --max-model-len 16384 --reps 10 "
-                                      "--layers-ahead 2,-1 --profile --host-profile "
-                                      "--out {out}/prefill_prefix.json", 300,
+        steps=(step("prefill-prefix", PREFILL_PREFIX + "--reps 10 --layers-ahead 2,-1 --profile --host-profile "
+                                                       "--out {out}/prefill_prefix.json", 300,
                     summary=r"^P=|^cached|^uncached|profile|Error"),),
         reproduces=("multi-turn disaggregated (2026-12-03): prefill_compute p50 52.8 ms for ~355 computed tokens "
                     "with the cache, 71 ms for 3,645 without, on a GPU shared with the decode worker",)),
@@ -210,9 +212,8 @@ SUITES: dict[str, Suite] = {
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(step("piecewise-gpu-test", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
                                           "tests/integration/test_piecewise_gpu.py", 100, summary=PYTEST),
-               *(step(f"prefill-prefix-{tag}", "{py} -m benchmarks.prefill_prefix --device cuda --fp8 "
-                                               "--random-weights gpt-oss-20b --kv-cache-gib 12 --max-model-len 16384 "
-                                               f"--reps 5 --layers-ahead 2 {flag} --out {{out}}/prefill_prefix.json",
+               *(step(f"prefill-prefix-{tag}", PREFILL_PREFIX + f"--reps 5 --layers-ahead 2 {flag} "
+                                                                "--out {out}/prefill_prefix.json",
                       150, summary=r"^P=|^cached|^uncached|Error")
                  for tag, flag in (("eager", ""), ("piecewise", "--piecewise-graphs")))),
         reproduces=("prefill-prefix-2 (2026-12-03): cached P+N (N = 352) 36 ms of compute for 11.7 ms of kernels",)),
