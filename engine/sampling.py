@@ -142,7 +142,6 @@ class _RowTensors:
     top_k: torch.Tensor  # [R] int64 (V when off)
     seeds: torch.Tensor  # [R] int64
     all_greedy: bool
-    any_filter: bool
     noise: torch.Tensor  # [R] bool: stochastic rows without top-k/top-p (the fused kernel's noisy rows)
     filtered: tuple[torch.Tensor, ...] | None  # ([Rf] rows, their temp, top_k, top_p, seeds): top-k/top-p rows
     max_logprobs: int | None
@@ -235,7 +234,7 @@ class Sampler:
             _dev(torch.tensor([p.top_p for p in ps], dtype=torch.float32), dev),
             _dev(torch.tensor([p.top_k if p.top_k > 0 else vocab for p in ps], dtype=torch.int64), dev),
             _dev(torch.tensor([r.seed for r in rows], dtype=torch.int64), dev),
-            all(p.greedy for p in ps), any(filt),
+            all(p.greedy for p in ps),
             _dev(torch.tensor([not p.greedy and not f for p, f in zip(ps, filt)]), dev), None,
             max((p.logprobs for p in ps if p.logprobs is not None), default=None),
             None, None, None, None)
@@ -304,7 +303,7 @@ class Sampler:
         """logits [R, V] (adjusted, masked), a row at least not greedy -> ids [R] int64. Fused: one kernel
         for the greedy and unfiltered rows, the sort-based torch path for the top-k/top-p rows only."""
         if not self.fused:
-            sampled = _race(logits, t.temp, t.seeds, positions, (t.top_k, t.top_p) if t.any_filter else None)
+            sampled = _race(logits, t.temp, t.seeds, positions, (t.top_k, t.top_p) if t.filtered is not None else None)
             return torch.where(t.greedy, logits.argmax(-1), sampled)
         if logits.stride(1) != 1:  # the kernel reads rows with unit stride
             logits = logits.contiguous()
