@@ -17,11 +17,17 @@ from common.errors import WorkerUnavailable
 from launcher.cmd_serve import free_base_port, free_port
 
 
+KEPT_LOG_BYTES = 4 << 20
+
+
 class LaunchedService:
     """`tandem serve` in its own session (so a stuck shutdown can take its workers down with it)."""
 
-    def __init__(self, mode: str, num_prefill: int, num_decode: int, serve_args: list[str], ready_timeout_s: float):
-        self.mode, self.ready_timeout_s = mode, ready_timeout_s
+    def __init__(self, mode: str, num_prefill: int, num_decode: int, serve_args: list[str], ready_timeout_s: float,
+                 keep_log: Path | None = None):
+        """`keep_log`: where the service's log (router and workers) is copied when it stops, its last
+        KEPT_LOG_BYTES: a run's outliers are explained by its workers' lines (slow steps, compiles)."""
+        self.mode, self.ready_timeout_s, self.keep_log = mode, ready_timeout_s, keep_log
         port, base = free_port(), free_base_port(num_prefill + num_decode)
         n_pre, n_dec = (0, num_prefill + num_decode) if mode == "colocated" else (num_prefill, num_decode)
         self.workers = ([f"tcp://127.0.0.1:{base + 100 + i}" for i in range(n_pre)]
@@ -65,6 +71,9 @@ class LaunchedService:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        if self.keep_log is not None:
+            self.keep_log.parent.mkdir(parents=True, exist_ok=True)
+            self.keep_log.write_text(self.log_tail(KEPT_LOG_BYTES))
 
     def check_alive(self, during: str) -> None:
         """A service that exited shows to a load as connection errors: say so, with its log."""

@@ -279,6 +279,14 @@ def _workers(mode: str, a: argparse.Namespace) -> tuple[int, int]:
     return a.num_prefill, a.num_decode
 
 
+def _kept_log(a: argparse.Namespace, label: str) -> Path | None:
+    """Beside --out: the launched service's log, one per launch (`serve_x.json` -> `serve_x-colocated-cache-on.log`)."""
+    if not a.out:
+        return None
+    out = Path(a.out)
+    return out.with_name(f"{out.stem}-{'-'.join(label.replace(',', ' ').split())}.log")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
@@ -296,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         note = None if "cuda" in a.serve_args else CPU_NOTE
         checkpoint = a.checkpoint or _serve_checkpoint(serve_args) if a.verify_greedy else None
         for mode in (["disaggregated", "colocated"] if a.launch == "both" else [a.launch]):
-            with LaunchedService(mode, *_workers(mode, a), serve_args, a.ready_timeout_s) as svc:
+            with LaunchedService(mode, *_workers(mode, a), serve_args, a.ready_timeout_s,
+                                 _kept_log(a, mode)) as svc:
                 for run in run_one(mode, svc.url, a, note, svc.workers, checkpoint):
                     run["launched"] = {"mode": mode, "command": svc.cmd[2:]}
                     runs.append(run)
@@ -338,7 +347,8 @@ def main_multi_turn(a: argparse.Namespace, argv: list[str]) -> int:
                     if mode == "disaggregated" else []) + [("cache off", ["--no-enable-prefix-caching"])]
             for name, flags in variants:
                 label = f"{mode} {name}".strip()
-                with LaunchedService(mode, *_workers(mode, a), base_args + flags, a.ready_timeout_s) as svc:
+                with LaunchedService(mode, *_workers(mode, a), base_args + flags, a.ready_timeout_s,
+                                     _kept_log(a, label)) as svc:
                     run = multi_turn.run(spec(svc.url), label, svc.workers, warmup=a.warmup)
                     run["launched"] = {"mode": mode, "command": svc.cmd[2:]}
                     if "cuda" not in a.serve_args:

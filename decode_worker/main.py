@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from engine.worker_args import add_worker_args, worker_id
-from engine.worker_main import build_parts, exit_now, serve, transfer_config
+from engine.worker_main import build_parts, exit_now, maybe_warm_up, serve, transfer_config
 from decode_worker.engine import DecodeEngine
 from decode_worker.server import DecodeServer
 from engine.tp.group import RankGroup
@@ -42,6 +42,7 @@ def main(argv: list[str]) -> int:
     wid, epoch = worker_id(a, "decode"), new_epoch()
     with RankGroup.launch(a, "decode", wid, setup_rank) as group:
         rp = lead(group, setup_rank(a, wid, group))
+        maybe_warm_up(a, rp.parts)
         server = DecodeServer(DecodeEngine(rp.parts, rp.receiver, overlap=a.async_decode == "on"), None, wid, epoch,
                               a.drain_timeout_s)
         try:

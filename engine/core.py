@@ -19,11 +19,18 @@ step is collected right after its launch: the same code, synchronous.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from engine.runner import ModelRunner, StepHandle
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
+
+log = logging.getLogger("tandem.engine")
+
+# A step this long is logged with its shape: a one-off stall (a kernel compiled for a new shape, a
+# graph captured late) shows up in serving as a TTFT outlier the request's own figures cannot name.
+SLOW_STEP_S = 1.0
 
 
 class EngineCore:
@@ -40,6 +47,7 @@ class EngineCore:
 
     def step(self) -> list[Sequence]:
         """One iteration. Returns the sequences that received a token (finished ones included)."""
+        t0 = time.perf_counter()
         prev = self.inflight
         done: list[Sequence] = []
         for src, dst in self.scheduler.pending_copies:  # prompts shared early: copied before anything writes their ring
@@ -66,6 +74,10 @@ class EngineCore:
         self.inflight = handle
         if handle is not None and not self.overlap:
             done += self._collect(handle)
+        if (dt := time.perf_counter() - t0) > SLOW_STEP_S:
+            log.warning("slow step %d: %.2f s; launched %d seqs, %d tokens (largest chunk %d)", self.num_steps, dt,
+                        len(items or ()), sum(it.q_len for it in items or ()), max((it.q_len for it in items or ()),
+                                                                                 default=0))
         return done
 
     def flush(self) -> list[Sequence]:

@@ -67,9 +67,16 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--max-model-len", type=int, default=131072)
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--piecewise-graphs", action="store_true",
-                   help="eager steps (prefill chunks, mixed steps) of up to 4096 tokens replay CUDA graphs captured "
-                        "at start-up per token-count bucket between their attention calls (engine/piecewise.py); "
-                        "a decode worker's pure-decode graphs (--cuda-graphs) are unchanged")
+                   help="eager steps (prefill chunks, mixed steps) of up to --piecewise-max-tokens replay CUDA graphs "
+                        "captured at start-up per token-count bucket between their attention calls "
+                        "(engine/piecewise.py); a decode worker's pure-decode graphs (--cuda-graphs) are unchanged")
+    p.add_argument("--piecewise-max-tokens", type=int, default=2048,
+                   help="the largest piecewise bucket: longer steps run eagerly (GPU-bound there, where padding "
+                        "to a bucket costs more than the launches it saves)")
+    p.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
+                   help="run a few throw-away requests through the step loop before reporting ready, so kernel "
+                        "compiles and first-use paths cost start-up time, not a request's TTFT (engine/warmup.py); "
+                        "auto: on a GPU")
     p.add_argument("--async-decode", choices=["on", "off"], default="on",
                    help="overlapped step loop: the host schedules step N+1 while the GPU runs step N; "
                         "tokens reach the host one step later and a stop token costs one dropped token")
@@ -109,6 +116,7 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),
         seed=a.seed, progress=tp_rank == 0, async_decode=a.async_decode == "on",
         enable_prefix_caching=a.enable_prefix_caching, piecewise_graphs=a.piecewise_graphs,
+        piecewise_max_tokens=a.piecewise_max_tokens,
         parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group,
                                 max(0, a.fast_allreduce_kib) << 10 if gpu else 0, a.fast_allreduce_impl, a.vocab_parallel))
 

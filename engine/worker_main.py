@@ -63,6 +63,14 @@ def build_parts(a: argparse.Namespace, role: str, group: RankGroup) -> EnginePar
     return parts
 
 
+def maybe_warm_up(a: argparse.Namespace, parts: EngineParts) -> None:
+    """engine/warmup.py on rank 0's parts (a TP group's followers run the same steps), before ready."""
+    if a.warmup == "on" or (a.warmup == "auto" and not a.device.startswith("cpu")):
+        from engine.warmup import warm_up
+
+        warm_up(parts, parts.model.cfg.vocab_size, a.seed)
+
+
 def transfer_config(a: argparse.Namespace, parts: EngineParts, wid: str, tp_rank: int = 0) -> TransferConfig:
     return TransferConfig(engine_id=wid, model_name=model_fingerprint(parts), tp_rank=tp_rank, tp_size=a.tp,
                           host=a.advertise_host or a.host, port=a.kv_port + tp_rank if a.kv_port else 0)

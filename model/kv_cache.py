@@ -402,6 +402,13 @@ class KVManager:
                 if ix is not None:
                     ix.clear()
 
+    def reset_cache(self) -> None:
+        """Evict everything and start a new, empty index (no stats, no events): after the start-up
+        warm-up (engine/warmup.py), which must leave no trace a router or a metric could see."""
+        if self.cache is not None:
+            self.clear_cache()
+            self.cache = PrefixCache(self.spec, self.alloc, self.cache.identity)
+
     def num_free(self) -> tuple[int, int]:
         """Pages an allocation can get per group: free plus evictable cached pages."""
         c = self.cache

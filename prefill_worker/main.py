@@ -7,7 +7,7 @@ import argparse
 
 from common.errors import ConfigError
 from engine.worker_args import add_worker_args, worker_id
-from engine.worker_main import build_parts, exit_now, serve, transfer_config
+from engine.worker_main import build_parts, exit_now, maybe_warm_up, serve, transfer_config
 from engine.tp.group import RankGroup
 from engine.tp.proxies import RankParts, lead
 from kv_transfer.interface import new_epoch
@@ -33,6 +33,7 @@ def main(argv: list[str]) -> int:
     wid, epoch = worker_id(a, "prefill"), new_epoch()
     with RankGroup.launch(a, "prefill", wid, setup_rank) as group:
         rp = lead(group, setup_rank(a, wid, group))
+        maybe_warm_up(a, rp.parts)
         assert rp.sender is not None
         server = PrefillServer(PrefillEngine(rp.parts, rp.sender), None, wid, epoch, a.drain_timeout_s)
         try:
