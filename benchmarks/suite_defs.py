@@ -86,7 +86,8 @@ MT_SERVE_ARGS = ("--device cuda --fp8 --random-weights gpt-oss-20b --share-gpu -
                  "--max-num-batched-tokens 4096' --prefill-args '--max-model-len 16384'")
 
 
-def multi_turn_step(mode: str, timeout_s: int, name: str = "", extra: str = "") -> Step:
+def multi_turn_step(mode: str, timeout_s: int, name: str = "", extra: str = "", serve_args: str = MT_SERVE_ARGS
+                    ) -> Step:
     """64 conversations x 8 turns, a 2k shared system prompt, 100-300 new user tokens and 100-200 answer
     tokens per turn; each mode launched with and without prefix caching (disaggregated also with every
     prefill remote: shipping only the pages decode lacks). Each launch first runs 8 warm-up
@@ -96,7 +97,7 @@ def multi_turn_step(mode: str, timeout_s: int, name: str = "", extra: str = "") 
                       "--conversations 64 --turns 8 --system-len 2048 --user-len 100:300 --output-len 100:200 --warmup 8 "
                       "--num-prefill 1 --num-decode 1 --request-timeout-s 200 --ready-timeout-s 150 "
                       f"{extra}--out {{out}}/serve_multi_turn_{name or mode}.json --serve-args "
-                      + shlex.quote(MT_SERVE_ARGS),
+                      + shlex.quote(serve_args),
                 timeout_s, summary=r"cache|failed|Error|Traceback")
 
 def sweep_step(flags: str, timeout_s: int, **kw) -> Step:
