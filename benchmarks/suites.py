@@ -256,7 +256,8 @@ SUITES: dict[str, Suite] = {
         "issue 25: multi-turn-colocated-1 (64 x 8 turns, 2k shared system prompt, ONE decode worker alone) with "
         "--piecewise-graphs on the decode worker, with and without prefix caching",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
-        steps=(multi_turn_step("colocated", 330, name="colocated-1-pw", extra="--colocated-decode 1 ",
+        steps=(multi_turn_step("colocated", 330, name="colocated-1-pw",
+                               extra="--colocated-decode 1 --ready-timeout-s 300 ",
                                serve_args=MT_SERVE_ARGS.replace("--cuda-graphs", "--cuda-graphs --piecewise-graphs")),),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
     "prefix-gpu-tests": Suite(
