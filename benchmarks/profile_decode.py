@@ -1,7 +1,7 @@
 """Where a decode step's time goes: one eager 20b decode step under torch.profiler (CUDA kernels by
 total time, launches per step), at batch 1 and 64 with 8k context.
 
-    python -m benchmarks.profile_decode --preset gpt-oss-20b [--fusions on]
+    python -m benchmarks.profile_decode --preset gpt-oss-20b [--fusions on] [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ def main() -> None:
     ap.add_argument("--attention", default="flashinfer", choices=["flashinfer", "triton"])
     ap.add_argument("--linear", default="scaled_mm", choices=["scaled_mm", "deepgemm", "triton"])
     ap.add_argument("--moe", default="auto", help="auto: what the workers pick (kernels.registry)")
+    ap.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"], help="KV pages (fp8: e4m3)")
     ap.add_argument("--fusions", default=DEFAULT_FUSIONS, help="kernels.registry.Fusion setting: off, on, or '+'-joined names")
     a = ap.parse_args()
     moe = auto_moe_backend("cuda:0", fp8=True, whole_experts=True) if a.moe == "auto" else a.moe
     model = build(a.preset, a.attention, a.linear, moe, fp8_attention=a.fp8_attention)
     model.backends.fusions = parse_fusions(a.fusions)
     for b in [int(x) for x in a.batches.split(",")]:
-        spec, pool, kv = decode_state(model, a.context + 32, b)
+        spec, pool, kv = decode_state(model, a.context + 32, b,
+                                      torch.float8_e4m3fn if a.kv_cache_dtype == "fp8" else None)
         seqs = []
         for _ in range(b):
             p = SeqPages()
@@ -54,8 +56,9 @@ def main() -> None:
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=70)
         kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
         table += f"\nCUDA kernels per step: {kernels / 5:.0f}\n"
-        print(f"\n### batch {b}, context {a.context} (5 steps)\n{table}", flush=True)
-        suffix = "" if a.fusions == DEFAULT_FUSIONS else f"_fusions-{a.fusions}"
+        print(f"\n### batch {b}, context {a.context}, KV {a.kv_cache_dtype} (5 steps)\n{table}", flush=True)
+        suffix = ("" if a.fusions == DEFAULT_FUSIONS else f"_fusions-{a.fusions}") + (
+            "_kv-fp8" if a.kv_cache_dtype == "fp8" else "")
         (out_dir() / f"profile_decode_b{b}{suffix}.txt").write_text(table)
         del pool, kv, seqs
 

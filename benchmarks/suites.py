@@ -260,6 +260,20 @@ SUITES: dict[str, Suite] = {
                                extra="--colocated-decode 1 --ready-timeout-s 300 ",
                                serve_args=MT_SERVE_ARGS.replace("--cuda-graphs", "--cuda-graphs --piecewise-graphs")),),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
+    # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
+    # at 8k replays in 3.05 ms with e4m3 pages, slower than bf16's 2.44 where batch 128 is 1.29x faster).
+    "decode-profile": Suite(
+        "where a 20b decode step's time goes at 8k context (eager step under torch.profiler, workers' defaults): "
+        "batch 1 and 64 on bf16 pages, batch 1 on e4m3 pages; then decode replay (CUDA graphs) at 8k x 1 for both",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("profile-bf16", "{py} -m benchmarks.profile_decode --preset gpt-oss-20b --batches 1,64", 150,
+                    summary=r"CUDA kernels per step|Error"),
+               step("profile-fp8", "{py} -m benchmarks.profile_decode --preset gpt-oss-20b --batches 1 "
+                                   "--kv-cache-dtype fp8", 120, summary=r"CUDA kernels per step|Error"),
+               step("replay-b1", "{py} -m benchmarks.kv_fp8_ab --preset gpt-oss-20b --prefill-lens '' --contexts 8192 "
+                                 "--batches 1 --bf16-contexts 8192 --bf16-batches 1", 150,
+                    summary=r"^decode ctx|FAILED")),
+        reproduces=("issue 27's decode profile table (2026-12-02: batch 1, 8k, eager)",)),
     "prefix-gpu-tests": Suite(
         "issue 25: prefix caching on the GPU (FlashInfer, CUDA graphs, overlapped loop): later turns hit, "
         "tokens agree with the uncached engine, no leaks; and the overlapped loop's GPU tests with the cache on",
