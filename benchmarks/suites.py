@@ -251,14 +251,17 @@ SUITES: dict[str, Suite] = {
     # Issue 25's colocated goal with the two start-up changes of 2026-12-03: piecewise CUDA graphs for the
     # mixed steps a local prefill runs in (buckets up to 2,048 tokens), and the workers' warm-up (compiles at
     # start-up, not in the first turns: multi-turn-colocated-1-1's two 2.3-2.5 s stalls). Both launches (cache
-    # on / off) run the same flags; the service logs come back beside the JSON (slow steps are logged).
+    # on / off) run the same flags; the service logs come back beside the JSON (slow steps are logged), and
+    # the decode worker's step trace (engine/step_trace.py), one file per launch.
     "multi-turn-colocated-pw": Suite(
         "issue 25: multi-turn-colocated-1 (64 x 8 turns, 2k shared system prompt, ONE decode worker alone) with "
         "--piecewise-graphs on the decode worker, with and without prefix caching",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(multi_turn_step("colocated", 330, name="colocated-1-pw",
                                extra="--colocated-decode 1 --ready-timeout-s 300 ",
-                               serve_args=MT_SERVE_ARGS.replace("--cuda-graphs", "--cuda-graphs --piecewise-graphs")),),
+                               serve_args=MT_SERVE_ARGS.replace(
+                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs "
+                                                    "--step-trace {out}/decode-steps-%p.jsonl")),),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
     # at 8k replays in 3.05 ms with e4m3 pages, slower than bf16's 2.44 where batch 128 is 1.29x faster).
