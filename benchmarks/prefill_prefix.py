@@ -103,6 +103,12 @@ def median(rows: list[dict]) -> dict:
     return {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0]}
 
 
+# Host-side CUDA calls that wait for the device (counted in a profile: in the overlapped loop each one
+# stalls the host until the GPU has caught up).
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+              "cudaMemcpyAsync", "cudaHostAlloc", "cudaFreeHost", "cudaMalloc", "cudaFree")
+
+
 def profile(run, path: Path) -> dict:
     """One call of run() under torch.profiler: kernels, their summed device time, the table."""
     from torch.profiler import ProfilerActivity
@@ -115,8 +121,9 @@ def profile(run, path: Path) -> dict:
     kernels = [k for k in avgs if k.device_type == torch.autograd.DeviceType.CUDA]  # as benchmarks/profile_decode.py
     path.write_text(avgs.table(sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total", row_limit=40)
                     + "\n\nby host time\n" + avgs.table(sort_by="self_cpu_time_total", row_limit=40))
+    syncs = {k.key: k.count for k in avgs if k.key in SYNC_CALLS}
     return {"kernels": sum(k.count for k in kernels), "kernel_ms": sum(k.self_device_time_total for k in kernels) / 1e3,
-            **row(r)}
+            "host_syncs": syncs, **(row(r) if isinstance(r, PrefillResult) else {})}
 
 
 def host_profile(run, path: Path) -> None:

@@ -294,6 +294,20 @@ SUITES: dict[str, Suite] = {
                step("profile-fp8", "{py} -m benchmarks.profile_decode --preset gpt-oss-20b --batches 1 "
                                    "--kv-cache-dtype fp8", 100, summary=r"CUDA kernels per step|Error")),
         reproduces=("decode-profile-1 (2026-12-03): e4m3 pages at 8k x 1 replay in 2.99 ms against bf16's 2.42",)),
+    # multi-turn-colocated-pw-2's step trace: a cached turn's mixed step (~340 tokens, ~60 decodes) took 30 ms of
+    # host time to launch and the GPU then finished it within 0.3 ms. This reproduces that step alone.
+    "mixed-step": Suite(
+        "issue 25: the decode worker's engine (20b, the multi-turn suite's decode settings, CUDA graphs + piecewise "
+        "graphs) with 60 sequences decoding at 3.5k context while a new turn (3,296 cached + 280 new tokens) joins: "
+        "host launch and wait of decode and mixed steps, piecewise vs eager, the turn's first-token time; cProfile "
+        "and torch.profiler (host-side syncs) of one mixed step",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("mixed-step", "{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b "
+                                  "--kv-cache-gib 28 --max-num-seqs 128 --cuda-graphs --piecewise-graphs "
+                                  "--max-model-len 16384 --max-num-batched-tokens 4096 --host-profile --profile "
+                                  "--out {out}/mixed_step.json", 240,
+                    summary=r"^decode steps|^mixed|Error|Traceback"),),
+        reproduces=("multi-turn-colocated-pw-2 (2026-12-03): mixed steps' host launch 29.7 ms p50 (decode steps 4.7)",)),
     "prefix-gpu-tests": Suite(
         "issue 25: prefix caching on the GPU (FlashInfer, CUDA graphs, overlapped loop): later turns hit, "
         "tokens agree with the uncached engine, no leaks; and the overlapped loop's GPU tests with the cache on",

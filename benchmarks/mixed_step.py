@@ -1,0 +1,184 @@
+"""The decode worker's engine on an idle device, serving what a colocated multi-turn turn looks like:
+B sequences decoding at context C while a new turn arrives whose prompt extends a finished one
+(P cached tokens, N new): the step that prefills it joins the decode batch (a mixed step).
+
+multi-turn-colocated-pw-2 (2026-12-03) traced such steps in the served decode worker: a mixed step
+of ~340 tokens took 30 ms of host time to *launch* (p50, piecewise graphs on) and the GPU then
+finished it within 0.3 ms, so the host, not the GPU, sets a cached turn's TTFT there. This script
+reproduces that step alone and says where the launch goes:
+
+  decode       steady decode steps: host launch, wait for the step before (the GPU still busy)
+  mixed        the step that prefills the new turn: launch, wait, and the turn's time to first
+               token here (added -> its token collected), for each of --forwards (piecewise on/off)
+  --host-profile  cProfile of one mixed step's launch; --profile  torch.profiler (CPU + CUDA) of
+               the same: the host-side CUDA calls (syncs, copies) and their time
+
+    python -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b --cuda-graphs \\
+        --piecewise-graphs --max-num-batched-tokens 4096 --max-model-len 16384 --kv-cache-gib 28 --host-profile
+    python -m benchmarks.mixed_step --random-weights tiny --batch 4 --context 96 --prefix 64 --new 16  # CPU smoke
+
+Takes the decode worker's flags (engine/worker_args.py); the engine is built as the worker builds it
+(CUDA graphs for pure decode steps with --cuda-graphs), without the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import environment, out_dir
+from benchmarks.prefill_prefix import host_profile, profile
+from engine.build import build_engine_parts, load_model
+from engine.core import EngineCore
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.worker_args import add_worker_args, engine_config
+
+
+class Timed(EngineCore):
+    """EngineCore recording each iteration's launch and collect-wait host times."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.rows: list[dict] = []
+
+    def step(self):
+        prev_launch = self.runner.launch
+
+        def launch(items, prev=None, no=0, hook=None):
+            t = time.perf_counter()
+            h = prev_launch(items, prev, no, hook)
+            self.rows.append({"tokens": sum(it.q_len for it in items), "seqs": len(items),
+                              "chunk": max((it.q_len for it in items), default=0),
+                              "launch_ms": (time.perf_counter() - t) * 1e3})
+            return h
+
+        self.runner.launch = launch
+        t0 = time.perf_counter()
+        n = len(self.rows)
+        try:
+            done = super().step()
+        finally:
+            del self.runner.launch
+        if len(self.rows) > n:
+            self.rows[-1]["step_ms"] = (time.perf_counter() - t0) * 1e3
+        return done
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_worker_args(ap, port=0, metrics_port=0)
+    ap.add_argument("--batch", type=int, default=60, help="B: sequences decoding")
+    ap.add_argument("--context", type=int, default=3500, help="C: their context")
+    ap.add_argument("--prefix", type=int, default=3296, help="P: the new turn's cached tokens")
+    ap.add_argument("--new", type=int, default=280, help="N: its new tokens")
+    ap.add_argument("--turns", type=int, default=8, help="new turns measured per forward mode")
+    ap.add_argument("--forwards", default="piecewise,eager", help="mixed-step forwards to compare")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--host-profile", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON file (default: $OUT/mixed_step.json)")
+    a = ap.parse_args()
+    cfg = engine_config(a, role="decode")
+    if cfg.device == "cpu":
+        torch.set_num_threads(a.cpu_threads)
+    model = load_model(cfg)
+    parts = build_engine_parts(cfg, model)
+    if a.cuda_graphs and cfg.device.startswith("cuda"):
+        from decode_worker.runner import CudaGraphDecoder
+
+        parts.runner.graphs = CudaGraphDecoder(model, parts.pool, parts.kv, a.max_num_seqs, a.max_model_len)
+        parts.runner.graphs.capture()
+    piecewise = parts.runner.piecewise
+    sched = Scheduler(parts.scheduler.cfg, parts.kv, ())
+    core = Timed(sched, parts.runner, overlap=a.async_decode == "on")
+    g = torch.Generator().manual_seed(a.seed)
+    vocab = model.cfg.vocab_size
+    rand = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+    def greedy(prompt_len: int | None = None) -> SamplingParams:  # one token, or as many as the context allows
+        n = 1 if prompt_len is None else a.max_model_len - prompt_len - 8
+        return SamplingParams(max_tokens=n, temperature=0.0)
+
+    path = Path(a.out) if a.out else out_dir() / "mixed_step.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def run_until(pred) -> None:
+        while not pred():
+            core.step()
+
+    # Earlier turns, finished: their prompts are cached (one per measured turn and mode).
+    modes = [m for m in a.forwards.split(",") if m]
+    turns = {m: [] for m in modes}
+    for m in modes:
+        for i in range(a.turns + 1):
+            s = Sequence(f"prev-{m}-{i}", rand(a.prefix), greedy())
+            sched.add(s)
+            run_until(lambda s=s: s.finished and core.inflight is None)
+            turns[m].append(s.prompt_ids)
+    # The decode batch.
+    batch = [Sequence(f"dec-{i}", rand(a.context), greedy(a.context)) for i in range(a.batch)]
+    for s in batch:
+        sched.add(s)
+    run_until(lambda: all(s.output_ids for s in batch))
+    for _ in range(20):
+        core.step()
+    core.rows.clear()
+    for _ in range(30):
+        core.step()
+    res: dict = {"env": environment(), "args": vars(a), "decode": _summary(core.rows)}
+    for m in modes:
+        parts.runner.piecewise = piecewise if m == "piecewise" else None
+        rows = []
+        for i, prompt in enumerate(turns[m]):
+            s = Sequence(f"turn-{m}-{i}", prompt + rand(a.new), greedy(a.prefix + a.new))
+            n0 = len(core.rows)
+            t0 = time.perf_counter()
+            sched.add(s)
+            run_until(lambda s=s: bool(s.output_ids))
+            ttft = (time.perf_counter() - t0) * 1e3
+            mixed = next(r for r in core.rows[n0:] if r["chunk"] > 1)
+            after = core.rows[core.rows.index(mixed) + 1] if core.rows.index(mixed) + 1 < len(core.rows) else {}
+            rows.append({**mixed, "ttft_ms": ttft, "cached": s.num_cached_prefix,
+                         "next_launch_ms": after.get("launch_ms"), "next_step_ms": after.get("step_ms")})
+            core.abort(s)  # one turn at a time: the batch stays B
+            for _ in range(5):
+                core.step()
+        res[m] = {"rows": rows[1:], **{k: statistics.median(r[k] for r in rows[1:])
+                                       for k in ("launch_ms", "step_ms", "ttft_ms", "tokens", "cached")}}
+    parts.runner.piecewise = piecewise if "piecewise" in modes else None
+    if a.host_profile or a.profile:
+        prompt = rand(a.prefix)
+        pre = Sequence("hprof-prev", prompt, greedy())
+        sched.add(pre)
+        run_until(lambda: pre.finished and core.inflight is None)
+        s = Sequence("hprof", prompt + rand(a.new), greedy(a.prefix + a.new))
+        sched.add(s)
+        if a.host_profile:
+            host_profile(core.step, path.with_suffix(".host_mixed.txt"))  # the mixed step's launch
+            for _ in range(3):
+                core.step()
+            host_profile(core.step, path.with_suffix(".host_decode.txt"))  # a decode step
+        if a.profile:
+            s2 = Sequence("prof", prompt + rand(a.new), greedy(a.prefix + a.new))
+            sched.add(s2)
+            res["profile"] = profile(core.step, path.with_suffix(".profile.txt"))
+    path.write_text(json.dumps(res, indent=1, default=str))
+    print(f"B={a.batch} C={a.context}, turn P={a.prefix} N={a.new}; median over {a.turns} turns (ms)")
+    print(f"decode steps: launch {res['decode']['launch_ms']:.2f}, step {res['decode']['step_ms']:.2f}")
+    for m in modes:
+        r = res[m]
+        print(f"mixed ({m}): {r['tokens']:.0f} tokens, cached {r['cached']:.0f}: launch {r['launch_ms']:.2f}, "
+              f"step {r['step_ms']:.2f}, turn's first token {r['ttft_ms']:.2f}")
+
+
+def _summary(rows: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rows if k in r) for k in ("launch_ms", "step_ms", "tokens")}
+
+
+if __name__ == "__main__":
+    main()
