@@ -7,10 +7,10 @@ misses in a row mark it down and fail its in-flight requests at once; an answer 
 takes it back, and the requests of its previous epoch already failed when the connection dropped). A
 poll that times out while the worker sent something since the previous poll (token chunks, a late
 status reply; also what a starved router finds queued when it wakes) is not a miss: slow is not
-gone. A worker marked down stays "late" for --worker-grace-s after its last answer (placement.is_late):
-requests wait in the admission queue for it instead of failing. `snapshot()` feeds the pure
-placement policy. Each poll also carries the worker's prefix-cache
-events after the router's cursor into its PrefixIndex (router/prefix_index.py).
+gone. A worker marked down stays "late" for --worker-grace-s after its last answer
+(placement.is_late): requests wait in the admission queue for it instead of failing. `snapshot()`
+feeds the pure placement policy. Each poll also carries the worker's prefix-cache events after the
+router's cursor into its PrefixIndex (router/prefix_index.py).
 
 Router-side reservations: a burst can place many requests between two polls. Each placement on a
 decode worker and each end of one is an event; `snapshot()` applies the events newer than the
@@ -64,10 +64,8 @@ class WorkerState:
         return self.status is not None and self.misses < MISSES_TO_DOWN
 
     def late(self, now: float, grace_s: float) -> bool:
-        if self.healthy:  # (and before any client access: tests build states without one)
-            return False
         s = self.status
-        return is_late(healthy=False, was_ready=bool(s and s.ready and not s.draining),
+        return is_late(healthy=self.healthy, was_ready=bool(s and s.ready and not s.draining),
                        answered_ago_s=now - self.last_ok, disconnected=self.client.last_disconnect > self.last_ok,
                        grace_s=grace_s)
 
