@@ -139,6 +139,10 @@ def rope_rows(t: int, reps: int, copy: float) -> list[dict]:
         nb = t * (HQ + 2 * HKV) * D * 2 + t * HQ * D * 2 + t * 2 * HKV * D * kc.element_size() + t * D * 4 + t * 8
         rows += [_row(f"rope+store {kv}", t, "unfused", un, nb + 2 * t * HKV * D * 2, copy, None),  # + k_rot out/in
                  _row(f"rope+store {kv}", t, "fused", fu, nb, copy, un)]
+        if kv == "fp8":  # tokens per K program (kernels.triton_store_kv.QUANT_BLOCK_T is the default)
+            for bt in (1, 2, 4, 16):
+                us = graph_us(lambda bt=bt: rope_qk_store_kv(q, k, v, kc, vc, slots, cos, sin, sc, block_tk=bt), reps)
+                rows.append(_row(f"rope+store {kv}", t, f"fused bt={bt}", us, nb, copy, un))
     return rows
 
 

@@ -251,14 +251,17 @@ SUITES: dict[str, Suite] = {
     # Issue 25's colocated goal with the two start-up changes of 2026-12-03: piecewise CUDA graphs for the
     # mixed steps a local prefill runs in (buckets up to 2,048 tokens), and the workers' warm-up (compiles at
     # start-up, not in the first turns: multi-turn-colocated-1-1's two 2.3-2.5 s stalls). Both launches (cache
-    # on / off) run the same flags; the service logs come back beside the JSON (slow steps are logged).
+    # on / off) run the same flags; the service logs come back beside the JSON (slow steps are logged), and
+    # the decode worker's step trace (engine/step_trace.py), one file per launch.
     "multi-turn-colocated-pw": Suite(
         "issue 25: multi-turn-colocated-1 (64 x 8 turns, 2k shared system prompt, ONE decode worker alone) with "
         "--piecewise-graphs on the decode worker, with and without prefix caching",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(multi_turn_step("colocated", 330, name="colocated-1-pw",
                                extra="--colocated-decode 1 --ready-timeout-s 300 ",
-                               serve_args=MT_SERVE_ARGS.replace("--cuda-graphs", "--cuda-graphs --piecewise-graphs")),),
+                               serve_args=MT_SERVE_ARGS.replace(
+                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs "
+                                                    "--step-trace {out}/decode-steps-%p.jsonl")),),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
     # at 8k replays in 3.05 ms with e4m3 pages, slower than bf16's 2.44 where batch 128 is 1.29x faster).
@@ -274,6 +277,23 @@ SUITES: dict[str, Suite] = {
                                  "--batches 1 --bf16-contexts 8192 --bf16-batches 1", 150,
                     summary=r"^decode ctx|FAILED")),
         reproduces=("issue 27's decode profile table (2026-12-02: batch 1, 8k, eager)",)),
+    # decode-profile-1's two batch-1 costs of e4m3 pages: the quantising K/V store (~20 us per layer: 16-token
+    # programs of divisions for 1 token) and the split merge (33 us per full layer: a serial loop over 64
+    # splits per program). Both changed; this checks bits and times them.
+    "decode-b1": Suite(
+        "batch-1 decode over e4m3 pages after the store and merge changes: the FP8-KV GPU tests (bits of the "
+        "quantising store, the decode kernel with splits against the reference), the fused RoPE + store micro "
+        "(tokens per K program 1/2/4/16), decode replay at 8k x 1 on e4m3 and bf16 pages, the e4m3 profile",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("fp8-kv-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8_kv_gpu.py",
+                    200, summary=PYTEST),
+               step("fusion-micro", "{py} -m benchmarks.fusion --tokens 1,64,8192", 100, summary=r"wrote|Error"),
+               step("replay-b1", "{py} -m benchmarks.kv_fp8_ab --preset gpt-oss-20b --prefill-lens '' --contexts 8192 "
+                                 "--batches 1,64 --bf16-contexts 8192 --bf16-batches 1", 120,
+                    summary=r"^decode ctx|FAILED"),
+               step("profile-fp8", "{py} -m benchmarks.profile_decode --preset gpt-oss-20b --batches 1 "
+                                   "--kv-cache-dtype fp8", 100, summary=r"CUDA kernels per step|Error")),
+        reproduces=("decode-profile-1 (2026-12-03): e4m3 pages at 8k x 1 replay in 2.99 ms against bf16's 2.42",)),
     "prefix-gpu-tests": Suite(
         "issue 25: prefix caching on the GPU (FlashInfer, CUDA graphs, overlapped loop): later turns hit, "
         "tokens agree with the uncached engine, no leaks; and the overlapped loop's GPU tests with the cache on",

@@ -43,11 +43,17 @@ def main(argv: list[str]) -> int:
     with RankGroup.launch(a, "decode", wid, setup_rank) as group:
         rp = lead(group, setup_rank(a, wid, group))
         maybe_warm_up(a, rp.parts)
-        server = DecodeServer(DecodeEngine(rp.parts, rp.receiver, overlap=a.async_decode == "on"), None, wid, epoch,
-                              a.drain_timeout_s)
+        engine = DecodeEngine(rp.parts, rp.receiver, overlap=a.async_decode == "on")
+        if a.step_trace:
+            from engine.step_trace import StepTrace
+
+            engine.core.trace = StepTrace(a.step_trace)
+        server = DecodeServer(engine, None, wid, epoch, a.drain_timeout_s)
         try:
             code = serve(a, server, f"tcp://{a.host}:{a.port}")
         finally:
             if rp.receiver is not None:
                 rp.receiver.close()
+            if engine.core.trace is not None:
+                engine.core.trace.close()
     exit_now(code)

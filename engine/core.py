@@ -40,6 +40,7 @@ class EngineCore:
         scheduler.share_prompts = getattr(runner, "supports_page_copies", False)
         self.inflight: StepHandle | None = None
         self.num_steps = 0
+        self.trace = None  # engine.step_trace.StepTrace (--step-trace): one line per step
 
     @property
     def has_work(self) -> bool:
@@ -48,6 +49,7 @@ class EngineCore:
     def step(self) -> list[Sequence]:
         """One iteration. Returns the sequences that received a token (finished ones included)."""
         t0 = time.perf_counter()
+        t_mono = time.monotonic()
         prev = self.inflight
         done: list[Sequence] = []
         for src, dst in self.scheduler.pending_copies:  # prompts shared early: copied before anything writes their ring
@@ -59,6 +61,7 @@ class EngineCore:
             prev = None
             items = self.scheduler.schedule(preempt_ok=True)
         handle = None
+        t1 = t2 = time.perf_counter()
         if items:
             self.num_steps += 1
             now = time.monotonic()  # before the launch: on a CPU the launch is the whole forward
@@ -67,8 +70,12 @@ class EngineCore:
                     it.seq.first_launch = now
             handle = self.runner.launch(items, prev, self.num_steps)
             self.scheduler.on_launch(items, self.num_steps)
+            t2 = time.perf_counter()
         if prev is not None:
             done += self._collect(prev)
+        if self.trace is not None and (items or prev is not None):
+            self.trace.record(self.num_steps if items else 0, t_mono, items or (), t1 - t0, t2 - t1,
+                              time.perf_counter() - t2, prev.no if prev is not None else None)
         if handle is not None and handle.deferred is not None:  # grammar rows: masks need prev's tokens
             self.runner.finish_sample(handle)
         self.inflight = handle

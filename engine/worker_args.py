@@ -73,6 +73,9 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--piecewise-max-tokens", type=int, default=2048,
                    help="the largest piecewise bucket: longer steps run eagerly (GPU-bound there, where padding "
                         "to a bucket costs more than the launches it saves)")
+    p.add_argument("--step-trace", default=None, metavar="PATH",
+                   help="write one JSON line per engine step to PATH (%%p = the process id): sizes and host times "
+                        "of each step, for diagnosing served latency (engine/step_trace.py)")
     p.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                    help="run a few throw-away requests through the step loop before reporting ready, so kernel "
                         "compiles and first-use paths cost start-up time, not a request's TTFT (engine/warmup.py); "

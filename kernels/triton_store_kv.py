@@ -121,10 +121,18 @@ def _qk_rope_store_kernel(Q, K, V, KC, VC, Slots, Cos, Sin, QOut, KOut, KScale, 
                           QUANT, HW_CVT)
 
 
-def _blocks(num_heads: int, half: int) -> tuple[int, int]:
+# Tokens per program when the store quantises to e4m3. Each value is divided by its head's scale
+# (div_rn, for the reference's exact bits), which makes a program compute-heavy: with 16-token blocks
+# one program took ~20 us, so a batch-1 decode step (1 token, 15 masked rows still computed) paid it
+# per layer (fusion-ab-1: 20.2 us fused vs 1.7 us on bf16 pages; decode-profile-1: 0.5 ms of a 3.0 ms
+# step). One token per program spreads the divisions over the grid.
+QUANT_BLOCK_T = 1
+
+
+def _blocks(num_heads: int, half: int, quant: bool = False) -> tuple[int, int]:
     """(BLOCK_E, BLOCK_T): all heads' half-columns in one row of a block, up to 4096 elements."""
     block_e = triton.next_power_of_2(num_heads * half)
-    return block_e, max(1, min(16, 4096 // block_e))
+    return block_e, QUANT_BLOCK_T if quant else max(1, min(16, 4096 // block_e))
 
 
 def _launch(x: torch.Tensor, v: torch.Tensor | None, caches: tuple[torch.Tensor, torch.Tensor] | None,
@@ -135,7 +143,8 @@ def _launch(x: torch.Tensor, v: torch.Tensor | None, caches: tuple[torch.Tensor,
     half = d // 2
     if t == 0:
         return
-    block_e, block_t = _blocks(h, half)
+    quant = caches is not None and caches[0].dtype == torch.float8_e4m3fn
+    block_e, block_t = _blocks(h, half, quant)
     dummy = x
     xc, vc = caches if caches is not None else (dummy, dummy)
     if caches is not None:
@@ -146,7 +155,6 @@ def _launch(x: torch.Tensor, v: torch.Tensor | None, caches: tuple[torch.Tensor,
         assert sin is not None and cos.shape == (t, half) and cos.stride(1) == 1 and sin.stride() == cos.stride()
     vv = v if v is not None else dummy
     out = x_out if x_out is not None else dummy
-    quant = caches is not None and xc.dtype == torch.float8_e4m3fn
     if quant:
         assert vc.dtype == xc.dtype
         ks, vs = kv_scale if kv_scale is not None else (_ones(h, x.device),) * 2
@@ -193,14 +201,15 @@ def rope_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 def rope_qk_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None, *, write_k: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None, *, write_k: bool = False,
+                     block_tk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch for `apply_rope(q)`, `apply_rope(k)` and `store_kv(rotated k, v)`: q [T, Hq, D],
     k/v [T, Hkv, D] (any row/head strides, e.g. views of the fused QKV output) -> (rotated q [T, Hq, D]
     contiguous, rotated k [T, Hkv, D] if write_k else None); rotated k and v land in the caches at
     slot_mapping (e4m3 caches quantised after RoPE with kv_scale, as `rope_store_kv`). The same bits
     as the three separate launches. For attention that reads every key from the pages after the
-    store (decode, pages_hold_all); write_k for a backend that also reads the new keys densely."""
+    store (decode, pages_hold_all); write_k for a backend that also reads the new keys densely.
+    block_tk: tokens per K program (None: `_blocks`' choice; benchmarks/fusion.py sweeps it)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     half = d // 2
@@ -220,7 +229,8 @@ def rope_qk_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     else:
         ks = vs = q_out
     be_q, bt_q = _blocks(hq, half)
-    be_k, bt_k = _blocks(hkv, half)
+    be_k, bt_k = _blocks(hkv, half, quant)
+    bt_k = block_tk or bt_k
     nq = triton.cdiv(t, bt_q)
     ko = k_out if k_out is not None else q_out
     _qk_rope_store_kernel[(nq + triton.cdiv(t, bt_k),)](

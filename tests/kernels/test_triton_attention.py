@@ -217,3 +217,26 @@ def test_store_kv_into_strided_pool_view():
     store_kv(k, v, pool[1, 0], pool[1, 1], slots)
     ref.store_kv(k, v, before[1, 0], before[1, 1], slots)
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("splits", [2, 5, 64, 70])
+def test_merge_splits_matches_torch(splits):
+    """merge_splits against the log-sum-exp combination in torch: more splits than one block (70),
+    empty splits (m = -inf, as a split past a sequence's keys leaves them) after split 0."""
+    from kernels.triton_attention import merge_splits  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(splits)
+    t, hq, d = 3, 8, 16
+    acc = torch.randn(splits, t, hq, d, generator=g)
+    m = torch.randn(splits, t, hq, generator=g) * 4
+    den = torch.rand(splits, t, hq, generator=g) + 0.5
+    if splits > 2:
+        m[splits // 2:, 1] = float("-inf")  # token 1: the later splits are empty
+        den[splits // 2:, 1] = 0.0
+        acc[splits // 2:, 1] = 0.0
+    out = torch.empty(t, hq, d)
+    merge_splits(acc, m, den, out)
+    m_tot = m.max(0).values
+    w = torch.exp2(m - m_tot)  # [S, T, Hq]
+    want = (w[..., None] * acc).sum(0) / (w * den).sum(0)[..., None]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
