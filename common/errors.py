@@ -57,6 +57,16 @@ class AdmissionRejected(TandemError):
     error_type = "overloaded"
 
 
+class WorkerLate(AdmissionRejected):
+    """No worker of a needed role is live, but one that was ready stopped answering its status polls
+    less than the grace period ago (a loaded host, not a dead one): the request waits in the router's
+    queue like any AdmissionRejected one. Clients see QueueFull (429) past the queue's wait bound, or
+    WorkerUnavailable (503) once the grace period runs out; this status is only a fallback."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+
+
 class WorkerUnavailable(TandemError):
     """No worker answered within the deadline."""
 

@@ -151,7 +151,9 @@ ROUTER = _obj({
     "resources": _ref("resources"), "probes": _ref("probes"),
     "preStopSleepSeconds": _int(minimum=0, description="keep serving while the endpoint leaves the Service"),
     "admission": _obj({"maxQueuedRequests": _int(minimum=0), "maxQueueWaitSeconds": _pos(),
-                       "maxPrefillQueue": _int(minimum=1)},
+                       "maxPrefillQueue": _int(minimum=1),
+                       "workerGraceSeconds": _num(minimum=0, description="requests wait this long after a "
+                                                  "worker's last status answer before 503; 0 = no grace")},
                       description="the router's queue: past either bound, 429 with Retry-After"),
     "requestTimeoutSeconds": _num(minimum=0, description="abort requests running longer; 0 = no limit"),
     "maxRequestBytes": _int(minimum=1024, description="larger request bodies get 413"),

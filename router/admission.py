@@ -14,6 +14,13 @@ Bounds: at most `max_queued` waiting (more: 429 at once) and at most `max_wait_s
 counted from the first arrival across re-queues (then 429). Both carry a Retry-After estimate.
 A request whose client leaves is cancelled in `admit` and leaves the queue there.
 
+A request also waits, rather than failing with 503, while a needed role has no live worker but a
+late one (placement.WorkerLate: marked down for missed status polls, answered within
+--worker-grace-s): the fleet's polls wake the queue, so the wait ends when the worker answers again
+(placed), when the grace period runs out (the next placement raises WorkerUnavailable: 503) or at
+the wait bound (429). Requests that enter the queue are counted by the reason the head waits:
+`no_room` or `worker_late` (tandem_router_queued_requests_total).
+
 Wake-ups: `release` (a request ended: its slot and pages are back), `prefill_done`, `wake` (the
 fleet polled: called through Fleet.on_poll), and `admit` itself. A placement also needs a prefill
 worker with fewer than `max_prefill_queue` requests: a backlog there would spend the decode
@@ -34,7 +41,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from common.errors import AdmissionRejected, TandemError
+from common.errors import AdmissionRejected, TandemError, WorkerLate
 from router.errors import QueueFull
 from router.fleet import Fleet
 from router.metrics import RouterMetrics
@@ -60,6 +67,10 @@ class Ticket:
         return (self.priority, self.arrival) < (other.priority, other.arrival)
 
 
+def _reason(e: AdmissionRejected) -> str:
+    return "worker_late" if isinstance(e, WorkerLate) else "no_room"
+
+
 class AdmissionQueue:
     def __init__(self, fleet: Fleet, metrics: RouterMetrics, *, max_queued: int, max_wait_s: float,
                  colocated: bool = False, max_prefill_queue: int | None = None,
@@ -71,6 +82,7 @@ class AdmissionQueue:
         self._waiting = 0  # tickets in the heap whose future is not settled
         self._arrivals = itertools.count()
         self._recent_wait_s = 0.0  # EWMA of queue waits, for Retry-After
+        self._blocked = "no_room"  # why the head of the queue waits (metrics label, timeout message)
         fleet.on_poll.append(self.wake)
 
     @property
@@ -105,8 +117,8 @@ class AdmissionQueue:
         if not self._waiting:  # nobody ahead: place now if there is room
             try:
                 p = self._place(t)
-            except AdmissionRejected:
-                pass
+            except AdmissionRejected as e:
+                self._blocked = _reason(e)
             else:
                 self._observe(t, 0.0)
                 return p
@@ -119,6 +131,7 @@ class AdmissionQueue:
                             "retry later", self._retry_after())
         if left <= 0:
             raise self._timeout()
+        self.metrics.router_queued.labels(self._blocked).inc()
         t.fut = asyncio.get_running_loop().create_future()
         heapq.heappush(self._heap, t)
         self._waiting += 1
@@ -138,8 +151,9 @@ class AdmissionQueue:
         return p
 
     def _timeout(self) -> QueueFull:
-        return QueueFull(f"no room for this request within the queue's wait bound ({self.max_wait_s:g} s); "
-                         "retry later", self._retry_after())
+        what = "no worker of a needed role answered" if self._blocked == "worker_late" else "no room for this request"
+        return QueueFull(f"{what} within the queue's wait bound ({self.max_wait_s:g} s); retry later",
+                         self._retry_after())
 
     def _observe(self, t: Ticket, waited_s: float) -> None:
         self.metrics.router_queue_wait.observe(waited_s)
@@ -181,9 +195,10 @@ class AdmissionQueue:
                 continue
             try:
                 p = self._place(t)
-            except AdmissionRejected:
-                return  # the head waits for room; nobody overtakes it
-            except TandemError as e:  # no live worker of a needed role, or too large for any
+            except AdmissionRejected as e:
+                self._blocked = _reason(e)
+                return  # the head waits for room (or a late worker); nobody overtakes it
+            except TandemError as e:  # a needed role has no live and no late worker, or too large for any
                 heapq.heappop(self._heap)
                 self._settle(t)
                 t.fut.set_exception(e)

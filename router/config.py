@@ -30,6 +30,7 @@ class RouterConfig:
     max_queued_requests: int = 1024  # admission queue bound by count: past it, 429
     max_queue_wait_s: float = 600.0  # admission queue bound by wait: past it, 429
     max_prefill_queue: int = 4  # requests per prefill worker (running + queued) before new ones wait here
+    worker_grace_s: float = 30.0  # a worker marked down for missed polls: requests wait for it this long after its last answer
     request_timeout_s: float = 0.0  # whole request, arrival to last token; 0 = off
     drain_timeout_s: float = 60.0  # SIGTERM: in-flight requests get this long, then end with "abort"
     max_request_bytes: int = 4 << 20  # request bodies above this get 413 before parsing

@@ -7,8 +7,10 @@ misses in a row mark it down and fail its in-flight requests at once; an answer 
 takes it back, and the requests of its previous epoch already failed when the connection dropped). A
 poll that times out while the worker sent something since the previous poll (token chunks, a late
 status reply; also what a starved router finds queued when it wakes) is not a miss: slow is not
-gone. `snapshot()` feeds the pure placement policy. Each poll also carries the worker's prefix-cache
-events after the router's cursor into its PrefixIndex (router/prefix_index.py).
+gone. A worker marked down stays "late" for --worker-grace-s after its last answer
+(placement.is_late): requests wait in the admission queue for it instead of failing. `snapshot()`
+feeds the pure placement policy. Each poll also carries the worker's prefix-cache events after the
+router's cursor into its PrefixIndex (router/prefix_index.py).
 
 Router-side reservations: a burst can place many requests between two polls. Each placement on a
 decode worker and each end of one is an event; `snapshot()` applies the events newer than the
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 
 import zmq.asyncio
 
-from router.placement import FleetSnapshot, WorkerView
+from router.placement import FleetSnapshot, WorkerView, is_late
 from router.prefix_index import PrefixIndex, PromptHashes
 from wire.protocol import WorkerStatus
 from router.worker_client import WorkerClient
@@ -49,6 +51,7 @@ class WorkerState:
     pending: dict[str, int] = field(default_factory=dict)  # prefill: this router's requests placed here, not
     # yet answered -> prompt tokens (from placement on: a burst sees what it already sent)
     last_poll: float = 0.0  # monotonic time the previous status poll was sent
+    last_ok: float = -math.inf  # monotonic time of the last answered status poll
     live: dict[str, int] = field(default_factory=dict)  # decode: this router's requests -> prompt pages
     # (event no, +1 placed / -1 ended, pages, prompt tokens the worker prefills itself: local placements)
     events: list[tuple[int, int, int, int]] = field(default_factory=list)
@@ -59,6 +62,12 @@ class WorkerState:
     @property
     def healthy(self) -> bool:
         return self.status is not None and self.misses < MISSES_TO_DOWN
+
+    def late(self, now: float, grace_s: float) -> bool:
+        s = self.status
+        return is_late(healthy=self.healthy, was_ready=bool(s and s.ready and not s.draining),
+                       answered_ago_s=now - self.last_ok, disconnected=self.client.last_disconnect > self.last_ok,
+                       grace_s=grace_s)
 
 
 @dataclass(slots=True)
@@ -88,8 +97,9 @@ def _resolve_all(names: list[str]) -> list[str]:
 
 
 class Fleet:
-    def __init__(self, discovery: Discovery, ctx: zmq.asyncio.Context, poll_interval_s: float = 1.0) -> None:
-        self.discovery, self.ctx, self.interval = discovery, ctx, poll_interval_s
+    def __init__(self, discovery: Discovery, ctx: zmq.asyncio.Context, poll_interval_s: float = 1.0,
+                 worker_grace_s: float = 30.0) -> None:
+        self.discovery, self.ctx, self.interval, self.grace_s = discovery, ctx, poll_interval_s, worker_grace_s
         self.workers: dict[str, WorkerState] = {}
         self.roles: dict[str, str] = {}
         self._task: asyncio.Task | None = None
@@ -175,7 +185,7 @@ class Fleet:
             st.full_until_poll = False
             if st.misses >= MISSES_TO_DOWN:
                 log.info("%s worker %s is back (epoch %d)", st.client.role, addr, st.status.epoch)
-            st.misses = 0
+            st.misses, st.last_ok = 0, time.monotonic()
             st.client.mark_alive()
         except asyncio.TimeoutError:
             # A router whose own loop was starved (a burst of requests to render) sees the deadline
@@ -205,10 +215,11 @@ class Fleet:
 
     def snapshot(self) -> FleetSnapshot:
         views: dict[str, list[WorkerView]] = {"prefill": [], "decode": []}
+        now = time.monotonic()
         for addr, st in self.workers.items():
             s = st.status
             if self.roles[addr] == "decode":
-                views["decode"].append(self._decode_view(addr, st))
+                views["decode"].append(self._decode_view(addr, st, st.late(now, self.grace_s)))
                 continue
             # the status counts what waits on the worker (others' too); ours counts what we sent that
             # it may not have seen yet, and the one it runs: the larger is the better estimate
@@ -217,11 +228,12 @@ class Fleet:
                 queue_depth=max(s.queue_depth if s else 0, len(st.pending)),
                 queued_tokens=max(s.queued_tokens if s else 0, sum(st.pending.values())),
                 running=s.running if s else 0, kv_free_pages=s.kv_free_pages if s else 0,
-                page_size=s.page_size if s else 16, max_num_seqs=s.max_num_seqs if s else 0))
+                page_size=s.page_size if s else 16, max_num_seqs=s.max_num_seqs if s else 0,
+                late=st.late(now, self.grace_s)))
         return FleetSnapshot(tuple(views["prefill"]), tuple(views["decode"]))
 
     @staticmethod
-    def _decode_view(addr: str, st: WorkerState) -> WorkerView:
+    def _decode_view(addr: str, st: WorkerState, late: bool) -> WorkerView:
         s = st.status
         if s is None:
             return WorkerView(addr, st.healthy, False, 0, 0, 0, 0, 16, 0)
@@ -237,7 +249,7 @@ class Fleet:
         return WorkerView(address=addr, healthy=st.healthy, ready=s.ready and not s.draining,
                           queue_depth=s.queue_depth, queued_tokens=queued, running=max(seqs, 0),
                           kv_free_pages=max(free, 0), page_size=s.page_size, max_num_seqs=s.max_num_seqs,
-                          kv_total_pages=s.kv_total_pages, cached_pages=s.cached_pages)
+                          kv_total_pages=s.kv_total_pages, cached_pages=s.cached_pages, late=late)
 
     def prefix_matches(self, hashes: PromptHashes, num_tokens: int) -> dict[str, int]:
         """address -> prompt tokens that worker's prefix cache holds (as the router knows it)."""
@@ -260,6 +272,15 @@ class Fleet:
         out = {"prefill": 0, "decode": 0}
         for addr, st in self.workers.items():
             out[self.roles[addr]] += st.prefix.evicted
+        return out
+
+    def liveness_counts(self) -> dict[tuple[str, str], int]:
+        """(phase, live | late | gone) -> workers (for /metrics); live = healthy and ready."""
+        out = {(phase, state): 0 for phase in ("prefill", "decode") for state in ("live", "late", "gone")}
+        snap = self.snapshot()
+        for v in (*snap.prefill, *snap.decode):
+            state = "live" if v.healthy and v.ready else "late" if v.late else "gone"
+            out[(self.roles[v.address], state)] += 1
         return out
 
     def phase_gauges(self) -> dict[str, tuple[float, float, float]]:

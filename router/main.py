@@ -69,6 +69,10 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
     o.add_argument("--max-prefill-queue", type=int, default=4,
                    help="requests a prefill worker may hold (running + queued); more wait in the router, "
                         "where no decode reservation's transfer deadline runs")
+    o.add_argument("--worker-grace-s", type=float, default=30.0,
+                   help="a worker marked down for missed status polls (a loaded host) is late, not gone, this "
+                        "long after its last answer: requests wait in the queue for it instead of getting 503. "
+                        "Marking down takes 3 missed polls (~9 s at the 1 s poll interval); 0 = no grace")
     o.add_argument("--request-timeout-s", type=float, default=0.0,
                    help="abort a request running longer than this (arrival to last token); 0 = no limit")
     o.add_argument("--drain-timeout-s", type=float, default=60.0,
@@ -86,9 +90,10 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
     a = p.parse_args(argv)
     if a.max_prefill_queue < 1:
         raise ConfigError("--max-prefill-queue must be >= 1")
-    if a.max_queued_requests < 0 or a.max_queue_wait_s <= 0 or a.drain_timeout_s < 0 or a.request_timeout_s < 0:
-        raise ConfigError("--max-queued-requests, --request-timeout-s and --drain-timeout-s must be >= 0, "
-                          "--max-queue-wait-s > 0")
+    if (a.max_queued_requests < 0 or a.max_queue_wait_s <= 0 or a.drain_timeout_s < 0 or a.request_timeout_s < 0
+            or a.worker_grace_s < 0):
+        raise ConfigError("--max-queued-requests, --request-timeout-s, --drain-timeout-s and --worker-grace-s "
+                          "must be >= 0, --max-queue-wait-s > 0")
     if a.max_request_bytes < 1024:
         raise ConfigError("--max-request-bytes must be at least 1024")
     keys = tuple(k for k in [*a.api_key, *os.environ.get("TANDEM_API_KEYS", "").split(",")] if k.strip())
@@ -109,6 +114,7 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
                        max_model_len=a.max_model_len, default_max_tokens=a.default_max_tokens,
                        max_queued_requests=a.max_queued_requests,
                        max_queue_wait_s=a.max_queue_wait_s, max_prefill_queue=a.max_prefill_queue,
+                       worker_grace_s=a.worker_grace_s,
                        request_timeout_s=a.request_timeout_s,
                        drain_timeout_s=a.drain_timeout_s, max_request_bytes=a.max_request_bytes,
                        api_keys=tuple(k.strip() for k in keys), prefill_cost=PrefillCost(a.remote_prefill_min_tokens),
@@ -119,7 +125,7 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
 def make_app(cfg: RouterConfig, disc: Discovery):
     """The ASGI app; `app.state.drain()` (a coroutine) drains it for shutdown."""
     ctx = zmq.asyncio.Context()
-    fleet = Fleet(disc, ctx, cfg.poll_interval_s)
+    fleet = Fleet(disc, ctx, cfg.poll_interval_s, cfg.worker_grace_s)
     metrics = RouterMetrics()
     admission = AdmissionQueue(fleet, metrics, max_queued=cfg.max_queued_requests, max_wait_s=cfg.max_queue_wait_s,
                                colocated=cfg.colocated, max_prefill_queue=cfg.max_prefill_queue,
@@ -128,14 +134,17 @@ def make_app(cfg: RouterConfig, disc: Discovery):
     handlers = Handlers(cfg, orch, metrics, HarmonyFormat())
 
     def ready() -> tuple[bool, str]:
+        # A late worker counts: requests sent now wait for it in the queue, and a router taken out of
+        # the Service while its workers are merely slow would turn them into connection errors instead.
         snap = fleet.snapshot()
-        if not any(w.healthy and w.ready for w in snap.decode):
+        if not any(w.healthy and w.ready or w.late for w in snap.decode):
             return False, "no decode worker ready"
-        if snap.prefill and not cfg.colocated and not any(w.healthy and w.ready for w in snap.prefill):
+        if snap.prefill and not cfg.colocated and not any(w.healthy and w.ready or w.late for w in snap.prefill):
             return False, "no prefill worker ready"
         return True, ""
 
-    serving = Serving(ready, lambda: metrics.render(fleet.phase_gauges(), fleet.prefix_evictions()),
+    serving = Serving(ready, lambda: metrics.render(fleet.phase_gauges(), fleet.prefix_evictions(),
+                                                    fleet.liveness_counts()),
                       InFlight(cfg.request_timeout_s, metrics.inflight.set))
     app = build_app(handlers, serving)
 

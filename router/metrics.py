@@ -25,6 +25,13 @@ class RouterMetrics:
         self.retries = Counter("tandem_retries_total", "transparent retries before the first token", registry=r)
         self.router_queue = Gauge("tandem_router_queue_depth", "requests waiting in the router's admission queue",
                                   registry=r)
+        self.router_queued = Counter("tandem_router_queued_requests_total", "requests that entered the router's "
+                                     "admission queue, by why the queue waited: no_room (KV, sequence slots, "
+                                     "prefill backlog) or worker_late (a needed role's only workers missed their "
+                                     "status polls, within --worker-grace-s)", ["reason"], registry=r)
+        self.workers = Gauge("tandem_router_workers", "workers per phase as the router sees them: live, late "
+                             "(missed its status polls, within --worker-grace-s: requests wait for it) or gone",
+                             ["phase", "state"], registry=r)
         self.router_queue_wait = Histogram("tandem_router_queue_wait_seconds", "time a request waited in the "
                                            "router's admission queue (0: placed at once)", buckets=_WAIT, registry=r)
         self.ttft_placed = Histogram("tandem_ttft_placed_seconds", "time to first token after admission (TTFT "
@@ -119,7 +126,9 @@ class RouterMetrics:
             self.prefix_bytes.observe(kv_bytes)
 
     def render(self, phase_gauges: dict[str, tuple[float, float, float]],
-               evicted: dict[str, int] | None = None) -> bytes:
+               evicted: dict[str, int] | None = None, liveness: dict[tuple[str, str], int] | None = None) -> bytes:
+        for (phase, state), n in (liveness or {}).items():
+            self.workers.labels(phase, state).set(n)
         for role, n in (evicted or {}).items():
             self.prefix_evicted.labels(role).set(n)
         for phase, (queue, usage, running) in phase_gauges.items():

@@ -18,9 +18,16 @@ it would compute (prompt minus its cached prefix). When the decode worker holds 
 uncached suffix is short, the request prefills there (router/prefill_cost.py). When the fleet has
 no prefill workers the request runs colocated.
 
-Three outcomes the admission queue (router.admission) acts on: a Placement; AdmissionRejected
-(live workers, no room now: the request waits); WorkerUnavailable (no live worker of a needed
-role: 503) and InvalidRequest (larger than any live decode worker's whole KV cache: 400) end it.
+Liveness: a worker is live (healthy and ready), late (it stopped answering its status polls, but
+it was ready and answered one within the grace period: `is_late`) or gone. Late is not gone: on a
+saturated host a worker can miss several polls and come back, and "overload queues rather than
+fails".
+
+Outcomes the admission queue (router.admission) acts on: a Placement; AdmissionRejected (live
+workers, no room now: the request waits); WorkerLate, a subclass (no live worker of a needed role,
+but a late one: the request waits for it); WorkerUnavailable (a needed role has no live and no
+late worker: 503) and InvalidRequest (larger than any live decode worker's whole KV cache: 400)
+end it.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from common.errors import AdmissionRejected, InvalidRequest, WorkerUnavailable
+from common.errors import AdmissionRejected, InvalidRequest, WorkerLate, WorkerUnavailable
 from router.prefill_cost import RUNNING_TOKENS, PrefillCost
 
 
@@ -45,6 +52,7 @@ class WorkerView:
     max_num_seqs: int
     kv_total_pages: int = 0  # 0: unknown (no status yet)
     cached_pages: int = 0  # decode: pages its prefix cache alone holds (evictable; counted in kv_free_pages)
+    late: bool = False  # not healthy, but trusted to come back (is_late): requests wait for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +71,17 @@ def _pages(tokens: int, page_size: int) -> int:
     return math.ceil(tokens / page_size)
 
 
+def is_late(*, healthy: bool, was_ready: bool, answered_ago_s: float, disconnected: bool, grace_s: float) -> bool:
+    """A worker marked down for missed status polls is late, not gone, when its last answer, less than
+    `grace_s` ago, said ready and not draining, and its connection has not dropped since. Never ready
+    (still loading, or never answered) or draining: gone, nothing to wait for. A dropped connection
+    means the process exited or restarted (no heartbeats run on the connection, so a live process,
+    however starved, keeps it): a restart reloads the model, far longer than any grace period, and
+    its first answered poll takes it back anyway; waiting would only delay the 503 that lets the
+    client go elsewhere."""
+    return not healthy and was_ready and not disconnected and answered_ago_s < grace_s
+
+
 def _live(workers: tuple[WorkerView, ...], exclude: frozenset[str]) -> list[WorkerView]:
     """Live workers, other than the excluded ones (where this request already failed) when possible:
     a request is retried on the same worker rather than not at all."""
@@ -74,19 +93,23 @@ def place(prompt_len: int, max_tokens: int, fleet: FleetSnapshot, exclude: froze
           colocated: bool = False, max_prefill_queue: int | None = None, matches: dict[str, int] | None = None,
           cost: PrefillCost = PrefillCost()) -> Placement:
     """Pick (decode, prefill); prefill None = prefill on the decode worker. `matches`: address ->
-    prompt tokens that worker holds in its prefix cache. Raises WorkerUnavailable when no live
-    worker of a needed role exists, InvalidRequest when the request is larger than every live decode
+    prompt tokens that worker holds in its prefix cache. Raises WorkerUnavailable when a needed role
+    has no live and no late worker, WorkerLate when a needed role has only late ones, InvalidRequest when the request is larger than every live decode
     worker's KV cache, and AdmissionRejected when live decode workers exist but none has room right
     now, or every live prefill worker already has `max_prefill_queue` requests (a prefill backlog
     would spend the decode reservation's transfer deadline in the prefill queue; the router queue
     holds it instead)."""
     matches = matches or {}
     live_decode = _live(fleet.decode, exclude)
-    if not live_decode:
-        raise WorkerUnavailable("no decode worker is up and ready")
     live_prefill = _live(fleet.prefill, exclude)
-    if fleet.prefill and not colocated and not live_prefill:
-        raise WorkerUnavailable("no prefill worker is up and ready")
+    missing = [(role, workers) for role, workers, live in (("decode", fleet.decode, live_decode),
+                                                          ("prefill", fleet.prefill, live_prefill))
+               if not live and (role == "decode" or (fleet.prefill and not colocated))]
+    for role, workers in missing:  # a role with nothing to wait for ends it, whatever the other does
+        if not any(w.late for w in workers):
+            raise WorkerUnavailable(f"no {role} worker is up and ready")
+    if missing:
+        raise WorkerLate(f"no {missing[0][0]} worker answers its status polls right now; waiting for a late one")
     page = live_decode[0].page_size
     whole = [w.kv_total_pages for w in live_decode if w.kv_total_pages]
     if whole and _pages(prompt_len + max_tokens, page) > max(whole):

@@ -63,6 +63,7 @@ class WorkerClient:
         self._monitor_task: asyncio.Task | None = None
         self._dead_reason = ""
         self.last_heard = -math.inf  # monotonic time of the last frame from the worker, of any kind
+        self.last_disconnect = -math.inf  # monotonic time the connection last dropped (the process exited)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -84,6 +85,7 @@ class WorkerClient:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 log.warning("connection to %s worker %s lost", self.role, self.address)
+                self.last_disconnect = time.monotonic()
                 self.fail_in_flight("connection lost (the worker exited or restarted)")
 
     async def _recv_loop(self) -> None:

@@ -1,15 +1,20 @@
 """The admission queue (router/admission.py) against a fleet whose worker status we set by hand:
 requests wait for room instead of failing, leave in (priority, arrival) order when room appears,
-are bounded by count and by wait (429 with Retry-After), leave the queue when cancelled, and a
-burst between two polls is held to the worker's slots by the router-side reservations."""
+are bounded by count and by wait (429 with Retry-After), leave the queue when cancelled, a
+burst between two polls is held to the worker's slots by the router-side reservations, and a
+worker marked down for missed polls is waited for within the grace period (503 after it)."""
 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from common.errors import WorkerUnavailable
+from router.fleet import MISSES_TO_DOWN
 from router.admission import AdmissionQueue, Ticket
 from router.errors import QueueFull
 from router.fleet import Discovery, Fleet, WorkerState
@@ -25,9 +30,10 @@ def status(running=0, queue=0, free=1000, max_seqs=4, ready=True) -> WorkerStatu
                         busy_seconds=0.0)
 
 
-def make(max_queued=8, max_wait_s=5.0, **st) -> tuple[AdmissionQueue, Fleet]:
-    fleet = Fleet(Discovery(decode=["d1"]), ctx=None)  # type: ignore[arg-type]  # no sockets: status set by hand
-    fleet.workers["d1"] = WorkerState(client=None, status=status(**st))  # type: ignore[arg-type]
+def make(max_queued=8, max_wait_s=5.0, grace_s=30.0, **st) -> tuple[AdmissionQueue, Fleet]:
+    fleet = Fleet(Discovery(decode=["d1"]), ctx=None, worker_grace_s=grace_s)  # type: ignore[arg-type]  # no sockets
+    client = SimpleNamespace(last_disconnect=-math.inf)  # what liveness reads of the connection
+    fleet.workers["d1"] = WorkerState(client=client, status=status(**st), last_ok=time.monotonic())  # type: ignore[arg-type]
     fleet.roles["d1"] = "decode"
     return AdmissionQueue(fleet, RouterMetrics(), max_queued=max_queued, max_wait_s=max_wait_s), fleet
 
@@ -118,5 +124,63 @@ def test_cancelled_waiters_leave_the_queue_and_no_worker_is_503():
         poll(fleet, ready=False)
         with pytest.raises(WorkerUnavailable):
             await c
+
+    asyncio.run(main())
+
+
+def miss(fleet: Fleet, disconnected: bool = False) -> None:
+    """What Fleet._poll_one does when the worker misses its polls until it is marked down."""
+    w = fleet.workers["d1"]
+    w.misses = MISSES_TO_DOWN
+    if disconnected:
+        w.client.last_disconnect = time.monotonic()
+    for fn in fleet.on_poll:
+        fn()
+
+
+def test_a_late_worker_is_waited_for_then_placed_or_503_after_the_grace():
+    async def main():
+        q, fleet = make(grace_s=0.3)
+        miss(fleet)  # marked down, answered ready just now: late
+        a = asyncio.create_task(q.admit(Ticket("a", 10, 4)))
+        b = asyncio.create_task(q.admit(Ticket("b", 10, 4)))
+        await asyncio.sleep(0.01)
+        assert not a.done() and not b.done() and q.depth == 2
+        assert q.metrics.router_queued.labels("worker_late")._value.get() == 2
+        a.cancel()  # a client that leaves while waiting for a late worker still leaves the queue
+        await asyncio.sleep(0.01)
+        assert q.depth == 1
+        w = fleet.workers["d1"]
+        w.misses, w.last_ok = 0, time.monotonic()  # it answered again: placed
+        poll(fleet)
+        await asyncio.sleep(0.01)
+        assert b.done() and b.result().decode == "d1" and q.depth == 0
+        # silent past the grace period: the next poll's wake-up ends the waiter with 503
+        q.release(b.result(), "b")
+        miss(fleet)
+        c = asyncio.create_task(q.admit(Ticket("c", 10, 4)))
+        await asyncio.sleep(0.05)
+        miss(fleet)
+        assert not c.done()
+        await asyncio.sleep(0.3)
+        miss(fleet)
+        with pytest.raises(WorkerUnavailable, match="no decode worker"):
+            await c
+        assert q.depth == 0
+
+    asyncio.run(main())
+
+
+def test_a_dropped_connection_or_a_late_wait_past_the_bound_end_it():
+    async def main():
+        q, fleet = make(max_wait_s=0.2)
+        miss(fleet, disconnected=True)  # the process exited: gone at once, no wait
+        with pytest.raises(WorkerUnavailable):
+            await q.admit(Ticket("a", 10, 4))
+        q, fleet = make(max_wait_s=0.2)
+        miss(fleet)
+        with pytest.raises(QueueFull, match="no worker of a needed role answered"):  # the queue's own bound: 429
+            await q.admit(Ticket("b", 10, 4))
+        assert q.depth == 0
 
     asyncio.run(main())
