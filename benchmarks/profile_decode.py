@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--fp8-attention", action="store_true", help="FP8 QKV/O projections (workers default: bf16)")
-    ap.add_argument("--attention", default="flashinfer", choices=["flashinfer", "triton"])
+    ap.add_argument("--attention", default="flashinfer", choices=["flashinfer", "triton", "flashinfer-triton-decode"])
     ap.add_argument("--linear", default="scaled_mm", choices=["scaled_mm", "deepgemm", "triton"])
     ap.add_argument("--moe", default="auto", help="auto: what the workers pick (kernels.registry)")
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"], help="KV pages (fp8: e4m3)")

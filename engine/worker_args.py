@@ -42,7 +42,8 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                         "instead of replicating it")
     p.add_argument("--fast-allreduce-impl", choices=["torch", "tandem"], default="torch",
                    help="one-shot kernel: torch's symm_mem op, or ours (one program per SM)")
-    p.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"])
+    p.add_argument("--attention-backend", default=None,
+                   choices=["torch", "triton", "flashinfer", "flashinfer-triton-decode"])
     p.add_argument("--linear-backend", default=None, choices=["torch", "scaled_mm", "triton", "deepgemm"])
     p.add_argument("--moe-backend", default=None, choices=["torch", "triton", "deepgemm"])
     p.add_argument("--fusions", default=DEFAULT_FUSIONS,

@@ -143,15 +143,22 @@ class FlashInferAttention:
     name = "flashinfer"
 
     def __init__(self, *, prefill_backend: str = "auto", decode_backend: str = "fa2",
-                 cache_dir: str | None = None, fp8_decode: str = "triton") -> None:
+                 cache_dir: str | None = None, fp8_decode: str = "triton", decode_kernel: str = "flashinfer") -> None:
         self._fi = import_flashinfer(cache_dir)
         for b in (prefill_backend, decode_backend):
             if b not in ("auto", "fa2", "fa3"):
                 raise ConfigError(f"unknown FlashInfer backend {b!r} (auto, fa2, fa3)")
         if fp8_decode not in ("triton", "flashinfer"):
             raise ConfigError(f"unknown e4m3 decode kernel {fp8_decode!r} (triton, flashinfer)")
+        if decode_kernel not in ("triton", "flashinfer"):
+            raise ConfigError(f"unknown 16-bit decode kernel {decode_kernel!r} (triton, flashinfer)")
         self._fp8_decode_kind = fp8_decode
-        self._fp8_decode = None  # TritonAttention for pure-decode steps over e4m3 pages (fp8_decode="triton")
+        self._all_decode_triton = decode_kernel == "triton"  # 16-bit pages' pure-decode steps too
+        if self._all_decode_triton:
+            self.name = "flashinfer-triton-decode"
+        # TritonAttention for pure-decode steps over e4m3 pages (fp8_decode="triton"), and over 16-bit
+        # pages with decode_kernel="triton"
+        self._fp8_decode = None
         self._want = {"prefill": prefill_backend, "decode": decode_backend}
         self._backend: dict[str, str] = {}  # resolved per role once the device is known
         self._dims: AttentionDims | None = None
@@ -184,7 +191,9 @@ class FlashInferAttention:
         for role in ("prefill", "decode"):
             for wl in set(self._windows.values()):
                 # FP8: prefill reads pages densely (ragged); decode may run on the Triton decode kernel
-                if not self._dims.fp8_kv or (role == "decode" and self._fp8_decode is None):
+                if role == "decode" and self._fp8_decode is not None:
+                    pass  # every pure-decode step runs the Triton decode kernel
+                elif not self._dims.fp8_kv or role == "decode":
                     self._wrapper(role, "paged", wl)
                 if role == "prefill":
                     self._wrapper(role, "ragged", wl)
@@ -213,10 +222,16 @@ class FlashInferAttention:
             return
         self._fp8_checked.add(key)
 
-    def _triton(self):
-        """A TritonAttention planned and graphed like this backend (it takes over FP8 layers)."""
-        from kernels.triton_attention_backend import TritonAttention
-        t = TritonAttention()
+    def _triton_decodes(self, fp8_pages: bool) -> bool:
+        """Whether a pure-decode step over these pages runs the Triton decode kernel."""
+        return fp8_pages or self._all_decode_triton
+
+    def _triton(self, decode_all: bool = False):
+        """A TritonAttention planned and graphed like this backend (it takes over FP8 layers, or every
+        pure-decode step with decode_all: 16-bit pages on the decode kernel, in BF16_DECODE's config)."""
+        from kernels.triton_attention_backend import DecodeKernel, TritonAttention
+        from kernels.triton_decode import BF16_DECODE
+        t = TritonAttention(decode=DecodeKernel.ALL, decode_config=BF16_DECODE) if decode_all else TritonAttention()
         if self._graph_sizes:
             t.enable_cuda_graphs(sorted(self._graph_sizes), self._graph_max_pages)
         if self._step is not None:
@@ -242,9 +257,10 @@ class FlashInferAttention:
             self._wrappers.clear()
             self._graph_slots.clear()
             self._plans = {}
+            self._fp8_decode = None  # rebuilt below for the new pages (e4m3 or 16-bit config)
         self._dims = dims
-        if dims.fp8_kv and self._fp8_decode_kind == "triton":
-            self._fp8_decode = self._fp8_decode or self._triton()
+        if (dims.fp8_kv and self._fp8_decode_kind == "triton") or (self._all_decode_triton and not dims.fp8_kv):
+            self._fp8_decode = self._fp8_decode or self._triton(decode_all=not dims.fp8_kv)
         elif dims.fp8_kv:
             self._check_fp8_kv(dims)
         if self._workspace is None:
@@ -304,7 +320,7 @@ class FlashInferAttention:
             return
         if self._dims is None:
             return  # shapes unknown until the first forward: planned lazily there
-        if self._fp8_decode is not None and self._dims.fp8_kv and step.is_decode:
+        if self._fp8_decode is not None and self._triton_decodes(self._dims.fp8_kv) and step.is_decode:
             self._fp8_decode.plan(step)  # every paged read of this step is the decode kernel's
             return
         for gi, g in enumerate(step.groups):
@@ -399,7 +415,7 @@ class FlashInferAttention:
         self._set_dims(AttentionDims(q.shape[1], k.shape[1], q.shape[2], page, q.dtype, q.device, kv_dtype))
         if self._fp8_fallback is not None:
             return self._fp8_fallback.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale, rope=rope)
-        if self._fp8_decode is not None and kv_dtype == FP8_KV and step.is_decode:
+        if self._fp8_decode is not None and self._triton_decodes(kv_dtype == FP8_KV) and step.is_decode:
             self._fp8_decode.plan(step)  # a no-op when plan() saw this step (always under graph capture)
             return self._fp8_decode.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale, rope=rope)
         if self._windows.get(group) != window_left:  # learned from the first layer of the group

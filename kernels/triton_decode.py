@@ -256,6 +256,9 @@ class DecodeConfig:
 # Measured (benchmarks/results/2026-12-03/fp8-kv-1, the decode sweep at 128 x 8k on the H200): one
 # warp, 64 keys, 3 stages was the best of 12 configs (3,972 GB/s of e4m3 KV); 2 / 4 warps lost 15-52 %.
 DEFAULT_DECODE = DecodeConfig()
+# bf16 pages (fp8-kv-2's sweep at 128 x 8k): 2 stages read 3,778 GB/s, 3 stages with 32 keys 3,615, the
+# generic kernel 3,526 (a 16-bit block is twice the bytes of an e4m3 one: fewer in flight suffice)
+BF16_DECODE = DecodeConfig(num_stages=2)
 
 
 def decode_splits(batch: AttnBatch, num_kv_heads: int, window: int | None, cfg: DecodeConfig,

@@ -16,7 +16,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--fp8", action="store_true", help="FP8 128x128 block-scaled weights")
-    p.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"])
+    p.add_argument("--attention-backend", default=None,
+                   choices=["torch", "triton", "flashinfer", "flashinfer-triton-decode"])
     p.add_argument("--linear-backend", default=None, choices=["torch", "scaled_mm", "triton", "deepgemm"])
     p.add_argument("--moe-backend", default=None, choices=["torch", "triton", "deepgemm"])
     p.add_argument("--kv-cache-gib", type=float, default=None)

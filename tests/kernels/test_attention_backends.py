@@ -355,6 +355,32 @@ def test_flashinfer_fp8_kv_decode_runs_on_the_triton_decode_kernel(fake_flashinf
     assert set(_FakeWrapper.log) == {("fa3", "ragged", True, False), ("fa3", "ragged", False, False)}
 
 
+def test_flashinfer_triton_decode_takes_16bit_pages_too(fake_flashinfer, monkeypatch):
+    """decode_kernel="triton" (--attention-backend flashinfer-triton-decode): pure-decode steps over
+    16-bit (here fp32) pages run the Triton decode kernel in BF16_DECODE's config, graphed like the
+    backend; prefill stays on FlashInfer; no FlashInfer decode wrapper is built at start-up."""
+    import kernels.triton_attention_backend as tab
+    from kernels.registry import make_attention
+    from kernels.triton_decode import BF16_DECODE
+    calls = []
+    real = tab.paged_decode
+    monkeypatch.setattr(tab, "paged_decode", lambda q, kv, *a, **kw: calls.append(kw.get("config")) or real(q, kv, *a, **kw))
+    impl = fake_flashinfer.FlashInferAttention(decode_kernel="triton")
+    assert impl.name == "flashinfer-triton-decode"
+    impl.enable_cuda_graphs([3], max_pages_per_seq=64)
+    self_test_attention(impl, "cpu", torch.float32, shape=SMALL)
+    assert calls and set(calls) == {BF16_DECODE}
+    assert sorted(impl._fp8_decode._graph) == [(3, PageGroup.FULL, 64), (3, PageGroup.SLIDING, 64)]
+    _FakeWrapper.log = []
+    fresh = fake_flashinfer.FlashInferAttention(decode_kernel="triton")
+    fresh.prepare(fake_flashinfer.AttentionDims(8, 2, 16, 4, torch.float32, torch.device("cpu"), torch.float32),
+                  {PageGroup.FULL: None, PageGroup.SLIDING: 8})
+    assert not any(b == "fa2" and kind == "paged" for b, kind, _, _ in _FakeWrapper.log)  # fa2: the decode wrappers
+    with pytest.raises(ConfigError, match="16-bit decode kernel"):
+        fake_flashinfer.FlashInferAttention(decode_kernel="fa2")
+    assert make_attention("flashinfer-triton-decode").name == "flashinfer-triton-decode"
+
+
 def test_flashinfer_fp8_kv_falls_back_to_triton_when_the_variant_does_not_build(fake_flashinfer, caplog):
     sys.modules["flashinfer.prefill"].fail = True
     impl = fake_flashinfer.FlashInferAttention(fp8_decode="flashinfer")

@@ -249,3 +249,44 @@ def test_fp8_kv_engine_tokens_triton_equal_torch_on_gpu(ckpt_factory):
         outs[backend] = [c.output_ids for c in llm.generate(prompts, params)]
         llm.kv.assert_all_free()
     assert outs["triton"] == outs["torch"]
+
+
+@pytest.mark.parametrize("window", [None, W])
+def test_triton_decode_backend_on_bf16_pages(window):
+    """--attention-backend flashinfer-triton-decode: pure-decode steps over bf16 pages on the Triton
+    decode kernel (BF16_DECODE), against the reference, eager and replayed from a CUDA graph; the
+    start-up self-test at real dims; prefill and mixed steps stay FlashInfer's."""
+    pytest.importorskip("flashinfer")
+    from kernels.flashinfer_backend import FlashInferAttention
+    impl = FlashInferAttention(decode_kernel="triton")
+    self_test_attention(impl, DEV, torch.bfloat16, shape=REAL)
+    assert impl._fp8_decode is not None
+    b = 16
+    step, num_pages = _step([1] * b, [8191] * b, window, seed=5)
+    g = torch.Generator(device=DEV).manual_seed(6)
+    kc = (torch.randn(num_pages, HKV, P, D, generator=g, device=DEV) * 4).to(torch.bfloat16)
+    vc = (torch.randn(num_pages, HKV, P, D, generator=g, device=DEV) * 0.05).to(torch.bfloat16)
+    q, k, v = _bf16(b, HQ, D), _bf16(b, HKV, D) * 4, _bf16(b, HKV, D) * 0.05
+    sinks = torch.randn(HQ, device=DEV) * 2
+    grp = step.groups[0] if window is None else step.groups[1]
+    group = 0 if window is None else 1
+
+    def run():
+        return impl.forward(group, q, k, v, (kc, vc), sinks, D ** -0.5, window)
+
+    impl.plan(step)
+    eager = run()
+    want = ref.paged_attention(q.float(), kc, vc, grp.page_table, step.cu_seqlens_q, grp.kv_lens, sinks, D ** -0.5,
+                               window, None)
+    assert _rel(eager, want) <= 1e-2
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
