@@ -94,6 +94,10 @@ def main() -> None:
 
         parts.runner.graphs = CudaGraphDecoder(model, parts.pool, parts.kv, a.max_num_seqs, a.max_model_len)
         parts.runner.graphs.capture()
+    if cfg.device.startswith("cuda"):  # as the worker does before it reports ready (engine/warmup.py)
+        from engine.warmup import warm_up
+
+        warm_up(parts, model.cfg.vocab_size, a.seed)
     piecewise = parts.runner.piecewise
     sched = Scheduler(parts.scheduler.cfg, parts.kv, ())
     core = Timed(sched, parts.runner, overlap=a.async_decode == "on")
