@@ -200,14 +200,21 @@ class _FakeWrapper:
         self.bufs = (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf)
         _FakeWrapper.log.append((backend, "ragged" if ragged else "paged", self.sliding, use_cuda_graph))
 
-    def plan(self, qo_indptr, kv_indptr, *args, causal, window_left, q_data_type, kv_data_type):
+    def plan(self, qo_indptr, kv_indptr, *args, causal, window_left, q_data_type, kv_data_type, seq_lens=None):
         assert causal and (window_left >= 0) == self.sliding and qo_indptr.device.type == "cpu"
         assert kv_data_type == self.kv_dtype, (kv_data_type, self.kv_dtype)
         self.window_left = window_left
         if self.ragged:
+            assert seq_lens is None
             self.qo, self.kv = qo_indptr, kv_indptr
             return
         indices, last, *_ = args
+        # our paged plans pass the lengths (host, int32), which FlashInfer would otherwise derive as
+        # get_seq_lens does: they must be exactly those
+        page = args[5]
+        derived = (kv_indptr[1:] - kv_indptr[:-1] - 1).clamp(min=0) * page + last
+        assert seq_lens is not None and seq_lens.dtype == torch.int32 and seq_lens.device.type == "cpu"
+        assert torch.equal(seq_lens, derived.to(torch.int32)), (seq_lens, derived)
         if self.graph:  # FlashInfer copies into the static buffers; run() must read from them
             for buf, x in zip(self.bufs, (qo_indptr, kv_indptr, indices, last)):
                 buf[:len(x)].copy_(x)
