@@ -393,7 +393,7 @@ class FlashInferAttention:
         dequantised (`gather_kv`) and runs the bf16 ragged kernel (fa3 on sm90a): the keys are
         exactly what the paged read would see, at ragged-kernel speed."""
         d = self._dims
-        slots = torch.from_numpy(read_slots(g, d.page_size)).to(d.device, non_blocking=True)
+        slots = _pinned(torch.from_numpy(read_slots(g, d.page_size))).to(d.device, non_blocking=True)
         cu_k = _pinned(torch.tensor([0] + list(g.kv_lens_host), dtype=torch.int32).cumsum(0, dtype=torch.int32))
         w = self._wrapper("prefill", "ragged", window_left)
         w.plan(cu_q, cu_k, d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True, window_left=window_left,
