@@ -200,7 +200,10 @@ class IpcTarget:
             assert not (chunks % ALIGN).any() and not (pc.src_stride % ALIGN or pc.dst_stride % ALIGN), \
                 "IPC ranges must be 16-byte aligned"
             with torch.cuda.stream(self._stream):
-                pc.table = torch.from_numpy(chunks // WORD).to(self._src[pc.group].device, non_blocking=True)
+                # pinned: a copy from pageable memory synchronises the stream first (here: waits for the
+                # copies still running on it)
+                pc.table = torch.from_numpy(chunks // WORD).pin_memory().to(self._src[pc.group].device,
+                                                                            non_blocking=True)
         self._plans[id(plan)] = (plan, pc)  # the plan is kept, so its id is not reused while cached
         while len(self._plans) > MAX_PLANS:
             self._plans.popitem(last=False)
