@@ -43,6 +43,9 @@ class Fusion(str, Enum):
     ROPE_STORE = "rope_store"  # q and k RoPE + the K/V page store in one launch (triton_store_kv.rope_qk_store_kv)
     NORM_ROUTER = "norm_router"  # the MoE router GEMV inside the add + RMSNorm launch, few tokens (kernels/norm.py)
     NORM_QUANT = "norm_quant"  # the FP8 MoE's 1x128 input quantisation inside the add + RMSNorm launch
+    # bf16 QKV / O projections of few-token steps on kernels/gemv.py (split-K GEMV, deterministic) instead of
+    # cuBLASLt's addmm. Not bit-identical to addmm (another summation order); unmeasured, so not a default
+    FEW_TOKEN_LINEAR = "gemv"
 
 
 # The workers' default (EngineConfig, --fusions), measured by suite fusion-ab (2026-12-03/fusion-ab-1, 20b on
@@ -54,6 +57,9 @@ DEFAULT_FUSIONS = "rope_store"
 
 # Tokens up to which the router runs inside the norm launch (larger steps: one cuBLAS GEMM).
 ROUTER_FUSION_MAX_TOKENS = 64
+
+# Tokens up to which Fusion.FEW_TOKEN_LINEAR takes the attention projections (kernels.gemv's BLOCK_M).
+FEW_TOKEN_LINEAR_MAX_TOKENS = 16
 
 
 def parse_fusions(spec: str) -> frozenset[Fusion]:
@@ -97,6 +103,24 @@ class Backends:
     @property
     def norm_quant(self) -> bool:
         return self.fused_norm and Fusion.NORM_QUANT in self.fusions
+
+    def few_token_linear(self, num_tokens: int, bf16_weight: bool, on_gpu: bool) -> bool:
+        """Whether an attention projection runs on kernels.gemv: few tokens, a bf16 weight (FP8 ones keep
+        the linear backend), where Triton runs (a GPU; on CPU only under the Triton backends, i.e. the
+        interpreter, which `fused_norm` stands for as it does for the norm kernels)."""
+        return (Fusion.FEW_TOKEN_LINEAR in self.fusions and bf16_weight and num_tokens <= FEW_TOKEN_LINEAR_MAX_TOKENS
+                and (on_gpu or self.fused_norm))
+
+    def attn_linear(self, x, w, w_scale, bias):
+        """The attention's QKV / O projection, x [T, K] -> [T, N]: `linear`, or the few-token GEMV kernel
+        (Fusion.FEW_TOKEN_LINEAR). Under TP, w is this rank's shard; the caller's all-reduce is unchanged."""
+        import torch
+
+        if self.few_token_linear(x.shape[0], w_scale is None and w.dtype == x.dtype == torch.bfloat16, x.is_cuda):
+            from kernels.gemv import few_token_linear
+
+            return few_token_linear(x, w, bias)
+        return self.linear(x, w, w_scale, bias)
 
     def describe(self) -> str:
         return (f"attention={self.attention.name} linear={self.linear.name} moe={self.moe.name} "

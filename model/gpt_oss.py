@@ -67,7 +67,7 @@ class Attention(nn.Module):
     # The three parts of forward, apart for the piecewise CUDA graphs (engine/piecewise.py): qkv and
     # project are row-wise and captured; attend reads the KV cache and runs eagerly between graphs.
     def qkv(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
-        return be.linear(x, self.qkv_w, self.qkv_s, self.qkv_b)  # [T, (Hq + 2 Hkv) D]
+        return be.attn_linear(x, self.qkv_w, self.qkv_s, self.qkv_b)  # [T, (Hq + 2 Hkv) D]
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, be: Backends,
                kv: tuple[torch.Tensor, torch.Tensor] | None,
@@ -96,7 +96,7 @@ class Attention(nn.Module):
 
     def project(self, o: torch.Tensor, be: Backends) -> torch.Tensor:
         """o [T, Hq D] -> [T, H], summed over TP ranks."""
-        return self.par.all_reduce(be.linear(o, self.o_w, self.o_s, self.o_b))
+        return self.par.all_reduce(be.attn_linear(o, self.o_w, self.o_s, self.o_b))
 
 
 class MoE(nn.Module):
