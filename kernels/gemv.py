@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.registry import FEW_TOKEN_LINEAR_MAX_TOKENS
 
@@ -49,6 +50,7 @@ class GemvConfig:
 
 
 DEFAULT_CONFIG = GemvConfig()
+BF16 = torch.bfloat16
 
 _SMS: dict[int, int] = {}
 
@@ -138,6 +140,10 @@ def _gemv_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, S, stride_om, BLOCK: tl.
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + offs, _round_out(acc, out_ptr, HW_CVT), mask=mask)
+
+
+# TRITON_INTERPRET was set when the kernels were decorated: they run on CPU tensors (the tests), else on a GPU only.
+INTERPRETED = isinstance(_gemv_partial_kernel, InterpretedFunction)
 
 
 def few_token_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

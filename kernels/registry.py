@@ -104,22 +104,21 @@ class Backends:
     def norm_quant(self) -> bool:
         return self.fused_norm and Fusion.NORM_QUANT in self.fusions
 
-    def few_token_linear(self, num_tokens: int, bf16_weight: bool, on_gpu: bool) -> bool:
-        """Whether an attention projection runs on kernels.gemv: few tokens, a bf16 weight (FP8 ones keep
-        the linear backend), where Triton runs (a GPU; on CPU only under the Triton backends, i.e. the
-        interpreter, which `fused_norm` stands for as it does for the norm kernels)."""
+    def few_token_linear(self, num_tokens: int, bf16_weight: bool, triton_runs: bool) -> bool:
+        """Whether an attention projection runs on kernels.gemv: few tokens and a bf16 weight (FP8 ones keep
+        the linear backend), where Triton runs (a GPU tensor, or the interpreter: the CPU tests)."""
         return (Fusion.FEW_TOKEN_LINEAR in self.fusions and bf16_weight and num_tokens <= FEW_TOKEN_LINEAR_MAX_TOKENS
-                and (on_gpu or self.fused_norm))
+                and triton_runs)
 
     def attn_linear(self, x, w, w_scale, bias):
         """The attention's QKV / O projection, x [T, K] -> [T, N]: `linear`, or the few-token GEMV kernel
         (Fusion.FEW_TOKEN_LINEAR). Under TP, w is this rank's shard; the caller's all-reduce is unchanged."""
-        import torch
+        if Fusion.FEW_TOKEN_LINEAR in self.fusions:  # Triton imported only when the switch is on
+            from kernels import gemv
 
-        if self.few_token_linear(x.shape[0], w_scale is None and w.dtype == x.dtype == torch.bfloat16, x.is_cuda):
-            from kernels.gemv import few_token_linear
-
-            return few_token_linear(x, w, bias)
+            if self.few_token_linear(x.shape[0], w_scale is None and w.dtype == x.dtype == gemv.BF16,
+                                     x.is_cuda or gemv.INTERPRETED):
+                return gemv.few_token_linear(x, w, bias)
         return self.linear(x, w, w_scale, bias)
 
     def describe(self) -> str:
