@@ -43,7 +43,7 @@ class GemvConfig:
     block_n: int = 64  # weight rows per program (the MMA's M side: 64 = one warpgroup's wgmma)
     block_k: int = 128  # columns per tile: 256-byte rows
     num_warps: int = 4
-    num_stages: int = 4  # tiles in flight per program (~20 KB each at 64 x 128 + x)
+    num_stages: int = 4  # tiles in flight per program (cp.async; 20 KB of shared memory each at 64 x 128 + x)
     waves: int = 4  # programs per SM the split aims for
     split: int | None = None  # K splits; None: split_k's choice (explicit for sweeps and tests)
     reduce_block: int = 1024  # outputs per program of the reduce kernel

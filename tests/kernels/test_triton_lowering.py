@@ -129,6 +129,12 @@ def _launch_every_kernel() -> None:
     seeds, pos = torch.tensor([1, 2]), torch.tensor([3, 4])
     fused_sample(torch.randn(2, 3000), torch.ones(2), seeds, pos, torch.tensor([True, False]), programs_per_sm=2)
     noise_bits(seeds, pos, 3000)
+    # the few-token linear (Fusion.FEW_TOKEN_LINEAR): split-K partials + reduce, and the one-launch path,
+    # at the default tiles (64 x 128, 4 stages: the shared memory that matters) and a small one
+    from kernels.gemv import GemvConfig, few_token_linear
+    xg, wg = torch.randn(3, 300).to(torch.bfloat16), torch.randn(80, 300).to(torch.bfloat16)
+    few_token_linear(xg, wg, torch.randn(80).to(torch.bfloat16), GemvConfig(split=3))
+    few_token_linear(xg, wg, None, GemvConfig(block_n=32, block_k=64, split=1))
 
 
 def _launch_attention() -> None:
@@ -177,7 +183,7 @@ def test_gpu_branches_of_every_kernel_lower_for_sm90():
         _launch_every_kernel()
         _launch_attention()
     kernels = {(r["module"], r["kernel"]) for r in seen.values()}
-    assert len(kernels) >= 23, sorted(kernels)  # all but allreduce's (multi-GPU symmetric memory only)
+    assert len(kernels) >= 27, sorted(kernels)  # all but allreduce's (multi-GPU symmetric memory only)
     fp8_kv = [(r["kernel"], r["sig"].get("KC") or r["sig"].get("XC")) for r in seen.values()
               if r["const"].get("KV_WIDEN") or r["const"].get("QUANT") or r["kernel"] == "_gather_kv_kernel"]
     fp8_kv += [(r["kernel"], r["sig"]["KC"]) for r in seen.values() if r["const"].get("FP8_PAGES")]
