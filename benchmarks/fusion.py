@@ -17,7 +17,12 @@ Rows: `norm+router` (add + RMSNorm + router GEMV vs add + RMSNorm then F.linear)
 add + RMSNorm then quantize_act_1x128), `rope+store` (q and k RoPE + K/V store, bf16 and e4m3 pages,
 vs apply_rope, apply_rope, store_kv), `norm-warps` (the add + RMSNorm kernel at 4/8/16 warps
 against the kernel before issue 27: kernels.norm.NUM_WARPS is unmeasured), `swiglu` (the DeepGEMM MoE's SwiGLU + requant pass at
-prefill sizes, item 3 of issue 27: its bandwidth today and with kernels.moe_dg.SWIGLU_TILE_EXPERT).
+prefill sizes, item 3 of issue 27: its bandwidth today and with kernels.moe_dg.SWIGLU_TILE_EXPERT), `gemv`
+(the bf16 attention projections at <= 16 tokens, Fusion.FEW_TOKEN_LINEAR: torch addmm, what runs today, vs
+kernels.gemv.few_token_linear's default config and a small sweep; each call reads another copy of W so the
+weights stream from HBM as in a decode step, not from L2):
+
+    python -m benchmarks.fusion --tokens 1,4,16 --rows gemv                 # the gemv rows alone
 """
 
 from __future__ import annotations
@@ -186,23 +191,70 @@ def swiglu_rows(t: int, reps: int, copy: float) -> list[dict]:
     return out
 
 
+# A small sweep around kernels.gemv.DEFAULT_CONFIG (the first): split target, tile shape, pipeline depth.
+def _gemv_sweep():
+    from kernels.gemv import GemvConfig
+
+    return (GemvConfig(), GemvConfig(waves=8), GemvConfig(waves=2), GemvConfig(block_n=128, num_warps=8),
+            GemvConfig(block_n=32), GemvConfig(block_k=256, num_stages=3), GemvConfig(block_k=64, num_stages=6),
+            GemvConfig(num_stages=6), GemvConfig(num_warps=8))
+
+
+def gemv_rows(t: int, reps: int, copy: float) -> list[dict]:
+    """20b's QKV [5120, 2880] and O [2880, 4096] with bias at t tokens. Bytes: W, x, bias read, y written
+    (the split's fp32 partials stay in L2 and are not counted). A variant off the fp32 reference by more
+    than one rounding is marked WRONG."""
+    from kernels.gemv import DEFAULT_CONFIG, few_token_linear, num_sms, split_k
+
+    rows = []
+    for what, n, k in (("qkv", (HQ + 2 * HKV) * D, H), ("o", H, HQ * D)):
+        copies = -(-(256 << 20) // (n * k * 2))  # > 5x the 50 MB L2: each call's W comes from HBM
+        ws = [(torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16) for _ in range(copies)]
+        b = torch.randn(n, device=DEV).to(torch.bfloat16)
+        x = torch.randn(t, k, device=DEV).to(torch.bfloat16)
+        ref = x.float() @ ws[0].float().T + b.float()
+        nb = n * k * 2 + t * k * 2 + n * 2 + t * n * 2
+
+        def cycling(fn):
+            it = iter(range(1 << 62))
+            return lambda: fn(ws[next(it) % copies])
+
+        base = graph_us(cycling(lambda w: torch.nn.functional.linear(x, w, b)), reps)
+        rows.append(_row(f"gemv {what}", t, "addmm", base, nb, copy, None))
+        for cfg in _gemv_sweep():
+            s, _ = split_k(n, k, cfg, num_sms(x.device))
+            ok = torch.allclose(few_token_linear(x, ws[0], b, cfg).float(), ref, rtol=2 ** -8, atol=1e-4)
+            us = graph_us(cycling(lambda w, cfg=cfg: few_token_linear(x, w, b, cfg)), reps)
+            name = (f"{'default ' if cfg == DEFAULT_CONFIG else ''}{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
+                    f"st{cfg.num_stages} S{s}{'' if ok else ' WRONG'}")
+            rows.append(_row(f"gemv {what}", t, name, us, nb, copy, base))
+        del ws
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,64,8192")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--rows", default="norm,rope,swiglu", help="which rows, comma-separated: norm, rope, swiglu "
+                                                             "(>= 4096 tokens), gemv (<= 16 tokens; opt-in)")
     a = ap.parse_args()
+    kinds = set(a.rows.split(","))
     copy = copy_gbps()
     print(f"copy {copy:.0f} GB/s (bytes read + written)", flush=True)
     rows = []
     for t in [int(x) for x in a.tokens.split(",")]:
         reps = a.reps if t <= 64 else max(2, a.reps // 10)
-        for fn in (norm_rows, rope_rows):
+        fns = [fn for kind, fn in (("norm", norm_rows), ("rope", rope_rows)) if kind in kinds]
+        if "gemv" in kinds and t <= 16:
+            fns.append(gemv_rows)
+        for fn in fns:
             got = fn(t, reps, copy)
             rows += got
             for r in got:
-                print(f"{r['what']:<16} T={t:<5} {r['variant']:<12} {r['us']:8.2f} us  {r['GBps']:7.0f} GB/s "
+                print(f"{r['what']:<16} T={t:<5} {r['variant']:<28} {r['us']:8.2f} us  {r['GBps']:7.0f} GB/s "
                       f"({r['ratio_hbm']:.0%} of HBM)" + (f"  x{r['speedup']:.2f}" if r['speedup'] else ""), flush=True)
-        if t >= 4096:
+        if t >= 4096 and "swiglu" in kinds:
             got = swiglu_rows(t, reps, copy)
             rows += got
             for r in got:

@@ -199,4 +199,24 @@ ISSUE_SUITES: dict[str, Suite] = {
                     publish={"model_gpt-oss-20b-tp1-fusion-ab.json": "model_gpt-oss-20b-tp1-fusion-ab.json"})),
         reproduces=("issue 27: the fusions' share of the 20b prefill 8k (89.8 ms) and batch-1 decode replay "
                     "(2.44-2.53 ms at 8k)",)),
+    # decode-profile-1: the bf16 QKV/O projections took 654 us of a 20b batch-1 step at 8k (cuBLASLt addmm,
+    # split-K + reduce: 1.27 GB at 1.9 TB/s). kernels/gemv.py streams W once per call (Fusion.FEW_TOKEN_LINEAR).
+    "gemv-ab": Suite(
+        "issue 27's few-token linear (--fusions ...+gemv): its GPU tests (20b QKV / O at 1, 4, 16 tokens: fp32 "
+        "reference and addmm parity, bits run to run, CUDA-graph replay, routing), then the kernel against torch addmm "
+        "with W streamed from HBM (CUDA-graph us, GB/s vs HBM and copy; default config and a small sweep), then "
+        "gpt-oss-20b with bf16 attention A/B in one process (rope_store vs rope_store+gemv): prefill 8k, decode "
+        "replay at 8k x 1 and 64",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("gemv-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemv_gpu.py",
+                    100, summary=PYTEST),
+               step("gemv-micro", "{py} -m benchmarks.fusion --tokens 1,4,16 --rows gemv", 120,
+                    summary=r"^gemv|wrote|Error"),
+               step("model-20b-ab", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention "
+                                    "--prefill-lens 8192 --contexts 8192 --batches 1,64 --fusions rope_store,"
+                                    "rope_store+gemv --tag gpt-oss-20b-tp1-gemv-ab", 300,
+                    summary=r"^decode ctx|^prefill|FAILED",
+                    publish={"model_gpt-oss-20b-tp1-gemv-ab.json": "model_gpt-oss-20b-tp1-gemv-ab.json"})),
+        reproduces=("decode-profile-1 (2026-12-03): bf16 QKV/O 654 us per 20b batch-1 decode step at 8k (1.9 TB/s); "
+                    "issue 27 target: batch-1 decode <= 1.7 ms",)),
 }
