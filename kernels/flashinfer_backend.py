@@ -351,11 +351,10 @@ class FlashInferAttention:
         decode = step.is_decode
         graph = step.num_seqs if decode and step.num_seqs in self._graph_sizes else 0
         w = self._wrapper("decode" if decode else "prefill", "paged", window_left, graph)
-        # seq_lens: without it FlashInfer's paged plan derives the lengths itself into a pageable tensor and
-        # copies that to the device, and a copy from pageable memory first synchronises the stream: every
-        # plan waited for the step in flight (0.6.6, prefill.py plan), which serialised the overlapped loop
-        # behind the GPU and left a mixed step's whole launch exposed (~27 ms of host per mixed step in the
-        # served step trace, multi-turn-colocated-pw-2). Pinned lengths keep the copy asynchronous.
+        # seq_lens: without it FlashInfer's paged plan (0.6.6, prefill.py) derives the lengths into a pageable
+        # tensor and copies that to the device, and to stage pageable memory the driver may synchronise with
+        # the stream, i.e. wait for the step in flight (the overlapped loop plans step N+1 while N runs).
+        # Pinned lengths (the same values) keep the copy asynchronous.
         lens = _pinned(torch.tensor(g.kv_lens_host, dtype=torch.int32))
         w.plan(cu_q, indptr, indices, last, d.num_q_heads, d.num_kv_heads, d.head_dim, p, causal=True,
                window_left=window_left, q_data_type=d.dtype, kv_data_type=d.kv_dtype or d.dtype, seq_lens=lens)
