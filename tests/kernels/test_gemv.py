@@ -90,8 +90,9 @@ def test_split_heuristic():
 # ---- the model: routing and greedy tokens ------------------------------------------------------------
 def test_model_routes_few_token_steps(ckpt_factory, one_torch_thread, monkeypatch):
     """tiny-a in bf16 (torch attention, norms and MoE: the interpreter's bf16 arithmetic is not exact, and
-    the kernel upcasts before any), the kernel in the interpreter standing for the GPU: a 20-token prefill (too many tokens: addmm), then greedy decodes, with the switch off and on. On, each
-    decode's 4 layers x (QKV, O) take the kernel; the tokens are the same."""
+    the kernel upcasts before any), the kernel in the interpreter standing for the GPU: a 20-token prefill
+    (too many tokens: addmm), then greedy decodes, with the switch off and on. On, each decode's 4 layers
+    x (QKV, O) take the kernel; the tokens are the same."""
     from kernels import gemv
     from kernels.registry import Backends, make_attention, make_linear, make_moe, parse_fusions
     from model.context import SeqStep, build_step_meta
@@ -135,7 +136,8 @@ def test_routing_decision():
 
     assert gemv.INTERPRETED  # this file set TRITON_INTERPRET before importing the kernels
     be = Backends(None, None, None, fusions=parse_fusions("gemv"))
-    assert Fusion.FEW_TOKEN_LINEAR in parse_fusions("rope_store+gemv") and Fusion.FEW_TOKEN_LINEAR in parse_fusions("on")
+    assert Fusion.FEW_TOKEN_LINEAR in parse_fusions("rope_store+gemv")
+    assert Fusion.FEW_TOKEN_LINEAR in parse_fusions("on")
     assert be.few_token_linear(1, True, True) and be.few_token_linear(16, True, True)
     assert not be.few_token_linear(17, True, True)  # larger steps: the linear backend's GEMM
     assert not be.few_token_linear(1, False, True)  # FP8 (or fp32) weights: the linear backend
