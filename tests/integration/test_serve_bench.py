@@ -63,5 +63,7 @@ def test_launch_colocated_runs_and_shuts_down(tiny, tmp_path):
     (run,) = doc["runs"]
     assert rc == 0 and run["summary"]["completed"] == 3 and run["summary"]["output_tokens"] == 12
     assert "--colocated" in run["launched"]["command"] and "not model speed" in run["note"]
+    log = (tmp_path / "serve-colocated.log").read_text()  # the service's log, kept beside --out
+    assert "ready on tcp://" in log and "drained; exiting" in log
     with pytest.raises(httpx.ConnectError):  # the router is gone
         httpx.get(run["url"] + "/health", timeout=5)
