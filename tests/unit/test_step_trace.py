@@ -28,3 +28,16 @@ def test_step_trace_lines(tmp_path):
     assert [r["chunks"] for r in launched] == [1, 1, 0, 0] and launched[0]["max_chunk"] == 32
     assert all(r["launch_ms"] >= 0 and r["wait_ms"] >= 0 for r in rows)
     assert rows[-1]["collected"] == launched[-1]["step"]  # the last iteration only collects
+
+
+def test_slow_steps_are_logged_with_their_shape(monkeypatch, caplog):
+    import engine.core
+
+    parts = build_engine_parts(EngineConfig(random_preset="tiny-a", kv_cache_bytes=2 << 20,
+                                            scheduler=SchedulerConfig(8, 32, 256)))
+    core = EngineCore(Scheduler(parts.scheduler.cfg, parts.kv, ()), parts.runner)
+    core.scheduler.add(Sequence("a", list(range(1, 41)), SamplingParams(max_tokens=2, temperature=0.0)))
+    monkeypatch.setattr(engine.core, "SLOW_STEP_S", 0.0)  # every step is "slow"
+    with caplog.at_level("WARNING", logger="tandem.engine"):
+        core.step()
+    assert "slow step 1" in caplog.text and "1 seqs, 32 tokens (largest chunk 32)" in caplog.text
