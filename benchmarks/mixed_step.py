@@ -38,37 +38,13 @@ from engine.core import EngineCore
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.step_trace import StepTrace
 from engine.worker_args import add_worker_args, engine_config
 
 
-class Timed(EngineCore):
-    """EngineCore recording each iteration's launch and collect-wait host times."""
-
-    def __init__(self, *a, **kw) -> None:
-        super().__init__(*a, **kw)
-        self.rows: list[dict] = []
-
-    def step(self):
-        prev_launch = self.runner.launch
-
-        def launch(items, prev=None, no=0, hook=None):
-            t = time.perf_counter()
-            h = prev_launch(items, prev, no, hook)
-            self.rows.append({"tokens": sum(it.q_len for it in items), "seqs": len(items),
-                              "chunk": max((it.q_len for it in items), default=0),
-                              "launch_ms": (time.perf_counter() - t) * 1e3})
-            return h
-
-        self.runner.launch = launch
-        t0 = time.perf_counter()
-        n = len(self.rows)
-        try:
-            done = super().step()
-        finally:
-            del self.runner.launch
-        if len(self.rows) > n:
-            self.rows[-1]["step_ms"] = (time.perf_counter() - t0) * 1e3
-        return done
+def _launched(rows: list[dict]) -> list[dict]:
+    """The step trace's launched steps (engine/step_trace.py), each with its iteration's host time."""
+    return [{**r, "step_ms": r["sched_ms"] + r["launch_ms"] + r["wait_ms"]} for r in rows if r["step"]]
 
 
 def main() -> None:
@@ -97,10 +73,11 @@ def main() -> None:
     if cfg.device.startswith("cuda"):  # as the worker does before it reports ready (engine/warmup.py)
         from engine.warmup import warm_up
 
-        warm_up(parts, model.cfg.vocab_size, a.seed)
+        warm_up(parts, a.seed)
     piecewise = parts.runner.piecewise
     sched = Scheduler(parts.scheduler.cfg, parts.kv, ())
-    core = Timed(sched, parts.runner, overlap=a.async_decode == "on")
+    core = EngineCore(sched, parts.runner, overlap=a.async_decode == "on")
+    core.trace = StepTrace()  # in memory: each step's size and host times
     g = torch.Generator().manual_seed(a.seed)
     vocab = model.cfg.vocab_size
     rand = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
@@ -131,22 +108,23 @@ def main() -> None:
     run_until(lambda: all(s.output_ids for s in batch))
     for _ in range(20):
         core.step()
-    core.rows.clear()
+    core.trace.rows.clear()
     for _ in range(30):
         core.step()
-    res: dict = {"env": environment(), "args": vars(a), "decode": _summary(core.rows)}
+    res: dict = {"env": environment(), "args": vars(a), "decode": _summary(_launched(core.trace.rows))}
     for m in modes:
         parts.runner.piecewise = piecewise if m == "piecewise" else None
         rows = []
         for i, prompt in enumerate(turns[m]):
             s = Sequence(f"turn-{m}-{i}", prompt + rand(a.new), greedy(a.prefix + a.new))
-            n0 = len(core.rows)
+            n0 = len(core.trace.rows)
             t0 = time.perf_counter()
             sched.add(s)
             run_until(lambda s=s: bool(s.output_ids))
             ttft = (time.perf_counter() - t0) * 1e3
-            mixed = next(r for r in core.rows[n0:] if r["chunk"] > 1)
-            after = core.rows[core.rows.index(mixed) + 1] if core.rows.index(mixed) + 1 < len(core.rows) else {}
+            steps = _launched(core.trace.rows[n0:])
+            at = next(i for i, r in enumerate(steps) if r["max_chunk"] > 1)
+            mixed, after = steps[at], steps[at + 1] if at + 1 < len(steps) else {}
             rows.append({**mixed, "ttft_ms": ttft, "cached": s.num_cached_prefix,
                          "next_launch_ms": after.get("launch_ms"), "next_step_ms": after.get("step_ms")})
             core.abort(s)  # one turn at a time: the batch stays B

@@ -9,7 +9,8 @@ t: seconds since the trace opened, at the step's start; sched_ms: the scheduler;
 runner's launch (host work: inputs, planning, the forward's launches or a graph replay); wait_ms:
 blocked collecting the previous step (the GPU was still running it); chunks: prefill chunks in the
 step (rows with more than one token, or a first token); collected: the step whose tokens this
-iteration collected.
+iteration collected. Without a path the rows stay in memory (`rows`): the start-up warm-up and
+benchmarks/mixed_step.py read them.
 """
 
 from __future__ import annotations
@@ -23,24 +24,31 @@ from pathlib import Path
 class StepTrace:
     FLUSH_EVERY = 256
 
-    def __init__(self, path: str) -> None:
-        self.path = Path(path.replace("%p", str(os.getpid())))
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = self.path.open("a", buffering=1 << 16)
+    def __init__(self, path: str | None = None) -> None:
+        self.rows: list[dict] = []  # kept when there is no file
+        self._f = None
+        if path is not None:
+            self.path = Path(path.replace("%p", str(os.getpid())))
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = self.path.open("a", buffering=1 << 16)
         self._t0 = time.monotonic()
         self._n = 0
 
     def record(self, step: int, t_start: float, items, sched_s: float, launch_s: float, wait_s: float,
                collected: int | None) -> None:
         chunks = [it.q_len for it in items if it.q_len > 1 or it.start < len(it.seq.prompt_ids)]
-        self._f.write(json.dumps({
-            "step": step, "t": round(t_start - self._t0, 6), "seqs": len(items),
-            "tokens": sum(it.q_len for it in items), "chunks": len(chunks), "max_chunk": max(chunks, default=0),
-            "sched_ms": round(sched_s * 1e3, 3), "launch_ms": round(launch_s * 1e3, 3),
-            "wait_ms": round(wait_s * 1e3, 3), "collected": collected}) + "\n")
+        row = {"step": step, "t": round(t_start - self._t0, 6), "seqs": len(items),
+               "tokens": sum(it.q_len for it in items), "chunks": len(chunks), "max_chunk": max(chunks, default=0),
+               "sched_ms": round(sched_s * 1e3, 3), "launch_ms": round(launch_s * 1e3, 3),
+               "wait_ms": round(wait_s * 1e3, 3), "collected": collected}
+        if self._f is None:
+            self.rows.append(row)
+            return
+        self._f.write(json.dumps(row) + "\n")
         self._n += 1
         if self._n % self.FLUSH_EVERY == 0:
             self._f.flush()
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()

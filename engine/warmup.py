@@ -31,6 +31,7 @@ from engine.core import EngineCore
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.step_trace import StepTrace
 
 log = logging.getLogger("tandem.warmup")
 
@@ -43,16 +44,6 @@ class WarmupRequest:
     temperature: float = 0.0
     max_tokens: int = 3
     share_prompt: bool = False  # indexed once its prompt is computed (model/prefix_share.py), as fan-out's choice 0
-
-
-class _Recording(Scheduler):
-    """The scheduler, remembering the items of the latest launched step (for the report)."""
-
-    last: list
-
-    def on_launch(self, items, step: int) -> None:
-        self.last = list(items)
-        super().on_launch(items, step)
 
 
 def warmup_plan(max_batched_tokens: int, max_model_len: int, page_size: int) -> list[WarmupRequest]:
@@ -94,33 +85,30 @@ def token_counts(max_batched_tokens: int) -> list[int]:
     return sorted(out)
 
 
-def warm_up(parts: EngineParts, vocab_size: int, seed: int = 0) -> WarmupReport:
+def warm_up(parts: EngineParts, seed: int = 0) -> WarmupReport:
     """The shape sweep (one fresh prefill per `token_counts` size, each a step of its own), then
     `warmup_plan`'s mixed requests; leaves `parts` as found."""
     t0 = time.monotonic()
     kv, sched_cfg = parts.kv, parts.scheduler.cfg
     plan = warmup_plan(sched_cfg.max_num_batched_tokens, sched_cfg.max_model_len, kv.spec.page_size)
-    scheduler = _Recording(sched_cfg, kv, ())  # no EOS: each request runs its max_tokens
+    scheduler = Scheduler(sched_cfg, kv, ())  # no EOS: each request runs its max_tokens
     core = EngineCore(scheduler, parts.runner, overlap=getattr(parts.runner, "supports_overlap", False))
+    core.trace = StepTrace()  # in memory: the report's step sizes
     free_before = kv.num_free()
+    vocab_size = parts.model.cfg.vocab_size
     rng = random.Random(seed)
     ids_made: list[str] = []
-    step_tokens: list[int] = []
-    mixed = 0
+    iterations = 0
 
     def add(rid: str, ids: list[int], **params) -> None:
         ids_made.append(rid)
         scheduler.add(Sequence(rid, ids, SamplingParams(**params)))
 
     def step() -> None:
-        nonlocal mixed
-        scheduler.last = []
+        nonlocal iterations
         core.step()
-        items = scheduler.last
-        step_tokens.extend([sum(it.q_len for it in items)] if items else [])
-        mixed += bool(items) and any(it.q_len == 1 and it.start >= len(it.seq.prompt_ids) for it in items) and any(
-            it.q_len > 1 for it in items)
-        if len(step_tokens) > 10_000:  # a bug, not a slow GPU: the warm-up needs a few hundred steps
+        iterations += 1
+        if iterations > 10_000:  # a bug, not a slow GPU: the warm-up needs a few hundred steps
             raise RuntimeError("warm-up did not finish in 10,000 steps")
 
     for n in token_counts(min(sched_cfg.max_num_batched_tokens, sched_cfg.max_model_len - 1)):
@@ -146,7 +134,10 @@ def warm_up(parts: EngineParts, vocab_size: int, seed: int = 0) -> WarmupReport:
     kv.reset_cache()
     if kv.num_free() != free_before:  # graphs' padding pages stay held: compare counts, not "all free"
         raise RuntimeError(f"warm-up leaked KV pages: free (full, sliding) {free_before} -> {kv.num_free()}")
-    rep = WarmupReport(time.monotonic() - t0, len(step_tokens), tuple(step_tokens), mixed, hits)
+    launched = [r for r in core.trace.rows if r["step"]]
+    # mixed: decode rows (not chunks) beside a chunk of more than one token
+    mixed = sum(r["seqs"] > r["chunks"] and r["max_chunk"] > 1 for r in launched)
+    rep = WarmupReport(time.monotonic() - t0, len(launched), tuple(r["tokens"] for r in launched), mixed, hits)
     log.info("warm-up: %d steps (a sweep of %d step sizes up to %d tokens, then %d mixed requests: %d mixed steps, "
              "%d cached tokens hit) in %.2f s", rep.steps, len(ids_made) - len(plan),
              sched_cfg.max_num_batched_tokens, len(plan), mixed, hits, rep.seconds)

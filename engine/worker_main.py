@@ -68,7 +68,7 @@ def maybe_warm_up(a: argparse.Namespace, parts: EngineParts) -> None:
     if a.warmup == "on" or (a.warmup == "auto" and not a.device.startswith("cpu")):
         from engine.warmup import warm_up
 
-        warm_up(parts, parts.model.cfg.vocab_size, a.seed)
+        warm_up(parts, a.seed)
 
 
 def transfer_config(a: argparse.Namespace, parts: EngineParts, wid: str, tp_rank: int = 0) -> TransferConfig:

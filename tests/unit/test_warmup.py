@@ -58,7 +58,7 @@ def _generate(parts, prompts: list[list[int]]) -> list[list[int]]:
 def test_warmup_prefix_leaves_engine_as_found(caching):
     parts = _parts(caching)
     free = parts.kv.num_free()
-    rep = warm_up(parts, parts.model.cfg.vocab_size)
+    rep = warm_up(parts)
     sweep = token_counts(64)
     assert list(rep.step_tokens[:len(sweep)]) == sweep  # the sweep: one step per size
     assert rep.mixed_steps >= 2  # then decode rows beside prefills
