@@ -158,7 +158,7 @@ class FlashInferAttention:
             self.name = "flashinfer-triton-decode"
         # TritonAttention for pure-decode steps over e4m3 pages (fp8_decode="triton"), and over 16-bit
         # pages with decode_kernel="triton"
-        self._fp8_decode = None
+        self._triton_decode = None
         self._want = {"prefill": prefill_backend, "decode": decode_backend}
         self._backend: dict[str, str] = {}  # resolved per role once the device is known
         self._dims: AttentionDims | None = None
@@ -191,9 +191,8 @@ class FlashInferAttention:
         for role in ("prefill", "decode"):
             for wl in set(self._windows.values()):
                 # FP8: prefill reads pages densely (ragged); decode may run on the Triton decode kernel
-                if role == "decode" and self._fp8_decode is not None:
-                    pass  # every pure-decode step runs the Triton decode kernel
-                elif not self._dims.fp8_kv or role == "decode":
+                # (a decode role whose pure-decode steps all run the Triton decode kernel needs none)
+                if (role == "decode" and self._triton_decode is None) or (role == "prefill" and not self._dims.fp8_kv):
                     self._wrapper(role, "paged", wl)
                 if role == "prefill":
                     self._wrapper(role, "ragged", wl)
@@ -201,7 +200,7 @@ class FlashInferAttention:
     def enable_cuda_graphs(self, batch_sizes: Sequence[int], max_pages_per_seq: int) -> None:
         self._graph_sizes = set(batch_sizes)
         self._graph_max_pages = max_pages_per_seq
-        for t in (self._fp8_fallback, self._fp8_decode):
+        for t in (self._fp8_fallback, self._triton_decode):
             if t is not None:
                 t.enable_cuda_graphs(batch_sizes, max_pages_per_seq)
 
@@ -257,10 +256,10 @@ class FlashInferAttention:
             self._wrappers.clear()
             self._graph_slots.clear()
             self._plans = {}
-            self._fp8_decode = None  # rebuilt below for the new pages (e4m3 or 16-bit config)
+            self._triton_decode = None  # rebuilt below for the new pages (e4m3 or 16-bit config)
         self._dims = dims
         if (dims.fp8_kv and self._fp8_decode_kind == "triton") or (self._all_decode_triton and not dims.fp8_kv):
-            self._fp8_decode = self._fp8_decode or self._triton(decode_all=not dims.fp8_kv)
+            self._triton_decode = self._triton_decode or self._triton(decode_all=not dims.fp8_kv)
         elif dims.fp8_kv:
             self._check_fp8_kv(dims)
         if self._workspace is None:
@@ -320,8 +319,8 @@ class FlashInferAttention:
             return
         if self._dims is None:
             return  # shapes unknown until the first forward: planned lazily there
-        if self._fp8_decode is not None and self._triton_decodes(self._dims.fp8_kv) and step.is_decode:
-            self._fp8_decode.plan(step)  # every paged read of this step is the decode kernel's
+        if self._triton_decode is not None and self._triton_decodes(self._dims.fp8_kv) and step.is_decode:
+            self._triton_decode.plan(step)  # every paged read of this step is the decode kernel's
             return
         for gi, g in enumerate(step.groups):
             if g is not None and gi in self._windows:
@@ -420,9 +419,9 @@ class FlashInferAttention:
         self._set_dims(AttentionDims(q.shape[1], k.shape[1], q.shape[2], page, q.dtype, q.device, kv_dtype))
         if self._fp8_fallback is not None:
             return self._fp8_fallback.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale, rope=rope)
-        if self._fp8_decode is not None and self._triton_decodes(kv_dtype == FP8_KV) and step.is_decode:
-            self._fp8_decode.plan(step)  # a no-op when plan() saw this step (always under graph capture)
-            return self._fp8_decode.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale, rope=rope)
+        if self._triton_decode is not None and self._triton_decodes(kv_dtype == FP8_KV) and step.is_decode:
+            self._triton_decode.plan(step)  # a no-op when plan() saw this step (always under graph capture)
+            return self._triton_decode.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale, rope=rope)
         if self._windows.get(group) != window_left:  # learned from the first layer of the group
             self._windows[group] = window_left
             self._plans.pop(group, None)

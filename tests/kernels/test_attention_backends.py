@@ -326,7 +326,7 @@ def test_flashinfer_fp8_kv_planning_matches_torch(fake_flashinfer):
     impl = fake_flashinfer.FlashInferAttention(fp8_decode="flashinfer")
     impl.enable_cuda_graphs([3], max_pages_per_seq=64)
     self_test_attention(impl, "cpu", torch.float32, shape=SMALL, kv_dtype=fp8)
-    assert impl._fp8_fallback is None and impl._fp8_decode is None
+    assert impl._fp8_fallback is None and impl._triton_decode is None
     kinds = set(_FakeWrapper.log)
     assert {("fa2", "paged", True, True), ("fa2", "paged", False, True),  # decode of 3: graph wrappers
             ("fa3", "ragged", True, False), ("fa3", "ragged", False, False)} <= kinds
@@ -348,7 +348,7 @@ def test_flashinfer_fp8_kv_decode_runs_on_the_triton_decode_kernel(fake_flashinf
     impl.enable_cuda_graphs([3], max_pages_per_seq=64)
     self_test_attention(impl, "cpu", torch.float32, shape=SMALL, kv_dtype=torch.float8_e4m3fn)
     assert calls and set(calls) == {torch.float8_e4m3fn}
-    assert sorted(impl._fp8_decode._graph) == [(3, PageGroup.FULL, 64), (3, PageGroup.SLIDING, 64)]
+    assert sorted(impl._triton_decode._graph) == [(3, PageGroup.FULL, 64), (3, PageGroup.SLIDING, 64)]
     kinds = set(_FakeWrapper.log)
     assert not any(kind == "paged" for _, kind, _, _ in kinds) and ("fa3", "ragged", True, False) in kinds
     assert not any("e4m3" in uri for _, uri, _ in sys.modules["flashinfer.prefill"].built)
@@ -377,7 +377,7 @@ def test_flashinfer_triton_decode_takes_16bit_pages_too(fake_flashinfer, monkeyp
     impl.enable_cuda_graphs([3], max_pages_per_seq=64)
     self_test_attention(impl, "cpu", torch.float32, shape=SMALL)
     assert calls and set(calls) == {BF16_DECODE}
-    assert sorted(impl._fp8_decode._graph) == [(3, PageGroup.FULL, 64), (3, PageGroup.SLIDING, 64)]
+    assert sorted(impl._triton_decode._graph) == [(3, PageGroup.FULL, 64), (3, PageGroup.SLIDING, 64)]
     _FakeWrapper.log = []
     fresh = fake_flashinfer.FlashInferAttention(decode_kernel="triton")
     fresh.prepare(fake_flashinfer.AttentionDims(8, 2, 16, 4, torch.float32, torch.device("cpu"), torch.float32),

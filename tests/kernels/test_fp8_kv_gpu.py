@@ -79,9 +79,9 @@ def test_fp8_kv_self_test(name):
     self_test_attention(impl, DEV, torch.bfloat16, kv_dtype=FP8)
     self_test_attention(impl, DEV, torch.bfloat16, shape=REAL, kv_dtype=FP8)
     if name.startswith("flashinfer-"):  # FlashInfer 0.6.6 builds our FP8 variant: no fallback to Triton
-        assert impl._fp8_fallback is None and impl._fp8_decode is None
+        assert impl._fp8_fallback is None and impl._triton_decode is None
     if name == "flashinfer":
-        assert impl._fp8_decode is not None
+        assert impl._triton_decode is not None
 
 
 def _run_case(impl, q_lens, prefix, window, seed=0):
@@ -260,7 +260,7 @@ def test_triton_decode_backend_on_bf16_pages(window):
     from kernels.flashinfer_backend import FlashInferAttention
     impl = FlashInferAttention(decode_kernel="triton")
     self_test_attention(impl, DEV, torch.bfloat16, shape=REAL)
-    assert impl._fp8_decode is not None
+    assert impl._triton_decode is not None
     b = 16
     step, num_pages = _step([1] * b, [8191] * b, window, seed=5)
     g = torch.Generator(device=DEV).manual_seed(6)
