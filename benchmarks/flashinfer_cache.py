@@ -11,6 +11,11 @@ declaration: kernels/flashinfer_backend.py).
     # here, in a Python 3.12 environment with torch and the GPU's site (/tmp/site: flashinfer 0.6.6,
     # tvm-ffi 0.1.9) importable, CUDA 13 nvcc on PATH:
     python -m benchmarks.flashinfer_cache --prebuild .cache/fi --base .cache/fi/flashinfer-cache.tar.xz
+
+A toolkit without cuRAND's headers (the CPU machine's CUDA 13) fails the fa3 modules on
+curand_kernel.h (CUTLASS's utilities include it): copy include/curand*.h of the `nvidia-curand` 10.4
+wheel into a folder on the build's include path (/usr/local/include there). Python 3.11 with
+flashinfer's cp311 tvm-ffi wheel builds the same modules (they link libtvm_ffi, not libpython).
 """
 
 from __future__ import annotations
@@ -86,7 +91,13 @@ def _link_without_driver() -> None:
     the modules call only the runtime API (libcudart), and --as-needed keeps libcuda out of their
     NEEDED entries, as in the modules built on the H200."""
     from flashinfer.jit.cpp_ext import get_cuda_path
-    if os.path.exists(os.path.join(get_cuda_path(), "lib64", "stubs", "libcuda.so")):
+    cuda = get_cuda_path()
+    # FlashInfer links with -L<cuda>/lib64 -lcudart; some toolkits (this CPU machine's) keep it in lib/
+    found = [os.path.join(root, sub) for root in (cuda, "/usr/local/cuda") for sub in ("lib64", "lib")
+             if os.path.exists(os.path.join(root, sub, "libcudart.so"))]
+    if found:
+        os.environ["FLASHINFER_EXTRA_LDFLAGS"] = f"-L{found[0]} " + os.environ.get("FLASHINFER_EXTRA_LDFLAGS", "")
+    if os.path.exists(os.path.join(cuda, "lib64", "stubs", "libcuda.so")):
         return
     stub = "/tmp/fi-prebuild-stub"
     os.makedirs(stub, exist_ok=True)

@@ -155,9 +155,12 @@ ISSUE_SUITES: dict[str, Suite] = {
         "issue 25: the decode worker's engine (20b, the multi-turn suite's decode settings, CUDA graphs + piecewise "
         "graphs) with 60 sequences decoding at 3.5k context while a new turn (3,296 cached + 280 new tokens) joins: "
         "host launch and wait of decode and mixed steps, piecewise vs eager, the turn's first-token time; cProfile "
-        "and torch.profiler (host-side syncs) of one mixed step",
+        "and torch.profiler (host-side syncs) of one mixed step; first the FlashInfer attention GPU tests (the plans' "
+        "pinned seq_lens)",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
-        steps=(step("mixed-step", "{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b "
+        steps=(step("flashinfer-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_gpu.py "
+                                            "-k flashinfer", 100, summary=PYTEST),
+               step("mixed-step", "{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b "
                                   "--kv-cache-gib 28 --max-num-seqs 128 --cuda-graphs --piecewise-graphs "
                                   "--max-model-len 16384 --max-num-batched-tokens 4096 --turns 5 --host-profile --profile "
                                   "--out {out}/mixed_step.json", 240,

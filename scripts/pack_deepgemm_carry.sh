@@ -5,7 +5,7 @@
 # On the GPU machine the suite runner unpacks it (benchmarks/gpu_env.py; for ad-hoc commands scripts/gpu/env.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-whl=$(ls .whl/sgl_deep_gemm-*.whl 2>/dev/null | head -1)
+whl=$(ls .whl/sgl_deep_gemm-*.whl 2>/dev/null | head -1 || true)  # none on a fresh machine
 [ -n "$whl" ] || bash scripts/fetch_deepgemm_wheel.sh
 whl=$(ls .whl/sgl_deep_gemm-*.whl | head -1)
 tmp=$(mktemp -d)
