@@ -162,7 +162,7 @@ ISSUE_SUITES: dict[str, Suite] = {
                                             "-k flashinfer", 100, summary=PYTEST),
                step("mixed-step", "{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b "
                                   "--kv-cache-gib 28 --max-num-seqs 128 --cuda-graphs --piecewise-graphs "
-                                  "--max-model-len 16384 --max-num-batched-tokens 4096 --turns 5 --host-profile --profile "
+                                  "--max-model-len 16384 --max-num-batched-tokens 4096 --turns 3 --host-profile --profile "
                                   "--out {out}/mixed_step.json", 240,
                     summary=r"^decode steps|^mixed|Error|Traceback"),),
         reproduces=("multi-turn-colocated-pw-2 (2026-12-03): mixed steps' host launch 29.7 ms p50 (decode steps 4.7)",)),
