@@ -127,6 +127,24 @@ def chunk_gather_indices(prefix_lens: list[int], q_lens: list[int], max_pages: i
     return flat, i % page_size, dst_pre, dst_new, cu_k.astype(np.int32)
 
 
+def chunk_row_sources(flat: np.ndarray, offs: np.ndarray, dst_pre: np.ndarray, dst_new: np.ndarray,
+                      page_table: torch.Tensor, page_size: int, upload) -> torch.Tensor:
+    """[Tk] int64 source of every dense row of a chunk step (chunk_gather_indices' arrays), for the
+    layers' one-launch gather (kernels.triton_store_kv.gather_kv): page * P + offset for a prefix row,
+    -(j + 1) for new token j. Built once per step: one upload, then the prefix rows' pages looked up
+    in the device page table [B, max_pages]."""
+    src = np.empty(dst_pre.size + dst_new.size, dtype=np.int64)
+    src[dst_new] = -1 - np.arange(dst_new.size)
+    src[dst_pre] = offs
+    idx = upload(np.concatenate([src, flat, dst_pre]))
+    n_src, n_pre = src.size, flat.size
+    rows = idx[:n_src]
+    pages = page_table.flatten()[idx[n_src:n_src + n_pre]].long()  # [n_pre] the prefix rows' pages
+    dst = idx[n_src + n_pre:]  # [n_pre] their rows (distinct)
+    rows[dst] = rows[dst] + pages * page_size
+    return rows
+
+
 @dataclass(slots=True)
 class _GroupPlan:
     """What one page group needs at forward time in the current step."""
@@ -134,7 +152,7 @@ class _GroupPlan:
     kind: str  # "paged" | "ragged"
     wrapper: object
     slots: torch.Tensor | None = None  # [T] int64 slot_mapping to store with (static when graphed)
-    gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    gather: torch.Tensor | None = None  # [Tk] int64 dense row sources (gather_kv): slot, or -(new row + 1)
     num_keys: int = 0  # rows of the gathered dense K/V (ragged with a cached prefix)
     read_slots: torch.Tensor | None = None  # FP8 prefill: store first, then every key read back from pages
 
@@ -377,10 +395,8 @@ class FlashInferAttention:
         dev = d.device
         gather = None
         if flat.size:
-            idx = _pinned(torch.from_numpy(np.concatenate([flat, offs, dst_pre, dst_new]))).to(dev, non_blocking=True)
-            n_pre = flat.size
-            pages = g.page_table.flatten()[idx[:n_pre]].long()
-            gather = (pages, idx[n_pre:2 * n_pre], idx[2 * n_pre:3 * n_pre], idx[3 * n_pre:])
+            gather = chunk_row_sources(flat, offs, dst_pre, dst_new, g.page_table, p,
+                                       lambda a: _pinned(torch.from_numpy(a)).to(dev, non_blocking=True))
         w = self._wrapper("prefill", "ragged", window_left)
         w.plan(cu_q, _pinned(torch.from_numpy(cu_k)), d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True,
                window_left=window_left, q_data_type=d.dtype, kv_data_type=d.dtype)
@@ -461,19 +477,11 @@ class FlashInferAttention:
                 store_kv(k, v, k_cache, v_cache, plan.slots, kv_scale)
             keys, vals = gather_kv(k_cache, v_cache, plan.read_slots, kv_scale, q.dtype)
             return plan.wrapper.run(q, keys, vals, sinks, sm_scale, out=out)
-        keys, vals = k.contiguous(), v.contiguous()
-        if plan.gather is not None:  # some sequence has a cached prefix: build [prefix ; new] per sequence
-            pages, offs, dst_pre, dst_new = plan.gather
-            keys = torch.empty(plan.num_keys, *k.shape[1:], dtype=k.dtype, device=k.device)  # [Tk, Hkv, D]
-            vals = torch.empty_like(keys)
-            if fp8:  # the prefix dequantised (the chunk's own K/V stay unquantised, as in the reference)
-                keys[dst_pre], vals[dst_pre] = gather_kv(k_cache, v_cache, pages * k_cache.shape[2] + offs,
-                                                         kv_scale, k.dtype)
-            else:
-                keys[dst_pre] = k_cache[pages, :, offs]
-                vals[dst_pre] = v_cache[pages, :, offs]
-            keys[dst_new] = k
-            vals[dst_new] = v
+        if plan.gather is not None:  # some sequence has a cached prefix: [prefix ; new] per sequence, one launch
+            # e4m3 prefixes dequantised; the chunk's own K/V stay unquantised, as in the reference
+            keys, vals = gather_kv(k_cache, v_cache, plan.gather, kv_scale if fp8 else None, k.dtype, new=(k, v))
+        else:
+            keys, vals = k.contiguous(), v.contiguous()
         out = plan.wrapper.run(q, keys, vals, sinks, sm_scale, out=out)
         store_kv(k, v, k_cache, v_cache, g.slot_mapping, kv_scale)
         return out

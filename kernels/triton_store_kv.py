@@ -258,11 +258,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
 
 
 @triton.jit
-def _gather_kv_kernel(KC, VC, Slots, KScale, VScale, KOut, VOut, num_rows, num_heads,
+def _gather_kv_kernel(KC, VC, Slots, KScale, VScale, KOut, VOut, KN, VN, num_rows, num_heads,
                       stride_cp, stride_ch, stride_ct, stride_kn, stride_kh, stride_vn, stride_vh,
+                      stride_nkt, stride_nkh, stride_nvt, stride_nvh,
                       HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                      SCALED: tl.constexpr):
-    """A program owns BLOCK_T rows x all heads: out[n, h, :] = cache[page, h, offset, :] * scale[h]."""
+                      SCALED: tl.constexpr, HAS_NEW: tl.constexpr):
+    """A program owns BLOCK_T rows x all heads: out[n, h, :] = cache[page, h, offset, :] * scale[h] for
+    slot >= 0; with HAS_NEW a slot s < 0 names row -s - 1 of the new K/V (KN/VN [T, Hkv, D], copied as they are)."""
     n = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     e = tl.arange(0, BLOCK_E)
     h = e // HEAD_DIM
@@ -270,24 +272,37 @@ def _gather_kv_kernel(KC, VC, Slots, KScale, VScale, KOut, VOut, num_rows, num_h
     n_ok = n < num_rows
     ok = n_ok[:, None] & (h < num_heads)[None, :]
     slot = tl.load(Slots + n, mask=n_ok, other=0)  # [BT] int64
+    cached = ok & (slot >= 0)[:, None]
     src = ((slot // PAGE) * stride_cp + (slot % PAGE) * stride_ct)[:, None] + (h * stride_ch + i)[None, :]
     n64 = n.to(tl.int64)[:, None]
-    kx = tl.load(KC + src, mask=ok, other=0.0).to(tl.float32)
-    vx = tl.load(VC + src, mask=ok, other=0.0).to(tl.float32)
+    kx = tl.load(KC + src, mask=cached, other=0.0).to(tl.float32)
+    vx = tl.load(VC + src, mask=cached, other=0.0).to(tl.float32)
     if SCALED:
         kx = kx * tl.load(KScale + h, mask=h < num_heads, other=1.0)[None, :]
         vx = vx * tl.load(VScale + h, mask=h < num_heads, other=1.0)[None, :]
-    tl.store(KOut + n64 * stride_kn + (h * stride_kh + i)[None, :], kx.to(KOut.dtype.element_ty), mask=ok)
-    tl.store(VOut + n64 * stride_vn + (h * stride_vh + i)[None, :], vx.to(VOut.dtype.element_ty), mask=ok)
+    kx = kx.to(KOut.dtype.element_ty)
+    vx = vx.to(VOut.dtype.element_ty)
+    if HAS_NEW:
+        fresh = ok & (slot < 0)[:, None]
+        j = (-slot - 1)[:, None]
+        kn = tl.load(KN + j * stride_nkt + (h * stride_nkh + i)[None, :], mask=fresh, other=0.0)
+        vn = tl.load(VN + j * stride_nvt + (h * stride_nvh + i)[None, :], mask=fresh, other=0.0)
+        kx = tl.where(fresh, kn.to(KOut.dtype.element_ty), kx)
+        vx = tl.where(fresh, vn.to(VOut.dtype.element_ty), vx)
+    tl.store(KOut + n64 * stride_kn + (h * stride_kh + i)[None, :], kx, mask=ok)
+    tl.store(VOut + n64 * stride_vn + (h * stride_vh + i)[None, :], vx, mask=ok)
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-              kv_scale: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              kv_scale: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype,
+              new: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of caches [NP, Hkv, P, D] at `slots` [N] (int64, page * P + offset) -> dense (k, v)
     [N, Hkv, D] in `dtype`: e4m3 codes times their head's scale (kv_scale [Hkv] fp32 each; None =
     1.0), rounded once to `dtype` -- `kernels.reference.dequantize_kv(...).to(dtype)` bit for bit.
-    The dense attention paths (FlashInfer's ragged kernels) read FP8 pages through this."""
+    The dense attention paths (FlashInfer's ragged kernels) read FP8 pages through this.
+    `new` = (k, v) [T, Hkv, D] in `dtype`: a slot s < 0 takes row -s - 1 of them unchanged, so a chunk's
+    [cached prefix ; new tokens] keys are built in one launch (FlashInfer's chunk plans, which did it
+    in eight indexing ops per layer, ~0.3 ms of host time each sliding layer of a mixed step)."""
     npg, h, page, d = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and slots.dtype == torch.int64
     n = slots.shape[0]
@@ -297,10 +312,13 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
         return k_out, v_out
     scaled = k_cache.dtype == torch.float8_e4m3fn and kv_scale is not None
     ks, vs = kv_scale if scaled else (k_out, k_out)
+    kn, vn = new if new is not None else (k_out, v_out)
+    assert kn.dtype == dtype and kn.stride(2) == 1 and vn.stride(2) == 1
     block_e = triton.next_power_of_2(h * d)
     block_t = max(1, min(16, 4096 // block_e))
     _gather_kv_kernel[(triton.cdiv(n, block_t),)](
-        k_cache, v_cache, slots, ks, vs, k_out, v_out, n, h, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
-        HEAD_DIM=d, PAGE=page, BLOCK_T=block_t, BLOCK_E=block_e, SCALED=scaled, num_warps=4)
+        k_cache, v_cache, slots, ks, vs, k_out, v_out, kn, vn, n, h, k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
+        kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
+        HEAD_DIM=d, PAGE=page, BLOCK_T=block_t, BLOCK_E=block_e, SCALED=scaled, HAS_NEW=new is not None, num_warps=4)
     return k_out, v_out

@@ -207,3 +207,57 @@ def test_fp8_kv_gather_dequantises_like_the_reference(dtype):
         torch.testing.assert_close(v, want_v, atol=0, rtol=2 ** -7)
     else:
         assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_prefix_chunk_gather_builds_prefix_and_new_rows_in_one_launch(fp8):
+    """gather_kv with `new`: FlashInfer's chunk plans build a sliding layer's [cached prefix ; new] keys
+    in one launch: a slot >= 0 reads the pages (e4m3 dequantised), a slot s < 0 copies new row -s - 1
+    (here a strided view, as K is a slice of the QKV projection) unchanged."""
+    from kernels.triton_store_kv import gather_kv
+
+    c = Fp8Case([1, 4], [10, 3], hq=4, hkv=2, seed=11)
+    kc, vc = (c.k_cache, c.v_cache) if fp8 else (c.k_cache.float(), c.v_cache.float())
+    scale = c.kv_scale if fp8 else None
+    d = kc.shape[3]
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(3, 8, 2 * d, generator=g)  # [T, Hkv, 2D]: k and v as strided views
+    k, v = qkv[..., :d], qkv[..., d:]
+    slots = torch.tensor([7, -1, 0, 30, -3, -2, 12], dtype=torch.int64)
+    out_k, out_v = gather_kv(kc, vc, slots, scale, torch.float32, new=(k[:, :2], v[:, :2]))
+    p = kc.shape[2]
+    cached = slots >= 0
+    want_k = torch.empty_like(out_k)
+    want_v = torch.empty_like(out_v)
+    s = slots[cached]
+    rk, rv = kc[s // p, :, s % p], vc[s // p, :, s % p]
+    want_k[cached] = ref.dequantize_kv(rk, c.k_scale) if fp8 else rk
+    want_v[cached] = ref.dequantize_kv(rv, c.v_scale) if fp8 else rv
+    want_k[~cached] = k[-1 - slots[~cached], :2]
+    want_v[~cached] = v[-1 - slots[~cached], :2]
+    assert torch.equal(out_k, want_k) and torch.equal(out_v, want_v)
+
+
+def test_prefix_chunk_row_sources_lay_out_each_sequence_as_prefix_then_new():
+    """FlashInfer's chunk plan (pure parts, CPU): the dense keys of sequence b are its cached prefix read
+    through its page-table row, in order, then its new tokens; gathered in one launch."""
+    from kernels.flashinfer_backend import chunk_gather_indices, chunk_row_sources
+    from kernels.triton_store_kv import gather_kv
+
+    p, hkv, d, max_pages = 4, 2, 8, 5
+    g = torch.Generator().manual_seed(3)
+    prefix, q = [6, 0, 13], [2, 3, 1]
+    table = torch.randperm(20, generator=g)[:3 * max_pages].view(3, max_pages).to(torch.int32)
+    kc = torch.randn(20, hkv, p, d, generator=g)
+    vc = torch.randn(20, hkv, p, d, generator=g)
+    k, v = torch.randn(sum(q), hkv, d, generator=g), torch.randn(sum(q), hkv, d, generator=g)
+    flat, offs, dst_pre, dst_new, cu_k = chunk_gather_indices(prefix, q, max_pages, p)
+    rows = chunk_row_sources(flat, offs, dst_pre, dst_new, table, p, torch.from_numpy)
+    keys, vals = gather_kv(kc, vc, rows, None, torch.float32, new=(k, v))
+    start = 0
+    for b, (n_pre, n_new) in enumerate(zip(prefix, q)):
+        pos = torch.arange(n_pre)
+        want_k = torch.cat([kc[table[b, pos // p].long(), :, pos % p], k[start:start + n_new]])
+        want_v = torch.cat([vc[table[b, pos // p].long(), :, pos % p], v[start:start + n_new]])
+        assert torch.equal(keys[cu_k[b]:cu_k[b + 1]], want_k) and torch.equal(vals[cu_k[b]:cu_k[b + 1]], want_v)
+        start += n_new
