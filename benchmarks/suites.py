@@ -7,7 +7,8 @@ timeout, and records what ran (benchmarks/suite_run.py):
     tandem bench suite NAME --device-call           # here: the exact device-tool call for NAME
 
 The device tool copies the repository; what the machine lacks travels in ignored folders named in
-`carry` (fetch them once here: scripts/fetch_gpu_wheels.sh + scripts/fetch_deepgemm_wheel.sh -> .whl,
+`carry` (fetch them once here: `python -m benchmarks.gpu_carry` -> .whl-site, the whole served stack's packages
+in 23 MiB, which most suites carry; scripts/fetch_gpu_wheels.sh + scripts/fetch_deepgemm_wheel.sh -> .whl,
 scripts/fetch_nixl_wheel.sh -> .whl-nixl, scripts/pack_deepgemm_carry.sh -> .cache/dgcarry; .cache/fi
 holds flashinfer-cache.tar.xz from an earlier `kernels` run, kernels/attention/ in its tarball, or built ahead
 here (`python -m benchmarks.flashinfer_cache --prebuild`: the FP8-KV modules, which the H200 never built), which
