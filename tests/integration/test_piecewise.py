@@ -2,7 +2,9 @@
 (no capture), padded to a bucket, against the monolithic GptOss.forward, bit for bit in fp32:
 
   * fused norms (Triton norms, attention and grouped MoE in the interpreter, rope_store): the
-    `pending` MoE output handed from piece to piece, padded rows that never reach real rows;
+    `pending` MoE output handed from piece to piece, padded rows that never reach real rows (bit for
+    bit); exact buckets bit for bit, padded steps within fp32 rounding (the interpreter's GEMMs may
+    round a row by its place in a tile, CPU-dependent);
   * torch backends (unfused norms) at exact buckets: the reference MoE's per-expert GEMMs and the
     dense GEMMs change kernels with their row counts (MKL takes another path at M <= 3), so padded
     rows there are compared within fp32 rounding;
@@ -48,7 +50,8 @@ def _layer_kv(pool: KVPool, layer: int) -> list[torch.Tensor]:
 
 def _run_steps(model: GptOss, buckets: tuple[int, ...], chunks: tuple[int, ...], exact: bool) -> None:
     """One sequence fed in `chunks`: the eager forward on one pool, the pieces on another; hidden
-    states and every page equal after each step (exact) or close (not exact)."""
+    states and every page equal after each step (exact; with exact="bucket" only at steps that fill
+    their bucket, padded ones within fp32 rounding) or close (not exact)."""
     spec = plan_kv_cache(model.cfg, 1 << 20, page_size=4, max_num_seqs=2, dtype=torch.float32)
     mgr = KVManager(spec)
     ref_pool, pw_pool = KVPool(spec), KVPool(spec)
@@ -56,8 +59,11 @@ def _run_steps(model: GptOss, buckets: tuple[int, ...], chunks: tuple[int, ...],
     pages = SeqPages()
     layers = len(model.layers)
     ids = torch.randint(0, model.cfg.vocab_size, (sum(chunks),), generator=torch.Generator().manual_seed(0))
-    pos = 0
+    pos, diverged = 0, False
     for n in chunks:
+        # once a step matched only within rounding, later steps attend over those K/V: within rounding too
+        step_exact = exact is True or (exact == "bucket" and pw.bucket(n) == n and not diverged)
+        diverged = diverged or not step_exact
         mgr.grow(pages, pos + n)
         meta = build_step_meta([SeqStep(pages, pos, n)], spec)
         want = model(ids[pos:pos + n], meta, ref_pool)
@@ -67,7 +73,7 @@ def _run_steps(model: GptOss, buckets: tuple[int, ...], chunks: tuple[int, ...],
         def hook(i: int) -> None:  # layer i stored, layer i + 1 not yet
             seen.append(i)
             got, ref = _layer_kv(pw_pool, i), _layer_kv(ref_pool, i)
-            if exact:
+            if step_exact:
                 assert all(torch.equal(a, b) for a, b in zip(got, ref)), (n, i)
             else:
                 for a, b in zip(got, ref):
@@ -79,20 +85,25 @@ def _run_steps(model: GptOss, buckets: tuple[int, ...], chunks: tuple[int, ...],
         got = pw.run(ids[pos:pos + n], meta, pw_pool, hook)
         assert seen == list(range(layers))
         assert got.shape == want.shape
-        if exact:
+        if step_exact:
             assert torch.equal(got, want), (n, (got - want).abs().max())
         else:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         pos += n
 
 
-def test_piecewise_fused_norms_padded_bit_exact(ckpt_factory, one_torch_thread):
-    """tiny-a (window 4, page 4): a 13-token chunk in bucket 16, decodes in bucket 1, a 6-token chunk
-    in bucket 8 (past the window: the sliding layers' prefix-plus-chunk path), a 5-token chunk in 8.
-    Real rows >= 4 or an exact bucket: the dense GEMMs keep MKL's kernel (see the module doc)."""
+def test_piecewise_fused_norms_padded(ckpt_factory, one_torch_thread):
+    """tiny-a (window 4, page 4): exact buckets first (decodes in bucket 1, a 16-token chunk, an 8-token
+    chunk past the window: the sliding layers' prefix-plus-chunk path), bit for bit; then a 13-token
+    chunk in bucket 16, decodes, a 6-token chunk and a 5-token chunk in bucket 8 within fp32 rounding
+    (from the first padded step on: later steps attend over its K/V). Padded steps: with padding
+    the MoE's experts get other row counts and the interpreter's block GEMMs (numpy's BLAS) may round
+    a real row differently by its place in a tile: bit-equal on the CI machine of 2026-12-02, one ulp
+    apart at 5-in-8 on an AVX-512 Xeon (2026-12-03). That padding never reaches real rows is checked
+    bit for bit below (test_piecewise_padding_never_reaches_real_rows)."""
     model = _model(ckpt_factory("tiny-a"), fused=True)
     assert model.backends.fused_norm and model.backends.fused_rope_store
-    _run_steps(model, (1, 8, 16, 32), (13, 1, 1, 6, 1, 5), exact=True)
+    _run_steps(model, (1, 8, 16, 32), (1, 1, 16, 1, 8, 13, 1, 6, 1, 5), exact="bucket")
 
 
 def test_piecewise_padding_never_reaches_real_rows(ckpt_factory, one_torch_thread):
