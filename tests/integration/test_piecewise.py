@@ -4,7 +4,7 @@
   * fused norms (Triton norms, attention and grouped MoE in the interpreter, rope_store): the
     `pending` MoE output handed from piece to piece, padded rows that never reach real rows (bit for
     bit); exact buckets bit for bit, padded steps within fp32 rounding (the interpreter's GEMMs may
-    round a row by its place in a tile, CPU-dependent);
+    round a row by the row count of its GEMM: numpy on an AVX-512 Xeon differs at some counts);
   * torch backends (unfused norms) at exact buckets: the reference MoE's per-expert GEMMs and the
     dense GEMMs change kernels with their row counts (MKL takes another path at M <= 3), so padded
     rows there are compared within fp32 rounding;
@@ -98,7 +98,7 @@ def test_piecewise_fused_norms_padded(ckpt_factory, one_torch_thread):
     chunk in bucket 16, decodes, a 6-token chunk and a 5-token chunk in bucket 8 within fp32 rounding
     (from the first padded step on: later steps attend over its K/V). Padded steps: with padding
     the MoE's experts get other row counts and the interpreter's block GEMMs (numpy's BLAS) may round
-    a real row differently by its place in a tile: bit-equal on the CI machine of 2026-12-02, one ulp
+    a real row differently by the row count of its GEMM: bit-equal on the CI machine of 2026-12-02, one ulp
     apart at 5-in-8 on an AVX-512 Xeon (2026-12-03). That padding never reaches real rows is checked
     bit for bit below (test_piecewise_padding_never_reaches_real_rows)."""
     model = _model(ckpt_factory("tiny-a"), fused=True)
