@@ -132,7 +132,7 @@ async def one_turn(client: aiohttp.ClientSession, spec: MultiTurnSpec, r: TurnRe
                         if ids and r.ttft_s is None:
                             r.ttft_s = time.perf_counter() - t0
                         r.output_ids += ids
-    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # ValueError: bad JSON or UTF-8, a line over 64 KiB
         r.error = f"{type(e).__name__}: {e}"
         return r
     r.e2e_s = time.perf_counter() - t0
