@@ -153,7 +153,6 @@ class _GroupPlan:
     wrapper: object
     slots: torch.Tensor | None = None  # [T] int64 slot_mapping to store with (static when graphed)
     gather: torch.Tensor | None = None  # [Tk] int64 dense row sources (gather_kv): slot, or -(new row + 1)
-    num_keys: int = 0  # rows of the gathered dense K/V (ragged with a cached prefix)
     read_slots: torch.Tensor | None = None  # FP8 prefill: store first, then every key read back from pages
 
 
@@ -400,7 +399,7 @@ class FlashInferAttention:
         w = self._wrapper("prefill", "ragged", window_left)
         w.plan(cu_q, _pinned(torch.from_numpy(cu_k)), d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True,
                window_left=window_left, q_data_type=d.dtype, kv_data_type=d.dtype)
-        return _GroupPlan("ragged", w, gather=gather, num_keys=int(cu_k[-1]))
+        return _GroupPlan("ragged", w, gather=gather)
 
     def _plan_fp8_prefill(self, g: GroupMeta, window_left: int, cu_q: torch.Tensor) -> _GroupPlan:
         """A prefill step over e4m3 pages: forward stores, then reads every key of each view back
@@ -412,7 +411,7 @@ class FlashInferAttention:
         w = self._wrapper("prefill", "ragged", window_left)
         w.plan(cu_q, cu_k, d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True, window_left=window_left,
                q_data_type=d.dtype, kv_data_type=d.dtype)
-        return _GroupPlan("ragged", w, g.slot_mapping, read_slots=slots, num_keys=int(cu_k[-1]))
+        return _GroupPlan("ragged", w, g.slot_mapping, read_slots=slots)
 
     def _plan_dense(self, step: StepMeta, window_left: int) -> _GroupPlan:
         d = self._dims
