@@ -67,19 +67,12 @@ def test_multi_turn_client_chains_turns_and_reads_usage_and_headers():
     assert any(p[11:15] == [7000, 7001, 7002, 7003] for p in SEEN if len(p) == 18)
 
 
-def test_multi_turn_client_records_http_errors_and_deadlines():
+def test_multi_turn_client_records_http_errors_and_deadlines(monkeypatch):
     from benchmarks import multi_turn
 
-    real = multi_turn.plan
-
-    def plan(spec):  # no system prompt; conversation 0 gets a 503, conversation 1 streams past its deadline
-        return [], [[([-1], 2)], [([-2], 2)]]
-
-    multi_turn.plan = plan
-    try:
-        results, _ = asyncio.run(_serve(dict(conversations=2, turns=1, request_timeout_s=1.0), 0))
-    finally:
-        multi_turn.plan = real
+    # no system prompt; conversation 0 gets a 503, conversation 1 streams past its deadline
+    monkeypatch.setattr(multi_turn, "plan", lambda spec: ([], [[([-1], 2)], [([-2], 2)]]))
+    results, _ = asyncio.run(_serve(dict(conversations=2, turns=1, request_timeout_s=1.0), 0))
     errs = sorted(r.error.split(":")[0] for r in results)
     assert not any(r.ok for r in results)
     assert errs == ["TimeoutError", "http_503"]
