@@ -56,6 +56,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=280, help="N: its new tokens")
     ap.add_argument("--turns", type=int, default=8, help="new turns measured per forward mode")
     ap.add_argument("--forwards", default="piecewise,eager", help="mixed-step forwards to compare")
+    ap.add_argument("--orders", default="first,launch",
+                    help="loop orders to compare: first (a finished step is collected before the next launch, "
+                         "the default) or launch (always launch the next step first)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="torch.profiler over a mixed step and the step that collects it: the GPU's busy time, "
+                         "its idle gaps and the kernels around the longest (mixed_step.timeline.json)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--host-profile", action="store_true")
     ap.add_argument("--out", default=None, help="JSON file (default: $OUT/mixed_step.json)")
@@ -78,6 +84,7 @@ def main() -> None:
     sched = Scheduler(parts.scheduler.cfg, parts.kv, ())
     core = EngineCore(sched, parts.runner, overlap=a.async_decode == "on")
     core.trace = StepTrace()  # in memory: each step's size and host times
+    parts.runner.time_gpu = True  # and its span on the GPU
     g = torch.Generator().manual_seed(a.seed)
     vocab = model.cfg.vocab_size
     rand = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
@@ -93,7 +100,9 @@ def main() -> None:
             core.step()
 
     # Earlier turns, finished: their prompts are cached (one per measured turn and mode).
-    modes = [m for m in a.forwards.split(",") if m]
+    # forward (piecewise graphs or eager) x loop order (engine.core.collect_ready: a finished step is
+    # collected before the next launch, or always after it)
+    modes = [f"{f}/{o}" for f in a.forwards.split(",") if f for o in a.orders.split(",") if o]
     turns = {m: [] for m in modes}
     for m in modes:
         for i in range(a.turns + 1):
@@ -113,7 +122,9 @@ def main() -> None:
         core.step()
     res: dict = {"env": environment(), "args": vars(a), "decode": _summary(_launched(core.trace.rows))}
     for m in modes:
-        parts.runner.piecewise = piecewise if m == "piecewise" else None
+        forward, order = m.split("/")
+        parts.runner.piecewise = piecewise if forward == "piecewise" else None
+        core.collect_ready = order == "first"
         rows = []
         for i, prompt in enumerate(turns[m]):
             s = Sequence(f"turn-{m}-{i}", prompt + rand(a.new), greedy(a.prefix + a.new))
@@ -126,40 +137,100 @@ def main() -> None:
             at = next(i for i, r in enumerate(steps) if r["max_chunk"] > 1)
             mixed, after = steps[at], steps[at + 1] if at + 1 < len(steps) else {}
             rows.append({**mixed, "ttft_ms": ttft, "cached": s.num_cached_prefix,
-                         "next_launch_ms": after.get("launch_ms"), "next_step_ms": after.get("step_ms")})
+                         "next_launch_ms": after.get("launch_ms"), "next_step_ms": after.get("step_ms"),
+                         "gpu_ms": after.get("collected_gpu_ms")})  # the mixed step's span on the GPU
             core.abort(s)  # one turn at a time: the batch stays B
             for _ in range(5):
                 core.step()
-        res[m] = {"rows": rows[1:], **{k: statistics.median(r[k] for r in rows[1:])
-                                       for k in ("launch_ms", "step_ms", "ttft_ms", "tokens", "cached")}}
-    parts.runner.piecewise = piecewise if "piecewise" in modes else None
-    if a.host_profile or a.profile:
+        med = {k: statistics.median(v) for k in ("launch_ms", "launch_cpu_ms", "step_ms", "gpu_ms", "ttft_ms",
+                                                  "tokens", "cached")
+               if (v := [r[k] for r in rows[1:] if r.get(k) is not None])}
+        res[m] = {"rows": rows[1:], **med}
+    parts.runner.piecewise = piecewise if "piecewise" in a.forwards.split(",") else None
+    core.collect_ready = True
+    if a.host_profile or a.profile or a.timeline:
         prompt = rand(a.prefix)
         pre = Sequence("hprof-prev", prompt, greedy())
         sched.add(pre)
-        run_until(lambda: pre.finished and core.inflight is None)
-        s = Sequence("hprof", prompt + rand(a.new), greedy(a.prefix + a.new))
-        sched.add(s)
+        run_until(lambda: pre.finished)  # the batch keeps decoding: a step stays in flight
         if a.host_profile:
+            sched.add(Sequence("hprof", prompt + rand(a.new), greedy(a.prefix + a.new)))
             host_profile(core.step, path.with_suffix(".host_mixed.txt"))  # the mixed step's launch
             for _ in range(3):
                 core.step()
             host_profile(core.step, path.with_suffix(".host_decode.txt"))  # a decode step
         if a.profile:
-            s2 = Sequence("prof", prompt + rand(a.new), greedy(a.prefix + a.new))
-            sched.add(s2)
+            sched.add(Sequence("prof", prompt + rand(a.new), greedy(a.prefix + a.new)))
             res["profile"] = profile(core.step, path.with_suffix(".profile.txt"))
+        if a.timeline:
+            for _ in range(3):
+                core.step()
+            sched.add(Sequence("timeline", prompt + rand(a.new), greedy(a.prefix + a.new)))
+            res["timeline"] = timeline(lambda: (core.step(), core.step()), path.with_suffix(".timeline.json.gz"))
     path.write_text(json.dumps(res, indent=1, default=str))
     print(f"B={a.batch} C={a.context}, turn P={a.prefix} N={a.new}; median over {a.turns} turns (ms)")
-    print(f"decode steps: launch {res['decode']['launch_ms']:.2f}, step {res['decode']['step_ms']:.2f}")
+    d = res["decode"]
+    print(f"decode steps: launch {d['launch_ms']:.2f} (cpu {d['launch_cpu_ms']:.2f}), step {d['step_ms']:.2f}, "
+          f"GPU span {d.get('collected_gpu_ms') or 0:.2f}")
     for m in modes:
         r = res[m]
         print(f"mixed ({m}): {r['tokens']:.0f} tokens, cached {r['cached']:.0f}: launch {r['launch_ms']:.2f}, "
-              f"step {r['step_ms']:.2f}, turn's first token {r['ttft_ms']:.2f}")
+              f"(cpu {r.get('launch_cpu_ms', 0):.2f}), step {r['step_ms']:.2f}, GPU span {r.get('gpu_ms') or 0:.2f}, "
+              f"turn's first token {r['ttft_ms']:.2f}")
+
+
+def timeline(run, path: Path, top: int = 12) -> dict:
+    """run() under torch.profiler, then the device's timeline from the exported trace: its span (first
+    kernel start -> last end), the time some kernel or copy ran, and the longest idle gaps with the
+    kernels on either side. The trace itself goes to `path` (gzipped chrome trace)."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        run()
+        sync()
+    raw = path.with_suffix("")  # .timeline.json
+    prof.export_chrome_trace(str(raw))
+    events = json.loads(raw.read_text())["traceEvents"]
+    path.write_bytes(gzip.compress(raw.read_bytes()))
+    raw.unlink()
+    dev = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("dur") is not None)
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and "Synchronize" in e.get("name", "")]
+    if not dev:
+        return {}
+    busy, gaps = 0.0, []
+    start, end, last = dev[0]
+    for s0, e0, name in dev[1:]:
+        if s0 > end:
+            gaps.append({"gap_us": round(s0 - end, 1), "at_us": round(end - dev[0][0], 1), "after": last[:80],
+                         "before": name[:80]})
+            busy += end - start
+            start, end = s0, e0
+        elif e0 > end:
+            end = e0
+        last = name if e0 >= end else last
+    busy += end - start
+    gaps.sort(key=lambda g: -g["gap_us"])
+    out = {"span_ms": round((max(e for _, e, _ in dev) - dev[0][0]) / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
+           "idle_ms": round(sum(g["gap_us"] for g in gaps) / 1e3, 3), "gaps": len(gaps),
+           "gaps_over_100us": sum(g["gap_us"] > 100 for g in gaps), "longest": gaps[:top],
+           "host_syncs": [{"name": e["name"], "dur_us": e.get("dur")} for e in syncs][:top]}
+    print(f"timeline: GPU span {out['span_ms']:.2f} ms, busy {out['busy_ms']:.2f}, idle {out['idle_ms']:.2f} in "
+          f"{out['gaps']} gaps ({out['gaps_over_100us']} over 100 us)")
+    for g in gaps[:top]:
+        print(f"  gap {g['gap_us']:8.1f} us at {g['at_us'] / 1e3:7.2f} ms: after {g['after'][:50]} | before {g['before'][:50]}")
+    return out
 
 
 def _summary(rows: list[dict]) -> dict:
-    return {k: statistics.median(r[k] for r in rows if k in r) for k in ("launch_ms", "step_ms", "tokens")}
+    keys = ("launch_ms", "launch_cpu_ms", "step_ms", "tokens", "collected_gpu_ms")
+    return {k: statistics.median(v) for k in keys if (v := [r[k] for r in rows if r.get(k) is not None])}
 
 
 if __name__ == "__main__":

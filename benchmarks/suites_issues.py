@@ -150,22 +150,28 @@ ISSUE_SUITES: dict[str, Suite] = {
                                    "--kv-cache-dtype fp8", 100, summary=r"CUDA kernels per step|Error")),
         reproduces=("decode-profile-1 (2026-12-03): e4m3 pages at 8k x 1 replay in 2.99 ms against bf16's 2.42",)),
     # multi-turn-colocated-pw-2's step trace: a cached turn's mixed step (~340 tokens, ~60 decodes) took 30 ms of
-    # host time to launch and the GPU then finished it within 0.3 ms. This reproduces that step alone.
+    # host time to launch. This reproduces that step alone; run 4 showed the step after it waiting ~27 ms on the
+    # GPU, which the GPU spans and the timeline (busy time, idle gaps) now measure directly.
     "mixed-step": Suite(
         "issue 25: the decode worker's engine (20b, the multi-turn suite's decode settings, CUDA graphs + piecewise "
         "graphs) with 60 sequences decoding at 3.5k context while a new turn (3,296 cached + 280 new tokens) joins: "
-        "host launch and wait of decode and mixed steps, piecewise vs eager, the turn's first-token time; cProfile "
-        "and torch.profiler (host-side syncs) of one mixed step; first the FlashInfer attention GPU tests (the plans' "
-        "pinned seq_lens)",
+        "host launch (and its CPU time), GPU span and wait of decode and mixed steps, piecewise vs eager, the loop "
+        "collecting a finished step first vs launching first, the turn's first-token time; cProfile and "
+        "torch.profiler of one mixed step, and the GPU timeline of a mixed step with the step that collects it; "
+        "first the overlapped loop's GPU tests (both loop orders) and the FP8 KV attention GPU tests (e4m3 chunks "
+        "on a cached prefix through the one-launch gather)",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
-        steps=(step("flashinfer-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_gpu.py "
-                                            "-k flashinfer", 100, summary=PYTEST),
+        steps=(step("loop-fp8kv-gpu-tests", "{py} -m pytest -q -rP -m gpu -p no:cacheprovider "
+                                            "tests/integration/test_async_decode_gpu.py tests/kernels/test_fp8_kv_gpu.py "
+                                            "-k 'async_decode or self_test or real_dims or reference_bytes'", 120,
+                    summary=PYTEST + r"|collected first"),
                step("mixed-step", "{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b "
                                   "--kv-cache-gib 28 --max-num-seqs 128 --cuda-graphs --piecewise-graphs "
                                   "--max-model-len 16384 --max-num-batched-tokens 4096 --turns 3 --host-profile --profile "
-                                  "--out {out}/mixed_step.json", 240,
-                    summary=r"^decode steps|^mixed|Error|Traceback"),),
-        reproduces=("multi-turn-colocated-pw-2 (2026-12-03): mixed steps' host launch 29.7 ms p50 (decode steps 4.7)",)),
+                                  "--timeline --out {out}/mixed_step.json", 240,
+                    summary=r"^decode steps|^mixed|^timeline|^  gap|Error|Traceback"),),
+        reproduces=("multi-turn-colocated-pw-2 (2026-12-03): mixed steps' host launch 29.7 ms p50 (decode steps 4.7)",
+                    "mixed-step-4 (2026-12-03): mixed step launch 12.5 ms, the next step's wait ~27 ms")),
     # Pure-decode steps over bf16 pages on the Triton decode kernel (--attention-backend flashinfer-triton-decode):
     # the kernel read bf16 pages 7 % faster than the generic one at 128 x 8k (fp8-kv-2) and, on e4m3 pages at batch 1,
     # 8.8 us per full layer against FlashInfer's 14 (decode-b1-1, decode-profile-1).

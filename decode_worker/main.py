@@ -48,6 +48,7 @@ def main(argv: list[str]) -> int:
             from engine.step_trace import StepTrace
 
             engine.core.trace = StepTrace(a.step_trace)
+            rp.parts.runner.time_gpu = True  # each step's GPU span in the trace
         server = DecodeServer(engine, None, wid, epoch, a.drain_timeout_s)
         try:
             code = serve(a, server, f"tcp://{a.host}:{a.port}")

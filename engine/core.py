@@ -41,6 +41,9 @@ class EngineCore:
         self.inflight: StepHandle | None = None
         self.num_steps = 0
         self.trace = None  # engine.step_trace.StepTrace (--step-trace): one line per step
+        # Collect a finished step before planning the next (its tokens leave one launch earlier); off:
+        # always launch first (the A/B of benchmarks/mixed_step.py). Needs a runner that can tell.
+        self.collect_ready = hasattr(runner, "ready")
 
     @property
     def has_work(self) -> bool:
@@ -50,18 +53,27 @@ class EngineCore:
         """One iteration. Returns the sequences that received a token (finished ones included)."""
         t0 = time.perf_counter()
         t_mono = time.monotonic()
-        prev = self.inflight
+        prev = collected = self.inflight
         done: list[Sequence] = []
+        first = prev is not None and self.collect_ready and self.runner.ready(prev)
+        if first:
+            # The GPU already finished the step in flight (the host, not the GPU, sets the pace): its
+            # tokens go out now instead of after the next launch. The host's work per iteration is the
+            # same in either order, so this costs no throughput; a step still running keeps the overlap.
+            done += self._collect(prev)
+            prev = None
         for src, dst in self.scheduler.pending_copies:  # prompts shared early: copied before anything writes their ring
             self.runner.copy_sliding_pages(src, dst)
         self.scheduler.pending_copies.clear()
         items = self.scheduler.schedule(preempt_ok=prev is None)
         if items is None:  # a preemption is due: complete the step in flight, then preempt
+            assert prev is not None
             done += self._collect(prev)
             prev = None
             items = self.scheduler.schedule(preempt_ok=True)
         handle = None
         t1 = t2 = time.perf_counter()
+        c1 = c2 = time.thread_time()
         if items:
             self.num_steps += 1
             now = time.monotonic()  # before the launch: on a CPU the launch is the whole forward
@@ -70,12 +82,14 @@ class EngineCore:
                     it.seq.first_launch = now
             handle = self.runner.launch(items, prev, self.num_steps)
             self.scheduler.on_launch(items, self.num_steps)
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.thread_time()
         if prev is not None:
             done += self._collect(prev)
-        if self.trace is not None and (items or prev is not None):
+        if self.trace is not None and (items or collected is not None):
             self.trace.record(self.num_steps if items else 0, t_mono, items or (), t1 - t0, t2 - t1,
-                              time.perf_counter() - t2, prev.no if prev is not None else None)
+                              time.perf_counter() - t2, collected.no if collected is not None else None,
+                              c2 - c1, collected.gpu_ms if collected is not None else None,
+                              first)
         if handle is not None and handle.deferred is not None:  # grammar rows: masks need prev's tokens
             self.runner.finish_sample(handle)
         self.inflight = handle

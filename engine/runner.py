@@ -56,6 +56,8 @@ class StepHandle:
     host: tuple[torch.Tensor, ...] | None  # pinned (ids, logprob, top ids, top logprobs) views
     event: torch.cuda.Event | None  # recorded after the device -> host copies
     deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # logits [R, V] + rows awaiting finish_sample
+    started: torch.cuda.Event | None = None  # timing event at the launch's start (time_gpu)
+    gpu_ms: float | None = None  # set by collect when timed: the GPU's span of the step (started -> event)
 
 
 class ModelRunner:
@@ -74,6 +76,9 @@ class ModelRunner:
         self.share_inputs: Callable[[torch.Tensor], None] | None = None  # TP rank 0: ids to the followers
         self._inputs_done: torch.cuda.Event | None = None
         self._pinned: list[tuple[torch.Tensor, ...]] = []  # two sets, alternating by step parity
+        # --step-trace: each step's GPU span, from an event queued at its launch's start (the GPU reaches
+        # it once the step before is done) to its tokens' copy. Span ~ host launch: the host fed it late.
+        self.time_gpu = False
 
     # ---- the two halves ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -81,13 +86,17 @@ class ModelRunner:
                on_layer_done: Callable[[int], None] | None = None) -> StepHandle:
         if self._inputs_done is not None and not self._inputs_done.query():
             self._inputs_done.synchronize()  # the previous step's input copies have run (see module doc)
+        started = None
+        if self.time_gpu and self.cuda:
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         input_ids = self._input_ids(items, prev)
         if self.share_inputs is not None:
             self.share_inputs(input_ids)
         steps = [SeqStep(it.seq.pages, it.start, it.q_len) for it in items]
         rows = [i for i, it in enumerate(items) if it.sample]
         logits = self.forward(input_ids, steps, rows, on_layer_done)
-        handle = StepHandle(no, items, rows, {}, None, None, None)
+        handle = StepHandle(no, items, rows, {}, None, None, None, started=started)
         if logits is None:
             return handle
         sample_rows: list[SampleRow] = []
@@ -117,7 +126,7 @@ class ModelRunner:
         parts = [out.token_ids] + ([] if out.logprobs is None else [out.logprobs, out.top_ids, out.top_logprobs])
         if self.cuda:
             handle.host = self._to_pinned(no, parts)
-            handle.event = torch.cuda.Event()
+            handle.event = torch.cuda.Event(enable_timing=handle.started is not None)
             handle.event.record()
         else:
             handle.host = tuple(parts)
@@ -134,6 +143,11 @@ class ModelRunner:
             return GrammarMasks(_dev(torch.tensor([r for r, _ in active], dtype=torch.int64), self.device),
                                 _dev(torch.from_numpy(bits), self.device))
 
+    def ready(self, h: StepHandle) -> bool:
+        """The step's tokens are on the host already (its event passed). A CPU step has no event: it
+        reads as still running, so CPU runs keep the overlapped order the tests cover."""
+        return h.event is not None and h.event.query()
+
     def collect(self, h: StepHandle) -> tuple[list[int | None], list[TokenLogprob | None]]:
         tokens: list[int | None] = [None] * len(h.items)
         lps: list[TokenLogprob | None] = [None] * len(h.items)
@@ -142,6 +156,8 @@ class ModelRunner:
         if h.event is not None:
             with torch.profiler.record_function("wait_tokens"):
                 h.event.synchronize()
+            if h.started is not None:
+                h.gpu_ms = h.started.elapsed_time(h.event)
         sampled = h.host[0].tolist()
         want_lp = len(h.host) > 1
         if want_lp:

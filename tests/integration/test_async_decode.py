@@ -50,6 +50,47 @@ def test_async_decode_overlaps_launch_and_collect(ckpt_factory):
     fast.kv.assert_all_free()
 
 
+def test_async_decode_collects_a_finished_step_before_the_next_launch(ckpt_factory):
+    """engine.core: a step the GPU already finished (runner.ready) is collected before the next step
+    is planned, so its tokens leave one launch earlier; one still running keeps the overlap."""
+    fast, _ = llm_pair(ckpt_factory("tiny-a"), kv_cache_bytes=1 << 20)
+    eng = fast.engine
+    calls = []
+    launch, collect = eng.runner.launch, eng.runner.collect
+    eng.runner.launch = lambda items, prev=None, no=0, **kw: (calls.append(("launch", no)), launch(items, prev, no, **kw))[1]
+    eng.runner.collect = lambda h: (calls.append(("collect", h.no)), collect(h))[1]
+    eng.runner.ready = lambda h: h.no == 2  # step 2 reads as done when step 3 is planned; the others as running
+    eng.add_request(prompts_for(512, [5])[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert calls == [("launch", 1), ("launch", 2), ("collect", 1), ("collect", 2), ("launch", 3),
+                     ("launch", 4), ("collect", 3), ("collect", 4)]
+    fast.kv.assert_all_free()
+
+
+@pytest.mark.parametrize("pattern", ["every", "odd"])
+def test_async_decode_collect_first_greedy_equals_sync_with_stops_and_preemption(ckpt_factory, pattern):
+    """Steps collected before the next launch (every one, or every other) give the synchronous
+    loop's tokens: stop tokens mid-batch (no surplus token to drop) and preemption under page pressure."""
+    path = ckpt_factory("tiny-a")
+    from model.config import preset
+
+    spec = plan_kv_cache(preset("tiny-a"), 1 << 20, page_size=16, max_num_seqs=6, dtype=torch.float32)
+    budget = 12 * spec.page_bytes(PageGroup.FULL) + spec.num_pages[1] * spec.page_bytes(PageGroup.SLIDING)
+    sched = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=256)
+    fast, slow = llm_pair(path, kv_cache_bytes=budget, scheduler=sched)
+    fast.engine.runner.ready = (lambda h: True) if pattern == "every" else (lambda h: h.no % 2 == 1)
+    prompts = prompts_for(512, [6, 11, 7, 13, 5, 9])
+    free = run_all(slow, prompts, SamplingParams(max_tokens=28, temperature=0, ignore_eos=True))
+    stops = tuple(sorted({ids[k] for k, (ids, _) in zip([3, 9, 17, 5, 21, 12], free)}))
+    params = SamplingParams(max_tokens=28, temperature=0, stop_token_ids=stops)
+    a, b = run_all(fast, prompts, params), run_all(slow, prompts, params)
+    assert a == b and any(r == "stop" for _, r in a)
+    long = SamplingParams(max_tokens=28, temperature=0, ignore_eos=True)  # every sequence runs: pages run out
+    assert run_all(fast, prompts, long) == free
+    assert fast.engine.scheduler.num_preemptions > 0
+
+
 def test_async_decode_greedy_equals_sync_mixed_lengths_and_stops(ckpt_factory):
     path = ckpt_factory("tiny-a")
     fast, slow = llm_pair(path, kv_cache_bytes=1 << 20)

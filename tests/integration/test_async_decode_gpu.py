@@ -46,12 +46,28 @@ def prompts(lengths, seed=0):
 
 
 def test_async_decode_gpu_greedy_equals_sync(pair):
+    """Both orders of the overlapped loop (engine.core.collect_ready): steps collected after the next
+    launch, and, on these small steps the GPU finishes before the host plans the next, steps collected
+    first (counted: the order must actually occur)."""
     fast, slow = pair
     ps = prompts([5, 40, 130, 300, 17, 999])
     params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(ps))]
-    a = [o.output_ids for o in fast.generate(ps, params)]
+    runner, seen = fast.engine.runner, []
+    ready = runner.ready
+    runner.ready = lambda h: (seen.append(r := ready(h)), r)[1]
+    try:
+        a = [o.output_ids for o in fast.generate(ps, params)]
+    finally:
+        runner.ready = ready
     b = [o.output_ids for o in slow.generate(ps, params)]
     assert a == b
+    print(f"collected first: {sum(seen)} of {len(seen)} steps in flight")
+    assert any(seen)
+    fast.engine.core.collect_ready = False  # launch first, always
+    try:
+        assert [o.output_ids for o in fast.generate(ps, params)] == b
+    finally:
+        fast.engine.core.collect_ready = True
     for llm in pair:
         assert llm.kv.num_free() == tuple(n - 1 for n in llm.kv.spec.num_pages)  # only the graphs' padding page
 
