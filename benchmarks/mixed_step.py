@@ -59,6 +59,9 @@ def main() -> None:
     ap.add_argument("--orders", default="first,launch",
                     help="loop orders to compare: first (a finished step is collected before the next launch, "
                          "the default) or launch (always launch the next step first)")
+    ap.add_argument("--mixed-roles", default="decode",
+                    help="FlashInfer: whose kernel reads a mixed step's attention, compared: decode (fa2, GQA-packed) "
+                         "and/or prefill (fa3)")
     ap.add_argument("--timeline", action="store_true",
                     help="torch.profiler over a mixed step and the step that collects it: the GPU's busy time, "
                          "its idle gaps and the kernels around the longest (mixed_step.timeline.json)")
@@ -102,7 +105,10 @@ def main() -> None:
     # Earlier turns, finished: their prompts are cached (one per measured turn and mode).
     # forward (piecewise graphs or eager) x loop order (engine.core.collect_ready: a finished step is
     # collected before the next launch, or always after it)
-    modes = [f"{f}/{o}" for f in a.forwards.split(",") if f for o in a.orders.split(",") if o]
+    # and the kernel that reads a mixed step's attention (kernels/flashinfer_backend.py mixed_role)
+    attn = parts.model.backends.attention
+    roles = [r for r in a.mixed_roles.split(",") if r] if hasattr(attn, "mixed_role") else ["-"]
+    modes = [f"{f}/{o}/{r}" for f in a.forwards.split(",") if f for o in a.orders.split(",") if o for r in roles]
     turns = {m: [] for m in modes}
     for m in modes:
         for i in range(a.turns + 1):
@@ -122,7 +128,9 @@ def main() -> None:
         core.step()
     res: dict = {"env": environment(), "args": vars(a), "decode": _summary(_launched(core.trace.rows))}
     for m in modes:
-        forward, order = m.split("/")
+        forward, order, role = m.split("/")
+        if role != "-":
+            attn.mixed_role = role
         parts.runner.piecewise = piecewise if forward == "piecewise" else None
         core.collect_ready = order == "first"
         rows = []
@@ -148,6 +156,8 @@ def main() -> None:
         res[m] = {"rows": rows[1:], **med}
     parts.runner.piecewise = piecewise if "piecewise" in a.forwards.split(",") else None
     core.collect_ready = True
+    if roles != ["-"]:
+        attn.mixed_role = roles[0]
     if a.host_profile or a.profile or a.timeline:
         prompt = rand(a.prefix)
         pre = Sequence("hprof-prev", prompt, greedy())

@@ -155,20 +155,21 @@ ISSUE_SUITES: dict[str, Suite] = {
     "mixed-step": Suite(
         "issue 25: the decode worker's engine (20b, the multi-turn suite's decode settings, CUDA graphs + piecewise "
         "graphs) with 60 sequences decoding at 3.5k context while a new turn (3,296 cached + 280 new tokens) joins: "
-        "host launch (and its CPU time), GPU span and wait of decode and mixed steps, piecewise vs eager, the loop "
-        "collecting a finished step first vs launching first, the turn's first-token time; cProfile and "
-        "torch.profiler of one mixed step, and the GPU timeline of a mixed step with the step that collects it; "
-        "first the overlapped loop's GPU tests (both loop orders) and the FP8 KV attention GPU tests (e4m3 chunks "
-        "on a cached prefix through the one-launch gather)",
+        "host launch (and its CPU time), GPU span and wait of decode and mixed steps (piecewise graphs), the loop "
+        "collecting a finished step first vs launching first, the mixed step's attention on fa2 (decode role, GQA "
+        "packed) vs fa3, the turn's first-token time; cProfile and torch.profiler of one mixed step, and the GPU "
+        "timeline of a mixed step with the step that collects it; first the overlapped loop's GPU tests (both loop "
+        "orders) and FlashInfer's attention GPU tests (the self-test's mixed step now on fa2)",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
-        steps=(step("loop-fp8kv-gpu-tests", "{py} -m pytest -q -rP -m gpu -p no:cacheprovider "
-                                            "tests/integration/test_async_decode_gpu.py tests/kernels/test_fp8_kv_gpu.py "
-                                            "-k 'async_decode or self_test or real_dims or reference_bytes'", 120,
+        steps=(step("loop-flashinfer-gpu-tests", "{py} -m pytest -q -rP -m gpu -p no:cacheprovider "
+                                                 "tests/integration/test_async_decode_gpu.py tests/kernels/test_attention_gpu.py "
+                                                 "-k 'async_decode or flashinfer'", 150,
                     summary=PYTEST + r"|collected first"),
                step("mixed-step", "{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b "
                                   "--kv-cache-gib 28 --max-num-seqs 128 --cuda-graphs --piecewise-graphs "
-                                  "--max-model-len 16384 --max-num-batched-tokens 4096 --turns 3 --host-profile --profile "
-                                  "--timeline --out {out}/mixed_step.json", 240,
+                                  "--max-model-len 16384 --max-num-batched-tokens 4096 --turns 3 --forwards piecewise "
+                                  "--orders first,launch --mixed-roles decode,prefill --host-profile --profile "
+                                  "--timeline --out {out}/mixed_step.json", 200,
                     summary=r"^decode steps|^mixed|^timeline|^  gap|Error|Traceback"),),
         reproduces=("multi-turn-colocated-pw-2 (2026-12-03): mixed steps' host launch 29.7 ms p50 (decode steps 4.7)",
                     "mixed-step-4 (2026-12-03): mixed step launch 12.5 ms, the next step's wait ~27 ms")),

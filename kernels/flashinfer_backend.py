@@ -177,6 +177,13 @@ class FlashInferAttention:
         # pages with decode_kernel="triton"
         self._triton_decode = None
         self._want = {"prefill": prefill_backend, "decode": decode_backend}
+        # Reads of a step that mixes single-token rows with chunks (paged full layers, ragged sliding
+        # chunks): on the decode role's kernel (fa2) or the prefill role's (fa3). fa3 gives each query head of a one-token row its own
+        # q tile (no GQA packing), so every decode row reads its whole KV once per query head: at 60
+        # rows x 3.5k beside a 280-token chunk the full layers took 1.63 ms each, 57 % of the step's
+        # GPU time (mixed-step-5, 2026-12-03); fa2 packs the 8 heads of a group into one tile.
+        # The ragged sliding layers of that step: 179 us each on fa3 for ~144 keys per row.
+        self.mixed_role = "decode"
         self._backend: dict[str, str] = {}  # resolved per role once the device is known
         self._dims: AttentionDims | None = None
         self._windows: dict[int, int] = {}  # page group -> window_left, learned from forward
@@ -366,7 +373,7 @@ class FlashInferAttention:
         last = _pinned(torch.tensor([n - (k - 1) * p for n, k in zip(g.kv_lens_host, num_pages)], dtype=torch.int32))
         decode = step.is_decode
         graph = step.num_seqs if decode and step.num_seqs in self._graph_sizes else 0
-        w = self._wrapper("decode" if decode else "prefill", "paged", window_left, graph)
+        w = self._wrapper(self._role(step), "paged", window_left, graph)
         # seq_lens: without it FlashInfer's paged plan (0.6.6, prefill.py) derives the lengths into a pageable
         # tensor and copies that to the device, and to stage pageable memory the driver may synchronise with
         # the stream, i.e. wait for the step in flight (the overlapped loop plans step N+1 while N runs).
@@ -382,6 +389,11 @@ class FlashInferAttention:
             slots.copy_(g.slot_mapping)
         return _GroupPlan("paged", w, slots)
 
+    def _role(self, step: StepMeta) -> str:
+        """Whose kernel reads this step: decode steps the decode role's, steps mixing one-token rows
+        with chunks `mixed_role`'s (see __init__), prefill steps the prefill role's."""
+        return "decode" if step.is_decode else self.mixed_role if 1 in step.q_lens_host else "prefill"
+
     def _plan_chunk(self, step: StepMeta, g: GroupMeta, window_left: int, cu_q: torch.Tensor) -> _GroupPlan:
         """Prefix from pages + new tokens, made dense by one gather per layer (sliding prefixes are
         at most W + P tokens per sequence). The gather's indices are built with numpy and uploaded
@@ -396,7 +408,7 @@ class FlashInferAttention:
         if flat.size:
             gather = chunk_row_sources(flat, offs, dst_pre, dst_new, g.page_table, p,
                                        lambda a: _pinned(torch.from_numpy(a)).to(dev, non_blocking=True))
-        w = self._wrapper("prefill", "ragged", window_left)
+        w = self._wrapper(self._role(step), "ragged", window_left)
         w.plan(cu_q, _pinned(torch.from_numpy(cu_k)), d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True,
                window_left=window_left, q_data_type=d.dtype, kv_data_type=d.dtype)
         return _GroupPlan("ragged", w, gather=gather)
