@@ -110,13 +110,19 @@ ISSUE_SUITES: dict[str, Suite] = {
     # the decode worker's step trace (engine/step_trace.py), one file per launch.
     "multi-turn-colocated-pw": Suite(
         "issue 25: multi-turn-colocated-1 (64 x 8 turns, 2k shared system prompt, ONE decode worker alone) with "
-        "--piecewise-graphs on the decode worker, with and without prefix caching",
+        "--piecewise-graphs on the decode worker, with and without prefix caching; then the same with the decode "
+        "loop's --collect-order ready (first tokens not waited for: the A/B of engine.core.first_token_wait)",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
-        steps=(multi_turn_step("colocated", 330, name="colocated-1-pw",
+        steps=(multi_turn_step("colocated", 240, name="colocated-1-pw",
                                extra="--colocated-decode 1 --ready-timeout-s 300 ",
                                serve_args=MT_SERVE_ARGS.replace(
                                    "--cuda-graphs", "--cuda-graphs --piecewise-graphs "
-                                                    "--step-trace {out}/decode-steps-%p.jsonl")),),
+                                                    "--step-trace {out}/decode-steps-%p.jsonl")),
+               multi_turn_step("colocated", 240, name="colocated-1-pw-ready",
+                               extra="--colocated-decode 1 --ready-timeout-s 300 ",
+                               serve_args=MT_SERVE_ARGS.replace(
+                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs --collect-order ready "
+                                                    "--step-trace {out}/ready-steps-%p.jsonl"))),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
     # at 8k replays in 3.05 ms with e4m3 pages, slower than bf16's 2.44 where batch 128 is 1.29x faster).
