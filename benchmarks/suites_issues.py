@@ -3,6 +3,7 @@ benchmarks/suites.py's SUITES, whose docstring says how suites run and are added
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 
 from benchmarks.suite_defs import FUSION_AB, MT_SERVE_ARGS, PYTEST, SERVED_ARGS, Suite, multi_turn_step, step
@@ -110,19 +111,19 @@ ISSUE_SUITES: dict[str, Suite] = {
     # the decode worker's step trace (engine/step_trace.py), one file per launch.
     "multi-turn-colocated-pw": Suite(
         "issue 25: multi-turn-colocated-1 (64 x 8 turns, 2k shared system prompt, ONE decode worker alone) with "
-        "--piecewise-graphs on the decode worker, with and without prefix caching; then the same with the decode "
-        "loop's --collect-order ready (first tokens not waited for: the A/B of engine.core.first_token_wait)",
+        "--piecewise-graphs on the decode worker, with and without prefix caching; then the same with the router and "
+        "the load client on asyncio's own loop and h11 (TANDEM_ROUTER_LOOP=asyncio: the A/B of uvloop + httptools)",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(multi_turn_step("colocated", 240, name="colocated-1-pw",
                                extra="--colocated-decode 1 --ready-timeout-s 300 ",
                                serve_args=MT_SERVE_ARGS.replace(
                                    "--cuda-graphs", "--cuda-graphs --piecewise-graphs "
                                                     "--step-trace {out}/decode-steps-%p.jsonl")),
-               multi_turn_step("colocated", 240, name="colocated-1-pw-ready",
-                               extra="--colocated-decode 1 --ready-timeout-s 300 ",
-                               serve_args=MT_SERVE_ARGS.replace(
-                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs --collect-order ready "
-                                                    "--step-trace {out}/ready-steps-%p.jsonl"))),
+               dataclasses.replace(multi_turn_step("colocated", 240, name="colocated-1-pw-asyncio",
+                                                   extra="--colocated-decode 1 --ready-timeout-s 300 ",
+                                                   serve_args=MT_SERVE_ARGS.replace(
+                                                       "--cuda-graphs", "--cuda-graphs --piecewise-graphs")),
+                                   env=(("TANDEM_ROUTER_LOOP", "asyncio"),))),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
     # at 8k replays in 3.05 ms with e4m3 pages, slower than bf16's 2.44 where batch 128 is 1.29x faster).
@@ -174,7 +175,7 @@ ISSUE_SUITES: dict[str, Suite] = {
                step("mixed-step", "{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b "
                                   "--kv-cache-gib 28 --max-num-seqs 128 --cuda-graphs --piecewise-graphs "
                                   "--max-model-len 16384 --max-num-batched-tokens 4096 --turns 3 --forwards piecewise "
-                                  "--orders first,launch --mixed-roles decode,prefill --host-profile --profile "
+                                  "--orders ready,launch --mixed-roles decode,prefill --host-profile --profile "
                                   "--timeline --out {out}/mixed_step.json", 200,
                     summary=r"^decode steps|^mixed|^timeline|^  gap|Error|Traceback"),),
         reproduces=("multi-turn-colocated-pw-2 (2026-12-03): mixed steps' host launch 29.7 ms p50 (decode steps 4.7)",

@@ -45,7 +45,6 @@ def main(argv: list[str]) -> int:
         maybe_warm_up(a, rp.parts)
         engine = DecodeEngine(rp.parts, rp.receiver, overlap=a.async_decode == "on")
         engine.core.collect_ready = engine.core.collect_ready and a.collect_order != "launch"
-        engine.core.first_token_wait = a.collect_order == "first"
         if a.step_trace:
             from engine.step_trace import StepTrace
 

@@ -13,9 +13,8 @@ reach the host one step later (engine.runner). Consequences, handled in engine.s
   * pages released while a step is in flight return once it completed (a KV transfer must not land
     in a page that step still writes);
   * a preemption needs the in-flight step completed first (it frees pages at once).
-Two exceptions collect step N *before* planning N+1 (collect_ready): N is already done (the host
-set the pace: same host work either way, tokens one launch earlier), or N sampled first tokens of
-prompts on a device (first_token_wait: TTFT over ~1-3 ms of GPU idle per prefill step).
+A step N already done when the iteration begins is collected *before* N+1 is planned (collect_ready:
+the host set the pace, the host work is the same either way, its tokens leave one launch earlier).
 With `overlap=False` (or a runner that cannot overlap, such as a tensor-parallel group's) every
 step is collected right after its launch: the same code, synchronous.
 """
@@ -44,11 +43,9 @@ class EngineCore:
         self.inflight: StepHandle | None = None
         self.num_steps = 0
         self.trace = None  # engine.step_trace.StepTrace (--step-trace): one line per step
-        # Collect a finished step before planning the next (its tokens leave one launch earlier), and
-        # wait for one that sampled first tokens (first_token_wait); off: always launch first (the
-        # A/Bs of benchmarks/mixed_step.py and the multi-turn suite). Needs a runner that can tell.
+        # Collect a finished step before planning the next (its tokens leave one launch earlier); off:
+        # always launch first (the A/B of benchmarks/mixed_step.py). Needs a runner that can tell.
         self.collect_ready = hasattr(runner, "ready")
-        self.first_token_wait = True
 
     @property
     def has_work(self) -> bool:
@@ -60,16 +57,13 @@ class EngineCore:
         t_mono = time.monotonic()
         prev = collected = self.inflight
         done: list[Sequence] = []
-        first = prev is not None and self.collect_ready and (
-            self.runner.ready(prev) or (self.first_token_wait and self._first_tokens(prev)))
+        first = prev is not None and self.collect_ready and self.runner.ready(prev)
         if first:
             # The GPU already finished the step in flight (the host, not the GPU, sets the pace): its
             # tokens go out now instead of after the next launch. The host's work per iteration is the
             # same in either order, so this costs no throughput; a step still running keeps the overlap.
-            # A step that prefilled prompts is waited for: their first tokens would otherwise wait for the
-            # next launch too (a mixed step's is 10-20 ms of host), and such steps are host-bound, so the
-            # GPU finishes them soon after their launch; the price is the GPU idle while the host
-            # collects and plans the next step (~1-3 ms, once per prefill step).
+            # Waiting for a running step that sampled first tokens measured worse in serving (the host
+            # idled up to 10-20 ms, then the GPU idled while it planned: multi-turn-colocated-pw-6).
             done += self._collect(prev)
             prev = None
         for src, dst in self.scheduler.pending_copies:  # prompts shared early: copied before anything writes their ring
@@ -118,10 +112,6 @@ class EngineCore:
     def abort(self, seq: Sequence) -> None:
         """End a sequence now; its pages return once no launched step can still write them."""
         self.scheduler.finish(seq, FinishReason.ABORT)
-
-    def _first_tokens(self, h: StepHandle) -> bool:
-        """The step samples some prompt's first token and runs on a device (a CPU step is done at launch)."""
-        return self.runner.on_device(h) and any(it.sample and it.start < len(it.seq.prompt_ids) for it in h.items)
 
     def _collect(self, h: StepHandle | None) -> list[Sequence]:
         assert h is not None

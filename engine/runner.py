@@ -148,10 +148,6 @@ class ModelRunner:
         reads as still running, so CPU runs keep the overlapped order the tests cover."""
         return h.event is not None and h.event.query()
 
-    def on_device(self, h: StepHandle) -> bool:
-        """The step's tokens arrive through a device copy (collect may wait for it)."""
-        return h.event is not None
-
     def collect(self, h: StepHandle) -> tuple[list[int | None], list[TokenLogprob | None]]:
         tokens: list[int | None] = [None] * len(h.items)
         lps: list[TokenLogprob | None] = [None] * len(h.items)

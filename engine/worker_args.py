@@ -84,10 +84,10 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--async-decode", choices=["on", "off"], default="on",
                    help="overlapped step loop: the host schedules step N+1 while the GPU runs step N; "
                         "tokens reach the host one step later and a stop token costs one dropped token")
-    p.add_argument("--collect-order", choices=["first", "ready", "launch"], default="first",
-                   help="overlapped loop (engine/core.py): first = a step the GPU finished, or one that sampled "
-                        "prompts' first tokens, is collected before the next launch (default: lower TTFT); ready = "
-                        "finished steps only; launch = always launch the next step first")
+    p.add_argument("--collect-order", choices=["ready", "launch"], default="ready",
+                   help="overlapped loop (engine/core.py): ready = a step the GPU already finished is collected "
+                        "before the next launch (its tokens leave one launch earlier); launch = always launch the "
+                        "next step first")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="content-addressed KV pages kept after a request ends and reused by later prompts "
                         "with the same prefix (model/prefix_cache.py)")

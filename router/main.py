@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import time
@@ -215,7 +216,15 @@ def main(argv: list[str]) -> int:
     app = make_app(cfg, disc)
     log.info("router on http://%s:%d, prefill %s, decode %s%s%s", cfg.host, cfg.port, list(cfg.prefill),
              list(cfg.decode), " (colocated)" if cfg.colocated else "", ", API keys required" if cfg.api_keys else "")
-    server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                                           timeout_graceful_shutdown=CLOSE_S), app.state.drain)
+    # uvloop and httptools when installed (dependencies of tandem): the router's one event loop carries
+    # every stream's SSE events, and the pure-Python defaults (asyncio's loop, h11) cost it latency under
+    # load. loop/http name them explicitly so a missing one is an error, not a silent slow path.
+    # TANDEM_ROUTER_LOOP=asyncio: the pure-Python pair, for an A/B (the multi-turn suite).
+    fast = os.environ.get("TANDEM_ROUTER_LOOP", "auto") != "asyncio"
+    loop, http = ("uvloop" if fast and importlib.util.find_spec("uvloop") else "asyncio",
+                  "httptools" if fast and importlib.util.find_spec("httptools") else "h11")
+    log.info("event loop %s, HTTP parser %s", loop, http)
+    server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", loop=loop,
+                                           http=http, timeout_graceful_shutdown=CLOSE_S), app.state.drain)
     server.run()
     return 0

@@ -68,28 +68,6 @@ def test_async_decode_collects_a_finished_step_before_the_next_launch(ckpt_facto
     fast.kv.assert_all_free()
 
 
-def test_async_decode_waits_for_a_step_with_first_tokens_on_a_device(ckpt_factory):
-    """engine.core.first_token_wait: a step that sampled a prompt's first token on a device is
-    collected before the next launch even while running; decode steps keep the overlap; off: no wait."""
-    for wait, want in ((True, [("launch", 1), ("collect", 1), ("launch", 2), ("launch", 3), ("collect", 2),
-                               ("collect", 3)]),
-                       (False, [("launch", 1), ("launch", 2), ("collect", 1), ("launch", 3), ("collect", 2),
-                                ("collect", 3)])):
-        fast, _ = llm_pair(ckpt_factory("tiny-a"), kv_cache_bytes=1 << 20)
-        eng = fast.engine
-        eng.core.first_token_wait = wait
-        calls = []
-        launch, collect = eng.runner.launch, eng.runner.collect
-        eng.runner.launch = lambda items, prev=None, no=0, **kw: (calls.append(("launch", no)), launch(items, prev, no, **kw))[1]
-        eng.runner.collect = lambda h: (calls.append(("collect", h.no)), collect(h))[1]
-        eng.runner.on_device = lambda h: True  # as on a GPU; ready() stays False: every step reads as running
-        eng.add_request(prompts_for(512, [5])[0], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-        while eng.has_unfinished():
-            eng.step()
-        assert calls == want, wait
-        fast.kv.assert_all_free()
-
-
 @pytest.mark.parametrize("pattern", ["every", "odd"])
 def test_async_decode_collect_first_greedy_equals_sync_with_stops_and_preemption(ckpt_factory, pattern):
     """Steps collected before the next launch (every one, or every other) give the synchronous
@@ -102,7 +80,6 @@ def test_async_decode_collect_first_greedy_equals_sync_with_stops_and_preemption
     sched = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=256)
     fast, slow = llm_pair(path, kv_cache_bytes=budget, scheduler=sched)
     fast.engine.runner.ready = (lambda h: True) if pattern == "every" else (lambda h: h.no % 2 == 1)
-    fast.engine.runner.on_device = lambda h: True  # prefill steps are waited for (first_token_wait)
     prompts = prompts_for(512, [6, 11, 7, 13, 5, 9])
     free = run_all(slow, prompts, SamplingParams(max_tokens=28, temperature=0, ignore_eos=True))
     stops = tuple(sorted({ids[k] for k, (ids, _) in zip([3, 9, 17, 5, 21, 12], free)}))
