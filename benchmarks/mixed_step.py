@@ -2,14 +2,15 @@
 B sequences decoding at context C while a new turn arrives whose prompt extends a finished one
 (P cached tokens, N new): the step that prefills it joins the decode batch (a mixed step).
 
-multi-turn-colocated-pw-2 (2026-12-03) traced such steps in the served decode worker: a mixed step
-of ~340 tokens took 30 ms of host time to *launch* (p50, piecewise graphs on) and the GPU then
-finished it within 0.3 ms, so the host, not the GPU, sets a cached turn's TTFT there. This script
-reproduces that step alone and says where the launch goes:
+multi-turn-colocated-pw-2 (2026-12-03) traced such steps in the served decode worker at ~30 ms of host launch
+(p50, piecewise graphs on); mixed-step-5 timed their GPU span too (34 ms: FlashInfer's fa3 paged kernel on the
+decode rows, now read on fa2). This script reproduces that step alone and says where its time goes:
 
   decode       steady decode steps: host launch, wait for the step before (the GPU still busy)
-  mixed        the step that prefills the new turn: launch, wait, and the turn's time to first
-               token here (added -> its token collected), for each of --forwards (piecewise on/off)
+  mixed        the step that prefills the new turn: launch (and its CPU time), GPU span, and the
+               turn's time to first token here (added -> its token collected), for each --forwards x
+               --orders x --mixed-roles
+  --timeline   the GPU timeline of a mixed step and the step collecting it (busy, idle gaps)
   --host-profile  cProfile of one mixed step's launch; --profile  torch.profiler (CPU + CUDA) of
                the same: the host-side CUDA calls (syncs, copies) and their time
 
