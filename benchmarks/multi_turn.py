@@ -34,6 +34,7 @@ import numpy as np
 
 from benchmarks.loadgen import LengthRange, SSEParser
 from common.errors import ConfigError
+from common.event_loop import loop_and_parser
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,17 +217,13 @@ def summarize(results: list[TurnResult], duration_s: float, kv_bytes_per_token: 
 
 
 def _run_loop(coro):
-    """The load client's loop: uvloop when installed (as the router's), so the client's own event
-    handling adds as little as it can to the TTFT it measures."""
-    import os
-
-    try:
+    """The load client's loop: the router's choice (common/event_loop.py), so the client's own event
+    handling adds as little as it can to the TTFT it measures, and the A/B switches both."""
+    if loop_and_parser()[0] == "uvloop":
         import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    if os.environ.get("TANDEM_ROUTER_LOOP", "auto") == "asyncio":  # the A/B's plain side, client included
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+
+        return uvloop.run(coro)
+    return asyncio.run(coro)
 
 
 def warm_up(spec: MultiTurnSpec, conversations: int) -> dict:

@@ -10,10 +10,11 @@ t: seconds since the trace opened, at the step's start; sched_ms: the scheduler;
 runner's launch (host work: inputs, planning, the forward's launches or a graph replay); wait_ms:
 blocked collecting the previous step (the GPU was still running it); chunks: prefill chunks in the
 step (rows with more than one token, or a first token); collected: the step whose tokens this
-iteration collected. launch_cpu_ms: the loop thread's CPU time during the launch (well under launch_ms:
-the thread waited: the GIL, a preempted core); collected_gpu_ms: the collected step's span on the GPU
-(CUDA runs with a trace only; see engine.runner.time_gpu); collected_first: that step was done when the
-iteration began, so it was collected before this launch (sched_ms includes it; engine.core). Without a path the rows stay in memory (`rows`): the start-up warm-up and
+iteration collected. launch_cpu_ms: the loop thread's CPU time during the launch (well under
+launch_ms: the thread waited: the GIL, a preempted core); collected_gpu_ms: the collected step's span
+on the GPU (CUDA runs with a trace only; see engine.runner.time_gpu); collected_first: that step was
+done when the iteration began, so it was collected before this launch (sched_ms includes it;
+engine.core). Without a path the rows stay in memory (`rows`): the start-up warm-up and
 benchmarks/mixed_step.py read them.
 """
 

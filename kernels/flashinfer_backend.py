@@ -178,11 +178,11 @@ class FlashInferAttention:
         self._triton_decode = None
         self._want = {"prefill": prefill_backend, "decode": decode_backend}
         # Reads of a step that mixes single-token rows with chunks (paged full layers, ragged sliding
-        # chunks): on the decode role's kernel (fa2) or the prefill role's (fa3). fa3 gives each query head of a one-token row its own
-        # q tile (no GQA packing), so every decode row reads its whole KV once per query head: at 60
-        # rows x 3.5k beside a 280-token chunk the full layers took 1.63 ms each, 57 % of the step's
-        # GPU time (mixed-step-5, 2026-12-03); fa2 packs the 8 heads of a group into one tile.
-        # The ragged sliding layers of that step: 179 us each on fa3 for ~144 keys per row.
+        # chunks): on the decode role's kernel (fa2) or the prefill role's (fa3). fa3 gives each query
+        # head of a one-token row its own q tile (no GQA packing), so every decode row reads its whole
+        # KV once per query head: at 60 rows x 3.5k beside a 280-token chunk the full layers took
+        # 1.63 ms each, 57 % of the step's GPU time, the ragged sliding ones 179 us for ~144 keys per
+        # row (mixed-step-5, 2026-12-03); fa2 packs the 8 heads of a group into one tile.
         self.mixed_role = "decode"
         self._backend: dict[str, str] = {}  # resolved per role once the device is known
         self._dims: AttentionDims | None = None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import os
 import time
@@ -22,6 +21,7 @@ import uvicorn
 import zmq.asyncio
 
 from common.errors import ConfigError
+from common.event_loop import loop_and_parser
 from router.admission import AdmissionQueue
 from router.api import Serving, build_app
 from router.prefill_cost import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, PrefillCost
@@ -216,13 +216,10 @@ def main(argv: list[str]) -> int:
     app = make_app(cfg, disc)
     log.info("router on http://%s:%d, prefill %s, decode %s%s%s", cfg.host, cfg.port, list(cfg.prefill),
              list(cfg.decode), " (colocated)" if cfg.colocated else "", ", API keys required" if cfg.api_keys else "")
-    # uvloop and httptools when installed (dependencies of tandem): the router's one event loop carries
-    # every stream's SSE events. Measured against asyncio's loop + h11 (multi-turn-colocated-pw-7/8): the
-    # HTTP part of uncached TTFTs fell from 12-15 to 5-9 ms, cached turns did not move.
-    # TANDEM_ROUTER_LOOP=asyncio: the pure-Python pair, for that A/B.
-    fast = os.environ.get("TANDEM_ROUTER_LOOP", "auto") != "asyncio"
-    loop, http = ("uvloop" if fast and importlib.util.find_spec("uvloop") else "asyncio",
-                  "httptools" if fast and importlib.util.find_spec("httptools") else "h11")
+    # The router's one event loop carries every stream's SSE events. uvloop + httptools against asyncio's
+    # loop + h11 (multi-turn-colocated-pw-7/8): the HTTP part of uncached TTFTs fell from 12-15 to 5-9 ms,
+    # cached turns did not move. Named explicitly, so the log says which pair runs.
+    loop, http = loop_and_parser()
     log.info("event loop %s, HTTP parser %s", loop, http)
     server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", loop=loop,
                                            http=http, timeout_graceful_shutdown=CLOSE_S), app.state.drain)

@@ -32,14 +32,20 @@ def run_all(llm, prompts, params):
     return [(o.output_ids, o.finish_reason.value) for o in out]
 
 
+def record_calls(runner) -> list[tuple[str, int]]:
+    """The runner's launch and collect calls from now on, in order, as (name, step no)."""
+    calls = []
+    launch, collect = runner.launch, runner.collect
+    runner.launch = lambda items, prev=None, no=0, **kw: (calls.append(("launch", no)), launch(items, prev, no, **kw))[1]
+    runner.collect = lambda h: (calls.append(("collect", h.no)), collect(h))[1]
+    return calls
+
+
 def test_async_decode_overlaps_launch_and_collect(ckpt_factory):
     """Step N+1 is launched before step N's tokens are read: the order of runner calls proves it."""
     fast, _ = llm_pair(ckpt_factory("tiny-a"), kv_cache_bytes=1 << 20)
     eng = fast.engine
-    calls = []
-    launch, collect = eng.runner.launch, eng.runner.collect
-    eng.runner.launch = lambda items, prev=None, no=0, **kw: (calls.append(("launch", no)), launch(items, prev, no, **kw))[1]
-    eng.runner.collect = lambda h: (calls.append(("collect", h.no)), collect(h))[1]
+    calls = record_calls(eng.runner)
     eng.add_request(prompts_for(512, [5])[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     while eng.has_unfinished():
         eng.step()
@@ -55,10 +61,7 @@ def test_async_decode_collects_a_finished_step_before_the_next_launch(ckpt_facto
     is planned, so its tokens leave one launch earlier; one still running keeps the overlap."""
     fast, _ = llm_pair(ckpt_factory("tiny-a"), kv_cache_bytes=1 << 20)
     eng = fast.engine
-    calls = []
-    launch, collect = eng.runner.launch, eng.runner.collect
-    eng.runner.launch = lambda items, prev=None, no=0, **kw: (calls.append(("launch", no)), launch(items, prev, no, **kw))[1]
-    eng.runner.collect = lambda h: (calls.append(("collect", h.no)), collect(h))[1]
+    calls = record_calls(eng.runner)
     eng.runner.ready = lambda h: h.no == 2  # step 2 reads as done when step 3 is planned; the others as running
     eng.add_request(prompts_for(512, [5])[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     while eng.has_unfinished():
