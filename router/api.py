@@ -111,6 +111,7 @@ def build_app(h: Handlers, serving: Serving) -> FastAPI:
         base = {"id": jobs[0].request_id.rsplit("-c", 1)[0], "created": int(time.time()), "model": req.model}
         events = fan_out([h.chat_events(job, stops) for job in jobs])
         scope = serving.inflight.open(base["id"])
+        scope.track_first_out([j.trace for j in jobs], bool(req.stream))
         if req.stream:
             # Wait for the first event before answering: a failure before the first token (no worker,
             # queue bound, failed transfer) is then a proper HTTP status instead of a 200 stream.
@@ -139,6 +140,7 @@ def build_app(h: Handlers, serving: Serving) -> FastAPI:
         groups = [fan_out([h.completion_events(j, stops, req.skip_special_tokens) for j in jobs[k:k + n]])
                   for k in range(0, len(jobs), n)]
         scope = serving.inflight.open(rid)
+        scope.track_first_out([j.trace for j in jobs], bool(req.stream))
         if req.stream:
             base = {"id": rid, "created": created, "model": req.model, "object": "text_completion"}
             try:

@@ -43,6 +43,19 @@ class Scope:
         self.cancelled = False
         self.started = time.monotonic()
         self._timer: asyncio.TimerHandle | None = None
+        self.on_first_out: Callable[[], None] = lambda: None  # a stream's first body bytes go to the writer
+
+    def track_first_out(self, traces: list, stream: bool) -> None:
+        """Streams: flag each trace's `first_out` when the first body bytes go to the writer (the worker
+        client holds a step's other tokens until then: router/worker_client.py). Non-streamed
+        requests have no first token to hurry: flagged now."""
+        def mark() -> None:
+            for t in traces:
+                t.first_out = True
+        if stream:
+            self.on_first_out = mark
+        else:
+            mark()
 
     def cancel(self, error: TandemError | None) -> None:
         """End the request early; `error` is what the client is told (None: the client is gone)."""
@@ -60,10 +73,10 @@ class Scope:
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({self.task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not self.task.done():
+            if not self.task.done():  # (a done task needs no second wait: two loop iterations each time)
                 self.cancel(None)
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait({self.task})
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({self.task})
         except asyncio.CancelledError:  # the server itself is cancelling this handler
             self.cancel(None)
             raise
@@ -99,8 +112,11 @@ class Scope:
         if self.cancelled:
             self.task.cancel()
         try:
-            while (b := await out.get()) is not None:
+            if (b := await out.get()) is not None:
+                self.on_first_out()
                 yield b
+                while (b := await out.get()) is not None:
+                    yield b
         finally:
             if not self.task.done():
                 self.cancel(None)  # the consumer went away first: the client is gone

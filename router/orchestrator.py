@@ -68,6 +68,9 @@ class Trace:
     parts: dict[str, float] = field(default_factory=dict)  # its TTFT breakdown (router/metrics.py components)
     decode: str = ""  # the workers of the last placement ("" prefill: on the decode worker)
     prefill: str = ""
+    # The first token was handed to the HTTP writer (a stream's first body bytes; non-streamed: from the
+    # start): until then the worker client holds back the step's other tokens (router/worker_client.py).
+    first_out: bool = False
 
 
 @dataclass(slots=True)
@@ -144,7 +147,7 @@ class Orchestrator:
         assert job.hashes is not None
         decode = self.fleet.client(p.decode)
         rid = job.request_id
-        stream = decode.open_stream(rid)
+        stream = decode.open_stream(rid, self.cfg.stream_timeout_s, job.trace)
         finished = False
         output: list[int] = []
         try:
@@ -164,11 +167,7 @@ class Orchestrator:
                                  [first.first_top] if job.sampling.logprobs is not None else [], False, "", "",
                                  first.cached_tokens)
             while not finished:
-                try:
-                    item = await asyncio.wait_for(stream.get(), self.cfg.stream_timeout_s)
-                except asyncio.TimeoutError:
-                    raise WorkerUnavailable(f"decode worker {p.decode} sent nothing for "
-                                            f"{self.cfg.stream_timeout_s:.0f} s") from None
+                item = await stream.get()  # the client's stall watchdog bounds the wait (stream_timeout_s)
                 if isinstance(item, Exception):
                     exclude.add(p.decode)
                     raise item

@@ -337,6 +337,7 @@ def register_responses(app: FastAPI, h: Handlers, store_size: int, serving: Serv
         b = OutputBuilder(response)
         chat = h.chat_events(job, [])
         scope = serving.inflight.open(job.request_id)
+        scope.track_first_out([job.trace], bool(req.stream))
         if req.stream:
             try:  # a failure before the first token is an HTTP error, not a 200 stream
                 first = await scope.run(request, _first(chat))
