@@ -13,7 +13,7 @@ part. All three processes read one clock (CLOCK_MONOTONIC is host-wide), so per 
 plus the router process's CPU time per generated token (from /proc). The fake worker costs little, so
 on the 2-core CPU machine the figures are the router's (and the client's) own.
 
-    python -m benchmarks.router_stream --streams 64 --step-ms 15 --seconds 20 --out /tmp/rs.json
+    python -m benchmarks.router_stream --streams 64 --step-ms 15 --launch-ms 5 --seconds 20 --out /tmp/rs.json
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ import numpy as np
 import zmq
 
 from benchmarks.loadgen import SSEParser
-from wire.protocol import (Abort, GenerateRequest, StatusRequest, TokenBatch, TokenChunk, WorkerStatus, decode,
-                           encode)
+from wire.protocol import Abort, GenerateRequest, TokenBatch, TokenChunk, WorkerStatus
 
 
 def _status(running: int) -> WorkerStatus:
@@ -46,30 +45,32 @@ def _status(running: int) -> WorkerStatus:
                         max_num_seqs=4096, busy_seconds=0.0)
 
 
-def fake_decode_worker(addr: str, step_s: float, conn) -> None:
-    """One step every step_s: a new request's first token in the step after it arrived, then one token per
-    step until its max_tokens. Sends `{rid: (t_recv, t_first_sent)}` through `conn` when told to stop."""
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(addr)
+def fake_decode_worker(addr: str, step_s: float, launch_s: float, switch_s: float | None, conn) -> None:
+    """The decode worker's shape without a model: the real network thread (common/worker_io.py) and a loop
+    that, every step_s, "launches" the next step (holding the GIL for launch_s, as Python launching
+    kernels does), waits for the step's end without the GIL (as a CUDA event wait), then sends every
+    running stream one token. A request's first token comes in the step after it arrived. Sends
+    `{rid: (t_recv, t_first_sent)}` through `conn` when told to stop."""
+    from common.worker_io import WorkerIO
+
+    io = WorkerIO(addr, lambda req: _status(0))
+    io.start()
+    if switch_s is not None:
+        sys.setswitchinterval(switch_s)  # the A/B of WorkerIO's setting
     running: dict[str, list] = {}  # rid -> [peer, tokens left, first token sent]
     times: dict[str, list[float]] = {}
     next_step = time.monotonic() + step_s
     while not conn.poll():
-        now = time.monotonic()
-        while sock.poll(max(0.0, next_step - now) * 1000):
-            peer, data = sock.recv_multipart()
-            msg = decode(data)
-            if isinstance(msg, StatusRequest):
-                sock.send_multipart([peer, encode(_status(len(running)))])
-            elif isinstance(msg, GenerateRequest):
+        for peer, msg, received in io.drain_timed(0.0):
+            if isinstance(msg, GenerateRequest):
                 running[msg.request_id] = [peer, msg.sampling.max_tokens, False]
-                times[msg.request_id] = [time.monotonic(), 0.0]
+                times[msg.request_id] = [received, 0.0]
             elif isinstance(msg, Abort):
                 running.pop(msg.request_id, None)
-            now = time.monotonic()
-            if now >= next_step:
-                break
+        t_spin = time.perf_counter() + launch_s
+        while time.perf_counter() < t_spin:  # the launch: pure Python, the GIL held
+            pass
+        time.sleep(max(0.0, next_step - time.monotonic()))  # the GPU finishing the step
         by_peer: dict[bytes, list[TokenChunk]] = {}
         first: list[str] = []
         for rid, st in list(running.items()):
@@ -82,9 +83,9 @@ def fake_decode_worker(addr: str, step_s: float, conn) -> None:
                 first.append(rid)
             if done:
                 del running[rid]
-        for peer, chunks in by_peer.items():
-            sock.send_multipart([peer, encode(TokenBatch(chunks))])
         t_sent = time.monotonic()
+        for peer, chunks in by_peer.items():
+            io.send(peer, TokenBatch(chunks))
         for rid in first:
             times[rid][1] = t_sent
         next_step += step_s
@@ -92,7 +93,7 @@ def fake_decode_worker(addr: str, step_s: float, conn) -> None:
             next_step = time.monotonic() + step_s
     conn.recv()
     conn.send(times)
-    sock.close(0)
+    io.close()
 
 
 @dataclass
@@ -178,11 +179,13 @@ class Result:
 
 
 def run(streams: int, step_ms: float, seconds: float, prompt_len: int, out_lo: int, out_hi: int,
-        router_loop: str | None, profile: str | None = None) -> Result:
+        router_loop: str | None, profile: str | None = None, launch_ms: float = 0.0,
+        switch_ms: float | None = None) -> Result:
     zport, hport = _free_port(), _free_port()
     zaddr = f"tcp://127.0.0.1:{zport}"
     parent, child = mp.Pipe()
-    worker = mp.get_context("spawn").Process(target=fake_decode_worker, args=(zaddr, step_ms / 1e3, child), daemon=True)
+    worker = mp.get_context("spawn").Process(target=fake_decode_worker, args=(zaddr, step_ms / 1e3, launch_ms / 1e3,
+                                                                                 None if switch_ms is None else switch_ms / 1e3, child), daemon=True)
     worker.start()
     env = dict(os.environ)
     if router_loop:
@@ -224,7 +227,8 @@ def run(streams: int, step_ms: float, seconds: float, prompt_len: int, out_lo: i
     res = Result(streams, step_ms, seconds, requests=len(samples), errors=len(samples) - len(ok),
                  tokens_per_s=toks / (w1 - w0), router_cpu_us_per_token=(cpu1 - cpu0) / max(toks, 1) * 1e6,
                  client_cpu_us_per_token=(own1 - own0) / max(toks, 1) * 1e6,
-                 env={"router_loop": router_loop or "default", "prompt_len": prompt_len, "out": [out_lo, out_hi]})
+                 env={"router_loop": router_loop or "default", "prompt_len": prompt_len, "out": [out_lo, out_hi],
+                      "launch_ms": launch_ms, "worker_switch_interval_ms": switch_ms or "default"})
     parts = {"ttft_ms": [s.t_first - s.t_send for s in ok],
              "ingress_ms": [times[s.rid][0] - s.t_send for s in ok],
              "egress_ms": [s.t_first - times[s.rid][1] for s in ok]}
@@ -241,13 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=300)
     p.add_argument("--out-tokens", type=int, nargs=2, default=[100, 300])
     p.add_argument("--router-loop", default=None, help="TANDEM_ROUTER_LOOP for the router (asyncio | uvloop)")
+    p.add_argument("--launch-ms", type=float, default=0.0,
+                   help="the fake worker holds the GIL this long per step (a GPU worker's Python launch)")
+    p.add_argument("--worker-switch-ms", type=float, default=None,
+                   help="the fake worker's GIL switch interval after WorkerIO set its own (A/B; CPython's is 5)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="py-spy raw (collapsed) stacks of the router, last stream count")
     a = p.parse_args(argv)
     rows = []
     for n in a.streams:
         r = run(n, a.step_ms, a.seconds, a.prompt_len, a.out_tokens[0], a.out_tokens[1], a.router_loop,
-                a.profile if n == a.streams[-1] else None)
+                a.profile if n == a.streams[-1] else None, a.launch_ms, a.worker_switch_ms)
         rows.append(asdict(r))
         print(f"streams {n:4d}: {r.requests} requests ({r.errors} bad), {r.tokens_per_s:,.0f} tok/s, router "
               f"{r.router_cpu_us_per_token:.0f} us CPU/token (client {r.client_cpu_us_per_token:.0f}) | ttft p50 {r.ttft_ms['p50']:.1f} p90 {r.ttft_ms['p90']:.1f}"

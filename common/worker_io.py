@@ -9,6 +9,11 @@ sends what the loop puts in the outbox (an inproc PUSH/PULL pair, the thread-saf
     io.start()
     for peer, msg in io.drain(timeout_s): ...   # worker loop
     io.send(peer, TokenChunk(...))
+
+The GIL: the loop holds it while it launches a step (Python: 2-20 ms on a GPU worker), and every message in
+either direction needs this thread to run. CPython hands the GIL to a waiting thread only after its switch
+interval, 5 ms by default, so each hop of a request's first token could wait up to that long; `start` sets it
+to IO_SWITCH_INTERVAL_S (benchmarks/router_stream.py --launch-ms measures the hop with a launch-like loop).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -28,6 +34,8 @@ from common.stall import StallWatch
 from wire.protocol import MAX_FRAME_BYTES, StatusRequest, WorkerStatus, decode, encode
 
 log = logging.getLogger("tandem.worker.io")
+# The GIL's hand-over wait for this thread (CPython's default: 0.005); TANDEM_IO_SWITCH_INTERVAL_MS for the A/B.
+IO_SWITCH_INTERVAL_S = float(os.environ.get("TANDEM_IO_SWITCH_INTERVAL_MS", "0.5")) / 1e3
 
 
 class WorkerIO:
@@ -46,6 +54,7 @@ class WorkerIO:
         self._last_bad_log = -1.0
 
     def start(self) -> None:
+        sys.setswitchinterval(IO_SWITCH_INTERVAL_S)  # process-wide: this thread is why the process has threads
         self._thread.start()
         self._ready.wait(10)
         if self._error is not None:

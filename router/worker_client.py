@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
 import typing
 
@@ -54,7 +55,8 @@ log = logging.getLogger("tandem.router.client")
 
 _REPLIES = (Admitted, Rejected, PrefillResult, Ack)
 RECONNECT_IVL_MS = 100  # a restarted worker is reached again within this of binding its port
-FIRST_TOKEN_MAX_HOPS = 16  # loop iterations the other chunks wait at most for first tokens to go out (7 measured)
+# Loop iterations the other chunks wait at most for first tokens to go out (7 measured); 0 = no priority (the A/B).
+FIRST_TOKEN_MAX_HOPS = int(os.environ.get("TANDEM_ROUTER_FIRST_TOKEN_HOPS", "16"))
 
 
 class FirstOut(typing.Protocol):
