@@ -58,8 +58,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=8, help="new turns measured per forward mode")
     ap.add_argument("--forwards", default="piecewise,eager", help="mixed-step forwards to compare")
     ap.add_argument("--orders", default="ready,launch",
-                    help="loop orders to compare (engine/core.py): ready (the default: a step the GPU already finished "
-                         "is collected before the next launch) or launch (always launch the next step first)")
+                    help="loop orders to compare (engine/core.py): ready (a step the GPU already finished is collected "
+                         "before the next launch), wait (the decode worker's default: ready, and a step with first tokens "
+                         "is waited for up to 3 ms) or launch (always launch the next step first)")
     ap.add_argument("--mixed-roles", default="decode",
                     help="FlashInfer: whose kernel reads a mixed step's attention, compared: decode (fa2, GQA-packed) "
                          "and/or prefill (fa3)")
@@ -133,7 +134,8 @@ def main() -> None:
         if role != "-":
             attn.mixed_role = role
         parts.runner.piecewise = piecewise if forward == "piecewise" else None
-        core.collect_ready = order == "ready"
+        core.collect_ready = order in ("ready", "wait")
+        core.first_token_wait_s = 0.003 if order == "wait" else 0.0  # the decode worker's default
         rows = []
         for i, prompt in enumerate(turns[m]):
             s = Sequence(f"turn-{m}-{i}", prompt + rand(a.new), greedy(a.prefix + a.new))
@@ -157,6 +159,7 @@ def main() -> None:
         res[m] = {"rows": rows[1:], **med}
     parts.runner.piecewise = piecewise if "piecewise" in a.forwards.split(",") else None
     core.collect_ready = True
+    core.first_token_wait_s = 0.0
     if roles != ["-"]:
         attn.mixed_role = roles[0]
     if a.host_profile or a.profile or a.timeline:

@@ -3,7 +3,6 @@ benchmarks/suites.py's SUITES, whose docstring says how suites run and are added
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
 
 from benchmarks.suite_defs import FUSION_AB, MT_SERVE_ARGS, PYTEST, SERVED_ARGS, Suite, multi_turn_step, step
@@ -111,20 +110,23 @@ ISSUE_SUITES: dict[str, Suite] = {
     # the decode worker's step trace (engine/step_trace.py), one file per launch.
     "multi-turn-colocated-pw": Suite(
         "issue 25: multi-turn-colocated-1 (64 x 8 turns, 2k shared system prompt, ONE decode worker alone) with "
-        "--piecewise-graphs on the decode worker, with and without prefix caching; then the same without the first-"
-        "token latency changes of 2026-12-03 (TANDEM_ROUTER_FIRST_TOKEN_HOPS=0: the router hands out a step's tokens "
-        "in arrival order; TANDEM_IO_SWITCH_INTERVAL_MS=5: CPython's GIL switch interval in the workers)",
+        "--piecewise-graphs on the decode worker, with and without prefix caching; then the same with "
+        "--first-token-wait-ms 0 (the A/B of the bounded wait for steps that sampled first tokens, engine/core.py); "
+        "first the overlapped loop's GPU tests (both orders and the bounded wait against the synchronous loop)",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
-        steps=(multi_turn_step("colocated", 240, name="colocated-1-pw",
+        steps=(step("loop-gpu-tests", "{py} -m pytest -q -rP -m gpu -p no:cacheprovider "
+                                      "tests/integration/test_async_decode_gpu.py", 120,
+                    summary=PYTEST + r"|collected first|first-token steps"),
+               multi_turn_step("colocated", 200, name="colocated-1-pw",
                                extra="--colocated-decode 1 --ready-timeout-s 300 ",
                                serve_args=MT_SERVE_ARGS.replace(
                                    "--cuda-graphs", "--cuda-graphs --piecewise-graphs "
                                                     "--step-trace {out}/decode-steps-%p.jsonl")),
-               dataclasses.replace(multi_turn_step("colocated", 240, name="colocated-1-pw-before",
-                                                   extra="--colocated-decode 1 --ready-timeout-s 300 ",
-                                                   serve_args=MT_SERVE_ARGS.replace(
-                                                       "--cuda-graphs", "--cuda-graphs --piecewise-graphs")),
-                                   env=(("TANDEM_ROUTER_FIRST_TOKEN_HOPS", "0"), ("TANDEM_IO_SWITCH_INTERVAL_MS", "5")))),
+               multi_turn_step("colocated", 200, name="colocated-1-pw-nowait",
+                               extra="--colocated-decode 1 --ready-timeout-s 300 ",
+                               serve_args=MT_SERVE_ARGS.replace(
+                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs --first-token-wait-ms 0 "
+                                                    "--step-trace {out}/decode-steps-%p.jsonl"))),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
     # at 8k replays in 3.05 ms with e4m3 pages, slower than bf16's 2.44 where batch 128 is 1.29x faster).

@@ -45,6 +45,7 @@ def main(argv: list[str]) -> int:
         maybe_warm_up(a, rp.parts)
         engine = DecodeEngine(rp.parts, rp.receiver, overlap=a.async_decode == "on")
         engine.core.collect_ready = engine.core.collect_ready and a.collect_order != "launch"
+        engine.core.first_token_wait_s = max(a.first_token_wait_ms, 0.0) / 1e3
         if a.step_trace:
             from engine.step_trace import StepTrace
 

@@ -15,6 +15,12 @@ reach the host one step later (engine.runner). Consequences, handled in engine.s
   * a preemption needs the in-flight step completed first (it frees pages at once).
 A step N already done when the iteration begins is collected *before* N+1 is planned (collect_ready:
 the host set the pace, the host work is the same either way, its tokens leave one launch earlier).
+A step N that sampled prompts' first tokens is waited for, at most `first_token_wait_s`, before N+1 is
+planned: a mixed step is host-bound (its GPU span ends within ~1 ms of its launch: the multi-turn
+suite's run 9 measured 21.3 ms of GPU for 21.7 of launch), so the wait is short, and without it 55 % of
+them were not done yet when the next iteration began and their first tokens waited for the next
+launch (~12 ms p50). Bounded, because waiting for a GPU-bound step (fa3 mixed steps: 34 ms of GPU for
+14 of launch) idled the host long enough to cost more than it saved (multi-turn-colocated-pw-6).
 With `overlap=False` (or a runner that cannot overlap, such as a tensor-parallel group's) every
 step is collected right after its launch: the same code, synchronous.
 """
@@ -46,6 +52,7 @@ class EngineCore:
         # Collect a finished step before planning the next (its tokens leave one launch earlier); off:
         # always launch first (the A/B of benchmarks/mixed_step.py). Needs a runner that can tell.
         self.collect_ready = hasattr(runner, "ready")
+        self.first_token_wait_s = 0.0  # --first-token-wait-ms (decode worker); 0 = collect only what is done
 
     @property
     def has_work(self) -> bool:
@@ -57,7 +64,9 @@ class EngineCore:
         t_mono = time.monotonic()
         prev = collected = self.inflight
         done: list[Sequence] = []
-        first = prev is not None and self.collect_ready and self.runner.ready(prev)
+        first = prev is not None and self.collect_ready and (
+            self.runner.ready(prev) or (self.first_token_wait_s > 0 and self._first_tokens(prev)
+                                        and self.runner.wait_ready(prev, self.first_token_wait_s)))
         if first:
             # The GPU already finished the step in flight (the host, not the GPU, sets the pace): its
             # tokens go out now instead of after the next launch. The host's work per iteration is the
@@ -113,6 +122,11 @@ class EngineCore:
     def abort(self, seq: Sequence) -> None:
         """End a sequence now; its pages return once no launched step can still write them."""
         self.scheduler.finish(seq, FinishReason.ABORT)
+
+    @staticmethod
+    def _first_tokens(h: StepHandle) -> bool:
+        """The step samples some prompt's first token (a chunk that completes its prompt)."""
+        return any(it.sample and it.start < len(it.seq.prompt_ids) for it in h.items)
 
     def _collect(self, h: StepHandle | None) -> list[Sequence]:
         assert h is not None

@@ -27,6 +27,8 @@ trails the GPU by one whole step.
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -147,6 +149,18 @@ class ModelRunner:
         """The step's tokens are on the host already (its event passed). A CPU step has no event: it
         reads as still running, so CPU runs keep the overlapped order the tests cover."""
         return h.event is not None and h.event.query()
+
+    def wait_ready(self, h: StepHandle, timeout_s: float) -> bool:
+        """ready(h), waiting for it up to timeout_s (polling: CUDA has no timed event wait; the sleeps
+        release the GIL for the network thread). A CPU step never gets ready."""
+        if h.event is None:
+            return False
+        t_end = time.perf_counter() + timeout_s
+        while not h.event.query():
+            if time.perf_counter() >= t_end:
+                return False
+            time.sleep(0.0001)
+        return True
 
     def collect(self, h: StepHandle) -> tuple[list[int | None], list[TokenLogprob | None]]:
         tokens: list[int | None] = [None] * len(h.items)

@@ -71,6 +71,33 @@ def test_async_decode_collects_a_finished_step_before_the_next_launch(ckpt_facto
     fast.kv.assert_all_free()
 
 
+def test_async_decode_waits_a_bounded_time_for_steps_with_first_tokens(ckpt_factory):
+    """engine.core first_token_wait_s: a running step that sampled a prompt's first token is waited for
+    (runner.wait_ready, bounded) before the next launch; running decode-only steps are not."""
+    fast, _ = llm_pair(ckpt_factory("tiny-a"), kv_cache_bytes=1 << 20)
+    eng = fast.engine
+    eng.core.first_token_wait_s = 0.003
+    calls = record_calls(eng.runner)
+    waited = []
+    eng.runner.ready = lambda h: False  # everything reads as still running
+    eng.runner.wait_ready = lambda h, timeout_s: (waited.append((h.no, timeout_s)), True)[1]
+    eng.add_request(prompts_for(512, [5])[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    # step 1 prefills (samples the first token): waited for and collected before step 2's launch;
+    # decode steps 2-4 keep the overlap
+    assert waited == [(1, 0.003)]
+    assert calls == [("launch", 1), ("collect", 1), ("launch", 2), ("launch", 3), ("collect", 2),
+                     ("launch", 4), ("collect", 3), ("collect", 4)]
+    fast.kv.assert_all_free()
+    eng.core.first_token_wait_s = 0.0  # off: no wait at all
+    waited.clear()
+    eng.add_request(prompts_for(512, [6])[0], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert waited == []
+
+
 @pytest.mark.parametrize("pattern", ["every", "odd"])
 def test_async_decode_collect_first_greedy_equals_sync_with_stops_and_preemption(ckpt_factory, pattern):
     """Steps collected before the next launch (every one, or every other) give the synchronous

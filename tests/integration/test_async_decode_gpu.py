@@ -68,6 +68,17 @@ def test_async_decode_gpu_greedy_equals_sync(pair):
         assert [o.output_ids for o in fast.generate(ps, params)] == b
     finally:
         fast.engine.core.collect_ready = True
+    waits = []
+    wait_ready = runner.wait_ready
+    runner.wait_ready = lambda h, t: (waits.append(r := wait_ready(h, t)), r)[1]
+    fast.engine.core.first_token_wait_s = 0.003  # the decode worker's default: steps with first tokens waited for
+    try:
+        assert [o.output_ids for o in fast.generate(ps, params)] == b
+    finally:
+        fast.engine.core.first_token_wait_s = 0.0
+        runner.wait_ready = wait_ready
+    print(f"first-token steps waited for: {sum(waits)} of {len(waits)} ready within 3 ms")
+    assert waits
     for llm in pair:
         assert llm.kv.num_free() == tuple(n - 1 for n in llm.kv.spec.num_pages)  # only the graphs' padding page
 
