@@ -105,9 +105,9 @@ def _qk_rope_store_kernel(Q, K, V, KC, VC, Slots, Cos, Sin, QOut, KOut, KScale, 
                           stride_cp, stride_ch, stride_ct, stride_cos, stride_qot, stride_qoh, stride_kot, stride_koh,
                           HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_TQ: tl.constexpr, BLOCK_EQ: tl.constexpr,
                           BLOCK_TK: tl.constexpr, BLOCK_EK: tl.constexpr, WRITE_K: tl.constexpr,
-                          QUANT: tl.constexpr, HW_CVT: tl.constexpr):
+                          STORE_K: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.constexpr):
     """The first num_q_programs programs rotate q into QOut; the rest rotate k and store it with v
-    (and write rotated k into KOut when WRITE_K): the three launches of the unfused path in one,
+    (STORE_K; and write rotated k into KOut when WRITE_K): the three launches of the unfused path in one,
     running the same block code, so the bits are the same."""
     pid = tl.program_id(0)
     if pid < num_q_programs:
@@ -117,7 +117,7 @@ def _qk_rope_store_kernel(Q, K, V, KC, VC, Slots, Cos, Sin, QOut, KOut, KScale, 
     else:
         _rope_store_block(pid - num_q_programs, K, V, KC, VC, Slots, Cos, Sin, KOut, KScale, VScale, num_tokens,
                           num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_ch, stride_ct,
-                          stride_cos, stride_kot, stride_koh, HALF, PAGE, BLOCK_TK, BLOCK_EK, True, True, WRITE_K,
+                          stride_cos, stride_kot, stride_koh, HALF, PAGE, BLOCK_TK, BLOCK_EK, True, STORE_K, WRITE_K,
                           QUANT, HW_CVT)
 
 
@@ -239,13 +239,33 @@ def rope_qk_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0), q_out.stride(0), q_out.stride(1),
         ko.stride(0), ko.stride(1),
         HALF=half, PAGE=k_cache.shape[2], BLOCK_TQ=bt_q, BLOCK_EQ=be_q, BLOCK_TK=bt_k, BLOCK_EK=be_k,
-        WRITE_K=write_k, QUANT=quant, HW_CVT=q.is_cuda, num_warps=4, enable_fp_fusion=False)
+        WRITE_K=write_k, STORE_K=True, QUANT=quant, HW_CVT=q.is_cuda, num_warps=4, enable_fp_fusion=False)
     return q_out, k_out
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rotated q, rotated k) by two `apply_rope` launches: the unfused path."""
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    """(rotated q, rotated k), contiguous, in one launch: `rope_qk_store_kv`'s kernel storing nothing,
+    the bits of two `apply_rope` launches. (Two launches were ~60 us more host time per layer wherever
+    attention reads the new keys densely: a mixed step's 12 sliding layers, every fresh prefill.)"""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    half = d // 2
+    assert d % 2 == 0 and k.shape == (t, hkv, d) and q.stride(2) == k.stride(2) == 1
+    assert cos.shape == (t, half) and cos.stride(1) == 1 and sin.stride() == cos.stride()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if t == 0:
+        return q_out, k_out
+    be_q, bt_q = _blocks(hq, half)
+    be_k, bt_k = _blocks(hkv, half)
+    nq = triton.cdiv(t, bt_q)
+    _qk_rope_store_kernel[(nq + triton.cdiv(t, bt_k),)](
+        q, k, k, q_out, q_out, q_out, cos, sin, q_out, k_out, q_out, q_out, t, hq, hkv, nq,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), 0, 0, 0, 0, 0, cos.stride(0),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        HALF=half, PAGE=1, BLOCK_TQ=bt_q, BLOCK_EQ=be_q, BLOCK_TK=bt_k, BLOCK_EK=be_k,
+        WRITE_K=True, STORE_K=False, QUANT=False, HW_CVT=q.is_cuda, num_warps=4, enable_fp_fusion=False)
+    return q_out, k_out
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None

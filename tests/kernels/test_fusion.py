@@ -23,7 +23,7 @@ from kernels.fp8_quant import quantize_act_1x128  # noqa: E402
 from kernels.norm import add_rms_norm, fused_norm, rms_norm  # noqa: E402
 from kernels.registry import Fusion, fusions_name, parse_fusions  # noqa: E402
 from kernels.triton_attention_backend import TritonAttention  # noqa: E402
-from kernels.triton_store_kv import apply_rope, rope_qk_store_kv, store_kv  # noqa: E402
+from kernels.triton_store_kv import apply_rope, rope_qk, rope_qk_store_kv, store_kv  # noqa: E402
 from tests.kernels.test_attention_backends import fake_flashinfer  # noqa: E402,F401  (fixture)
 
 FP8 = torch.float8_e4m3fn
@@ -77,6 +77,17 @@ def test_rope_qk_store_kv_fp8_pages(dtype):
     rope_qk_store_kv(q, k, v, kc, vc, slots, cos, sin)  # no scales = 1.0
     ref.store_kv(ref.apply_rope(k, cos, sin), v, kc2, vc2, slots)
     assert torch.equal(_bits(kc), _bits(kc2)) and torch.equal(_bits(vc), _bits(vc2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t,hq,hkv,d", [(0, 4, 2, 16), (1, 64, 8, 64), (7, 8, 2, 16), (37, 4, 4, 32)])
+def test_rope_qk_one_launch_equals_two_apply_rope(dtype, t, hq, hkv, d):
+    """rope_qk: the fused kernel with nothing stored, the bits of two apply_rope launches, on strided views."""
+    q, k, _, cos, sin, _ = _qkv_case(t, hq, hkv, d, dtype, seed=t + 1)
+    q_rot, k_rot = rope_qk(q, k, cos, sin)
+    assert torch.equal(q_rot, apply_rope(q, cos, sin)) and torch.equal(k_rot, apply_rope(k, cos, sin))
+    assert torch.equal(q_rot, ref.apply_rope(q, cos, sin)) and torch.equal(k_rot, ref.apply_rope(k, cos, sin))
+    assert q_rot.is_contiguous() and k_rot.is_contiguous()
 
 
 def test_rope_qk_store_kv_no_tokens():
