@@ -59,8 +59,8 @@ def main() -> None:
     ap.add_argument("--forwards", default="piecewise,eager", help="mixed-step forwards to compare")
     ap.add_argument("--orders", default="ready,launch",
                     help="loop orders to compare (engine/core.py): ready (a step the GPU already finished is collected "
-                         "before the next launch), wait (the decode worker's default: ready, and a step with first tokens "
-                         "is waited for up to 3 ms) or launch (always launch the next step first)")
+                         "before the next launch), wait (ready, and a step with first tokens "
+                         "is waited for up to 3 ms: --first-token-wait-ms 3) or launch (always launch the next step first)")
     ap.add_argument("--mixed-roles", default="decode",
                     help="FlashInfer: whose kernel reads a mixed step's attention, compared: decode (fa2, GQA-packed) "
                          "and/or prefill (fa3)")

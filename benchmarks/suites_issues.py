@@ -111,8 +111,9 @@ ISSUE_SUITES: dict[str, Suite] = {
     "multi-turn-colocated-pw": Suite(
         "issue 25: multi-turn-colocated-1 (64 x 8 turns, 2k shared system prompt, ONE decode worker alone) with "
         "--piecewise-graphs on the decode worker, with and without prefix caching; then the same with "
-        "--first-token-wait-ms 0 (the A/B of the bounded wait for steps that sampled first tokens, engine/core.py); "
-        "first the overlapped loop's GPU tests (both orders and the bounded wait against the synchronous loop)",
+        "--first-token-wait-ms 3 (the A/B of the bounded wait for steps that sampled first tokens, engine/core.py, "
+        "off by default since run 10; this order reverses run 10's); first the overlapped loop's GPU tests (both "
+        "orders and the bounded wait against the synchronous loop)",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(step("loop-gpu-tests", "{py} -m pytest -q -rP -m gpu -p no:cacheprovider "
                                       "tests/integration/test_async_decode_gpu.py", 120,
@@ -122,10 +123,10 @@ ISSUE_SUITES: dict[str, Suite] = {
                                serve_args=MT_SERVE_ARGS.replace(
                                    "--cuda-graphs", "--cuda-graphs --piecewise-graphs "
                                                     "--step-trace {out}/decode-steps-%p.jsonl")),
-               multi_turn_step("colocated", 200, name="colocated-1-pw-nowait",
+               multi_turn_step("colocated", 200, name="colocated-1-pw-wait",
                                extra="--colocated-decode 1 --ready-timeout-s 300 ",
                                serve_args=MT_SERVE_ARGS.replace(
-                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs --first-token-wait-ms 0 "
+                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs --first-token-wait-ms 3 "
                                                     "--step-trace {out}/decode-steps-%p.jsonl"))),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1

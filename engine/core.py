@@ -15,12 +15,12 @@ reach the host one step later (engine.runner). Consequences, handled in engine.s
   * a preemption needs the in-flight step completed first (it frees pages at once).
 A step N already done when the iteration begins is collected *before* N+1 is planned (collect_ready:
 the host set the pace, the host work is the same either way, its tokens leave one launch earlier).
-A step N that sampled prompts' first tokens is waited for, at most `first_token_wait_s`, before N+1 is
-planned: a mixed step is host-bound (its GPU span ends within ~1 ms of its launch: the multi-turn
-suite's run 9 measured 21.3 ms of GPU for 21.7 of launch), so the wait is short, and without it 55 % of
-them were not done yet when the next iteration began and their first tokens waited for the next
-launch (~12 ms p50). Bounded, because waiting for a GPU-bound step (fa3 mixed steps: 34 ms of GPU for
-14 of launch) idled the host long enough to cost more than it saved (multi-turn-colocated-pw-6).
+Optionally (`first_token_wait_s`, --first-token-wait-ms, off by default) a step N that sampled prompts'
+first tokens is waited for, bounded, before N+1 is planned: in the multi-turn suite's run 9, 55 % of mixed
+steps were not done when the next iteration began although their GPU span ended within ~1 ms of their
+launch, and their first tokens waited for the next launch (~12 ms p50). Measured worse served both times:
+waiting without a bound (multi-turn-colocated-pw-6) and with 3 ms (run 10: cached TTFT p50 51.6 vs 42.3
+ms, p99 498 vs 84; queue and local prefill both longer). Kept as the A/B's switch.
 With `overlap=False` (or a runner that cannot overlap, such as a tensor-parallel group's) every
 step is collected right after its launch: the same code, synchronous.
 """
@@ -52,7 +52,7 @@ class EngineCore:
         # Collect a finished step before planning the next (its tokens leave one launch earlier); off:
         # always launch first (the A/B of benchmarks/mixed_step.py). Needs a runner that can tell.
         self.collect_ready = hasattr(runner, "ready")
-        self.first_token_wait_s = 0.0  # --first-token-wait-ms (decode worker); 0 = collect only what is done
+        self.first_token_wait_s = 0.0  # --first-token-wait-ms (decode worker, off by default: measured worse)
 
     @property
     def has_work(self) -> bool:

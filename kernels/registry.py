@@ -5,6 +5,7 @@ CPU machine never imports FlashInfer or DeepGEMM), plus the optional kernel fusi
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from enum import Enum
 
@@ -46,6 +47,9 @@ class Fusion(str, Enum):
     # bf16 QKV / O projections of few-token steps on kernels/gemv.py (split-K GEMV, deterministic) instead of
     # cuBLASLt's addmm. Not bit-identical to addmm (another summation order); unmeasured, so not a default
     FEW_TOKEN_LINEAR = "gemv"
+    # FP8 QKV / O projections (--fp8-attention on) of few-token steps on kernels/dense_small.py (the few-token
+    # MoE's swapped TMA tiles, x quantised in the launch: one launch) instead of the linear backend's two or three
+    FEW_TOKEN_FP8 = "fp8_gemv"
 
 
 # The workers' default (EngineConfig, --fusions), measured by suite fusion-ab (2026-12-03/fusion-ab-1, 20b on
@@ -111,8 +115,14 @@ class Backends:
                 and triton_runs)
 
     def attn_linear(self, x, w, w_scale, bias):
-        """The attention's QKV / O projection, x [T, K] -> [T, N]: `linear`, or the few-token GEMV kernel
-        (Fusion.FEW_TOKEN_LINEAR). Under TP, w is this rank's shard; the caller's all-reduce is unchanged."""
+        """The attention's QKV / O projection, x [T, K] -> [T, N]: `linear`, or a few-token kernel (bf16:
+        Fusion.FEW_TOKEN_LINEAR, FP8: Fusion.FEW_TOKEN_FP8). Under TP, w is this rank's shard; the caller's
+        all-reduce is unchanged."""
+        if (Fusion.FEW_TOKEN_FP8 in self.fusions and w_scale is not None and x.shape[0] <= FEW_TOKEN_LINEAR_MAX_TOKENS
+                and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+            from kernels.dense_small import few_token_fp8_linear
+
+            return few_token_fp8_linear(x, w, w_scale, bias)
         if Fusion.FEW_TOKEN_LINEAR in self.fusions:  # Triton imported only when the switch is on
             from kernels import gemv
 

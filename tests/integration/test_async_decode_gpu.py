@@ -71,7 +71,7 @@ def test_async_decode_gpu_greedy_equals_sync(pair):
     waits = []
     wait_ready = runner.wait_ready
     runner.wait_ready = lambda h, t: (waits.append(r := wait_ready(h, t)), r)[1]
-    fast.engine.core.first_token_wait_s = 0.003  # the decode worker's default: steps with first tokens waited for
+    fast.engine.core.first_token_wait_s = 0.003  # --first-token-wait-ms 3: steps with first tokens waited for
     try:
         assert [o.output_ids for o in fast.generate(ps, params)] == b
     finally:

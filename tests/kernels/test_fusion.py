@@ -165,10 +165,11 @@ def test_parse_fusions():
 
 # ---- the model: each fusion on against all off ------------------------------------------------------
 def test_model_with_fusions_matches_without(ckpt_factory, one_torch_thread):
-    """tiny-a with FP8 experts on the Triton MoE and Triton attention: a 13-token prefill chunk (the
-    grouped MoE, which takes the norm's FP8 copy), decodes (the few-token MoE) and a 6-token chunk,
-    one KV pool per setting. rope_store and norm_quant give the bits of the unfused model;
-    norm_router's logits may differ in the last bit (another summation order)."""
+    """tiny-a with FP8 experts on the Triton MoE, FP8 QKV/O on the Triton linear (activations quantised
+    1x128, as fp8_gemv's kernel does) and Triton attention: a 13-token prefill chunk (the grouped MoE, which
+    takes the norm's FP8 copy), decodes (the few-token MoE) and a 6-token chunk, one KV pool per setting.
+    rope_store and norm_quant give the bits of the unfused model; norm_router's logits and fp8_gemv's
+    projections may differ in the last bit (another summation order)."""
     from kernels.registry import make_backends
     from model.context import SeqStep, build_step_meta
     from model.gpt_oss import GptOss
@@ -177,9 +178,9 @@ def test_model_with_fusions_matches_without(ckpt_factory, one_torch_thread):
     from model.weights import SafetensorsSource
 
     src = SafetensorsSource(ckpt_factory("tiny-a"))
-    model = GptOss(src.config, make_backends("triton", "torch", "triton"), dtype=torch.float32, fp8=True)
+    model = GptOss(src.config, make_backends("triton", "triton", "triton"), dtype=torch.float32, fp8=True)
     load_weights(model, src, progress=False)
-    settings = ["off", "rope_store", "norm_quant", "norm_router", "on"]
+    settings = ["off", "rope_store", "norm_quant", "norm_router", "fp8_gemv", "on"]
     spec = plan_kv_cache(model.cfg, 1 << 20, page_size=4, max_num_seqs=2, dtype=torch.float32)
     mgr = KVManager(spec)
     pools = {s: KVPool(spec) for s in settings}
@@ -196,7 +197,7 @@ def test_model_with_fusions_matches_without(ckpt_factory, one_torch_thread):
         for s in ("rope_store", "norm_quant"):
             assert torch.equal(out[s], out["off"]), (n, s)
             assert all(torch.equal(a, b) for a, b in zip(pools[s].pools, pools["off"].pools)), (n, s)
-        for s in ("norm_router", "on"):
+        for s in ("norm_router", "fp8_gemv", "on"):
             torch.testing.assert_close(out[s], out["off"], rtol=1e-4, atol=1e-4)
         pos += n
 
