@@ -23,6 +23,11 @@ kernels.gemv.few_token_linear's default config and a small sweep; each call read
 weights stream from HBM as in a decode step, not from L2):
 
     python -m benchmarks.fusion --tokens 1,4,16 --rows gemv                 # the gemv rows alone
+
+`fp8gemv`: the FP8 projections (--fp8-attention on) at <= 16 tokens: bf16 addmm (the default projections), the
+DeepGEMM FP8 linear, and kernels/dense_small.py (Fusion.FEW_TOKEN_FP8) by config:
+
+    python -m benchmarks.fusion --tokens 1,4,16 --rows fp8gemv
 """
 
 from __future__ import annotations
@@ -232,12 +237,61 @@ def gemv_rows(t: int, reps: int, copy: float) -> list[dict]:
     return rows
 
 
+def _fp8_sweep():
+    from kernels.dense_small import DenseSmallConfig
+
+    return (DenseSmallConfig(), DenseSmallConfig(block_n=128), DenseSmallConfig(ctas_per_sm=2),
+            DenseSmallConfig(ctas_per_sm=4), DenseSmallConfig(num_stages=4), DenseSmallConfig(num_stages=2),
+            DenseSmallConfig(pdl=True), DenseSmallConfig(tma=False), DenseSmallConfig(block_n=128, ctas_per_sm=2))
+
+
+def fp8gemv_rows(t: int, reps: int, copy: float) -> list[dict]:
+    """20b's QKV and O with bias at t tokens: bf16 addmm (the workers' default projections), the DeepGEMM FP8
+    linear (--fp8-attention on today: quantisation + GEMM) and kernels/dense_small.py (Fusion.FEW_TOKEN_FP8)
+    by config. Each call reads another copy of W (from HBM, as in a decode step). Bytes: each variant's own
+    W, x, bias read and y written; the speedup is against addmm. A config off the reference is marked WRONG."""
+    from kernels import reference as ref
+    from kernels.dense_small import FewTokenFp8Linear, _num_sms, choose_split
+    from kernels.registry import make_linear
+
+    dg = make_linear("deepgemm")
+    rows = []
+    for what, n, k in (("qkv", (HQ + 2 * HKV) * D, H), ("o", H, HQ * D)):
+        copies = -(-(256 << 20) // (n * k))  # > 5x the 50 MB L2 in FP8 (bf16 copies: twice that)
+        wq = [ref.quantize_fp8_blockwise(torch.randn(n, k, device=DEV) * k ** -0.5) for _ in range(copies)]
+        wb = [(torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16) for _ in range(copies // 2 + 1)]
+        b = torch.randn(n, device=DEV).to(torch.bfloat16)
+        x = torch.randn(t, k, device=DEV).to(torch.bfloat16)
+        want = ref.fp8_linear(x.float(), *wq[0], b, quantize_activations=True)
+        io = t * k * 2 + n * 2 + t * n * 2
+
+        def cycling(ws, fn):
+            it = iter(range(1 << 62))
+            return lambda: fn(ws[next(it) % len(ws)])
+
+        base = graph_us(cycling(wb, lambda w: torch.nn.functional.linear(x, w, b)), reps)
+        rows.append(_row(f"fp8gemv {what}", t, "bf16 addmm", base, n * k * 2 + io, copy, None))
+        dg(x, *wq[0], b)  # its first FP8 call per K probes on the device: outside the graph
+        us = graph_us(cycling(wq, lambda w: dg(x, w[0], w[1], b)), reps)
+        rows.append(_row(f"fp8gemv {what}", t, "deepgemm fp8", us, n * k + io, copy, base))
+        for cfg in _fp8_sweep():
+            lin = FewTokenFp8Linear(cfg)
+            ok = torch.allclose(lin(x, *wq[0], b).float(), want, rtol=2 ** -7, atol=1e-3)
+            s = choose_split(t * -(-n // cfg.block_n), k, _num_sms(x.device), cfg.ctas_per_sm, cfg.split_k)
+            us = graph_us(cycling(wq, lambda w, lin=lin: lin(x, w[0], w[1], b)), reps)
+            name = (f"dense_small {cfg.block_n}{' tma' if cfg.tma else ''} c{cfg.ctas_per_sm} st{cfg.num_stages}"
+                    f"{' pdl' if cfg.pdl else ''} S{s}{'' if ok else ' WRONG'}")
+            rows.append(_row(f"fp8gemv {what}", t, name, us, n * k + io, copy, base))
+        del wq, wb
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,64,8192")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--rows", default="norm,rope,swiglu", help="which rows, comma-separated: norm, rope, swiglu "
-                                                             "(>= 4096 tokens), gemv (<= 16 tokens; opt-in)")
+                                                             "(>= 4096 tokens), gemv and fp8gemv (<= 16 tokens; opt-in)")
     a = ap.parse_args()
     kinds = set(a.rows.split(","))
     copy = copy_gbps()
@@ -248,6 +302,8 @@ def main() -> None:
         fns = [fn for kind, fn in (("norm", norm_rows), ("rope", rope_rows)) if kind in kinds]
         if "gemv" in kinds and t <= 16:
             fns.append(gemv_rows)
+        if "fp8gemv" in kinds and t <= 16:
+            fns.append(fp8gemv_rows)
         for fn in fns:
             got = fn(t, reps, copy)
             rows += got

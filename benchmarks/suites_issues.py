@@ -240,4 +240,31 @@ ISSUE_SUITES: dict[str, Suite] = {
                     publish={"model_gpt-oss-20b-tp1-gemv-ab.json": "model_gpt-oss-20b-tp1-gemv-ab.json"})),
         reproduces=("decode-profile-1 (2026-12-03): bf16 QKV/O 654 us per 20b batch-1 decode step at 8k (1.9 TB/s); "
                     "issue 27 target: batch-1 decode <= 1.7 ms",)),
+    # decode-profile-1: the bf16 QKV/O projections took 654 us of a 20b batch-1 step at 8k; the bf16 GEMV lost to
+    # addmm (gemv-ab-1). In FP8 they are half the bytes; kernels/dense_small.py reads them with the few-token MoE's
+    # machinery (Fusion.FEW_TOKEN_FP8), and the prefill side of FP8 QKV/O is DeepGEMM's (4-15 % faster, DG14).
+    "fp8-gemv-ab": Suite(
+        "issue 27's FP8 attention projections at decode: the few-token FP8 dense kernel's GPU tests (20b QKV / O at "
+        "1, 4, 16 tokens: reference and DeepGEMM parity, bits run to run, CUDA-graph replay, routing) and the "
+        "one-launch rope_qk's, then QKV / O against bf16 addmm and the DeepGEMM FP8 linear with W streamed from HBM "
+        "(CUDA-graph us; a config sweep), then gpt-oss-20b prefill 8k and decode replay at 8k x 1: bf16 QKV/O (the "
+        "workers' default), and FP8 QKV/O on DeepGEMM A/B in one process (rope_store vs rope_store+fp8_gemv)",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("fp8-gemv-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_dense_small_gpu.py "
+                                          "tests/kernels/test_fusion_gpu.py -k 'dense or rope or parity or graph or routing'",
+                    90, summary=PYTEST),
+               step("fp8-gemv-micro", "{py} -m benchmarks.fusion --tokens 1,4,16 --rows fp8gemv", 100,
+                    summary=r"^fp8gemv|wrote|Error"),
+               step("model-20b-bf16", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention "
+                                      "--prefill-lens 8192 --contexts 8192 --batches 1 --fusions rope_store "
+                                      "--tag gpt-oss-20b-tp1-fp8-gemv-base", 150,
+                    summary=r"^decode ctx|^prefill|FAILED",
+                    publish={"model_gpt-oss-20b-tp1-fp8-gemv-base.json": "model_gpt-oss-20b-tp1-fp8-gemv-base.json"}),
+               step("model-20b-fp8", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --linear deepgemm "
+                                     "--prefill-lens 8192 --contexts 8192 --batches 1,64 --fusions rope_store,"
+                                     "rope_store+fp8_gemv --tag gpt-oss-20b-tp1-fp8-gemv-ab", 220,
+                    summary=r"^decode ctx|^prefill|FAILED",
+                    publish={"model_gpt-oss-20b-tp1-fp8-gemv-ab.json": "model_gpt-oss-20b-tp1-fp8-gemv-ab.json"})),
+        reproduces=("decode-profile-1 (2026-12-03): bf16 QKV/O 654 us per 20b batch-1 decode step at 8k (1.9 TB/s); "
+                    "issue 27 targets: batch-1 decode <= 1.7 ms, prefill 8k <= 70 ms",)),
 }

@@ -2,7 +2,8 @@
 the first step of suite `fusion-ab`, so a wrong kernel fails before anything is timed.
 
   * rope_store: q/k RoPE + K/V store in one launch == the three launches, bit for bit (bf16 and e4m3
-    pages, 1 .. 8192 tokens); both attention backends' start-up self-test with rope=;
+    pages, 1 .. 8192 tokens), and rope_qk (the same kernel storing nothing) == two apply_rope launches; both
+    attention backends' start-up self-test with rope=;
   * norm_router / norm_quant: y bits equal across variants, the e4m3 copy == quantize_act_1x128(y),
     logits == F.linear's up to the last bf16 bit; the MoE backends with x_fp8 == without;
   * the model: 2 full-width 20b layers, FlashInfer: rope_store + norm_quant give the unfused bits,
@@ -35,7 +36,7 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_rope_qk_store_kv_exact(t, kv):
     from kernels import reference as ref
-    from kernels.triton_store_kv import apply_rope, rope_qk_store_kv, store_kv
+    from kernels.triton_store_kv import apply_rope, rope_qk, rope_qk_store_kv, store_kv
 
     g = torch.Generator(device=DEV).manual_seed(t)
     qkv = torch.randn(t, (HQ + 2 * HKV) * D, device=DEV, generator=g).to(torch.bfloat16) * 4
@@ -54,6 +55,8 @@ def test_rope_qk_store_kv_exact(t, kv):
     scales = (torch.rand(HKV, device=DEV) * 0.2 + 0.01, torch.rand(HKV, device=DEV) * 0.05 + 0.01) if kv == "fp8" else None
     q_rot, k_rot = rope_qk_store_kv(q, k, v, kc, vc, slots, cos, sin, scales, write_k=True)
     q_ref, k_ref = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q_one, k_one = rope_qk(q, k, cos, sin)  # the one-launch rotation (nothing stored)
+    assert torch.equal(q_one, q_ref) and torch.equal(k_one, k_ref)
     store_kv(k_ref, v, kc2, vc2, slots, scales)
     assert torch.equal(q_rot, q_ref) and torch.equal(k_rot, k_ref)
     assert torch.equal(q_rot, ref.apply_rope(q, cos, sin))
