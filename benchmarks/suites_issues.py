@@ -245,13 +245,12 @@ ISSUE_SUITES: dict[str, Suite] = {
     # machinery (Fusion.FEW_TOKEN_FP8), and the prefill side of FP8 QKV/O is DeepGEMM's (4-15 % faster, DG14).
     "fp8-gemv-ab": Suite(
         "issue 27's FP8 attention projections at decode: the few-token FP8 dense kernel's GPU tests (20b QKV / O at "
-        "1, 4, 16 tokens: reference and DeepGEMM parity, bits run to run, CUDA-graph replay, routing) and the "
-        "one-launch rope_qk's, then QKV / O against bf16 addmm and the DeepGEMM FP8 linear with W streamed from HBM "
-        "(CUDA-graph us; a config sweep), then gpt-oss-20b prefill 8k and decode replay at 8k x 1: bf16 QKV/O (the "
+        "1, 4, 16 tokens: reference parity, bits run to run, CUDA-graph replay, routing) and the one-launch "
+        "rope_qk's, then QKV / O against bf16 addmm with W streamed from HBM (CUDA-graph us; a config sweep), then gpt-oss-20b prefill 8k and decode replay at 8k x 1: bf16 QKV/O (the "
         "workers' default), and FP8 QKV/O on DeepGEMM A/B in one process (rope_store vs rope_store+fp8_gemv)",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(step("fp8-gemv-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_dense_small_gpu.py "
-                                          "tests/kernels/test_fusion_gpu.py -k 'dense or rope or parity or graph or routing'",
+                                          "tests/kernels/test_fusion_gpu.py -k 'dense or rope_qk_store_kv_exact'",
                     90, summary=PYTEST),
                step("fp8-gemv-micro", "{py} -m benchmarks.fusion --tokens 1,4,16 --rows fp8gemv", 100,
                     summary=r"^fp8gemv|wrote|Error"),
