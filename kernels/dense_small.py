@@ -31,6 +31,11 @@ from kernels.moe_small_tiles import arrive, tile_gemm
 from kernels.reference import BLOCK, FP8_MAX
 
 MAX_TOKENS = 16  # the swapped MMA's narrow side; more tokens take the linear backend
+# Tokens up to which the model routes here (registry.Backends.attn_linear). Each token's CTAs read all of W
+# (the MoE kernel's layout: one activation row per CTA), so T tokens read it T times: at T = 1 QKV 9.2 us and
+# O 7.9 us against bf16 addmm's 10.1 / 11.8, at T = 4 already 17.5 / 14.1 (fp8-gemv-ab-2). Batch-1 only until
+# a CTA takes all T rows (as kernels/gemv.py does).
+ROUTE_MAX_TOKENS = 1
 
 
 @triton.jit
@@ -86,7 +91,7 @@ class DenseSmallConfig:
     """Tiles of the few-token dense path. split_k 0 = chosen per call for ~ctas_per_sm CTAs per SM."""
 
     block_m: int = 16  # the token side, padded (the swapped wgmma's N)
-    block_n: int = 64  # weight rows per CTA (the swapped wgmma's M): more N tiles, fewer K splits
+    block_n: int = 128  # weight rows per CTA (the swapped wgmma's M); 128 beat 64 for QKV and O (fp8-gemv-ab-2)
     swap_ab: bool = True
     tma: bool = True
     split_k: int = 0

@@ -47,8 +47,9 @@ class Fusion(str, Enum):
     # bf16 QKV / O projections of few-token steps on kernels/gemv.py (split-K GEMV, deterministic) instead of
     # cuBLASLt's addmm. Not bit-identical to addmm (another summation order); unmeasured, so not a default
     FEW_TOKEN_LINEAR = "gemv"
-    # FP8 QKV / O projections (--fp8-attention on) of few-token steps on kernels/dense_small.py (the few-token
-    # MoE's swapped TMA tiles, x quantised in the launch: one launch) instead of the linear backend's two or three
+    # FP8 QKV / O projections (--fp8-attention on) of batch-1 steps on kernels/dense_small.py (the few-token MoE's
+    # swapped TMA tiles, x quantised in the launch: one launch) instead of the linear backend's two or three.
+    # fp8-gemv-ab-1/2: 20b batch-1 replay 2.351 ms (with 64-row tiles) vs 2.394 on DeepGEMM, 2.322 with bf16 QKV/O
     FEW_TOKEN_FP8 = "fp8_gemv"
 
 
@@ -64,6 +65,8 @@ ROUTER_FUSION_MAX_TOKENS = 64
 
 # Tokens up to which Fusion.FEW_TOKEN_LINEAR takes the attention projections (kernels.gemv's BLOCK_M).
 FEW_TOKEN_LINEAR_MAX_TOKENS = 16
+# ... and Fusion.FEW_TOKEN_FP8 the FP8 ones (kernels.dense_small.ROUTE_MAX_TOKENS: it reads W once per token).
+FEW_TOKEN_FP8_MAX_TOKENS = 1
 
 
 def parse_fusions(spec: str) -> frozenset[Fusion]:
@@ -118,7 +121,7 @@ class Backends:
         """The attention's QKV / O projection, x [T, K] -> [T, N]: `linear`, or a few-token kernel (bf16:
         Fusion.FEW_TOKEN_LINEAR, FP8: Fusion.FEW_TOKEN_FP8). Under TP, w is this rank's shard; the caller's
         all-reduce is unchanged."""
-        if (Fusion.FEW_TOKEN_FP8 in self.fusions and w_scale is not None and x.shape[0] <= FEW_TOKEN_LINEAR_MAX_TOKENS
+        if (Fusion.FEW_TOKEN_FP8 in self.fusions and w_scale is not None and x.shape[0] <= FEW_TOKEN_FP8_MAX_TOKENS
                 and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
             from kernels.dense_small import few_token_fp8_linear
 

@@ -71,12 +71,14 @@ def test_async_decode_gpu_greedy_equals_sync(pair):
     waits = []
     wait_ready = runner.wait_ready
     runner.wait_ready = lambda h, t: (waits.append(r := wait_ready(h, t)), r)[1]
+    runner.ready = lambda h: False  # every step reads as running: each first-token step takes the bounded wait
     fast.engine.core.first_token_wait_s = 0.003  # --first-token-wait-ms 3: steps with first tokens waited for
     try:
         assert [o.output_ids for o in fast.generate(ps, params)] == b
     finally:
         fast.engine.core.first_token_wait_s = 0.0
         runner.wait_ready = wait_ready
+        runner.ready = ready
     print(f"first-token steps waited for: {sum(waits)} of {len(waits)} ready within 3 ms")
     assert waits
     for llm in pair:

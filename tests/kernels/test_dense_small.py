@@ -31,7 +31,7 @@ def _case(t: int, n: int, k: int, dtype: torch.dtype, seed: int, bias: bool):
 
 
 VARIANTS = {"mma16": dict(swap_ab=False, tma=False, block_n=64), "swap_ab": dict(swap_ab=True, tma=False),
-            "swap_ab_tma": dict(swap_ab=True, tma=True)}
+            "swap_ab_tma": dict(swap_ab=True, tma=True), "swap_ab_tma_64": dict(swap_ab=True, tma=True, block_n=64)}
 CASES = [(1, 192, 2880, split, variant, True) for split in (0, 1, 3) for variant in VARIANTS] + [
     (3, 130, 384, 2, "swap_ab_tma", False), (16, 64, 256, 0, "swap_ab", True), (2, 320, 512, 4, "mma16", False)]
 

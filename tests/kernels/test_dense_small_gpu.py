@@ -5,7 +5,7 @@ kernel fails before it is timed.
   * parity with the reference FP8 linear (activations quantised 1x128; fp32 sums in another order, one bf16
     rounding), default config and a sweep's;
   * the same bits on every call, and under CUDA-graph capture and replay (the decode worker's graphs);
-  * the routing: Fusion.FEW_TOKEN_FP8 takes FP8 projections of <= 16 tokens, not bf16 ones nor 17 tokens.
+  * the routing: Fusion.FEW_TOKEN_FP8 takes FP8 projections of 1 token, not bf16 ones nor 2 tokens.
 
 Run alone (CPU kernel tests set TRITON_INTERPRET=1 at import):
     python -m pytest -q -m gpu tests/kernels/test_dense_small_gpu.py
@@ -95,8 +95,8 @@ def test_routing():
         return torch.zeros(x.shape[0], w.shape[0], device=DEV, dtype=x.dtype)
 
     be = Backends(None, linear, None, fusions=parse_fusions("rope_store+fp8_gemv"))
-    x, w, ws, b = _case("o", 17, seed=1)
-    be.attn_linear(x[:16], w, ws, b)
-    be.attn_linear(x, w, ws, b)  # 17 tokens: the linear backend
+    x, w, ws, b = _case("o", 2, seed=1)
+    be.attn_linear(x[:1], w, ws, b)
+    be.attn_linear(x, w, ws, b)  # 2 tokens: the linear backend (registry.FEW_TOKEN_FP8_MAX_TOKENS)
     be.attn_linear(x[:1], torch.randn(w.shape, device=DEV).to(torch.bfloat16), None, b)  # bf16 weight
-    assert calls == [("linear", 17), ("linear", 1)]
+    assert calls == [("linear", 2), ("linear", 1)]
