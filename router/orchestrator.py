@@ -147,16 +147,18 @@ class Orchestrator:
         assert job.hashes is not None
         decode = self.fleet.client(p.decode)
         rid = job.request_id
-        stream = decode.open_stream(rid, self.cfg.stream_timeout_s, job.trace)
+        stream = decode.open_stream(rid, out=job.trace)  # the stall deadline starts once decode is asked
         finished = False
         output: list[int] = []
         try:
             t_sent = time.monotonic()
             if p.prefill is None:
                 job.stats.prefill = "local"
+                decode.arm_stream(rid, self.cfg.stream_timeout_s)
                 await decode.send(GenerateRequest(rid, job.prompt_ids, job.sampling))
             else:
                 first = await self._prefill(job, p.decode, p.prefill, exclude)
+                decode.arm_stream(rid, self.cfg.stream_timeout_s)
                 await decode.send(StartDecode(rid, job.prompt_ids, job.sampling, first.first_token,
                                               first.first_logprob, first.first_top))
                 output.append(first.first_token)

@@ -70,7 +70,7 @@ class Stream:
 
     def __init__(self, stall_s: float, out: FirstOut | None) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.heard, self.stall_s, self.out = time.monotonic(), stall_s, out
+        self.heard, self.stall_s, self.out = time.monotonic(), stall_s, out  # stall_s inf: not armed yet
         self.fresh, self.stalled = True, False  # fresh: no chunk yet (the next one is its first token)
 
     def sent_first(self) -> bool:
@@ -198,12 +198,19 @@ class WorkerClient:
         finally:
             self._pending.pop(request_id, None)
 
-    def open_stream(self, request_id: str, stall_s: float, out: FirstOut | None = None) -> asyncio.Queue:
+    def open_stream(self, request_id: str, stall_s: float = math.inf, out: FirstOut | None = None) -> asyncio.Queue:
         """The queue of this request's chunks; WorkerUnavailable arrives in it when the worker sends
-        nothing for stall_s (or is lost). `out`: whose first_out says its first token is out (streams;
-        None: no first-token priority)."""
+        nothing for stall_s from now (or from `arm_stream`), or is lost. `out`: whose first_out says its
+        first token is out (streams; None: no first-token priority)."""
         s = self._streams[request_id] = Stream(stall_s, out)
         return s.queue
+
+    def arm_stream(self, request_id: str, stall_s: float) -> None:
+        """Start the stream's stall deadline now: a stream opened before a remote prefill must not count
+        the prefill (which has its own, longer deadline) as the decode worker's silence."""
+        s = self._streams.get(request_id)
+        if s is not None:
+            s.heard, s.stall_s, s.stalled = time.monotonic(), stall_s, False
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -63,7 +63,8 @@ def test_a_dropped_connection_fails_in_flight_requests_and_the_client_reconnects
 
 def test_a_silent_worker_fails_the_stream_at_its_stall_deadline():
     """The stall watchdog (one timer per client) wakes a stream whose worker, still connected, sends
-    nothing for its deadline; a stream that hears from the worker in time does not fail."""
+    nothing for its deadline; a stream that hears from the worker in time does not fail; a stream opened
+    before a remote prefill counts its deadline from arm_stream (StartDecode), not from its opening."""
     async def main() -> tuple[float, object, bool]:
         ctx = zmq.asyncio.Context()
         worker = ctx.socket(zmq.ROUTER)
@@ -73,17 +74,23 @@ def test_a_silent_worker_fails_the_stream_at_its_stall_deadline():
         t0 = time.monotonic()
         silent = client.open_stream("silent", 0.3)
         patient = client.open_stream("patient", 30.0)
+        unarmed = client.open_stream("prefilling")  # a remote prefill runs: no decode deadline yet
         item = await asyncio.wait_for(silent.get(), 5)
         stalled_after = time.monotonic() - t0
+        client.arm_stream("prefilling", 0.3)  # StartDecode sent: from now on
+        t1 = time.monotonic()
+        late = await asyncio.wait_for(unarmed.get(), 5)
+        armed_after = time.monotonic() - t1
         await client.close()
         worker.close(0)
         ctx.term()
-        return stalled_after, item, patient.empty()
+        return stalled_after, item, patient.empty(), (late, armed_after)
 
-    stalled_after, item, patient_empty = asyncio.run(main())
+    stalled_after, item, patient_empty, (late, armed_after) = asyncio.run(main())
     assert isinstance(item, WorkerUnavailable) and "sent nothing for" in item.message, item
     assert 0.3 <= stalled_after < 1.5, stalled_after
     assert patient_empty
+    assert isinstance(late, WorkerUnavailable) and 0.3 <= armed_after < 1.5, armed_after
 
 
 class _Out:
