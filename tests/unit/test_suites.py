@@ -46,8 +46,13 @@ def test_registry_suite_is_runnable_as_written(name: str):
             for a in argv:
                 if a.startswith("tests/"):
                     assert (REPO / a).is_file(), f"{name}/{s.name}: no test file {a}"
-        if "benchmarks.bench_model" in s.argv and suite.gpu:  # the file bench_model writes is the one published
-            assert f"model_{s.argv[s.argv.index('--tag') + 1]}.json" in dict(s.publish), s
+        if "benchmarks.bench_model" in s.argv and suite.gpu and (name, s.name) not in UNPUBLISHED:
+            assert f"model_{s.argv[s.argv.index('--tag') + 1]}.json" in dict(s.publish), s  # the file bench_model writes
+
+
+# bench_model steps whose JSON stays in its run folder: fp8-gemv-ab's two are an A/B of the QKV/O dtype, which the
+# report's labels do not show, and a defaults run of fewer batch sizes would displace the summary's fuller one.
+UNPUBLISHED = {("fp8-gemv-ab", "model-20b-bf16"), ("fp8-gemv-ab", "model-20b-fp8")}
 
 
 def _py(code: str) -> tuple[str, ...]:
