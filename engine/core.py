@@ -19,8 +19,8 @@ Optionally (`first_token_wait_s`, --first-token-wait-ms, off by default) a step 
 first tokens is waited for, bounded, before N+1 is planned: in the multi-turn suite's run 9, 55 % of mixed
 steps were not done when the next iteration began although their GPU span ended within ~1 ms of their
 launch, and their first tokens waited for the next launch (~12 ms p50). Measured worse served both times:
-waiting without a bound (multi-turn-colocated-pw-6) and with 3 ms (run 10: cached TTFT p50 51.6 vs 42.3
-ms, p99 498 vs 84; queue and local prefill both longer). Kept as the A/B's switch.
+waiting without a bound (multi-turn-colocated-pw-6) and with 3 ms, in both orders (run 10: cached TTFT p50
+51.6 vs 42.3 ms, p99 498 vs 84; run 11: 69.0 vs 57.6; queue and local prefill both longer). Kept as the A/B's switch.
 With `overlap=False` (or a runner that cannot overlap, such as a tensor-parallel group's) every
 step is collected right after its launch: the same code, synchronous.
 """
