@@ -22,7 +22,6 @@ import concurrent.futures as cf
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,8 @@ from wire.protocol import (Abort, AdmitRequest, Admitted, GenerateRequest, Prefi
                              SamplingSpec, StartDecode, StatusRequest, TokenBatch, TokenChunk, WorkerStatus, decode, encode)
 from router.tokenizer import CALL, RETURN
 
+from tests.support.ports import free_port
+
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
 
 STARTUP_S = 240  # the whole cluster, on a loaded 2-core machine
@@ -53,9 +54,7 @@ EXIT_S = 20  # a worker whose follower died must be gone within this
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # not an ephemeral port: tests/support/ports.py
 
 
 @dataclass

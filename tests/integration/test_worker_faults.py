@@ -25,7 +25,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import zmq
 from kv_transfer.messages import TransferRequest
 from kv_transfer.messages import decode as decode_kv
 from tests.support.fuzz import frames
+from tests.support.ports import free_port
 from tests.support.service import Service, start_service
 from wire.protocol import (Abort, AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult,
                            SamplingSpec, StartDecode, StatusRequest, TokenBatch, TokenChunk, WorkerStatus, decode,
@@ -50,9 +50,7 @@ LONG = SamplingSpec(max_tokens=3000, temperature=0.0, ignore_eos=True)
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # not an ephemeral port: tests/support/ports.py
 
 
 class Peer:
