@@ -22,6 +22,7 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -218,6 +219,19 @@ class SSEParser:
     def flush(self) -> str | None:
         """An event left without its blank line when the stream ended."""
         return self.feed("")
+
+
+async def sse_json(lines: AsyncIterable[bytes]) -> AsyncIterator[dict]:
+    """The JSON of each SSE event of a streamed response read as byte lines (aiohttp's `resp.content`),
+    up to [DONE]. Bad JSON or UTF-8 raises ValueError."""
+    parser = SSEParser()
+    async for raw in lines:
+        data = parser.feed(raw.decode())
+        if data is None:
+            continue
+        if data.strip() == "[DONE]":
+            return
+        yield json.loads(data)
 
 
 class _Counter:

@@ -24,7 +24,6 @@ bytes shipped per turn and per new token, the prefix hit rate (cached / prompt t
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -32,7 +31,7 @@ import aiohttp
 import httpx
 import numpy as np
 
-from benchmarks.loadgen import LengthRange, SSEParser
+from benchmarks.loadgen import LengthRange, sse_json
 from common.errors import ConfigError
 from common.event_loop import loop_and_parser
 
@@ -111,14 +110,7 @@ async def one_turn(client: aiohttp.ClientSession, spec: MultiTurnSpec, r: TurnRe
                 if resp.status != 200:
                     r.error = f"http_{resp.status}: {(await resp.read()).decode(errors='replace')[:200]}"
                     return r
-                parser = SSEParser()
-                async for raw in resp.content:  # lines, each with its newline
-                    data = parser.feed(raw.decode())
-                    if data is None:
-                        continue
-                    if data.strip() == "[DONE]":
-                        break
-                    chunk = json.loads(data)
+                async for chunk in sse_json(resp.content):  # byte lines, each with its newline
                     if "error" in chunk:
                         r.error = str(chunk["error"])
                         return r

@@ -34,7 +34,7 @@ import aiohttp
 import numpy as np
 import zmq
 
-from benchmarks.loadgen import SSEParser
+from benchmarks.loadgen import sse_json
 from wire.protocol import Abort, GenerateRequest, TokenBatch, TokenChunk, WorkerStatus
 
 
@@ -114,14 +114,7 @@ async def one_request(http: aiohttp.ClientSession, url: str, prompt: list[int], 
         if resp.status != 200:
             s.error = f"http_{resp.status}"
             return s
-        parser = SSEParser()
-        async for raw in resp.content:
-            data = parser.feed(raw.decode())
-            if data is None:
-                continue
-            if data.strip() == "[DONE]":
-                break
-            chunk = json.loads(data)
+        async for chunk in sse_json(resp.content):
             ids = (chunk.get("choices") or [{}])[0].get("token_ids") or []
             if ids and not s.t_first:
                 s.t_first, s.rid = time.monotonic(), chunk["id"]
