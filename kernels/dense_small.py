@@ -24,10 +24,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.fp8_quant import FP8_DTYPE, quantize_tile
+from kernels.fp8_quant import FP8_DTYPE
 from kernels.moe import _ROUND_CODE, round_as, split_range, weight_desc
 from kernels.moe_small import _Counters, _num_sms, choose_split
-from kernels.moe_small_tiles import arrive, tile_gemm
+from kernels.moe_small_tiles import arrive, quantise_row_range, tile_gemm
 from kernels.reference import BLOCK, FP8_MAX
 
 MAX_TOKENS = 16  # the swapped MMA's narrow side; more tokens take the linear backend
@@ -54,15 +54,8 @@ def _dense_small_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, b_ptr, par
     nt = (pid // SPLIT_K) % num_n
     t = pid // SPLIT_K // num_n
     k_lo, k_hi = split_range(ks, K, 1, SPLIT_K, BLOCK_K)
-    # x[t, k_lo:k_hi] in e4m3 1x128 groups, which this CTA's K loop reads back
-    g = k_lo // 128 + tl.arange(0, BLOCK_GX)
-    cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]  # [BGX, 128]
-    valid = cols < k_hi
-    x = tl.load(x_ptr + t * stride_xt + cols, mask=valid, other=0.0).to(tl.float32)
-    q, scale = quantize_tile(x, valid, FP8_MAX_C, HW_CVT)  # [BGX, 128], [BGX]
-    tl.store(xq_ptr + t * stride_xqt + cols, q.to(xq_ptr.dtype.element_ty), mask=valid)
-    tl.store(xs_ptr + g * stride_xsk + t, scale, mask=g * 128 < k_hi)
-    tl.debug_barrier()  # every thread's xq / xs stores precede the K loop's loads
+    quantise_row_range(x_ptr, xq_ptr, xs_ptr, t, k_lo, k_hi, stride_xt, stride_xqt, stride_xsk, BLOCK_GX, FP8_MAX_C,
+                       HW_CVT)  # x[t, k_lo:k_hi] in e4m3 1x128 groups, which the K loop below reads back
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = offs_n % N  # wrapped columns read valid rows and are never stored
     nmask = offs_n < N

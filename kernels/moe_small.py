@@ -42,7 +42,7 @@ from kernels.fp8_quant import FP8_DTYPE, quantize_tile
 from kernels.interface import ExpertWeights
 from kernels.moe import _ROUND_CODE, round_as, split_range, weight_desc
 from kernels.moe_align import store_routes, topk_softmax_rows
-from kernels.moe_small_tiles import arrive, tile_gemm
+from kernels.moe_small_tiles import arrive, quantise_row_range, tile_gemm
 from kernels.reference import BLOCK, FP8_MAX
 
 
@@ -57,14 +57,8 @@ def route_and_quantise_row(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, t
     ids, w = topk_softmax_rows(logits_ptr, rows, rows >= 0, E, stride_lt, TOP_K, BLOCK_E, BLOCK_TK)
     store_routes(ids_ptr, rw_ptr, rows, ids, w, (rows * 0 + writer) > 0, TOP_K, BLOCK_TK)
     e = tl.sum(tl.sum(tl.where((tl.arange(0, BLOCK_TK) == j)[None, :], ids, 0), axis=1), axis=0)
-    g = k_lo // 128 + tl.arange(0, BLOCK_GX)  # 1x128 groups of this K range
-    cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]  # [BGX, 128]
-    valid = cols < k_hi
-    x = tl.load(x_ptr + t * stride_xt + cols, mask=valid, other=0.0).to(tl.float32)
-    q, scale = quantize_tile(x, valid, FP8_MAX_C, HW_CVT)  # [BGX, 128], [BGX]
-    tl.store(xq_ptr + t * stride_xqt + cols, q.to(xq_ptr.dtype.element_ty), mask=valid)
-    tl.store(xs_ptr + g * stride_xsk + t, scale, mask=g * 128 < k_hi)
-    tl.debug_barrier()  # every thread's xq / xs stores precede the K loop's loads
+    quantise_row_range(x_ptr, xq_ptr, xs_ptr, t, k_lo, k_hi, stride_xt, stride_xqt, stride_xsk, BLOCK_GX, FP8_MAX_C,
+                       HW_CVT)
     return e
 
 

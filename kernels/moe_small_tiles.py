@@ -1,12 +1,29 @@
-"""Building blocks of the few-token MoE kernels (kernels/moe_small.py): one activation row times
-an expert's [BN, K-range] weight tile in either MMA orientation, and the split-K arrival counter."""
+"""Building blocks of the few-token MoE kernels (kernels/moe_small.py) and the few-token dense linear
+(kernels/dense_small.py): a token's K range quantised in the CTA, one activation row times an expert's
+[BN, K-range] weight tile in either MMA orientation, and the split-K arrival counter."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from kernels.fp8_quant import quantize_tile
 from kernels.moe_gemm import expert_gemm
+
+
+@triton.jit
+def quantise_row_range(x_ptr, xq_ptr, xs_ptr, t, k_lo, k_hi, stride_xt, stride_xqt, stride_xsk,
+                       BLOCK_GX: tl.constexpr, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
+    """x[t, k_lo:k_hi] in e4m3 1x128 groups to xq / xs (quantize_act_1x128's bits), which the calling CTA's
+    K loop then reads back; CTAs of one token and K range write identical bytes."""
+    g = k_lo // 128 + tl.arange(0, BLOCK_GX)  # 1x128 groups of this K range
+    cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]  # [BGX, 128]
+    valid = cols < k_hi
+    x = tl.load(x_ptr + t * stride_xt + cols, mask=valid, other=0.0).to(tl.float32)
+    q, scale = quantize_tile(x, valid, FP8_MAX_C, HW_CVT)  # [BGX, 128], [BGX]
+    tl.store(xq_ptr + t * stride_xqt + cols, q.to(xq_ptr.dtype.element_ty), mask=valid)
+    tl.store(xs_ptr + g * stride_xsk + t, scale, mask=g * 128 < k_hi)
+    tl.debug_barrier()  # every thread's xq / xs stores precede the K loop's loads
 
 
 @triton.jit
