@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.fp8_quant import FP8_DTYPE
 from kernels.moe import _ROUND_CODE, round_as, split_range, weight_desc
@@ -77,6 +78,9 @@ def _dense_small_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, b_ptr, par
             for s in tl.static_range(SPLIT_K):  # split order: the same bits every call
                 v += tl.load(p_ptrs + s * stride_ps, mask=nmask, other=0.0, cache_modifier=".cg")
         tl.store(out_ptr + t * stride_ot + offs_n, round_as(v, OUT_ROUND).to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+INTERPRETED = isinstance(_dense_small_kernel, InterpretedFunction)  # TRITON_INTERPRET: it runs on CPU tensors
 
 
 @dataclass(frozen=True, slots=True)

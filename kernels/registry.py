@@ -5,7 +5,6 @@ CPU machine never imports FlashInfer or DeepGEMM), plus the optional kernel fusi
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from enum import Enum
 
@@ -121,11 +120,11 @@ class Backends:
         """The attention's QKV / O projection, x [T, K] -> [T, N]: `linear`, or a few-token kernel (bf16:
         Fusion.FEW_TOKEN_LINEAR, FP8: Fusion.FEW_TOKEN_FP8). Under TP, w is this rank's shard; the caller's
         all-reduce is unchanged."""
-        if (Fusion.FEW_TOKEN_FP8 in self.fusions and w_scale is not None and x.shape[0] <= FEW_TOKEN_FP8_MAX_TOKENS
-                and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
-            from kernels.dense_small import few_token_fp8_linear
+        if Fusion.FEW_TOKEN_FP8 in self.fusions and w_scale is not None and x.shape[0] <= FEW_TOKEN_FP8_MAX_TOKENS:
+            from kernels import dense_small  # Triton imported only when the switch is on
 
-            return few_token_fp8_linear(x, w, w_scale, bias)
+            if x.is_cuda or dense_small.INTERPRETED:
+                return dense_small.few_token_fp8_linear(x, w, w_scale, bias)
         if Fusion.FEW_TOKEN_LINEAR in self.fusions:  # Triton imported only when the switch is on
             from kernels import gemv
 
