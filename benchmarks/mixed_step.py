@@ -56,7 +56,9 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=3296, help="P: the new turn's cached tokens")
     ap.add_argument("--new", type=int, default=280, help="N: its new tokens")
     ap.add_argument("--turns", type=int, default=8, help="new turns measured per forward mode")
-    ap.add_argument("--forwards", default="piecewise,eager", help="mixed-step forwards to compare")
+    ap.add_argument("--forwards", default="piecewise,eager",
+                    help="mixed-step forwards to compare: piecewise (the worker's buckets, 1.5x apart), piecewise-pow2 "
+                         "(a second graph set, buckets 2x apart as before 2026-12-05), eager")
     ap.add_argument("--orders", default="ready,launch",
                     help="loop orders to compare (engine/core.py): ready (a step the GPU already finished is collected "
                          "before the next launch), wait (ready, and a step with first tokens "
@@ -86,6 +88,13 @@ def main() -> None:
 
         warm_up(parts, a.seed)
     piecewise = parts.runner.piecewise
+    forwards = {"piecewise": piecewise, "eager": None}
+    if "piecewise-pow2" in a.forwards.split(","):
+        from engine.piecewise import POW2_BUCKETS, PiecewiseGraphs, buckets_for
+
+        forwards["piecewise-pow2"] = PiecewiseGraphs(model, buckets_for(min(cfg.scheduler.max_num_batched_tokens,
+                                                                            cfg.piecewise_max_tokens), POW2_BUCKETS))
+        forwards["piecewise-pow2"].capture()
     sched = Scheduler(parts.scheduler.cfg, parts.kv, ())
     core = EngineCore(sched, parts.runner, overlap=a.async_decode == "on")
     core.trace = StepTrace()  # in memory: each step's size and host times
@@ -133,7 +142,7 @@ def main() -> None:
         forward, order, role = m.split("/")
         if role != "-":
             attn.mixed_role = role
-        parts.runner.piecewise = piecewise if forward == "piecewise" else None
+        parts.runner.piecewise = forwards[forward]
         core.collect_ready = order in ("ready", "wait")
         core.first_token_wait_s = 0.003 if order == "wait" else 0.0  # the decode worker's default
         rows = []

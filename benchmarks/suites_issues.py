@@ -163,6 +163,16 @@ ISSUE_SUITES: dict[str, Suite] = {
     # multi-turn-colocated-pw-2's step trace: a cached turn's mixed step (~340 tokens, ~60 decodes) took 30 ms of
     # host time to launch. This reproduces that step alone; run 4 showed the step after it waiting ~27 ms on the
     # GPU, which the GPU spans and the timeline (busy time, idle gaps) now measure directly.
+    # The MoE at the sizes served multi-turn steps run: decode steps of ~64 sequences (M = 8 routed rows per
+    # expert) and mixed steps of ~300-400 tokens (M = 32-48), which sat between the tuned buckets (4, 16, 64) and
+    # were tuned before the TMA weight tiles existed. The shipped table's pick is timed first in the same process.
+    "moe-tune-mid": Suite(
+        "MoE tiles for the buckets between decode and prefill (M = 48, 8, 64, 32, 16 routed rows per expert: 384-, "
+        "64-, 512-, 256- and 128-token steps of 20b), FP8 experts, the wide space with TMA weight tiles; each "
+        "bucket's current pick (kernels/tuning/moe.json, nearest bucket) timed first on the same inputs",
+        carry=(".whl-site",),
+        steps=(step("tune", "{py} -m benchmarks.tune_moe --no-bf16 --wide --tma --wide-from 8 --buckets 48,8,64,32,16 "
+                            "--base kernels/tuning/moe.json --budget 400", 480, summary=r"tuned table|Error"),)),
     "mixed-step": Suite(
         "issue 25: the decode worker's engine (20b, the multi-turn suite's decode settings, CUDA graphs + piecewise "
         "graphs) with 60 sequences decoding at 3.5k context while a new turn (3,296 cached + 280 new tokens) joins: "

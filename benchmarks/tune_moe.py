@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.gemm import Report, bench, environment
 from benchmarks.moe import H, I, TOP_K, logit_sets, make_experts
-from kernels.tuning import MoEConfig, TileConfig, default_moe_config
+from kernels.tuning import MoEConfig, TileConfig, default_moe_config, nearest_bucket
 
 DEVICE = "cuda"  # a module constant so a CPU smoke run can swap it
 E = 32
@@ -36,16 +36,19 @@ def tokens_for(bucket: int) -> int:
 
 
 def bm_candidates(bucket: int) -> list[int]:
-    return {1: [16], 4: [16], 16: [16, 32], 64: [32, 64], 256: [64, 128], 1024: [64, 128]}[bucket]
+    """Row tiles worth trying for M routed rows per expert (any M: the buckets between the shipped ones
+    too, e.g. 8 = a 64-token decode step, 48 = a 384-token piecewise bucket)."""
+    return [16] if bucket <= 4 else [16, 32] if bucket <= 16 else [32, 64] if bucket <= 64 else [64, 128]
 
 
-WIDE = False  # --wide: prefill buckets also try 4 stages, 4/8 warps and 256-wide tiles (64-row only)
+WIDE = False  # --wide: buckets >= WIDE_FROM also try 4 stages, 4/8 warps and 256-wide tiles (64-row only)
 TMA = False  # --tma: with --wide, FP8 weight tiles by TMA descriptors (kernels/moe.py expert_gemm_tma)
+WIDE_FROM = 64  # --wide-from: the smallest bucket the wide space applies to
 
 
 def tile_candidates(bm: int, bucket: int, fp8: bool, gemm: int) -> list[TileConfig]:
     bk = 128 if fp8 else 64
-    if WIDE and bucket >= 64:
+    if WIDE and bucket >= WIDE_FROM:
         group = 8 if bucket > 64 else 1
         tma = TMA and fp8
         return [TileConfig(bm, bn, bk, group, w, s, 1, tma=tma)
@@ -74,7 +77,9 @@ class Tuner:
     def out_of_time(self) -> bool:
         return time.time() > self.deadline
 
-    def tune_bucket(self, w, bucket: int, fp8: bool) -> MoEConfig | None:
+    def tune_bucket(self, w, bucket: int, fp8: bool, base: MoEConfig | None = None) -> MoEConfig | None:
+        """The bucket's best MoEConfig; `base` (the table's entry now) is timed first on the same
+        inputs, so the log holds the before and the after of one process."""
         from kernels import moe as m
         from kernels.fp8_quant import quantize_act_1x128
         from kernels.moe_align import align_by_expert, route_topk_softmax
@@ -84,18 +89,28 @@ class Tuner:
         routes = [route_topk_softmax(lg, TOP_K) for lg in logit_sets(t, E, gen)]
         xq, xs = quantize_act_1x128(x) if fp8 else (x, None)
         best: tuple[float, MoEConfig] | None = None
+        if base is not None:
+            groups = [align_by_expert(ids, 0, E, base.block_m) for _, ids in routes]
+            try:
+                t1 = bench([lambda s=s: self._gate_up(m, quantize_act_1x128, xq, xs, w, groups[s], base.gemm1, fp8)
+                            for s in range(len(groups))], trials=3, min_ms=5)
+                acts = [self._acts(m, quantize_act_1x128, xq, xs, w, g, base.gemm1, fp8) for g in groups]
+                t2 = bench([lambda s=s: m.down(*acts[s], w, groups[s], routes[s][0], base.gemm2, torch.bfloat16)
+                            for s in range(len(groups))], trials=3, min_ms=5)
+                self.log.append({"fp8": fp8, "bucket": bucket, "T": t, "block_m": base.block_m, "base": True,
+                                 "gate_up_ms": t1, "down_ms": t2, "gemm1": base.gemm1.to_json(),
+                                 "gemm2": base.gemm2.to_json()})
+                best = (t1 + t2, base)
+            except Exception as e:  # noqa: BLE001 - a base entry that no longer runs loses to any tuned one
+                self.rep.errors.append(f"base {base}: {type(e).__name__}: {str(e)[:200]}")
         for bm in bm_candidates(bucket):
             groups = [align_by_expert(ids, 0, E, bm) for _, ids in routes]
             t1 = self._best(bm, bucket, fp8, 1, groups,
                             lambda c, s: self._gate_up(m, quantize_act_1x128, xq, xs, w, groups[s], c, fp8))
             if t1 is None:
                 continue
-            acts_by_set = []  # down's input per logit set (any gate_up tile gives the same values)
-            for g in groups:
-                act, acts = m.gate_up(xq, xs, w, g, TOP_K, t1[1], torch.bfloat16)
-                if fp8 and acts is None:
-                    act, acts = quantize_act_1x128(act)
-                acts_by_set.append((act, acts))
+            # down's input per logit set (any gate_up tile gives the same values)
+            acts_by_set = [self._acts(m, quantize_act_1x128, xq, xs, w, g, t1[1], fp8) for g in groups]
             t2 = self._best(bm, bucket, fp8, 2, groups,
                             lambda c, s: m.down(*acts_by_set[s], w, groups[s], routes[s][0], c, torch.bfloat16))
             if t2 is None:
@@ -106,6 +121,11 @@ class Tuner:
             if best is None or total < best[0]:
                 best = (total, MoEConfig(bm, t1[1], t2[1]))
         return best[1] if best else None
+
+    @staticmethod
+    def _acts(m, quant, xq, xs, w, g, cfg: TileConfig, fp8: bool):
+        act, acts = m.gate_up(xq, xs, w, g, TOP_K, cfg, torch.bfloat16)
+        return quant(act) if fp8 and acts is None else (act, acts)
 
     @staticmethod
     def _gate_up(m, quant, xq, xs, w, g, cfg: TileConfig, fp8: bool) -> None:
@@ -138,9 +158,10 @@ def main() -> None:
     ap.add_argument("--base", default=None, help="a tuned table (e.g. kernels/tuning/moe.json) to start from")
     ap.add_argument("--wide", action="store_true", help="a wider tile space for the prefill buckets")
     ap.add_argument("--tma", action="store_true", help="with --wide: FP8 weight tiles by TMA")
+    ap.add_argument("--wide-from", type=int, default=WIDE_FROM, help="the smallest bucket --wide applies to")
     args = ap.parse_args()
-    global WIDE, TMA
-    WIDE, TMA = args.wide, args.tma
+    global WIDE, TMA, WIDE_FROM
+    WIDE, TMA, WIDE_FROM = args.wide, args.tma, args.wide_from
     buckets = [int(b) for b in args.buckets.split(",")]
     base = json.loads(open(args.base).read()) if args.base else {}
     rep = Report("moe_tuning")
@@ -156,8 +177,11 @@ def main() -> None:
     for fp8, w in kinds:
         key = f"{'fp8' if fp8 else 'bf16'}_N{2 * I}_K{H}"
         entries = dict(base.get(key, {}))
+        shipped = {int(b): e for b, e in entries.items()}  # what the workers pick today, by nearest bucket
         for bucket in buckets:
-            cfg = rep.section(f"{key} bucket {bucket}", lambda: tuner.tune_bucket(w, bucket, fp8))
+            old = nearest_bucket(shipped, bucket) if shipped else None
+            old_cfg = MoEConfig.from_json(old) if old else None
+            cfg = rep.section(f"{key} bucket {bucket}", lambda: tuner.tune_bucket(w, bucket, fp8, old_cfg))
             tuned = cfg is not None
             entries[str(bucket)] = (cfg or default_moe_config(bucket, fp8)).to_json() | {"tuned": tuned}
         if str(BUCKETS[-1]) in entries:
