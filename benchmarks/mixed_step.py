@@ -57,8 +57,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=280, help="N: its new tokens")
     ap.add_argument("--turns", type=int, default=8, help="new turns measured per forward mode")
     ap.add_argument("--forwards", default="piecewise,eager",
-                    help="mixed-step forwards to compare: piecewise (the worker's buckets, 1.5x apart), piecewise-pow2 "
-                         "(a second graph set, buckets 2x apart as before 2026-12-05), eager")
+                    help="mixed-step forwards to compare: piecewise (the worker's --piecewise-buckets), piecewise-fine "
+                         "and piecewise-pow2 (a second graph set with that spacing, unless it is the worker's), eager")
     ap.add_argument("--orders", default="ready,launch",
                     help="loop orders to compare (engine/core.py): ready (a step the GPU already finished is collected "
                          "before the next launch), wait (ready, and a step with first tokens "
@@ -88,13 +88,14 @@ def main() -> None:
 
         warm_up(parts, a.seed)
     piecewise = parts.runner.piecewise
-    forwards = {"piecewise": piecewise, "eager": None}
-    if "piecewise-pow2" in a.forwards.split(","):
-        from engine.piecewise import POW2_BUCKETS, PiecewiseGraphs, buckets_for
+    forwards = {"piecewise": piecewise, f"piecewise-{cfg.piecewise_buckets}": piecewise, "eager": None}
+    for f in a.forwards.split(","):
+        if f not in forwards and f.startswith("piecewise-"):  # the other bucket spacing, captured beside
+            from engine.piecewise import BUCKET_SETS, PiecewiseGraphs, buckets_for
 
-        forwards["piecewise-pow2"] = PiecewiseGraphs(model, buckets_for(min(cfg.scheduler.max_num_batched_tokens,
-                                                                            cfg.piecewise_max_tokens), POW2_BUCKETS))
-        forwards["piecewise-pow2"].capture()
+            forwards[f] = PiecewiseGraphs(model, buckets_for(min(cfg.scheduler.max_num_batched_tokens,
+                                                                 cfg.piecewise_max_tokens), BUCKET_SETS[f[10:]]))
+            forwards[f].capture()
     sched = Scheduler(parts.scheduler.cfg, parts.kv, ())
     core = EngineCore(sched, parts.runner, overlap=a.async_decode == "on")
     core.trace = StepTrace()  # in memory: each step's size and host times

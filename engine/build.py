@@ -65,6 +65,7 @@ class EngineConfig:
     # Buckets stop here: above ~2k tokens a 20b step is GPU-bound and padding to the next bucket costs
     # more than the launches saved (3.3-3.6k-token chunks 7-13 % slower in the 4,096 bucket, piecewise-ab-1)
     piecewise_max_tokens: int = 2048
+    piecewise_buckets: str = "pow2"  # engine.piecewise.BUCKET_SETS: 2x apart, or "fine" (1.5x; opt-in, not yet measured)
 
 
 @dataclass(slots=True)
@@ -161,10 +162,11 @@ def build_engine_parts(cfg: EngineConfig, model: GptOss | None = None) -> Engine
     sampler.warm_up(model.cfg.vocab_size)
     runner = ModelRunner(model, pool, sampler)
     if cfg.piecewise_graphs:
-        from engine.piecewise import PiecewiseGraphs, buckets_for
+        from engine.piecewise import BUCKET_SETS, PiecewiseGraphs, buckets_for
 
         runner.piecewise = PiecewiseGraphs(model, buckets_for(min(cfg.scheduler.max_num_batched_tokens,
-                                                                  cfg.piecewise_max_tokens)))
+                                                                  cfg.piecewise_max_tokens),
+                                                              BUCKET_SETS[cfg.piecewise_buckets]))
         runner.piecewise.capture()
     return EngineParts(model, spec, pool, kv, scheduler, runner, sampler)
 

@@ -47,12 +47,14 @@ from model.kv_cache import KVPool
 
 log = logging.getLogger("tandem.piecewise")
 
-# Steps 1.5x apart, not 2x: a step pads to its bucket and the padded rows are real work in the MoE (they
-# route to experts like any row), so a 340-token mixed step in the 512 bucket grouped ~64 rows per
-# expert where its own 340 give ~43, spilling half the experts into a second 64-row tile. The decode
-# graphs' batch buckets are spaced the same way (decode_worker/runner.py).
-DEFAULT_BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
-POW2_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # the spacing before 2026-12-05 (benchmarks' A/B)
+DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# --piecewise-buckets fine: 1.5x apart. A step pads to its bucket and the padded rows are real work in the
+# MoE (they route to experts like any row): a 340-token mixed step in the 512 bucket groups ~64 rows per
+# expert where its own 340 give ~43, spilling about half the experts into a second 64-row tile. Opt-in
+# until the mixed-step suite's A/B (piecewise vs piecewise-fine) has measured it; the decode graphs' batch
+# buckets are spaced this way (decode_worker/runner.py).
+FINE_BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+BUCKET_SETS = {"pow2": DEFAULT_BUCKETS, "fine": FINE_BUCKETS}
 
 
 def buckets_for(max_tokens: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:

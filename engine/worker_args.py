@@ -74,6 +74,9 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--piecewise-max-tokens", type=int, default=2048,
                    help="the largest piecewise bucket: longer steps run eagerly (GPU-bound there, where padding "
                         "to a bucket costs more than the launches it saves)")
+    p.add_argument("--piecewise-buckets", choices=["pow2", "fine"], default="pow2",
+                   help="piecewise bucket spacing: pow2 (16, 32, 64, ...) or fine (1.5x apart: 16, 24, 32, 48, ...; "
+                        "less padding, whose rows the MoE computes like real ones, for twice the graphs)")
     p.add_argument("--step-trace", default=None, metavar="PATH",
                    help="write one JSON line per engine step to PATH (%%p = the process id): sizes and host times "
                         "of each step, for diagnosing served latency (engine/step_trace.py)")
@@ -128,7 +131,7 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),
         seed=a.seed, progress=tp_rank == 0, async_decode=a.async_decode == "on",
         enable_prefix_caching=a.enable_prefix_caching, piecewise_graphs=a.piecewise_graphs,
-        piecewise_max_tokens=a.piecewise_max_tokens,
+        piecewise_max_tokens=a.piecewise_max_tokens, piecewise_buckets=a.piecewise_buckets,
         parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group,
                                 max(0, a.fast_allreduce_kib) << 10 if gpu else 0, a.fast_allreduce_impl, a.vocab_parallel))
 

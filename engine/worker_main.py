@@ -10,6 +10,7 @@ import os
 import sys
 from typing import NoReturn
 
+from common.gc_pauses import freeze_startup_heap, process_pauses
 from common.http_health import HealthServer
 from engine.worker_args import engine_config
 from common.worker_io import WorkerIO
@@ -95,6 +96,10 @@ def serve(a: argparse.Namespace, server, io_bind: str) -> int:
     if health:
         health.start()
     server.install_signals()
+    # Start-up is done (weights, graphs, warm-up): its ~200k objects leave the collector's walks, and
+    # every pause is timed (common/gc_pauses.py; tandem_gc_pause_seconds on /metrics).
+    freeze_startup_heap(server.worker_id)
+    process_pauses()  # after the freeze's own full collection, which is start-up's
     log.info("%s ready on %s (metrics :%s)", server.worker_id, io_bind, health.port if health else "off")
     try:
         server.run()

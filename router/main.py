@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from common.errors import ConfigError
 from common.event_loop import loop_and_parser
+from common.gc_pauses import GcPauses, freeze_startup_heap
 from router.admission import AdmissionQueue
 from router.api import Serving, build_app
 from router.prefill_cost import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, PrefillCost
@@ -171,10 +172,12 @@ def make_app(cfg: RouterConfig, disc: Discovery):
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        pauses = GcPauses(metrics.registry).install()  # tandem_gc_pause_seconds: the loop stalls they cause
         await fleet.start()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(fleet.first_poll.wait(), cfg.poll_interval_s * 3)
         yield
+        pauses.remove()
         await fleet.close()
         ctx.term()
 
@@ -223,5 +226,6 @@ def main(argv: list[str]) -> int:
     log.info("event loop %s, HTTP parser %s", loop, http)
     server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", loop=loop,
                                            http=http, timeout_graceful_shutdown=CLOSE_S), app.state.drain)
+    freeze_startup_heap("router")  # the process only (not make_app: test processes build many apps)
     server.run()
     return 0

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.gc_pauses import freeze_startup_heap
 from engine.tp import messages as m
 from engine.tp.group import RANK_LOST_EXIT, RankGroup
 from engine.tp.local_kv import LocalKV
@@ -99,6 +100,7 @@ def follower_main(spec: FollowerSpec) -> None:
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), name="parent-watch", daemon=True).start()
     group = RankGroup.join(spec.rank, spec.world, spec.store_port, spec.args)
     follower = Follower(group, spec.setup(spec.args, spec.worker_id, group))
+    freeze_startup_heap(f"{spec.role} tp{spec.rank}")  # a pause here stalls every rank's collective
     log.info("%s tensor-parallel rank %d/%d ready", spec.role, spec.rank, spec.world)
     try:
         follower.run()
