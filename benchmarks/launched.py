@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from common.errors import WorkerUnavailable
-from launcher.cmd_serve import free_base_port, free_port
+from launcher.ports import free_base_port, free_port
 
 
 KEPT_LOG_BYTES = 4 << 20

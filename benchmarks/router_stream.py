@@ -24,7 +24,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -32,9 +31,9 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 import numpy as np
-import zmq
 
 from benchmarks.loadgen import sse_json
+from launcher import ports
 from wire.protocol import Abort, GenerateRequest, TokenBatch, TokenChunk, WorkerStatus
 
 
@@ -140,9 +139,7 @@ async def load(url: str, streams: int, seconds: float, prompt_len: int, out_lo: 
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port()  # below the ephemeral range: a spawned process binds it later
 
 
 def _cpu_s(pid: int) -> float:

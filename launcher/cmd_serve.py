@@ -14,7 +14,6 @@ import argparse
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,32 +49,6 @@ def _wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float) -> No
             pass
         time.sleep(0.3)
     raise WorkerUnavailable(f"the service was not ready within {timeout_s:.0f} s")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def free_base_port(workers_per_role: int) -> int:
-    """A --base-port whose worker ports (base+100+i, +200+i and metrics +1100+i, +1200+i, see
-    build_commands) are all free now."""
-    for _ in range(100):
-        base = free_port() % 20000 + 20000
-        ports = [base + off + i for off in (100, 200, 1100, 1200) for i in range(workers_per_role)]
-        if all(_port_free(p) for p in ports):
-            return base
-    raise ConfigError("found no free block of worker ports")
 
 
 def worker_flags(a: argparse.Namespace, checkpoint: str, *, device: str, kv_backend: str, tp: int,

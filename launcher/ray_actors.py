@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from common.errors import WorkerUnavailable
+from launcher import ports
 from launcher.cmd_serve import worker_env
 from router.fleet import Discovery
 
@@ -89,11 +90,9 @@ def worker_argv(spec: WorkerLaunch, host: str, port: int, metrics_port: int) -> 
 
 
 def free_port(host: str) -> int:
-    """A port free on `host` now. Another process may take it before the worker binds; the
-    worker then exits at start-up and the launcher replaces it."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free on `host` now, below the ephemeral range (launcher/ports.py). Another process may
+    still take it before the worker binds; the worker then exits at start-up and the launcher replaces it."""
+    return ports.free_port(host)
 
 
 def _die_with_parent() -> None:

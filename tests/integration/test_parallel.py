@@ -4,7 +4,6 @@ TP1 (fp32 tolerance) and the same greedy tokens, for experts sliced by TP and wh
 
 import dataclasses
 import os
-import socket
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch.multiprocessing as mp
 
 from common.errors import ConfigError
 from kernels.registry import make_backends
+from launcher import ports
 from model.config import preset
 from model.context import SeqStep, build_step_meta
 from model.gpt_oss import GptOss
@@ -23,9 +23,7 @@ from model.weights import SafetensorsSource
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port()  # below the ephemeral range: a spawned process binds it later
 
 
 def _run(model: GptOss, ids: list[int], decode_steps: int) -> tuple[torch.Tensor, list[int]]:

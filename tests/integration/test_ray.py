@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from openai import OpenAI  # noqa: E402
 from autoscaler.connector import ScaleOutcome, ScalingError  # noqa: E402
 from autoscaler.core import Phase, ReplicaCounts  # noqa: E402
 from autoscaler.ray_connector import RayConnector  # noqa: E402
+from launcher import ports  # noqa: E402
 from launcher.ray_actors import ROUTER_ACTOR  # noqa: E402
 
 MARKER_VAR = "TANDEM_RAY_TEST_MARKER"
@@ -57,9 +57,7 @@ class Cluster:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port()  # below the ephemeral range: a spawned process binds it later
 
 
 def _marked() -> list[tuple[int, str]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -122,9 +121,9 @@ def _worker(rank: int, world: int, port: int, q) -> None:
 def test_two_gpus_bit_exact():
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from launcher.ports import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, 2, port, q)) for r in range(2)]

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from launcher.cmd_serve import build_commands, free_base_port, free_port, shutdown
+from launcher.cmd_serve import build_commands, shutdown
+from launcher.ports import free_base_port, free_port
 from wire.protocol import StatusRequest, WorkerStatus, decode, encode
 
 

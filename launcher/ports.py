@@ -1,0 +1,53 @@
+"""Ports a local deployment's processes bind later (`tandem serve --port 0`, the served benchmarks, the tests'
+services): picked here, bound by a process started after.
+
+`bind(("127.0.0.1", 0))` hands out an ephemeral port (Linux: 32768-60999), free at that moment only: until the
+spawned process binds it, an outgoing connection (UCX, ZMQ, HTTP) may take it as its source port, and a second
+call may return the same port. A CI run lost a module of TP-worker tests to that ("Address already in use" on a
+worker's port). These come from below the ephemeral range, are checked to bind now, and are never handed out
+twice by one process.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+from common.errors import ConfigError
+
+LOW, HIGH = 20000, 32000
+# A deployment's worker ports sit at these offsets from its base port (launcher.cmd_serve.build_commands):
+# prefill base+100+i, decode base+200+i, their metrics +1100+i and +1200+i.
+WORKER_OFFSETS = (100, 200, 1100, 1200)
+_given: set[int] = set()
+_rng = random.Random()
+
+
+def _bindable(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    for _ in range(2000):
+        port = _rng.randint(LOW, HIGH)
+        if port not in _given and _bindable(port, host):
+            _given.add(port)
+            return port
+    raise ConfigError(f"no free port in [{LOW}, {HIGH}]")
+
+
+def free_base_port(workers_per_role: int) -> int:
+    """A base port whose worker ports (WORKER_OFFSETS + i, i < workers_per_role) are all free now."""
+    span = WORKER_OFFSETS[-1] + workers_per_role
+    for _ in range(200):
+        base = _rng.randint(LOW, HIGH - span)
+        ports = [base + off + i for off in WORKER_OFFSETS for i in range(workers_per_role)]
+        if not _given.intersection(ports) and all(_bindable(p) for p in ports):
+            _given.update(ports)
+            return base
+    raise ConfigError("found no free block of worker ports")
