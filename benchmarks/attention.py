@@ -233,7 +233,8 @@ FI_BUILD: dict = {}
 def flashinfer_build() -> None:
     try:
         t0 = time.time()
-        from kernels.flashinfer_backend import AttentionDims, FlashInferAttention, import_flashinfer
+        from kernels.flashinfer_backend import FlashInferAttention
+        from kernels.flashinfer_host import AttentionDims, import_flashinfer
         from kernels.flashinfer_variants import build_variant
         fi = import_flashinfer()
         FI_BUILD.update({"version": fi.__version__, "restored_modules": restore_cache()})

@@ -42,16 +42,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from common.errors import ConfigError
 from kernels.flashinfer_fp8kv import FP8_KV, read_slots
+from kernels.flashinfer_host import (AttentionDims, host_cu, pinned, chunk_gather_indices, chunk_row_sources,
+                                     import_flashinfer)
 from kernels.flashinfer_variants import build_variant, jit_args
 from kernels.interface import GroupMeta, StepMeta
 from kernels.triton_store_kv import gather_kv, rope_qk, rope_qk_store_kv, store_kv
@@ -59,90 +58,6 @@ from kernels.triton_store_kv import gather_kv, rope_qk, rope_qk_store_kv, store_
 log = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partials), shared by all wrappers
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionDims:
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    dtype: torch.dtype
-    device: torch.device
-    kv_dtype: torch.dtype | None = None  # the pages' dtype; None = dtype
-
-    @property
-    def fp8_kv(self) -> bool:
-        return self.kv_dtype == torch.float8_e4m3fn
-
-
-def import_flashinfer(cache_dir: str | None = None):
-    """Import flashinfer with its JIT cache under `cache_dir` (which must be set before import)."""
-    if cache_dir is not None:
-        cache_dir = os.path.abspath(cache_dir)
-        if "flashinfer" in sys.modules and os.environ.get("FLASHINFER_WORKSPACE_BASE") != cache_dir:
-            raise ConfigError(f"flashinfer was already imported with another JIT cache folder; "
-                              f"cannot switch to {cache_dir}")
-        os.makedirs(cache_dir, exist_ok=True)
-        os.environ["FLASHINFER_WORKSPACE_BASE"] = cache_dir
-    if not torch.cuda.is_available():
-        raise ConfigError("the flashinfer attention backend needs a CUDA GPU; use 'triton' or 'torch'")
-    try:
-        import flashinfer
-        from flashinfer.jit.attention.variants import attention_sink_decl  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(f"the flashinfer attention backend needs flashinfer-python 0.6.6 "
-                          f"(+ apache-tvm-ffi, nvidia-cudnn-frontend): {e}") from None
-    return flashinfer
-
-
-def _host_cu(step: StepMeta) -> torch.Tensor:
-    """cu_seqlens_q on the host without a device sync."""
-    return _pinned(torch.tensor([0] + step.q_lens_host, dtype=torch.int32).cumsum(0, dtype=torch.int32))
-
-
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    """Host tensors the plan copies to the device (index buffers of the graph wrappers) live in
-    pinned memory: a copy from pageable memory may wait for the stream, and the overlapped decode
-    loop plans step N+1 while step N still runs."""
-    return t.pin_memory() if torch.cuda.is_available() else t
-
-
-def chunk_gather_indices(prefix_lens: list[int], q_lens: list[int], max_pages: int, page_size: int
-                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Where each key of a chunk step's dense [prefix ; new] K/V comes from and goes: for every
-    prefix position i of sequence b, its page-table entry b * max_pages + i // P, its offset i % P
-    and its row in the dense keys; the rows of the new tokens; and cu_k [B+1] int32 (keys per
-    sequence = prefix + new). int64 except cu_k."""
-    pre = np.asarray(prefix_lens, dtype=np.int64)
-    q = np.asarray(q_lens, dtype=np.int64)
-    cu_k = np.zeros(len(pre) + 1, dtype=np.int64)
-    np.cumsum(pre + q, out=cu_k[1:])
-    cu_pre = np.concatenate([[0], np.cumsum(pre)])
-    cu_new = np.concatenate([[0], np.cumsum(q)])
-    i = np.arange(cu_pre[-1]) - np.repeat(cu_pre[:-1], pre)  # position within its sequence's prefix
-    flat = np.repeat(np.arange(len(pre)) * max_pages, pre) + i // page_size
-    dst_pre = np.repeat(cu_k[:-1], pre) + i
-    dst_new = np.repeat(cu_k[:-1] + pre, q) + np.arange(cu_new[-1]) - np.repeat(cu_new[:-1], q)
-    return flat, i % page_size, dst_pre, dst_new, cu_k.astype(np.int32)
-
-
-def chunk_row_sources(flat: np.ndarray, offs: np.ndarray, dst_pre: np.ndarray, dst_new: np.ndarray,
-                      page_table: torch.Tensor, page_size: int, upload) -> torch.Tensor:
-    """[Tk] int64 source of every dense row of a chunk step (chunk_gather_indices' arrays), for the
-    layers' one-launch gather (kernels.triton_store_kv.gather_kv): page * P + offset for a prefix row,
-    -(j + 1) for new token j. Built once per step: one upload, then the prefix rows' pages looked up
-    in the device page table [B, max_pages]."""
-    src = np.empty(dst_pre.size + dst_new.size, dtype=np.int64)
-    src[dst_new] = -1 - np.arange(dst_new.size)
-    src[dst_pre] = offs
-    idx = upload(np.concatenate([src, flat, dst_pre]))
-    n_src, n_pre = src.size, flat.size
-    rows = idx[:n_src]
-    pages = page_table.flatten()[idx[n_src:n_src + n_pre]].long()  # [n_pre] the prefix rows' pages
-    dst = idx[n_src + n_pre:]  # [n_pre] their rows (distinct)
-    rows[dst] = rows[dst] + pages * page_size
-    return rows
 
 
 @dataclass(slots=True)
@@ -353,7 +268,7 @@ class FlashInferAttention:
     def _plan_group(self, step: StepMeta, g: GroupMeta, window_left: int) -> _GroupPlan:
         d = self._dims
         assert d is not None
-        cu_q = _host_cu(step)
+        cu_q = host_cu(step)
         if not g.pages_hold_all:
             return self._plan_chunk(step, g, window_left, cu_q)
         if d.fp8_kv and not step.is_decode:
@@ -365,12 +280,12 @@ class FlashInferAttention:
         elif g.page_ids_host is not None and len(g.page_ids_host) == sum(num_pages):
             # one host -> device copy of the rows back to back (a per-page gather cost ~10 ms per
             # step at batch 128 x 8k on the H200's host)
-            indices = _pinned(torch.from_numpy(g.page_ids_host)).to(d.device, non_blocking=True)
+            indices = pinned(torch.from_numpy(g.page_ids_host)).to(d.device, non_blocking=True)
         else:
             flat = [b * maxp + j for b, n in enumerate(num_pages) for j in range(n)]
-            indices = g.page_table.flatten()[_pinned(torch.tensor(flat, dtype=torch.long)).to(d.device, non_blocking=True)]
-        indptr = _pinned(torch.tensor([0] + num_pages, dtype=torch.int32).cumsum(0, dtype=torch.int32))
-        last = _pinned(torch.tensor([n - (k - 1) * p for n, k in zip(g.kv_lens_host, num_pages)], dtype=torch.int32))
+            indices = g.page_table.flatten()[pinned(torch.tensor(flat, dtype=torch.long)).to(d.device, non_blocking=True)]
+        indptr = pinned(torch.tensor([0] + num_pages, dtype=torch.int32).cumsum(0, dtype=torch.int32))
+        last = pinned(torch.tensor([n - (k - 1) * p for n, k in zip(g.kv_lens_host, num_pages)], dtype=torch.int32))
         decode = step.is_decode
         graph = step.num_seqs if decode and step.num_seqs in self._graph_sizes else 0
         w = self._wrapper(self._role(step), "paged", window_left, graph)
@@ -378,7 +293,7 @@ class FlashInferAttention:
         # tensor and copies that to the device, and to stage pageable memory the driver may synchronise with
         # the stream, i.e. wait for the step in flight (the overlapped loop plans step N+1 while N runs).
         # Pinned lengths (the same values) keep the copy asynchronous.
-        lens = _pinned(torch.tensor(g.kv_lens_host, dtype=torch.int32))
+        lens = pinned(torch.tensor(g.kv_lens_host, dtype=torch.int32))
         w.plan(cu_q, indptr, indices, last, d.num_q_heads, d.num_kv_heads, d.head_dim, p, causal=True,
                window_left=window_left, q_data_type=d.dtype, kv_data_type=d.kv_dtype or d.dtype, seq_lens=lens)
         slots = g.slot_mapping
@@ -407,9 +322,9 @@ class FlashInferAttention:
         gather = None
         if flat.size:
             gather = chunk_row_sources(flat, offs, dst_pre, dst_new, g.page_table, p,
-                                       lambda a: _pinned(torch.from_numpy(a)).to(dev, non_blocking=True))
+                                       lambda a: pinned(torch.from_numpy(a)).to(dev, non_blocking=True))
         w = self._wrapper(self._role(step), "ragged", window_left)
-        w.plan(cu_q, _pinned(torch.from_numpy(cu_k)), d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True,
+        w.plan(cu_q, pinned(torch.from_numpy(cu_k)), d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True,
                window_left=window_left, q_data_type=d.dtype, kv_data_type=d.dtype)
         return _GroupPlan("ragged", w, gather=gather)
 
@@ -418,8 +333,8 @@ class FlashInferAttention:
         dequantised (`gather_kv`) and runs the bf16 ragged kernel (fa3 on sm90a): the keys are
         exactly what the paged read would see, at ragged-kernel speed."""
         d = self._dims
-        slots = _pinned(torch.from_numpy(read_slots(g, d.page_size))).to(d.device, non_blocking=True)
-        cu_k = _pinned(torch.tensor([0] + list(g.kv_lens_host), dtype=torch.int32).cumsum(0, dtype=torch.int32))
+        slots = pinned(torch.from_numpy(read_slots(g, d.page_size))).to(d.device, non_blocking=True)
+        cu_k = pinned(torch.tensor([0] + list(g.kv_lens_host), dtype=torch.int32).cumsum(0, dtype=torch.int32))
         w = self._wrapper("prefill", "ragged", window_left)
         w.plan(cu_q, cu_k, d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True, window_left=window_left,
                q_data_type=d.dtype, kv_data_type=d.dtype)
@@ -427,7 +342,7 @@ class FlashInferAttention:
 
     def _plan_dense(self, step: StepMeta, window_left: int) -> _GroupPlan:
         d = self._dims
-        cu = _host_cu(step)
+        cu = host_cu(step)
         w = self._wrapper("prefill", "ragged", window_left)
         w.plan(cu, cu, d.num_q_heads, d.num_kv_heads, d.head_dim, causal=True, window_left=window_left,
                q_data_type=d.dtype, kv_data_type=d.dtype)

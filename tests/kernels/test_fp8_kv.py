@@ -241,7 +241,7 @@ def test_prefix_chunk_gather_builds_prefix_and_new_rows_in_one_launch(fp8):
 def test_prefix_chunk_row_sources_lay_out_each_sequence_as_prefix_then_new():
     """FlashInfer's chunk plan (pure parts, CPU): the dense keys of sequence b are its cached prefix read
     through its page-table row, in order, then its new tokens; gathered in one launch."""
-    from kernels.flashinfer_backend import chunk_gather_indices, chunk_row_sources
+    from kernels.flashinfer_host import chunk_gather_indices, chunk_row_sources
     from kernels.triton_store_kv import gather_kv
 
     p, hkv, d, max_pages = 4, 2, 8, 5
