@@ -30,6 +30,9 @@ class ModelSeries:
     prefill: list[dict] = field(default_factory=list)  # bench_model prefill rows
     decode: list[dict] = field(default_factory=list)  # bench_model decode rows (no skipped ones)
     sources: dict[str | int, str] = field(default_factory=dict)  # "prefill" / context -> "run DG10, 2026-12-02"
+    # (context, batch) -> (row, source): the newest run that measured that one point, for the README's summary
+    # cells (a newer run of fewer batch sizes must not blank a cell an older run measured)
+    points: dict[tuple[int, int], tuple[dict, str]] = field(default_factory=dict)
 
     def legend(self, key: str | int) -> str:
         gpus = f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}"

@@ -77,6 +77,8 @@ def build_series(docs: dict[str, dict], runs: dict[str, Run] | None = None) -> l
             for ctx in sorted({r["context"] for r in decode} - set(s.sources)):
                 s.decode += [r for r in decode if r["context"] == ctx]
                 s.sources[ctx] = src
+            for r in decode:
+                s.points.setdefault((r["context"], r["batch"]), (r, src))
     return sorted(out.values(), key=lambda s: (s.gpus, s.label))
 
 

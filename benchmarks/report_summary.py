@@ -2,9 +2,9 @@
 -120b on one H200 with the workers' defaults (FlashInfer attention, MoE on DeepGEMM), prefill of 8k
 tokens and decode at batch 1 / 32 / 128 at 8k context, with $/M tokens, the ratio to the run's own
 floor (FP8 peak for prefill, HBM floor for decode) and to a peer where one was measured. Every cell
-is read from a committed JSON file (the newest run of that configuration; on a page without one, the
-newest run with the Triton MoE, the default before 2026-12-02, named so); a cell without one says
-"not measured". `tandem bench report` writes it between the README's markers."""
+is read from a committed JSON file (the newest run of that configuration that measured that cell; on a page
+without one, the newest run with the Triton MoE, the default before 2026-12-02, named so); a cell without one
+says "not measured". `tandem bench report` writes it between the README's markers."""
 
 from __future__ import annotations
 
@@ -32,8 +32,18 @@ def _prefill_cell(s: ModelSeries | None) -> str:
     return f"{r['ms']:.1f} ms · ${r['usd_per_M_input']:.4f}/M in · {100 * r['ratio_fp8_peak']:.1f}% of FP8 peak"
 
 
+def _decode_row(s: ModelSeries | None, batch: int) -> tuple[dict | None, str | None]:
+    """The decode row at (CONTEXT, batch) of the newest run that measured that point, and its source."""
+    if s is None:
+        return None, None
+    if (CONTEXT, batch) in s.points:
+        return s.points[(CONTEXT, batch)]
+    r = next((r for r in s.decode if r["context"] == CONTEXT and r["batch"] == batch), None)
+    return r, s.sources.get(CONTEXT) if r is not None else None
+
+
 def _decode_cell(s: ModelSeries | None, batch: int) -> str:
-    r = next((r for r in (s.decode if s else []) if r["context"] == CONTEXT and r["batch"] == batch), None)
+    r, _ = _decode_row(s, batch)
     if r is None:
         return NOT
     speed = (f"{r['tok_s_per_user']:.0f} tok/s" if batch == 1 else
@@ -67,7 +77,9 @@ def perf_summary(series: list[ModelSeries], peers: dict[str, tuple[str, dict]]) 
         older = None
         if s is None:  # before 2026-12-02 the default MoE was Triton's (an unlabelled backend)
             s = older = next((s for s in series if s.label == f"{preset} TP1 · flashinfer"), None)
-        runs = sorted({s.sources[k] for k in ("prefill", CONTEXT) if k in s.sources}) if s else []
+        cells = [_decode_row(s, b)[1] for b in BATCHES]
+        pre = {s.sources["prefill"]} if s and "prefill" in s.sources else set()
+        runs = sorted(pre | {c for c in cells if c})
         name = f"{preset}{', Triton MoE' if older else ''} ({'; '.join(runs)})" if runs else preset
         lines.append("| " + " | ".join([name, _prefill_cell(s), *(_decode_cell(s, b) for b in BATCHES)]) + " |")
     for preset in PRESETS:

@@ -64,3 +64,24 @@ def test_plot_lines_are_one_run_each():
         keys = [(r["context"], r["batch"]) for r in s.decode]
         assert len(set(keys)) == len(keys), s.label
         assert set(s.sources) == ({"prefill"} if s.prefill else set()) | {r["context"] for r in s.decode}
+
+
+def test_summary_cell_falls_back_to_an_older_run_that_measured_it():
+    """A newer defaults run of fewer batch sizes keeps its rows on the plot lines, but must not blank a
+    summary cell an older run measured: the cell reads the newest run that measured that point."""
+    from benchmarks.report_summary import perf_summary
+
+    def doc(date: str, batches: tuple[int, ...], ms: float) -> dict:
+        rows = [{"context": 8192, "batch": b, "tok_s_per_user": 1e3 / ms, "tok_s_per_gpu": b * 1e3 / ms,
+                 "usd_per_M_output": 1.0, "ratio_to_floor": 0.5} for b in batches]
+        return {"args": {"preset": "gpt-oss-20b", "moe": "deepgemm", "attention": "flashinfer"},
+                "env": {"date": date}, "decode": {"rows": rows}}
+
+    docs = {"old.json": doc("2026-12-01", (1, 32, 128), 4.0), "new.json": doc("2026-12-04", (1,), 2.0)}
+    series = report.build_series(docs)
+    s = next(s for s in series if s.label.startswith("gpt-oss-20b"))
+    assert [r["batch"] for r in s.decode] == [1]  # the plot line: the newest run only
+    row = next(line for line in perf_summary(series, {}) if line.startswith("| gpt-oss-20b ("))
+    cells = row.split(" | ")
+    assert "500 tok/s" in cells[2] and "8,000 tok/s/GPU" in cells[3] and "not measured" not in row
+    assert "old.json, 2026-12-01" in cells[0] and "new.json, 2026-12-04" in cells[0]
