@@ -83,5 +83,5 @@ def test_summary_cell_falls_back_to_an_older_run_that_measured_it():
     assert [r["batch"] for r in s.decode] == [1]  # the plot line: the newest run only
     row = next(line for line in perf_summary(series, {}) if line.startswith("| gpt-oss-20b ("))
     cells = row.split(" | ")
-    assert "500 tok/s" in cells[2] and "8,000 tok/s/GPU" in cells[3] and "not measured" not in row
+    assert "500 tok/s" in cells[2] and "8,000 tok/s/GPU" in cells[3] and "32,000 tok/s/GPU" in cells[4]
     assert "old.json, 2026-12-01" in cells[0] and "new.json, 2026-12-04" in cells[0]
