@@ -208,6 +208,15 @@ SUITES: dict[str, Suite] = {
                step("sampling-micro", "{py} -m benchmarks.sampling", 110, summary=r"^R=256|^sweep R=64|wrote|Error",
                     publish={"sampling.json": "kernels_sampling.json"})),
         reproduces=("served-sampled-1 (2026-12-03): the sampler's ~1.0 ms per decode step at batch 64, temperature 1",)),
+    # The router's per-request CPU on issue 25's multi-turn workload: Harmony rendering, which tokenised every
+    # earlier message of a conversation again each turn (router/harmony_render.py caches them per message).
+    "router-render": Suite(
+        "the router's Harmony rendering on the multi-turn workload (64 conversations x 8 turns, 2k-word shared system "
+        "prompt, 100-300-word user turns, 100-200-word answers with reasoning), per request with the per-message "
+        "token cache against without it, every prompt checked equal (CPU)",
+        carry=(), gpu=False, kind="cpu",
+        steps=(step("harmony-render", "{py} -m benchmarks.harmony_render --out {out}/harmony_render.json", 120,
+                    summary=r"^turns 2\+|Error|Traceback", gpus=0),)),
     "cpu-smoke": Suite(
         "every suite's machinery on a CPU: the benchmarks' own smoke modes on tiny shapes (no GPU set-up)",
         carry=(), gpu=False, kind="cpu",

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from openai_harmony import (Author, Conversation, DeveloperContent, HarmonyEncoding, HarmonyError,
+from openai_harmony import (Author, DeveloperContent, HarmonyEncoding, HarmonyError,
                             Message, ReasoningEffort, Role, StreamableParser, StreamState,
                             SystemContent, TextContent, ToolDescription)
 
@@ -34,6 +34,7 @@ from common.errors import InvalidRequest
 from router.chat_types import (TOOL_NAME_PATTERN, ChatFormat, ChatMessage, ChatPrompt, Delta,
                                DeltaKind, FinishReason, NamedToolChoice, ParsedCompletion,
                                StreamParser, ToolCall, ToolDef)
+from router.harmony_render import DEFAULT_MAX_TOKENS, RenderCache
 from router.tokenizer import (ASSISTANT_STOP_TOKEN_IDS, CALL, CHANNEL, CONSTRAIN, FIRST_SPECIAL_ID,
                               MESSAGE, START, IncrementalDetokenizer, Tokenizer, in_vocab,
                               load_encoding)
@@ -58,15 +59,16 @@ class HarmonyFormat:
     """ChatFormat for gpt-oss. `call_id` makes tool call ids deterministic in tests."""
 
     def __init__(self, encoding: HarmonyEncoding | None = None,
-                 call_id: Callable[[], str] = new_call_id) -> None:
+                 call_id: Callable[[], str] = new_call_id, render_cache_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         self.encoding = encoding if encoding is not None else load_encoding()
         self.tokenizer = Tokenizer(self.encoding)
         self._call_id = call_id
+        # earlier turns' messages are not tokenised again (router/harmony_render.py); 0 turns it off
+        self.renderer = RenderCache(self.encoding, render_cache_tokens)
 
     def render(self, prompt: ChatPrompt) -> list[int]:
-        convo = Conversation.from_messages(to_harmony_messages(prompt))
         try:
-            return self.encoding.render_conversation_for_completion(convo, Role.ASSISTANT)
+            return self.renderer.render(to_harmony_messages(prompt))
         except HarmonyError as e:
             raise InvalidRequest(f"cannot render this conversation in Harmony format: {e}",
                                  param="messages") from e
