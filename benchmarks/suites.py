@@ -216,7 +216,8 @@ SUITES: dict[str, Suite] = {
         "token cache against without it, every prompt checked equal (CPU)",
         carry=(), gpu=False, kind="cpu",
         steps=(step("harmony-render", "{py} -m benchmarks.harmony_render --out {out}/harmony_render.json", 120,
-                    summary=r"^turns 2\+|Error|Traceback", gpus=0),)),
+                    summary=r"^turns 2\+|Error|Traceback", gpus=0,
+                    publish={"harmony_render.json": "router_harmony_render.json"}),)),
     "cpu-smoke": Suite(
         "every suite's machinery on a CPU: the benchmarks' own smoke modes on tiny shapes (no GPU set-up)",
         carry=(), gpu=False, kind="cpu",
