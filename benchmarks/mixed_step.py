@@ -57,8 +57,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=280, help="N: its new tokens")
     ap.add_argument("--turns", type=int, default=8, help="new turns measured per forward mode")
     ap.add_argument("--forwards", default="piecewise,eager",
-                    help="mixed-step forwards to compare: piecewise (the worker's --piecewise-buckets), piecewise-fine "
-                         "and piecewise-pow2 (a second graph set with that spacing, unless it is the worker's), eager")
+                    help="mixed-step forwards to compare: piecewise (the worker's flags), piecewise-fine and piecewise-pow2 "
+                         "(a second graph set with that spacing, unless it is the worker's), piecewise-sliding (a second "
+                         "set with the sliding layers inside the graphs), eager")
     ap.add_argument("--orders", default="ready,launch",
                     help="loop orders to compare (engine/core.py): ready (a step the GPU already finished is collected "
                          "before the next launch), wait (ready, and a step with first tokens "
@@ -89,12 +90,18 @@ def main() -> None:
         warm_up(parts, a.seed)
     piecewise = parts.runner.piecewise
     forwards = {"piecewise": piecewise, f"piecewise-{cfg.piecewise_buckets}": piecewise, "eager": None}
+    if cfg.piecewise_sliding:
+        forwards["piecewise-sliding"] = piecewise
     for f in a.forwards.split(","):
-        if f not in forwards and f.startswith("piecewise-"):  # the other bucket spacing, captured beside
+        if f not in forwards and f.startswith("piecewise-"):  # another bucket spacing or sliding graphs, beside
             from engine.piecewise import BUCKET_SETS, PiecewiseGraphs, buckets_for
 
+            sliding = f == "piecewise-sliding"
             forwards[f] = PiecewiseGraphs(model, buckets_for(min(cfg.scheduler.max_num_batched_tokens,
-                                                                 cfg.piecewise_max_tokens), BUCKET_SETS[f[10:]]))
+                                                                 cfg.piecewise_max_tokens),
+                                                             BUCKET_SETS[cfg.piecewise_buckets if sliding else f[10:]]),
+                                          sliding_pool=parts.pool if sliding else None,
+                                          max_seqs=cfg.scheduler.max_num_seqs)
             forwards[f].capture()
     sched = Scheduler(parts.scheduler.cfg, parts.kv, ())
     core = EngineCore(sched, parts.runner, overlap=a.async_decode == "on")

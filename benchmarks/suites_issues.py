@@ -129,33 +129,39 @@ ISSUE_SUITES: dict[str, Suite] = {
                                    "--cuda-graphs", "--cuda-graphs --piecewise-graphs --first-token-wait-ms 3 "
                                                     "--step-trace {out}/decode-steps-%p.jsonl"))),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
-    # Issue 25's colocated goal, A/B of the piecewise bucket spacing (--piecewise-buckets fine: 1.5x apart, so a
-    # ~300-token mixed step pads to 384 rows, not 512, and the MoE groups ~43 rows per expert, not ~64: one 64-row
-    # tile per expert instead of two for about half of them). First the mixed step alone (both graph sets in one
-    # process), then the served multi-turn run with fine buckets and with the default, in one lease.
-    "multi-turn-colocated-fine": Suite(
-        "issue 25: the piecewise bucket spacing, A/B: the mixed step alone (60 decoding at 3.5k + a 3,296-cached, "
-        "280-new turn; piecewise graphs 2x apart against 1.5x apart, one process), then multi-turn-colocated-pw's "
-        "served run (64 x 8 turns, ONE decode worker) with --piecewise-buckets fine, then with the default (pow2)",
+    # Issue 25's colocated goal: a served mixed step was host-bound (multi-turn-colocated-pw-11's step trace: launch
+    # 18.2 ms of CPU against 12.5 ms of GPU, p50; 8.0 s of the loop's 22.8 s went to launching mixed steps), ~3/4
+    # of it the 24 attention islands. Candidates, each opt-in until this suite measures it: the sliding layers'
+    # attention inside the piecewise graphs (--piecewise-sliding-graphs: 12 islands instead of 24) and buckets
+    # 1.5x apart (--piecewise-buckets fine: less padding, which the MoE computes like real rows). First the GPU
+    # tests of the pieces (both ways, against the eager forward), then the mixed step alone with each graph set
+    # in one process, then the served multi-turn run with both candidates and with the defaults, in one lease.
+    "multi-turn-colocated-ab": Suite(
+        "issue 25: the mixed step's host launch, A/B: piecewise GPU tests (islands, and sliding layers inside the "
+        "graphs), the mixed step alone (60 decoding at 3.5k + a 3,296-cached, 280-new turn) with pow2 buckets, fine "
+        "buckets and sliding-in-graphs in one process, then multi-turn-colocated-pw's served run (64 x 8 turns, ONE "
+        "decode worker) with --piecewise-sliding-graphs --piecewise-buckets fine, then with the defaults",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
-        steps=(step("mixed-step", "{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b "
+        steps=(step("piecewise-gpu-tests", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
+                                           "tests/integration/test_piecewise_gpu.py", 120, summary=PYTEST),
+               step("mixed-step", "{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b "
                                   "--kv-cache-gib 28 --max-num-seqs 128 --cuda-graphs --piecewise-graphs "
                                   "--max-model-len 16384 --max-num-batched-tokens 4096 --turns 5 "
-                                  "--forwards piecewise-pow2,piecewise-fine --orders ready --mixed-roles decode "
-                                  "--out {out}/mixed_step.json", 160,
+                                  "--forwards piecewise-pow2,piecewise-fine,piecewise-sliding --orders ready "
+                                  "--mixed-roles decode --out {out}/mixed_step.json", 120,
                     summary=r"^decode steps|^mixed|Error|Traceback"),
-               multi_turn_step("colocated", 200, name="colocated-1-fine",
+               multi_turn_step("colocated", 160, name="colocated-1-sliding-fine",
                                extra="--colocated-decode 1 --ready-timeout-s 300 ",
                                serve_args=MT_SERVE_ARGS.replace(
-                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs --piecewise-buckets fine "
-                                                    "--step-trace {out}/decode-steps-%p.jsonl")),
-               multi_turn_step("colocated", 200, name="colocated-1-pow2",
+                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs --piecewise-sliding-graphs "
+                                                    "--piecewise-buckets fine --step-trace {out}/decode-steps-%p.jsonl")),
+               multi_turn_step("colocated", 160, name="colocated-1-pw",
                                extra="--colocated-decode 1 --ready-timeout-s 300 ",
                                serve_args=MT_SERVE_ARGS.replace(
                                    "--cuda-graphs", "--cuda-graphs --piecewise-graphs "
                                                     "--step-trace {out}/decode-steps-%p.jsonl"))),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
-                    "multi-turn-colocated-pw-10/11 (2026-12-03): 2.82x and 2.83x with pow2 buckets")),
+                    "multi-turn-colocated-pw-10/11 (2026-12-03): 2.82x and 2.83x with the defaults")),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
     # at 8k replays in 3.05 ms with e4m3 pages, slower than bf16's 2.44 where batch 128 is 1.29x faster).
     "decode-profile": Suite(

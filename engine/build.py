@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +67,9 @@ class EngineConfig:
     # more than the launches saved (3.3-3.6k-token chunks 7-13 % slower in the 4,096 bucket, piecewise-ab-1)
     piecewise_max_tokens: int = 2048
     piecewise_buckets: str = "pow2"  # engine.piecewise.BUCKET_SETS: 2x apart, or "fine" (1.5x; opt-in, not yet measured)
+    # the sliding layers' attention inside the piecewise graphs too (kernels/triton_sliding_graph.py; opt-in, not
+    # yet measured on the GPU)
+    piecewise_sliding: bool = False
 
 
 @dataclass(slots=True)
@@ -164,9 +168,15 @@ def build_engine_parts(cfg: EngineConfig, model: GptOss | None = None) -> Engine
     if cfg.piecewise_graphs:
         from engine.piecewise import BUCKET_SETS, PiecewiseGraphs, buckets_for
 
+        sliding = bool(cfg.piecewise_sliding and spec.sliding_layers)
+        if sliding and not (cfg.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"):
+            log.warning("--piecewise-sliding-graphs runs Triton kernels: a GPU, or TRITON_INTERPRET=1 on a CPU")
+            sliding = False
         runner.piecewise = PiecewiseGraphs(model, buckets_for(min(cfg.scheduler.max_num_batched_tokens,
                                                                   cfg.piecewise_max_tokens),
-                                                              BUCKET_SETS[cfg.piecewise_buckets]))
+                                                              BUCKET_SETS[cfg.piecewise_buckets]),
+                                           sliding_pool=pool if sliding else None,
+                                           max_seqs=cfg.scheduler.max_num_seqs)
         runner.piecewise.capture()
     return EngineParts(model, spec, pool, kv, scheduler, runner, sampler)
 

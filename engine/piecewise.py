@@ -32,10 +32,19 @@ static buffers, so its temporaries die with its capture and the next capture reu
 never run concurrently. Without CUDA (tests) the pieces run directly on the same static buffers.
 Steps above the largest bucket run the monolithic eager forward. Shapes: T real tokens, B bucket,
 H hidden, Q = Hq D, N = (Hq + 2 Hkv) D.
+
+With `sliding` (--piecewise-sliding-graphs, opt-in until measured on the GPU) the sliding-window layers'
+attention is captured too (kernels/triton_sliding_graph.py: RoPE, the Triton sink attention over the ring
+prefix and the step's own keys, the store, on per-step tables at fixed addresses), so only the full
+layers stay islands: 12 + 13 pieces for gpt-oss instead of 24 + 25, the islands being most of a mixed
+step's host launch. A piece then runs from one island's O projection through the absorbed layers to the
+next island's QKV; on_layer_done(i) of an absorbed layer runs after its piece (before the next island).
+Triton must run (a GPU, or the CPU interpreter).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -43,7 +52,7 @@ import torch
 
 from kernels.interface import StepMeta
 from model.gpt_oss import GptOss
-from model.kv_cache import KVPool
+from model.kv_cache import KVPool, PageGroup
 
 log = logging.getLogger("tandem.piecewise")
 
@@ -63,11 +72,27 @@ def buckets_for(max_tokens: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> 
 
 
 class PiecewiseGraphs:
-    def __init__(self, model: GptOss, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+    def __init__(self, model: GptOss, buckets: tuple[int, ...] = DEFAULT_BUCKETS, *,
+                 sliding_pool: KVPool | None = None, max_seqs: int = 0) -> None:
+        """sliding_pool (the engine's KV pool) captures the sliding layers' attention too (module doc);
+        max_seqs bounds the sequences of a step (the scheduler's max_num_seqs)."""
         assert buckets and all(b > 0 for b in buckets)
         self.model = model
         self.buckets = tuple(sorted(set(buckets)))
-        self.num_pieces = len(model.layers) + 1
+        self.pool = sliding_pool
+        layers = model.layers
+        # layers whose attention runs eagerly between pieces; the others are inside them
+        self.islands = [i for i, blk in enumerate(layers) if sliding_pool is None or blk.attn.window is None]
+        self.num_pieces = len(self.islands) + 1
+        self.tables = None
+        self._planned: StepMeta | None = None
+        if sliding_pool is not None:
+            from kernels.triton_sliding_graph import SlidingTables, sliding_config
+
+            assert max_seqs > 0 and sliding_pool.spec.sliding_layers
+            a0 = next(blk.attn for blk in layers if blk.attn.window is not None)
+            self.tables = SlidingTables(self.buckets, max_seqs, sliding_pool.spec.ring_pages, PageGroup.SLIDING,
+                                        model.device, sliding_config(a0.num_heads // a0.num_kv_heads, model.device))
         a = model.layers[0].attn
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         n, h, dt, dev = self.buckets[-1], model.cfg.hidden_size, model.dtype, model.device
@@ -77,6 +102,9 @@ class PiecewiseGraphs:
             self.qkv = torch.zeros(n, q + 2 * kv, dtype=dt, device=dev)  # [B, N] a piece's QKV, an island's input
             self.o = torch.zeros(n, q, dtype=dt, device=dev)  # [B, Q] an island's output, the next piece's input
             self.hidden = torch.zeros(n, h, dtype=dt, device=dev)  # [B, H] the last piece's output
+            half = a.head_dim // 2
+            self.cos = torch.zeros(n, half, dtype=torch.float32, device=dev)  # [B, D/2] sliding pieces' RoPE
+            self.sin = torch.zeros(n, half, dtype=torch.float32, device=dev)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.mempool = None
 
@@ -88,21 +116,68 @@ class PiecewiseGraphs:
         return sum(t.numel() * t.element_size() for t in (self.ids, self.x, self.qkv, self.o, self.hidden))
 
     # ---- the split forward ------------------------------------------------------------------------
-    def piece(self, i: int, b: int) -> None:
-        """Piece i (0..L) on the first b rows of the static buffers: what a graph of bucket b replays."""
+    def absorbed(self, k: int) -> range:
+        """The layers piece k holds whole (their attention inside the graph): between islands k-1 and k."""
+        lo = self.islands[k - 1] + 1 if k > 0 else 0
+        return range(lo, self.islands[k] if k < len(self.islands) else len(self.model.layers))
+
+    def piece(self, k: int, b: int) -> None:
+        """Piece k (0..len(islands)) on the first b rows of the static buffers: what a graph of bucket b
+        replays. Without sliding graphs piece k is layer k-1's O projection and MLP, then layer k's QKV."""
         m, be = self.model, self.model.backends
-        if i == 0:
+        if k == 0:
             x, pending = m.embed[self.ids[:b]], None  # [b, H]
         else:
-            prev = m.layers[i - 1]
+            prev = m.layers[self.islands[k - 1]]
             x, pending = prev.mlp_residual(self.x[:b], prev.attn.project(self.o[:b], be), be)
-        if i == len(m.layers):
+        for i in self.absorbed(k):
+            block = m.layers[i]
+            x, h = block.attn_input(x, pending, be)
+            o = self._sliding_attend(i, block.attn.qkv(h, be), b)  # [b, Q]
+            x, pending = block.mlp_residual(x, block.attn.project(o, be), be)
+        if k == len(self.islands):
             self.hidden[:b].copy_(m.final_norm(x, pending))
             return
-        block = m.layers[i]
+        block = m.layers[self.islands[k]]
         x, h = block.attn_input(x, pending, be)
         self.x[:b].copy_(x)
         self.qkv[:b].copy_(block.attn.qkv(h, be))
+
+    def _sliding_attend(self, i: int, qkv: torch.Tensor, b: int) -> torch.Tensor:
+        """A sliding layer's RoPE + attention + store on the bucket's rows, from the step's tables
+        (qkv [b, N] -> [b, Q]): what a graph holds for it (kernels/triton_sliding_graph.py)."""
+        from kernels.triton_sliding_graph import graphed_sliding_attention
+        from kernels.triton_store_kv import rope_qk, store_kv
+
+        attn = self.model.layers[i].attn
+        d, hq, hkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
+        q = qkv[:, :hq * d].view(b, hq, d)
+        k = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].reshape(b, hkv, d)  # a strided view, as GptOssAttention.attend has it
+        q, k = rope_qk(q, k, self.cos[:b], self.sin[:b])
+        k_cache, v_cache = self.pool.layer_kv(i)
+        scale = self.pool.layer_scales(i)
+        store_kv(k, v, k_cache, v_cache, self.tables.slots_pre[:b], scale)  # steps the ring holds: store first
+        o = graphed_sliding_attention(q, k, v, (k_cache, v_cache), self.tables, b, attn.sinks, attn.sm_scale,
+                                      attn.window, scale)
+        store_kv(k, v, k_cache, v_cache, self.tables.slots_post[:b], scale)  # chunks past the ring: after the read
+        return o.reshape(b, hq * d)
+
+    def plan(self, step: StepMeta) -> None:
+        """Before the step's pieces: the attention backend's plan for the groups islands read, and the
+        sliding tables (host work and small copies; idempotent per step)."""
+        if step is self._planned:
+            return
+        self._planned = step
+        be = self.model.backends
+        if self.tables is None:
+            be.attention.plan(step)
+            return
+        t = step.positions.shape[0]
+        self.tables.fill(step, self.bucket(t))
+        groups = list(step.groups)
+        groups[PageGroup.SLIDING] = None  # no island reads it: FlashInfer need not plan its chunk gather
+        be.attention.plan(dataclasses.replace(step, groups=tuple(groups)))
 
     def island(self, i: int, t: int, cos: torch.Tensor, sin: torch.Tensor, kv: KVPool | None) -> None:
         """Layer i's attention on the t real tokens (eager: it depends on the step's page tables)."""
@@ -120,17 +195,25 @@ class PiecewiseGraphs:
         t = input_ids.shape[0]
         b = self.bucket(t)
         assert b is not None, f"{t} tokens: no bucket (the caller runs the eager forward)"
+        assert self.pool is None or kv is self.pool, "the sliding pieces were captured on the engine's pool"
         graphs = self.graphs.get(b)
         self.ids[:t].copy_(input_ids)
         cos, sin = self.model.rotary.cos_sin(step.positions)  # [T, D/2] each, real tokens only
-        self.model.backends.attention.plan(step)  # a no-op when the runner planned this step
-        for i in range(self.num_pieces):
-            with torch.profiler.record_function(f"piece{i}"):
+        if self.tables is not None:
+            self.cos[:t].copy_(cos)
+            self.sin[:t].copy_(sin)
+        self.plan(step)  # a no-op when the runner planned this step
+        for k in range(self.num_pieces):
+            with torch.profiler.record_function(f"piece{k}"):
                 if graphs is not None:
-                    graphs[i].replay()
+                    graphs[k].replay()
                 else:
-                    self.piece(i, b)
-            if i < len(self.model.layers):
+                    self.piece(k, b)
+            for i in self.absorbed(k):
+                if on_layer_done is not None:
+                    on_layer_done(i)
+            if k < len(self.islands):
+                i = self.islands[k]
                 with torch.profiler.record_function(f"attention{i}"):
                     self.island(i, t, cos, sin, kv)
                 if on_layer_done is not None:

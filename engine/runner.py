@@ -251,9 +251,13 @@ class ModelRunner:
                 if b is not None:
                     return self.graphs.replay(b, len(steps))  # [B, V]
         meta = build_step_meta(steps, self.pool.spec, self.device)
-        self.model.backends.attention.plan(meta)  # the forward's own plan() is then a no-op
+        piecewise = self.piecewise is not None and self.piecewise.bucket(input_ids.shape[0]) is not None
+        if piecewise:  # the attention groups its islands read, and its own per-step tables
+            self.piecewise.plan(meta)
+        else:
+            self.model.backends.attention.plan(meta)  # the forward's own plan() is then a no-op
         self._mark_inputs()
-        if self.piecewise is not None and self.piecewise.bucket(input_ids.shape[0]) is not None:
+        if piecewise:
             with torch.profiler.record_function("forward_piecewise"):
                 hidden = self.piecewise.run(input_ids, meta, self.pool, on_layer_done)  # [T, H]
         else:

@@ -188,11 +188,72 @@ def test_piecewise_engine_flag_same_tokens(ckpt_factory):
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 70)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs = {}
-    for flag in (False, True):
-        llm = LLM(EngineConfig(checkpoint=path, kv_cache_bytes=1 << 20, piecewise_graphs=flag,
+    for flag in (False, True, "sliding"):  # "sliding": the sliding layers inside the pieces too (Triton interpreted)
+        llm = LLM(EngineConfig(checkpoint=path, kv_cache_bytes=1 << 20, piecewise_graphs=bool(flag),
+                               piecewise_sliding=flag == "sliding",
                                scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
                                                          max_model_len=256)))
-        assert (llm.engine.runner.piecewise is not None) == flag
+        pw = llm.engine.runner.piecewise
+        assert (pw is not None) == bool(flag) and (flag != "sliding" or len(pw.islands) == 2)
         outs[flag] = [o.output_ids for o in llm.generate(prompts, params)]
         llm.kv.assert_all_free()
-    assert outs[True] == outs[False]
+    assert outs[True] == outs[False] == outs["sliding"]
+
+
+def _run_sliding_steps(model: GptOss, buckets: tuple[int, ...], steps: list[list[tuple[int, int]]]) -> None:
+    """Several sequences per step ((sequence, new tokens) pairs): the eager forward (TritonAttention) on
+    one pool, the pieces with the sliding layers' attention inside them (kernels/triton_sliding_graph.py)
+    on another; hidden states and every page equal after each step: bit for bit while every step fills
+    its bucket, within fp32 rounding from the first padded step on (the interpreter's GEMMs may round a
+    row by its GEMM's row count: test_piecewise_fused_norms_padded)."""
+    spec = plan_kv_cache(model.cfg, 1 << 20, page_size=4, max_num_seqs=4, dtype=torch.float32)
+    mgr = KVManager(spec)
+    ref_pool, pw_pool = KVPool(spec), KVPool(spec)
+    pw = PiecewiseGraphs(model, buckets, sliding_pool=pw_pool, max_seqs=4)
+    assert pw.islands == [i for i in range(len(model.layers)) if not model.cfg.is_sliding(i)]
+    pages = [SeqPages() for _ in range(4)]
+    pos = [0] * 4
+    gen = torch.Generator().manual_seed(5)
+    exact = True
+    for step in steps:
+        seq_steps = []
+        for s, n in step:
+            mgr.grow(pages[s], pos[s] + n)
+            seq_steps.append(SeqStep(pages[s], pos[s], n))
+        t = sum(n for _, n in step)
+        exact = exact and pw.bucket(t) == t
+        ids = torch.randint(0, model.cfg.vocab_size, (t,), generator=gen)
+        meta = build_step_meta(seq_steps, spec)
+        want = model(ids, meta, ref_pool)
+        seen: list[int] = []
+        got = pw.run(ids, meta, pw_pool, seen.append)
+        assert sorted(seen) == list(range(len(model.layers)))
+        pairs = [(got, want)] + [(a, b) for i in range(len(model.layers))
+                                 for a, b in zip(pw_pool.layer_kv(i), ref_pool.layer_kv(i))]
+        for a, b in pairs:
+            if exact:
+                assert torch.equal(a, b), (step, (a - b).abs().max())
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for s, n in step:
+            pos[s] += n
+
+
+STEPS = [
+    [(0, 9)],  # one chunk past the window (the prefix-plus-chunk path from the second chunk on)
+    [(0, 1)],  # a decode: the ring holds everything (store first, read every key from the pages)
+    [(1, 12), (0, 1)],  # a chunk beside a decode row
+    [(0, 1), (1, 1), (2, 7)],  # two decode rows and a third sequence's first chunk
+    [(0, 1), (1, 1), (2, 1), (3, 16)],
+    [(3, 1), (2, 6), (1, 1)],
+    [(1, 10), (3, 9)],  # two chunks past the ring, with prefixes
+]
+
+
+def test_piecewise_sliding_layers_inside_the_graphs(ckpt_factory, one_torch_thread):
+    """tiny-a (window 4, page 4): chunks larger than the ring, decodes, and mixed steps of decode rows
+    beside chunks over several sequences: with every step in a bucket of its size the same bits as the
+    eager forward on the Triton attention backend; in padded buckets within fp32 rounding."""
+    model = _model(ckpt_factory("tiny-a"), fused=True)
+    _run_sliding_steps(model, tuple(sorted({sum(n for _, n in st) for st in STEPS})), STEPS)
+    _run_sliding_steps(model, (4, 16, 32), STEPS[:4])
