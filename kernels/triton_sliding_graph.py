@@ -82,6 +82,7 @@ class SlidingTables:
         first = np.concatenate([(k - 1 - np.arange(k)) * self.tpt for k in nt]) if n else np.zeros(0, np.int64)
         tiles = self.tiles[bucket]
         cap = tiles.shape[1]
+        assert seq.size <= cap, (seq.size, cap)  # tiles_capacity bounds it
         host = np.empty((2, cap), dtype=np.int32)
         host[0, :] = self.max_seqs
         host[1, :] = 0
