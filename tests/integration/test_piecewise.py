@@ -244,9 +244,7 @@ STEPS = [
     [(0, 1)],  # a decode: the ring holds everything (store first, read every key from the pages)
     [(1, 12), (0, 1)],  # a chunk beside a decode row
     [(0, 1), (1, 1), (2, 7)],  # two decode rows and a third sequence's first chunk
-    [(0, 1), (1, 1), (2, 1), (3, 16)],
-    [(3, 1), (2, 6), (1, 1)],
-    [(1, 10), (3, 9)],  # two chunks past the ring, with prefixes
+    [(1, 10), (2, 9)],  # two chunks past the ring, with prefixes
 ]
 
 
@@ -256,4 +254,4 @@ def test_piecewise_sliding_layers_inside_the_graphs(ckpt_factory, one_torch_thre
     eager forward on the Triton attention backend; in padded buckets within fp32 rounding."""
     model = _model(ckpt_factory("tiny-a"), fused=True)
     _run_sliding_steps(model, tuple(sorted({sum(n for _, n in st) for st in STEPS})), STEPS)
-    _run_sliding_steps(model, (4, 16, 32), STEPS[:4])
+    _run_sliding_steps(model, (4, 16, 32), STEPS[:3])
