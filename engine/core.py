@@ -75,6 +75,11 @@ class EngineCore:
             # idled up to 10-20 ms, then the GPU idled while it planned: multi-turn-colocated-pw-6).
             done += self._collect(prev)
             prev = None
+        parts = None
+        if self.trace is not None:  # where the iteration's host time goes, for the step trace
+            parts = {"collect_first": (time.perf_counter() - t0) * 1e3} if first else {}
+            if hasattr(self.runner, "launch_parts"):
+                self.runner.launch_parts = parts
         for src, dst in self.scheduler.pending_copies:  # prompts shared early: copied before anything writes their ring
             self.runner.copy_sliding_pages(src, dst)
         self.scheduler.pending_copies.clear()
@@ -103,7 +108,7 @@ class EngineCore:
             self.trace.record(self.num_steps if items else 0, t_mono, items or (), t1 - t0, t2 - t1,
                               time.perf_counter() - t2, collected.no if collected is not None else None,
                               c2 - c1, collected.gpu_ms if collected is not None else None,
-                              first)
+                              first, parts)
         if handle is not None and handle.deferred is not None:  # grammar rows: masks need prev's tokens
             self.runner.finish_sample(handle)
         self.inflight = handle

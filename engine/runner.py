@@ -81,6 +81,9 @@ class ModelRunner:
         # --step-trace: each step's GPU span, from an event queued at its launch's start (the GPU reaches
         # it once the step before is done) to its tokens' copy. Span ~ host launch: the host fed it late.
         self.time_gpu = False
+        # --step-trace: the last launch's host time by part (ms): meta (step metadata, attention plans, piecewise
+        # tables), forward (the forward's launches or a graph replay), sample; None = not recorded
+        self.launch_parts: dict[str, float] | None = None
 
     # ---- the two halves ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -111,7 +114,10 @@ class ModelRunner:
                                          seq.output_ids if seq.params.penalized else None))
         handle.deferred = (logits, sample_rows)
         if prev is None or not any(items[i].seq.grammar is not None for i in rows):
+            t0 = time.perf_counter()
             self.finish_sample(handle)  # every token a mask depends on is known: sample now
+            if self.launch_parts is not None:
+                self.launch_parts["sample"] = (time.perf_counter() - t0) * 1e3
         return handle
 
     @torch.inference_mode()  # also when the loop defers it (grammar rows): the pinned buffers are inference tensors
@@ -243,13 +249,18 @@ class ModelRunner:
         graph-or-eager choice and the all-reduces match on all ranks."""
         if not isinstance(input_ids, torch.Tensor):
             input_ids = _dev(torch.tensor(input_ids, dtype=torch.long), self.device)  # [T]
+        parts, t0 = self.launch_parts, time.perf_counter()
         self._copy_ring_hits(steps)
         if self.graphs is not None and on_layer_done is None and len(rows) == len(steps):
             with torch.profiler.record_function("decode_graph"):
                 b = self.graphs.prepare(input_ids, steps)
                 self._mark_inputs()
                 if b is not None:
-                    return self.graphs.replay(b, len(steps))  # [B, V]
+                    t1 = time.perf_counter()
+                    logits = self.graphs.replay(b, len(steps))  # [B, V]
+                    if parts is not None:  # prepare: metadata, plans, static inputs; then the replay
+                        parts["meta"], parts["forward"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+                    return logits
         meta = build_step_meta(steps, self.pool.spec, self.device)
         piecewise = self.piecewise is not None and self.piecewise.bucket(input_ids.shape[0]) is not None
         if piecewise:  # the attention groups its islands read, and its own per-step tables
@@ -257,12 +268,15 @@ class ModelRunner:
         else:
             self.model.backends.attention.plan(meta)  # the forward's own plan() is then a no-op
         self._mark_inputs()
+        t1 = time.perf_counter()
         if piecewise:
             with torch.profiler.record_function("forward_piecewise"):
                 hidden = self.piecewise.run(input_ids, meta, self.pool, on_layer_done)  # [T, H]
         else:
             with torch.profiler.record_function("forward"):
                 hidden = self.model(input_ids, meta, self.pool, on_layer_done)  # [T, H]
+        if parts is not None:
+            parts["meta"], parts["forward"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
         if not rows or not want_logits:
             return None
         last = meta.logits_indices  # [B] each sequence's last new token

@@ -14,8 +14,10 @@ iteration collected. launch_cpu_ms: the loop thread's CPU time during the launch
 launch_ms: the thread waited: the GIL, a preempted core); collected_gpu_ms: the collected step's span
 on the GPU (CUDA runs with a trace only; see engine.runner.time_gpu); collected_first: that step was
 done when the iteration began, so it was collected before this launch (sched_ms includes it;
-engine.core). Without a path the rows stay in memory (`rows`): the start-up warm-up and
-benchmarks/mixed_step.py read them.
+engine.core). Parts, where measured: collect_first_ms (that early collect, inside sched_ms), and inside
+launch_ms meta_ms (step metadata, attention plans, piecewise tables), forward_ms (the forward's launches
+or a graph replay) and sample_ms (queueing the sampler). Without a path the rows stay in memory
+(`rows`): the start-up warm-up and benchmarks/mixed_step.py read them.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class StepTrace:
 
     def record(self, step: int, t_start: float, items, sched_s: float, launch_s: float, wait_s: float,
                collected: int | None, launch_cpu_s: float = 0.0, collected_gpu_ms: float | None = None,
-               collected_first: bool = False) -> None:
+               collected_first: bool = False, parts: dict[str, float] | None = None) -> None:
         chunks = [it.q_len for it in items if it.q_len > 1 or it.start < len(it.seq.prompt_ids)]
         row = {"step": step, "t": round(t_start - self._t0, 6), "seqs": len(items),
                "tokens": sum(it.q_len for it in items), "chunks": len(chunks), "max_chunk": max(chunks, default=0),
@@ -50,6 +52,8 @@ class StepTrace:
                "launch_cpu_ms": round(launch_cpu_s * 1e3, 3),
                "collected_gpu_ms": None if collected_gpu_ms is None else round(collected_gpu_ms, 3),
                "collected_first": collected_first}
+        for k, v in (parts or {}).items():
+            row[f"{k}_ms"] = round(v, 3)
         if self._f is None:
             self.rows.append(row)
             return

@@ -28,6 +28,11 @@ def test_step_trace_lines(tmp_path):
     assert [r["chunks"] for r in launched] == [1, 1, 0, 0] and launched[0]["max_chunk"] == 32
     assert all(r["launch_ms"] >= 0 and r["wait_ms"] >= 0 for r in rows)
     assert rows[-1]["collected"] == launched[-1]["step"]  # the last iteration only collects
+    # the launch's parts: metadata + plans, the forward, the sampler; inside launch_ms (the CPU runs them in turn)
+    for r in launched:  # the first chunk samples nothing
+        assert {"meta_ms", "forward_ms"} <= set(r) and ("sample_ms" in r) == (r["step"] > 1), r
+        assert r["meta_ms"] + r["forward_ms"] + r.get("sample_ms", 0) <= r["launch_ms"] + 0.01, r
+        assert r["forward_ms"] > 0
 
 
 def test_slow_steps_are_logged_with_their_shape(monkeypatch, caplog):
