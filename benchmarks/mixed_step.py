@@ -58,8 +58,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=8, help="new turns measured per forward mode")
     ap.add_argument("--forwards", default="piecewise,eager",
                     help="mixed-step forwards to compare: piecewise (the worker's flags), piecewise-fine and piecewise-pow2 "
-                         "(a second graph set with that spacing, unless it is the worker's), piecewise-sliding (a second "
-                         "set with the sliding layers inside the graphs), eager")
+                         "(a second graph set with that spacing, unless it is the worker's), piecewise-sliding and "
+                         "piecewise-all (a second set with that attention inside the graphs), eager")
     ap.add_argument("--orders", default="ready,launch",
                     help="loop orders to compare (engine/core.py): ready (a step the GPU already finished is collected "
                          "before the next launch), wait (ready, and a step with first tokens "
@@ -90,18 +90,20 @@ def main() -> None:
         warm_up(parts, a.seed)
     piecewise = parts.runner.piecewise
     forwards = {"piecewise": piecewise, f"piecewise-{cfg.piecewise_buckets}": piecewise, "eager": None}
-    if cfg.piecewise_sliding:
-        forwards["piecewise-sliding"] = piecewise
+    if cfg.piecewise_graphed != "none":
+        forwards[f"piecewise-{cfg.piecewise_graphed}"] = piecewise
     for f in a.forwards.split(","):
-        if f not in forwards and f.startswith("piecewise-"):  # another bucket spacing or sliding graphs, beside
+        if f not in forwards and f.startswith("piecewise-"):  # another bucket spacing or graphed attention, beside
             from engine.piecewise import BUCKET_SETS, PiecewiseGraphs, buckets_for
+            from model.kv_cache import PageGroup
 
-            sliding = f == "piecewise-sliding"
+            kind = f[len("piecewise-"):]
+            graphed = {"sliding": frozenset({PageGroup.SLIDING}), "all": frozenset(PageGroup)}.get(kind, frozenset())
+            spacing = cfg.piecewise_buckets if kind in ("sliding", "all") else kind
             forwards[f] = PiecewiseGraphs(model, buckets_for(min(cfg.scheduler.max_num_batched_tokens,
-                                                                 cfg.piecewise_max_tokens),
-                                                             BUCKET_SETS[cfg.piecewise_buckets if sliding else f[10:]]),
-                                          sliding_pool=parts.pool if sliding else None,
-                                          max_seqs=cfg.scheduler.max_num_seqs)
+                                                                 cfg.piecewise_max_tokens), BUCKET_SETS[spacing]),
+                                          pool=parts.pool, graphed=graphed, max_seqs=cfg.scheduler.max_num_seqs,
+                                          max_model_len=cfg.scheduler.max_model_len)
             forwards[f].capture()
     sched = Scheduler(parts.scheduler.cfg, parts.kv, ())
     core = EngineCore(sched, parts.runner, overlap=a.async_decode == "on")

@@ -131,31 +131,33 @@ ISSUE_SUITES: dict[str, Suite] = {
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
     # Issue 25's colocated goal: a served mixed step was host-bound (multi-turn-colocated-pw-11's step trace: launch
     # 18.2 ms of CPU against 12.5 ms of GPU, p50; 8.0 s of the loop's 22.8 s went to launching mixed steps), ~3/4
-    # of it the 24 attention islands. Candidates, each opt-in until this suite measures it: the sliding layers'
-    # attention inside the piecewise graphs (--piecewise-sliding-graphs: 12 islands instead of 24) and buckets
-    # 1.5x apart (--piecewise-buckets fine: less padding, which the MoE computes like real rows). First the GPU
-    # tests of the pieces (both ways, against the eager forward), then the mixed step alone with each graph set
-    # in one process, then the served multi-turn run with both candidates and with the defaults, in one lease.
+    # of it the 24 attention islands. Candidates, each opt-in until this suite measures it: attention inside the
+    # piecewise graphs (--piecewise-graphed-attention sliding: 12 islands instead of 24; all: none, the step is one
+    # graph, on the Triton kernel, which read decode rows at 90 % of copy bandwidth where fa2 reached 94.6 %) and
+    # buckets 1.5x apart (--piecewise-buckets fine: less padding, which the MoE computes like real rows). First the
+    # GPU tests of the pieces (all three ways, against the eager forward), then the mixed step alone with each
+    # graph set in one process, then the served multi-turn run with the candidate and with the defaults.
     "multi-turn-colocated-ab": Suite(
-        "issue 25: the mixed step's host launch, A/B: piecewise GPU tests (islands, and sliding layers inside the "
-        "graphs), the mixed step alone (60 decoding at 3.5k + a 3,296-cached, 280-new turn) with pow2 buckets, fine "
-        "buckets and sliding-in-graphs in one process, then multi-turn-colocated-pw's served run (64 x 8 turns, ONE "
-        "decode worker) with --piecewise-sliding-graphs --piecewise-buckets fine, then with the defaults",
+        "issue 25: the mixed step's host launch, A/B: piecewise GPU tests (islands, sliding attention in the graphs, "
+        "all attention in the graphs), the mixed step alone (60 decoding at 3.5k + a 3,296-cached, 280-new turn) with "
+        "pow2 buckets, fine buckets, sliding-in-graphs and all-in-graphs in one process, then multi-turn-colocated-pw's "
+        "served run (64 x 8 turns, ONE decode worker) with --piecewise-graphed-attention all --piecewise-buckets fine, "
+        "then with the defaults",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(step("piecewise-gpu-tests", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
-                                           "tests/integration/test_piecewise_gpu.py", 120, summary=PYTEST),
+                                           "tests/integration/test_piecewise_gpu.py", 130, summary=PYTEST),
                step("mixed-step", "{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b "
                                   "--kv-cache-gib 28 --max-num-seqs 128 --cuda-graphs --piecewise-graphs "
                                   "--max-model-len 16384 --max-num-batched-tokens 4096 --turns 5 "
-                                  "--forwards piecewise-pow2,piecewise-fine,piecewise-sliding --orders ready "
-                                  "--mixed-roles decode --out {out}/mixed_step.json", 120,
+                                  "--forwards piecewise-pow2,piecewise-fine,piecewise-sliding,piecewise-all "
+                                  "--orders ready --mixed-roles decode --out {out}/mixed_step.json", 130,
                     summary=r"^decode steps|^mixed|Error|Traceback"),
-               multi_turn_step("colocated", 160, name="colocated-1-sliding-fine",
+               multi_turn_step("colocated", 150, name="colocated-1-graphed-fine",
                                extra="--colocated-decode 1 --ready-timeout-s 300 ",
                                serve_args=MT_SERVE_ARGS.replace(
-                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs --piecewise-sliding-graphs "
+                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs --piecewise-graphed-attention all "
                                                     "--piecewise-buckets fine --step-trace {out}/decode-steps-%p.jsonl")),
-               multi_turn_step("colocated", 160, name="colocated-1-pw",
+               multi_turn_step("colocated", 150, name="colocated-1-pw",
                                extra="--colocated-decode 1 --ready-timeout-s 300 ",
                                serve_args=MT_SERVE_ARGS.replace(
                                    "--cuda-graphs", "--cuda-graphs --piecewise-graphs "

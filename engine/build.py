@@ -67,9 +67,9 @@ class EngineConfig:
     # more than the launches saved (3.3-3.6k-token chunks 7-13 % slower in the 4,096 bucket, piecewise-ab-1)
     piecewise_max_tokens: int = 2048
     piecewise_buckets: str = "pow2"  # engine.piecewise.BUCKET_SETS: 2x apart, or "fine" (1.5x; opt-in, not yet measured)
-    # the sliding layers' attention inside the piecewise graphs too (kernels/triton_sliding_graph.py; opt-in, not
-    # yet measured on the GPU)
-    piecewise_sliding: bool = False
+    # attention inside the piecewise graphs too (kernels/triton_graph_attention.py): "none", "sliding" (the
+    # sliding-window layers') or "all" (a step is one graph); opt-in, not yet measured on the GPU
+    piecewise_graphed: str = "none"
 
 
 @dataclass(slots=True)
@@ -168,15 +168,17 @@ def build_engine_parts(cfg: EngineConfig, model: GptOss | None = None) -> Engine
     if cfg.piecewise_graphs:
         from engine.piecewise import BUCKET_SETS, PiecewiseGraphs, buckets_for
 
-        sliding = bool(cfg.piecewise_sliding and spec.sliding_layers)
-        if sliding and not (cfg.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"):
-            log.warning("--piecewise-sliding-graphs runs Triton kernels: a GPU, or TRITON_INTERPRET=1 on a CPU")
-            sliding = False
+        graphed = {"none": frozenset(), "sliding": frozenset({PageGroup.SLIDING}),
+                   "all": frozenset(PageGroup)}[cfg.piecewise_graphed]
+        graphed = frozenset(g for g in graphed if (spec.sliding_layers if g == PageGroup.SLIDING else spec.full_layers))
+        if graphed and not (cfg.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"):
+            log.warning("--piecewise-graphed-attention runs Triton kernels: a GPU, or TRITON_INTERPRET=1 on a CPU")
+            graphed = frozenset()
         runner.piecewise = PiecewiseGraphs(model, buckets_for(min(cfg.scheduler.max_num_batched_tokens,
                                                                   cfg.piecewise_max_tokens),
                                                               BUCKET_SETS[cfg.piecewise_buckets]),
-                                           sliding_pool=pool if sliding else None,
-                                           max_seqs=cfg.scheduler.max_num_seqs)
+                                           pool=pool, graphed=graphed, max_seqs=cfg.scheduler.max_num_seqs,
+                                           max_model_len=cfg.scheduler.max_model_len)
         runner.piecewise.capture()
     return EngineParts(model, spec, pool, kv, scheduler, runner, sampler)
 

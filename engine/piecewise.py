@@ -33,13 +33,13 @@ never run concurrently. Without CUDA (tests) the pieces run directly on the same
 Steps above the largest bucket run the monolithic eager forward. Shapes: T real tokens, B bucket,
 H hidden, Q = Hq D, N = (Hq + 2 Hkv) D.
 
-With `sliding` (--piecewise-sliding-graphs, opt-in until measured on the GPU) the sliding-window layers'
-attention is captured too (kernels/triton_sliding_graph.py: RoPE, the Triton sink attention over the ring
-prefix and the step's own keys, the store, on per-step tables at fixed addresses), so only the full
-layers stay islands: 12 + 13 pieces for gpt-oss instead of 24 + 25, the islands being most of a mixed
-step's host launch. A piece then runs from one island's O projection through the absorbed layers to the
-next island's QKV; on_layer_done(i) of an absorbed layer runs after its piece (before the next island).
-Triton must run (a GPU, or the CPU interpreter).
+With `graphed` page groups (--piecewise-graphed-attention sliding|all, opt-in until measured on the GPU) the
+attention of those groups' layers is captured too (kernels/triton_graph_attention.py: RoPE, the store, the
+Triton sink attention, on per-step tables at fixed addresses): `sliding` leaves the 12 full layers as islands
+(12 + 13 pieces for gpt-oss instead of 24 + 25), `all` none (a step is one graph), the islands being most
+of a mixed step's host launch. A piece then runs from one island's O projection through the absorbed layers
+to the next island's QKV; on_layer_done(i) of an absorbed layer runs after its piece (before the next
+island). Triton must run (a GPU, or the CPU interpreter).
 """
 
 from __future__ import annotations
@@ -72,27 +72,30 @@ def buckets_for(max_tokens: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> 
 
 
 class PiecewiseGraphs:
-    def __init__(self, model: GptOss, buckets: tuple[int, ...] = DEFAULT_BUCKETS, *,
-                 sliding_pool: KVPool | None = None, max_seqs: int = 0) -> None:
-        """sliding_pool (the engine's KV pool) captures the sliding layers' attention too (module doc);
-        max_seqs bounds the sequences of a step (the scheduler's max_num_seqs)."""
+    def __init__(self, model: GptOss, buckets: tuple[int, ...] = DEFAULT_BUCKETS, *, pool: KVPool | None = None,
+                 graphed: frozenset[PageGroup] = frozenset(), max_seqs: int = 0, max_model_len: int = 0) -> None:
+        """graphed: page groups whose layers' attention is captured too (module doc), on the engine's KV
+        `pool`; max_seqs and max_model_len bound a step's sequences and their views (the scheduler's)."""
         assert buckets and all(b > 0 for b in buckets)
         self.model = model
         self.buckets = tuple(sorted(set(buckets)))
-        self.pool = sliding_pool
+        self.pool = pool if graphed else None
         layers = model.layers
         # layers whose attention runs eagerly between pieces; the others are inside them
-        self.islands = [i for i, blk in enumerate(layers) if sliding_pool is None or blk.attn.window is None]
+        self.islands = [i for i, blk in enumerate(layers) if blk.attn.group not in graphed]
         self.num_pieces = len(self.islands) + 1
-        self.tables = None
+        self.tables: dict[PageGroup, object] = {}  # kernels.triton_graph_attention.GroupTables per graphed group
         self._planned: StepMeta | None = None
-        if sliding_pool is not None:
-            from kernels.triton_sliding_graph import SlidingTables, sliding_config
+        if graphed:
+            from kernels.triton_graph_attention import GroupTables, graph_config
 
-            assert max_seqs > 0 and sliding_pool.spec.sliding_layers
-            a0 = next(blk.attn for blk in layers if blk.attn.window is not None)
-            self.tables = SlidingTables(self.buckets, max_seqs, sliding_pool.spec.ring_pages, PageGroup.SLIDING,
-                                        model.device, sliding_config(a0.num_heads // a0.num_kv_heads, model.device))
+            assert pool is not None and max_seqs > 0 and max_model_len > 0
+            spec = pool.spec
+            a0 = layers[0].attn
+            cfg = graph_config(a0.num_heads // a0.num_kv_heads, model.device)
+            for g in graphed:
+                pages = spec.ring_pages if g == PageGroup.SLIDING else -(-max_model_len // spec.page_size)
+                self.tables[g] = GroupTables(self.buckets, max_seqs, pages, g, model.device, cfg)
         a = model.layers[0].attn
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         n, h, dt, dev = self.buckets[-1], model.cfg.hidden_size, model.dtype, model.device
@@ -103,7 +106,7 @@ class PiecewiseGraphs:
             self.o = torch.zeros(n, q, dtype=dt, device=dev)  # [B, Q] an island's output, the next piece's input
             self.hidden = torch.zeros(n, h, dtype=dt, device=dev)  # [B, H] the last piece's output
             half = a.head_dim // 2
-            self.cos = torch.zeros(n, half, dtype=torch.float32, device=dev)  # [B, D/2] sliding pieces' RoPE
+            self.cos = torch.zeros(n, half, dtype=torch.float32, device=dev)  # [B, D/2] graphed layers' RoPE
             self.sin = torch.zeros(n, half, dtype=torch.float32, device=dev)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.mempool = None
@@ -123,7 +126,7 @@ class PiecewiseGraphs:
 
     def piece(self, k: int, b: int) -> None:
         """Piece k (0..len(islands)) on the first b rows of the static buffers: what a graph of bucket b
-        replays. Without sliding graphs piece k is layer k-1's O projection and MLP, then layer k's QKV."""
+        replays. Without graphed attention piece k is layer k-1's O projection and MLP, then layer k's QKV."""
         m, be = self.model, self.model.backends
         if k == 0:
             x, pending = m.embed[self.ids[:b]], None  # [b, H]
@@ -133,7 +136,7 @@ class PiecewiseGraphs:
         for i in self.absorbed(k):
             block = m.layers[i]
             x, h = block.attn_input(x, pending, be)
-            o = self._sliding_attend(i, block.attn.qkv(h, be), b)  # [b, Q]
+            o = self._graphed_attend(i, block.attn.qkv(h, be), b)  # [b, Q]
             x, pending = block.mlp_residual(x, block.attn.project(o, be), be)
         if k == len(self.islands):
             self.hidden[:b].copy_(m.final_norm(x, pending))
@@ -143,13 +146,14 @@ class PiecewiseGraphs:
         self.x[:b].copy_(x)
         self.qkv[:b].copy_(block.attn.qkv(h, be))
 
-    def _sliding_attend(self, i: int, qkv: torch.Tensor, b: int) -> torch.Tensor:
-        """A sliding layer's RoPE + attention + store on the bucket's rows, from the step's tables
-        (qkv [b, N] -> [b, Q]): what a graph holds for it (kernels/triton_sliding_graph.py)."""
-        from kernels.triton_sliding_graph import graphed_sliding_attention
+    def _graphed_attend(self, i: int, qkv: torch.Tensor, b: int) -> torch.Tensor:
+        """Layer i's RoPE + attention + store on the bucket's rows, from the step's tables of its page group
+        (qkv [b, N] -> [b, Q]): what a graph holds for it (kernels/triton_graph_attention.py)."""
+        from kernels.triton_graph_attention import graphed_attention
         from kernels.triton_store_kv import rope_qk, store_kv
 
         attn = self.model.layers[i].attn
+        tables = self.tables[attn.group]
         d, hq, hkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
         q = qkv[:, :hq * d].view(b, hq, d)
         k = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
@@ -157,27 +161,27 @@ class PiecewiseGraphs:
         q, k = rope_qk(q, k, self.cos[:b], self.sin[:b])
         k_cache, v_cache = self.pool.layer_kv(i)
         scale = self.pool.layer_scales(i)
-        store_kv(k, v, k_cache, v_cache, self.tables.slots_pre[:b], scale)  # steps the ring holds: store first
-        o = graphed_sliding_attention(q, k, v, (k_cache, v_cache), self.tables, b, attn.sinks, attn.sm_scale,
-                                      attn.window, scale)
-        store_kv(k, v, k_cache, v_cache, self.tables.slots_post[:b], scale)  # chunks past the ring: after the read
+        store_kv(k, v, k_cache, v_cache, tables.slots_pre[:b], scale)  # steps whose pages hold all: store first
+        o = graphed_attention(q, k, v, (k_cache, v_cache), tables, b, attn.sinks, attn.sm_scale, attn.window, scale)
+        store_kv(k, v, k_cache, v_cache, tables.slots_post[:b], scale)  # chunks past the ring: after the read
         return o.reshape(b, hq * d)
 
     def plan(self, step: StepMeta) -> None:
         """Before the step's pieces: the attention backend's plan for the groups islands read, and the
-        sliding tables (host work and small copies; idempotent per step)."""
+        graphed groups' tables (host work and small copies; idempotent per step)."""
         if step is self._planned:
             return
         self._planned = step
         be = self.model.backends
-        if self.tables is None:
+        if not self.tables:
             be.attention.plan(step)
             return
-        t = step.positions.shape[0]
-        self.tables.fill(step, self.bucket(t))
-        groups = list(step.groups)
-        groups[PageGroup.SLIDING] = None  # no island reads it: FlashInfer need not plan its chunk gather
-        be.attention.plan(dataclasses.replace(step, groups=tuple(groups)))
+        b = self.bucket(step.positions.shape[0])
+        for t in self.tables.values():
+            t.fill(step, b)
+        if self.islands:  # the backend plans only the groups islands read (FlashInfer: no chunk gather for them)
+            groups = tuple(None if g in self.tables else m for g, m in enumerate(step.groups))
+            be.attention.plan(dataclasses.replace(step, groups=groups))
 
     def island(self, i: int, t: int, cos: torch.Tensor, sin: torch.Tensor, kv: KVPool | None) -> None:
         """Layer i's attention on the t real tokens (eager: it depends on the step's page tables)."""
@@ -195,11 +199,11 @@ class PiecewiseGraphs:
         t = input_ids.shape[0]
         b = self.bucket(t)
         assert b is not None, f"{t} tokens: no bucket (the caller runs the eager forward)"
-        assert self.pool is None or kv is self.pool, "the sliding pieces were captured on the engine's pool"
+        assert self.pool is None or kv is self.pool, "the graphed pieces were captured on the engine's pool"
         graphs = self.graphs.get(b)
         self.ids[:t].copy_(input_ids)
         cos, sin = self.model.rotary.cos_sin(step.positions)  # [T, D/2] each, real tokens only
-        if self.tables is not None:
+        if self.tables:
             self.cos[:t].copy_(cos)
             self.sin[:t].copy_(sin)
         self.plan(step)  # a no-op when the runner planned this step

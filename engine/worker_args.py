@@ -74,9 +74,11 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--piecewise-max-tokens", type=int, default=2048,
                    help="the largest piecewise bucket: longer steps run eagerly (GPU-bound there, where padding "
                         "to a bucket costs more than the launches it saves)")
-    p.add_argument("--piecewise-sliding-graphs", action="store_true",
-                   help="with --piecewise-graphs: the sliding-window layers' attention inside the graphs too (a Triton "
-                        "kernel on per-step tables), leaving only the full-attention layers eager")
+    p.add_argument("--piecewise-graphed-attention", choices=["none", "sliding", "all"], default="none",
+                   help="with --piecewise-graphs: attention inside the graphs too (a Triton kernel on per-step tables): "
+                        "the sliding-window layers' (only full-attention layers stay eager), or all (a step up to the "
+                        "largest bucket is one graph). Meant for a decode worker's mixed steps: on a prefill worker a "
+                        "graphed layer's KV streams out only after its piece, and long chunks run slower on the kernel")
     p.add_argument("--piecewise-buckets", choices=["pow2", "fine"], default="pow2",
                    help="piecewise bucket spacing: pow2 (16, 32, 64, ...) or fine (1.5x apart: 16, 24, 32, 48, ...; "
                         "less padding, whose rows the MoE computes like real ones, for twice the graphs)")
@@ -135,7 +137,7 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         seed=a.seed, progress=tp_rank == 0, async_decode=a.async_decode == "on",
         enable_prefix_caching=a.enable_prefix_caching, piecewise_graphs=a.piecewise_graphs,
         piecewise_max_tokens=a.piecewise_max_tokens, piecewise_buckets=a.piecewise_buckets,
-        piecewise_sliding=a.piecewise_sliding_graphs,
+        piecewise_graphed=a.piecewise_graphed_attention,
         parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group,
                                 max(0, a.fast_allreduce_kib) << 10 if gpu else 0, a.fast_allreduce_impl, a.vocab_parallel))
 

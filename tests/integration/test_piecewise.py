@@ -24,7 +24,7 @@ from engine.scheduler import SchedulerConfig
 from model.config import preset
 from model.context import SeqStep, build_step_meta
 from model.gpt_oss import GptOss
-from model.kv_cache import KVManager, KVPool, SeqPages, plan_kv_cache
+from model.kv_cache import KVManager, KVPool, PageGroup, SeqPages, plan_kv_cache
 from model.loader import load_weights
 from model.weights import SafetensorsSource
 
@@ -188,29 +188,33 @@ def test_piecewise_engine_flag_same_tokens(ckpt_factory):
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 70)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs = {}
-    for flag in (False, True, "sliding"):  # "sliding": the sliding layers inside the pieces too (Triton interpreted)
+    # "all": every layer's attention inside the pieces too (the Triton kernel, interpreted; "sliding" is the
+    # same code on one group: test_piecewise_attention_inside_the_graphs)
+    for flag in (False, True, "all"):
         llm = LLM(EngineConfig(checkpoint=path, kv_cache_bytes=1 << 20, piecewise_graphs=bool(flag),
-                               piecewise_sliding=flag == "sliding",
+                               piecewise_graphed=flag if isinstance(flag, str) else "none",
                                scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
                                                          max_model_len=256)))
         pw = llm.engine.runner.piecewise
-        assert (pw is not None) == bool(flag) and (flag != "sliding" or len(pw.islands) == 2)
+        assert (pw is not None) == bool(flag)
+        assert pw is None or len(pw.islands) == {True: 4, "all": 0}[flag]
         outs[flag] = [o.output_ids for o in llm.generate(prompts, params)]
         llm.kv.assert_all_free()
-    assert outs[True] == outs[False] == outs["sliding"]
+    assert outs[True] == outs[False] == outs["all"]
 
 
-def _run_sliding_steps(model: GptOss, buckets: tuple[int, ...], steps: list[list[tuple[int, int]]]) -> None:
+def _run_graphed_steps(model: GptOss, buckets: tuple[int, ...], steps: list[list[tuple[int, int]]],
+                       graphed: frozenset[PageGroup]) -> None:
     """Several sequences per step ((sequence, new tokens) pairs): the eager forward (TritonAttention) on
-    one pool, the pieces with the sliding layers' attention inside them (kernels/triton_sliding_graph.py)
+    one pool, the pieces with the `graphed` groups' attention inside them (kernels/triton_graph_attention.py)
     on another; hidden states and every page equal after each step: bit for bit while every step fills
     its bucket, within fp32 rounding from the first padded step on (the interpreter's GEMMs may round a
     row by its GEMM's row count: test_piecewise_fused_norms_padded)."""
     spec = plan_kv_cache(model.cfg, 1 << 20, page_size=4, max_num_seqs=4, dtype=torch.float32)
     mgr = KVManager(spec)
     ref_pool, pw_pool = KVPool(spec), KVPool(spec)
-    pw = PiecewiseGraphs(model, buckets, sliding_pool=pw_pool, max_seqs=4)
-    assert pw.islands == [i for i in range(len(model.layers)) if not model.cfg.is_sliding(i)]
+    pw = PiecewiseGraphs(model, buckets, pool=pw_pool, graphed=graphed, max_seqs=4, max_model_len=64)
+    assert pw.islands == [i for i, blk in enumerate(model.layers) if blk.attn.group not in graphed]
     pages = [SeqPages() for _ in range(4)]
     pos = [0] * 4
     gen = torch.Generator().manual_seed(5)
@@ -248,10 +252,14 @@ STEPS = [
 ]
 
 
-def test_piecewise_sliding_layers_inside_the_graphs(ckpt_factory, one_torch_thread):
+@pytest.mark.parametrize("graphed", ["sliding", "all"])
+def test_piecewise_attention_inside_the_graphs(ckpt_factory, one_torch_thread, graphed):
     """tiny-a (window 4, page 4): chunks larger than the ring, decodes, and mixed steps of decode rows
-    beside chunks over several sequences: with every step in a bucket of its size the same bits as the
-    eager forward on the Triton attention backend; in padded buckets within fp32 rounding."""
+    beside chunks over several sequences, with the sliding layers' attention (or every layer's: the step
+    is one piece) inside the pieces: with every step in a bucket of its size the same bits as the eager
+    forward on the Triton attention backend; in padded buckets within fp32 rounding."""
     model = _model(ckpt_factory("tiny-a"), fused=True)
-    _run_sliding_steps(model, tuple(sorted({sum(n for _, n in st) for st in STEPS})), STEPS)
-    _run_sliding_steps(model, (4, 16, 32), STEPS[:3])
+    groups = frozenset({PageGroup.SLIDING}) if graphed == "sliding" else frozenset(PageGroup)
+    _run_graphed_steps(model, tuple(sorted({sum(n for _, n in st) for st in STEPS})), STEPS, groups)
+    if graphed == "sliding":
+        _run_graphed_steps(model, (4, 16, 32), STEPS[:3], groups)

@@ -1,5 +1,6 @@
 """Piecewise CUDA graphs on the GPU (engine/piecewise.py; gpt-oss-20b widths, random weights, 4 layers,
-every attention call an island, and again with the sliding layers inside the pieces (--piecewise-sliding-graphs),
+every attention call an island, then the sliding layers' attention inside the pieces, then every layer's
+(--piecewise-graphed-attention sliding|all),
 bf16 with FP8 experts on the worker's default MoE backend, FlashInfer, the worker's linear): the
 captured pieces against the eager forward, per step size (T = 1, 17, 352, 1000, a 352-token chunk
 after a 1000-token prefix, a mixed step of decode rows and a chunk): hidden states, logits and the
@@ -33,10 +34,10 @@ TIE = 0.25  # two bf16 steps at the random model's top logits (~16-20): a near-t
 BUILD_S: list[float] = []
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["islands", "sliding-in-graphs"])
+@pytest.fixture(scope="module", params=["none", "sliding", "all"])
 def parts(request):
-    """The engine with every attention call an island, and with the sliding layers' attention captured
-    inside the pieces (--piecewise-sliding-graphs: kernels/triton_sliding_graph.py)."""
+    """The engine with every attention call an island, then with the sliding layers' or every layer's
+    attention captured inside the pieces (--piecewise-graphed-attention: kernels/triton_graph_attention.py)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     from kernels.registry import auto_moe_backend
@@ -44,7 +45,7 @@ def parts(request):
     cfg = EngineConfig(random_preset="gpt-oss-20b", random_layers=LAYERS, device="cuda", dtype="bfloat16", fp8=True,
                        fp8_attention=False, attention_backend="flashinfer", linear_backend="scaled_mm",
                        moe_backend=auto_moe_backend("cuda", True, True), kv_cache_bytes=2 << 30,
-                       enable_prefix_caching=False, piecewise_graphs=True, piecewise_sliding=request.param,
+                       enable_prefix_caching=False, piecewise_graphs=True, piecewise_graphed=request.param,
                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=4096))
     t0 = time.monotonic()
     p = build_engine_parts(cfg)
@@ -72,8 +73,8 @@ def test_piecewise_gpu_matches_eager(parts):
     model, pool, kv, runner = parts.model, parts.pool, parts.kv, parts.runner
     pw = runner.piecewise
     assert pw is not None and pw.buckets == (16, 32, 64, 128, 256, 512, 1024, 2048)
-    sliding = pw.tables is not None
-    assert len(pw.islands) == (LAYERS // 2 if sliding else LAYERS)
+    graphed = sorted(int(g) for g in pw.tables)
+    assert len(pw.islands) == {0: LAYERS, 1: LAYERS // 2, 2: 0}[len(graphed)]
     assert sorted(pw.graphs) == list(pw.buckets) and all(len(g) == len(pw.islands) + 1 for g in pw.graphs.values())
     free0 = kv.num_free()
     g = torch.Generator().manual_seed(0)
@@ -84,7 +85,7 @@ def test_piecewise_gpu_matches_eager(parts):
     cases = [("T=1", [(1, 0, 1)]), ("T=17", [(2, 0, 17)]), ("T=352", [(3, 0, 352)]), ("T=1000", [(0, 0, 1000)]),
              ("352 after 1000", [(0, 1000, 352)]),
              ("mixed 2 decode + 40", [(0, 1352, 1), (2, 17, 1), (1, 1, 40)])]
-    report = {"sliding_in_graphs": sliding, "build_and_capture_s": BUILD_S[-1], "static_mib": pw.static_bytes() / 2**20, "pool_mib": pw.pool_bytes() / 2**20,
+    report = {"graphed_groups": graphed, "build_and_capture_s": BUILD_S[-1], "static_mib": pw.static_bytes() / 2**20, "pool_mib": pw.pool_bytes() / 2**20,
               "reserved_gib": torch.cuda.memory_reserved() / 2**30, "cases": {}}
     try:
         for name, spec in cases:
@@ -119,7 +120,7 @@ def test_piecewise_gpu_matches_eager(parts):
         for s in seqs:
             kv.release(s)
         if os.environ.get("OUT"):
-            name = "piecewise_gpu_sliding.json" if sliding else "piecewise_gpu.json"
+            name = f"piecewise_gpu_graphed{len(graphed)}.json" if graphed else "piecewise_gpu.json"
             Path(os.environ["OUT"], name).write_text(json.dumps(report, indent=1) + "\n")
     assert kv.num_free() == free0 == tuple(parts.spec.num_pages)
 

@@ -1,26 +1,32 @@
-"""Sliding-window attention a CUDA graph can hold: the sink-aware Triton kernel (kernels/triton_attention.py
-`_attn_fwd`) on tables of fixed capacity, so a step's sliding layers can be captured inside the piecewise
-graphs (engine/piecewise.py, --piecewise-sliding-graphs) instead of running as eager islands between them.
+"""Attention a CUDA graph can hold: the sink-aware Triton kernel (kernels/triton_attention.py `_attn_fwd`) on
+tables of fixed capacity, so a step's attention can be captured inside the piecewise graphs
+(engine/piecewise.py, --piecewise-graphed-attention sliding|all) instead of running as eager islands between
+them; with `all` a step up to the largest bucket is one graph.
 
 Why: a served mixed step (a new turn's ~300 tokens joining ~60 decoding sequences) was host-bound: its
 launch took 18.2 ms of CPU against 12.5 ms of GPU (multi-turn-colocated-pw-11's step trace, p50), and ~3/4
-of a launch is the 24 attention islands' Python (each: RoPE, the gather of [ring prefix ; new keys], the
-FlashInfer call, the store, allocations). Sliding layers read at most W + 15 keys per query, which this
-kernel reads straight from the ring pages and the new dense keys, so their islands can go into the graphs.
+of a launch is the 24 attention islands' Python (each: RoPE, the gather of [ring prefix ; new keys] or the
+store, the FlashInfer call, allocations). The generic kernel read decode rows at 90 % of copy bandwidth
+(batch 64 x 8k, 2026-11-30/kernels_attention.json; FlashInfer fa2 94.6 %) but ran long-prompt prefill at half
+fa3's rate (220 vs 430 TFLOP/s at 8k): a fit for mixed steps (decode rows plus a few hundred new tokens), not
+for long chunks, which run the eager forward above the largest bucket anyway. Sliding layers read at most
+W + 15 keys per query, straight from the ring pages and the new dense keys.
 
-What varies per step lives in device buffers the graph reads, filled before each replay (`SlidingTables.fill`):
+What varies per step lives in device buffers the graph reads, filled before each replay (`GroupTables.fill`),
+one set per page group:
   seq_info [5, S + 1] int32   q_start, q_len, paged_len, kv_len, dense_start per sequence; column S is an
                                empty sequence (q_len 0) that padded tiles point at
-  page_table [S + 1, R] int32  each sequence's ring view (R = ring pages), as the step's GroupMeta has it
+  page_table [S + 1, R] int32  each sequence's view as the step's GroupMeta has it (R: the ring's pages for
+                               sliding layers, the longest sequence's for full ones)
   tiles [2, NT(b)] int32       (sequence, first token) per q tile of TPT tokens; NT(b) = b // TPT + 1 + min(b, S)
                                bounds the tiles of any step of <= b tokens over <= S sequences
   slots_pre, slots_post [b]    where each new token is stored before / after the read (int64, -1: not
                                stored: padded rows, the ring's skipped head, and every row of the other one)
-The kernel's grid is (NT(b), KV-head groups, 1): no split-KV (a window's keys are few), so nothing in the
-launch depends on the step. Both orders of the eager backends are in the graph and the tables pick one per
-step: a step whose ring holds the window and its new tokens stores first and reads every key through the
-pages (paged_len = kv_len); a chunk larger than the ring reads its prefix from the pages and its own keys
-densely, then stores (paged_len = prefix), as TritonAttention and FlashInferAttention do. Per-row math is
+The kernel's grid is (NT(b), KV-head groups, 1): no split-KV (a window's keys are few; a mixed step's full
+layers have a program per q tile and KV head of every sequence), so nothing in the launch depends on the step. Both orders of the eager backends are in the graph and the tables pick one per
+step: full layers, and a sliding step whose ring holds the window and its new tokens, store first and read
+every key through the pages (paged_len = kv_len); a chunk larger than the ring reads its prefix from the
+pages and its own keys densely, then stores (paged_len = prefix), as TritonAttention and FlashInferAttention do. Per-row math is
 `_attn_fwd`'s with TritonAttention's tile partition (tokens [i*TPT, (i+1)*TPT) of each sequence), so on the
 CPU interpreter the pieces match the eager Triton backend bit for bit (tests/integration/test_piecewise.py).
 """
@@ -39,16 +45,16 @@ def tiles_capacity(bucket: int, tokens_per_tile: int, max_seqs: int) -> int:
     return bucket // tokens_per_tile + 1 + min(bucket, max_seqs)
 
 
-class SlidingTables:
-    """The sliding page group's per-step tables at fixed addresses, one tile table per bucket."""
+class GroupTables:
+    """One page group's per-step tables at fixed addresses, one tile table per bucket."""
 
-    def __init__(self, buckets: tuple[int, ...], max_seqs: int, ring_pages: int, group: int, device: torch.device,
+    def __init__(self, buckets: tuple[int, ...], max_seqs: int, max_pages: int, group: int, device: torch.device,
                  config: KernelConfig) -> None:
-        self.max_seqs, self.ring_pages, self.config = max_seqs, ring_pages, config
+        self.max_seqs, self.max_pages, self.config = max_seqs, max_pages, config
         self.tpt = config.block_m // config.heads_per_program
         s = max_seqs + 1  # column max_seqs: the empty sequence padded tiles point at
         self.seq_info = torch.zeros(5, s, dtype=torch.int32, device=device)
-        self.page_table = torch.zeros(s, ring_pages, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(s, max_pages, dtype=torch.int32, device=device)
         self.slots_pre = torch.full((max(buckets),), -1, dtype=torch.int64, device=device)
         self.slots_post = torch.full((max(buckets),), -1, dtype=torch.int64, device=device)
         self.tiles = {b: torch.full((2, tiles_capacity(b, self.tpt, max_seqs)), 0, dtype=torch.int32, device=device)
@@ -60,7 +66,7 @@ class SlidingTables:
     def fill(self, step: StepMeta, bucket: int) -> None:
         """This step's tables (host work + three small copies, before the graph replays)."""
         g: GroupMeta = step.groups[self.group]
-        assert g is not None, "a step without sliding pages runs the eager forward"
+        assert g is not None, "a step without pages runs the eager forward"
         q = np.asarray(step.q_lens_host, dtype=np.int64)
         n, t = len(q), int(q.sum())
         assert n <= self.max_seqs and t <= bucket, (n, t, bucket)
@@ -69,13 +75,14 @@ class SlidingTables:
         info = np.zeros((5, self.max_seqs + 1), dtype=np.int32)
         info[0, :n] = q_start
         info[1, :n] = q
-        # store first and read every key from the pages, or the prefix from the pages and the rest dense
+        # store first and read every key from the pages, or (a sliding chunk past the ring) the prefix from the
+        # pages and the rest dense
         info[2, :n] = g.kv_lens_host if g.pages_hold_all else g.prefix_lens_host
         info[3, :n] = g.kv_lens_host
         info[4, :n] = q_start
         _upload(self.seq_info, info)
         width = g.page_table.shape[1]
-        assert width <= self.ring_pages, "a sliding view spans at most the ring"
+        assert width <= self.max_pages, (width, self.max_pages)  # the ring, or max_model_len / page_size
         self.page_table[:n, :width].copy_(g.page_table)
         nt = -(-q // self.tpt)  # tiles per sequence; the longest-running (last) tiles first, as AttnBatch
         seq = np.repeat(np.arange(n), nt)
@@ -101,10 +108,9 @@ def _upload(dst: torch.Tensor, host: np.ndarray) -> None:
     dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=True)
 
 
-def graphed_sliding_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              kv_cache: tuple[torch.Tensor, torch.Tensor], tables: SlidingTables, bucket: int,
-                              sinks: torch.Tensor, sm_scale: float, window: int,
-                              kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def graphed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                      tables: GroupTables, bucket: int, sinks: torch.Tensor, sm_scale: float, window: int | None,
+                      kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [b, Hq, D], k/v [b, Hkv, D] (rotated k; any row/head strides, last dim contiguous) over the
     bucket's rows -> out [b, Hq, D]: each real row attends over its paged keys and the step's own (dense)
     ones as the tables say; padded rows come out zero. e4m3 pages are read through kv_scale."""
@@ -121,16 +127,17 @@ def graphed_sliding_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     info, pt = tables.seq_info, tables.page_table
     _attn_fwd[(num_tiles, hkv * (group // cfg.heads_per_program), 1)](
         q, k, v, kc, vc, pt, sinks, out, out, out, out, info, tiles, ks, vs,
-        info.shape[1], num_tiles, b, hq, 1, sm_scale * LOG2E, window,
+        info.shape[1], num_tiles, b, hq, 1, sm_scale * LOG2E, window or 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), pt.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HPP=cfg.heads_per_program, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
-        PAGE=kc.shape[2], SPLIT=False, HAS_WINDOW=True,
+        PAGE=kc.shape[2], SPLIT=False, HAS_WINDOW=window is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_WIDEN=widen,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
-def sliding_config(group: int, device: torch.device) -> KernelConfig:
-    """The prefill-shaped launch (TritonAttention's for steps with a chunk): a mixed step always has one."""
+def graph_config(group: int, device: torch.device) -> KernelConfig:
+    """The prefill-shaped launch (TritonAttention's for steps with a chunk): a step the pieces run has one
+    (pure-decode steps replay the decode graphs), and the capture fixes it."""
     return pick_config(group, 2, device)
