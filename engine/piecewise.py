@@ -116,7 +116,8 @@ class PiecewiseGraphs:
         return next((b for b in self.buckets if b >= t), None) if t > 0 else None
 
     def static_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.ids, self.x, self.qkv, self.o, self.hidden))
+        return sum(t.numel() * t.element_size()
+                   for t in (self.ids, self.x, self.qkv, self.o, self.hidden, self.cos, self.sin))
 
     # ---- the split forward ------------------------------------------------------------------------
     def absorbed(self, k: int) -> range:
@@ -154,17 +155,14 @@ class PiecewiseGraphs:
 
         attn = self.model.layers[i].attn
         tables = self.tables[attn.group]
-        d, hq, hkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
-        q = qkv[:, :hq * d].view(b, hq, d)
-        k = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
-        v = qkv[:, (hq + hkv) * d:].reshape(b, hkv, d)  # a strided view, as GptOssAttention.attend has it
+        q, k, v = attn.split_qkv(qkv)  # [b, Hq, D], [b, Hkv, D] x 2
         q, k = rope_qk(q, k, self.cos[:b], self.sin[:b])
         k_cache, v_cache = self.pool.layer_kv(i)
         scale = self.pool.layer_scales(i)
         store_kv(k, v, k_cache, v_cache, tables.slots_pre[:b], scale)  # steps whose pages hold all: store first
         o = graphed_attention(q, k, v, (k_cache, v_cache), tables, b, attn.sinks, attn.sm_scale, attn.window, scale)
         store_kv(k, v, k_cache, v_cache, tables.slots_post[:b], scale)  # chunks past the ring: after the read
-        return o.reshape(b, hq * d)
+        return o.reshape(b, attn.num_heads * attn.head_dim)
 
     def plan(self, step: StepMeta) -> None:
         """Before the step's pieces: the attention backend's plan for the groups islands read, and the

@@ -74,12 +74,8 @@ class Attention(nn.Module):
                kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """qkv [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D]; stores this step's K/V."""
         t = qkv.shape[0]
-        q_sz, kv_sz = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q = qkv[:, :q_sz].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, q_sz:q_sz + kv_sz].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, q_sz + kv_sz:].reshape(t, self.num_kv_heads, self.head_dim)
-        # v stays a strided view of qkv (no copy kernel): the store kernels and the Triton attention
-        # take row/head strides, FlashInfer's dense paths make their own contiguous copies
+        q_sz = self.num_heads * self.head_dim
+        q, k, v = self.split_qkv(qkv)
         if be.fused_rope_store and kv is not None:  # the backend rotates q and k in its store's launch
             o = be.attention.forward(self.group, q, k, v, kv, self.sinks, self.sm_scale, self.window,
                                      kv_scale=kv_scale, rope=(cos, sin))
@@ -93,6 +89,15 @@ class Attention(nn.Module):
             o = be.attention.forward(self.group, q, k, v, kv, self.sinks, self.sm_scale, self.window,
                                      kv_scale=kv_scale)
         return o.reshape(t, q_sz)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k, v [T, Hkv, D], views. v stays a strided view of qkv
+        (no copy kernel): the store kernels and the Triton attention take row/head strides, FlashInfer's
+        dense paths make their own contiguous copies."""
+        t, d = qkv.shape[0], self.head_dim
+        q_sz, kv_sz = self.num_heads * d, self.num_kv_heads * d
+        return (qkv[:, :q_sz].view(t, self.num_heads, d), qkv[:, q_sz:q_sz + kv_sz].view(t, self.num_kv_heads, d),
+                qkv[:, q_sz + kv_sz:].reshape(t, self.num_kv_heads, d))
 
     def project(self, o: torch.Tensor, be: Backends) -> torch.Tensor:
         """o [T, Hq D] -> [T, H], summed over TP ranks."""
