@@ -130,8 +130,8 @@ ISSUE_SUITES: dict[str, Suite] = {
                                                     "--step-trace {out}/decode-steps-%p.jsonl"))),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
     # Issue 25's colocated goal: a served mixed step was host-bound (multi-turn-colocated-pw-11's step trace: launch
-    # 18.2 ms of CPU against 12.5 ms of GPU, p50; 8.0 s of the loop's 22.8 s went to launching mixed steps), ~3/4
-    # of it the 24 attention islands. Candidates, each opt-in until this suite measures it: attention inside the
+    # 18.2 ms of CPU against 12.5 ms of GPU, p50; 8.0 s of the loop's 22.8 s went to launching mixed steps), about
+    # half of it the 24 attention islands (cProfile in mixed-step-6). Candidates, each opt-in until this suite measures it: attention inside the
     # piecewise graphs (--piecewise-graphed-attention sliding: 12 islands instead of 24; all: none, the step is one
     # graph, on the Triton kernel, which read decode rows at 90 % of copy bandwidth where fa2 reached 94.6 %) and
     # buckets 1.5x apart (--piecewise-buckets fine: less padding, which the MoE computes like real rows). First the

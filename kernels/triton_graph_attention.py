@@ -4,9 +4,9 @@ tables of fixed capacity, so a step's attention can be captured inside the piece
 them; with `all` a step up to the largest bucket is one graph.
 
 Why: a served mixed step (a new turn's ~300 tokens joining ~60 decoding sequences) was host-bound: its
-launch took 18.2 ms of CPU against 12.5 ms of GPU (multi-turn-colocated-pw-11's step trace, p50), and ~3/4
-of a launch is the 24 attention islands' Python (each: RoPE, the gather of [ring prefix ; new keys] or the
-store, the FlashInfer call, allocations). The generic kernel read decode rows at 90 % of copy bandwidth
+launch took 18.2 ms of CPU against 12.5 ms of GPU (multi-turn-colocated-pw-11's step trace, p50), and about
+half of a launch was the 24 attention islands' Python (cProfile in mixed-step-6: 10 of 21 ms; each: RoPE, the
+gather of [ring prefix ; new keys] or the store, the FlashInfer call, allocations). The generic kernel read decode rows at 90 % of copy bandwidth
 (batch 64 x 8k, 2026-11-30/kernels_attention.json; FlashInfer fa2 94.6 %) but ran long-prompt prefill at half
 fa3's rate (220 vs 430 TFLOP/s at 8k): a fit for mixed steps (decode rows plus a few hundred new tokens), not
 for long chunks, which run the eager forward above the largest bucket anyway. Sliding layers read at most
