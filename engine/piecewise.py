@@ -87,15 +87,15 @@ class PiecewiseGraphs:
         self.tables: dict[PageGroup, object] = {}  # kernels.triton_graph_attention.GroupTables per graphed group
         self._planned: StepMeta | None = None
         if graphed:
-            from kernels.triton_graph_attention import GroupTables, graph_config
+            from kernels.triton_graph_attention import GroupTables, graph_configs
 
             assert pool is not None and max_seqs > 0 and max_model_len > 0
             spec = pool.spec
             a0 = layers[0].attn
-            cfg = graph_config(a0.num_heads // a0.num_kv_heads, model.device)
+            cfgs = graph_configs(a0.num_heads // a0.num_kv_heads, model.device)
             for g in graphed:
                 pages = spec.ring_pages if g == PageGroup.SLIDING else -(-max_model_len // spec.page_size)
-                self.tables[g] = GroupTables(self.buckets, max_seqs, pages, g, model.device, cfg)
+                self.tables[g] = GroupTables(self.buckets, max_seqs, pages, g, model.device, cfgs)
         a = model.layers[0].attn
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         n, h, dt, dev = self.buckets[-1], model.cfg.hidden_size, model.dtype, model.device

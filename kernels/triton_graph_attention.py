@@ -18,11 +18,14 @@ one set per page group:
                                empty sequence (q_len 0) that padded tiles point at
   page_table [S + 1, R] int32  each sequence's view as the step's GroupMeta has it (R: the ring's pages for
                                sliding layers, the longest sequence's for full ones)
-  tiles [2, NT(b)] int32       (sequence, first token) per q tile of TPT tokens; NT(b) = b // TPT + 1 + min(b, S)
-                               bounds the tiles of any step of <= b tokens over <= S sequences
+  tiles [2, NT(b)] int32       (sequence, first token) per q tile, two tables: one-token rows (decode rows of
+                               a mixed step) in decode-shaped tiles (one token's G heads, NT = min(b, S)), the
+                               chunks in prefill-shaped ones (TPT = 16 tokens x G heads, NT = b // TPT + 1 +
+                               min(b, S)), each launched on its own fixed grid; a decode row in a 128-row tile
+                               would do 16 tokens' MMA work for one
   slots_pre, slots_post [b]    where each new token is stored before / after the read (int64, -1: not
                                stored: padded rows, the ring's skipped head, and every row of the other one)
-The kernel's grid is (NT(b), KV-head groups, 1): no split-KV (a window's keys are few; a mixed step's full
+Each launch's grid is (NT(b), KV-head groups, 1): no split-KV (a window's keys are few; a mixed step's full
 layers have a program per q tile and KV head of every sequence), so nothing in the launch depends on the step. Both orders of the eager backends are in the graph and the tables pick one per
 step: full layers, and a sliding step whose ring holds the window and its new tokens, store first and read
 every key through the pages (paged_len = kv_len); a chunk larger than the ring reads its prefix from the
@@ -46,25 +49,26 @@ def tiles_capacity(bucket: int, tokens_per_tile: int, max_seqs: int) -> int:
 
 
 class GroupTables:
-    """One page group's per-step tables at fixed addresses, one tile table per bucket."""
+    """One page group's per-step tables at fixed addresses, two tile tables (decode, chunk) per bucket."""
 
     def __init__(self, buckets: tuple[int, ...], max_seqs: int, max_pages: int, group: int, device: torch.device,
-                 config: KernelConfig) -> None:
-        self.max_seqs, self.max_pages, self.config = max_seqs, max_pages, config
-        self.tpt = config.block_m // config.heads_per_program
+                 configs: tuple[KernelConfig, KernelConfig]) -> None:
+        self.max_seqs, self.max_pages, self.group = max_seqs, max_pages, group
+        self.configs = configs  # (one-token rows, chunks)
+        self.tpt = tuple(c.block_m // c.heads_per_program for c in configs)  # tokens per tile
         s = max_seqs + 1  # column max_seqs: the empty sequence padded tiles point at
         self.seq_info = torch.zeros(5, s, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(s, max_pages, dtype=torch.int32, device=device)
         self.slots_pre = torch.full((max(buckets),), -1, dtype=torch.int64, device=device)
         self.slots_post = torch.full((max(buckets),), -1, dtype=torch.int64, device=device)
-        self.tiles = {b: torch.full((2, tiles_capacity(b, self.tpt, max_seqs)), 0, dtype=torch.int32, device=device)
+        caps = (lambda b: min(b, max_seqs), lambda b: tiles_capacity(b, self.tpt[1], max_seqs))
+        # every tile starts out empty (sequence max_seqs)
+        self.tiles = {b: tuple(torch.stack([torch.full((cap(b),), max_seqs, dtype=torch.int32),
+                                            torch.zeros(cap(b), dtype=torch.int32)]).to(device) for cap in caps)
                       for b in buckets}
-        for t in self.tiles.values():
-            t[0].fill_(max_seqs)  # every tile starts out empty
-        self.group = group
 
     def fill(self, step: StepMeta, bucket: int) -> None:
-        """This step's tables (host work + three small copies, before the graph replays)."""
+        """This step's tables (host work and a few small copies, before the graph replays)."""
         g: GroupMeta = step.groups[self.group]
         assert g is not None, "a step without pages runs the eager forward"
         q = np.asarray(step.q_lens_host, dtype=np.int64)
@@ -84,17 +88,17 @@ class GroupTables:
         width = g.page_table.shape[1]
         assert width <= self.max_pages, (width, self.max_pages)  # the ring, or max_model_len / page_size
         self.page_table[:n, :width].copy_(g.page_table)
-        nt = -(-q // self.tpt)  # tiles per sequence; the longest-running (last) tiles first, as AttnBatch
-        seq = np.repeat(np.arange(n), nt)
-        first = np.concatenate([(k - 1 - np.arange(k)) * self.tpt for k in nt]) if n else np.zeros(0, np.int64)
-        tiles = self.tiles[bucket]
-        cap = tiles.shape[1]
-        assert seq.size <= cap, (seq.size, cap)  # tiles_capacity bounds it
-        host = np.empty((2, cap), dtype=np.int32)
-        host[0, :] = self.max_seqs
-        host[1, :] = 0
-        host[0, :seq.size], host[1, :seq.size] = seq, first
-        _upload(tiles, host)
+        one = q == 1
+        for tiles, rows, tpt in zip(self.tiles[bucket], (np.flatnonzero(one), np.flatnonzero(~one)), self.tpt):
+            nt = -(-q[rows] // tpt)  # tiles per sequence; the longest-running (last) tiles first, as AttnBatch
+            seq = np.repeat(rows, nt)
+            first = np.concatenate([(k - 1 - np.arange(k)) * tpt for k in nt]) if rows.size else np.zeros(0, np.int64)
+            cap = tiles.shape[1]
+            assert seq.size <= cap, (seq.size, cap)  # tiles_capacity bounds it
+            host = np.empty((2, cap), dtype=np.int32)
+            host[0, :], host[1, :] = self.max_seqs, 0
+            host[0, :seq.size], host[1, :seq.size] = seq, first
+            _upload(tiles, host)
         now, other = (self.slots_pre, self.slots_post) if g.pages_hold_all else (self.slots_post, self.slots_pre)
         now[:t].copy_(g.slot_mapping)
         now[t:bucket].fill_(-1)
@@ -119,25 +123,23 @@ def graphed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     kc, vc = kv_cache
     widen = kc.dtype != q.dtype
     ks, vs = page_scales(kv_scale if kc.dtype == torch.float8_e4m3fn else None, hkv, q.device) if widen else (sinks,) * 2
-    cfg = tables.config
     group = hq // hkv
     out = torch.zeros_like(q)  # padded rows: zeros, finite (engine/piecewise.py keeps padding finite)
-    tiles = tables.tiles[bucket]
-    num_tiles = tiles.shape[1]
     info, pt = tables.seq_info, tables.page_table
-    _attn_fwd[(num_tiles, hkv * (group // cfg.heads_per_program), 1)](
-        q, k, v, kc, vc, pt, sinks, out, out, out, out, info, tiles, ks, vs,
-        info.shape[1], num_tiles, b, hq, 1, sm_scale * LOG2E, window or 0,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2), pt.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, HPP=cfg.heads_per_program, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
-        PAGE=kc.shape[2], SPLIT=False, HAS_WINDOW=window is not None,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_WIDEN=widen,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    for cfg, tiles in zip(tables.configs, tables.tiles[bucket]):  # one-token rows, then chunks: disjoint rows
+        num_tiles = tiles.shape[1]
+        _attn_fwd[(num_tiles, hkv * (group // cfg.heads_per_program), 1)](
+            q, k, v, kc, vc, pt, sinks, out, out, out, out, info, tiles, ks, vs,
+            info.shape[1], num_tiles, b, hq, 1, sm_scale * LOG2E, window or 0,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2), pt.stride(0), out.stride(0), out.stride(1),
+            GROUP=group, HPP=cfg.heads_per_program, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
+            PAGE=kc.shape[2], SPLIT=False, HAS_WINDOW=window is not None,
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_WIDEN=widen,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
-def graph_config(group: int, device: torch.device) -> KernelConfig:
-    """The prefill-shaped launch (TritonAttention's for steps with a chunk): a step the pieces run has one
-    (pure-decode steps replay the decode graphs), and the capture fixes it."""
-    return pick_config(group, 2, device)
+def graph_configs(group: int, device: torch.device) -> tuple[KernelConfig, KernelConfig]:
+    """TritonAttention's launch shapes for one-token rows and for chunks (pick_config), fixed at capture."""
+    return pick_config(group, 1, device), pick_config(group, 2, device)
