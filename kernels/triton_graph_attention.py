@@ -5,31 +5,32 @@ them; with `all` a step up to the largest bucket is one graph.
 
 Why: a served mixed step (a new turn's ~300 tokens joining ~60 decoding sequences) was host-bound: its
 launch took 18.2 ms of CPU against 12.5 ms of GPU (multi-turn-colocated-pw-11's step trace, p50), and about
-half of a launch was the 24 attention islands' Python (cProfile in mixed-step-6: 10 of 21 ms; each: RoPE, the
-gather of [ring prefix ; new keys] or the store, the FlashInfer call, allocations). The generic kernel read decode rows at 90 % of copy bandwidth
-(batch 64 x 8k, 2026-11-30/kernels_attention.json; FlashInfer fa2 94.6 %) but ran long-prompt prefill at half
-fa3's rate (220 vs 430 TFLOP/s at 8k): a fit for mixed steps (decode rows plus a few hundred new tokens), not
-for long chunks, which run the eager forward above the largest bucket anyway. Sliding layers read at most
-W + 15 keys per query, straight from the ring pages and the new dense keys.
+half of a launch was the 24 attention islands' Python (cProfile in mixed-step-6: 10 of 21 ms; each: RoPE,
+the gather of [ring prefix ; new keys] or the store, the FlashInfer call, allocations). The generic kernel
+read decode rows at 90 % of copy bandwidth (batch 64 x 8k, 2026-11-30/kernels_attention.json; FlashInfer fa2
+94.6 %) but ran long-prompt prefill at half fa3's rate (220 vs 430 TFLOP/s at 8k): a fit for mixed steps
+(decode rows plus a few hundred new tokens), not for long chunks. Sliding layers read at most W + 15 keys per
+query, straight from the ring pages and the new dense keys.
 
 What varies per step lives in device buffers the graph reads, filled before each replay (`GroupTables.fill`),
 one set per page group:
   seq_info [5, S + 1] int32   q_start, q_len, paged_len, kv_len, dense_start per sequence; column S is an
                                empty sequence (q_len 0) that padded tiles point at
   page_table [S + 1, R] int32  each sequence's view as the step's GroupMeta has it (R: the ring's pages for
-                               sliding layers, the longest sequence's for full ones)
-  tiles [2, NT(b)] int32       (sequence, first token) per q tile, two tables: one-token rows (decode rows of
-                               a mixed step) in decode-shaped tiles (one token's G heads, NT = min(b, S)), the
-                               chunks in prefill-shaped ones (TPT = 16 tokens x G heads, NT = b // TPT + 1 +
-                               min(b, S)), each launched on its own fixed grid; a decode row in a 128-row tile
-                               would do 16 tokens' MMA work for one
+                               sliding layers, max_model_len / P for full ones)
+  tiles [2, NT(b)] int32 x 2   (sequence, first token) per q tile: one-token rows (a mixed step's decode rows)
+                               in decode-shaped tiles (one token's G heads, NT = min(b, S)), chunks in
+                               prefill-shaped ones (TPT = 16 tokens x G heads, NT = b // TPT + 1 + min(b, S)),
+                               each table launched on its own fixed grid (a decode row in a 128-row tile would
+                               do 16 tokens' MMA work for one)
   slots_pre, slots_post [b]    where each new token is stored before / after the read (int64, -1: not
                                stored: padded rows, the ring's skipped head, and every row of the other one)
 Each launch's grid is (NT(b), KV-head groups, 1): no split-KV (a window's keys are few; a mixed step's full
-layers have a program per q tile and KV head of every sequence), so nothing in the launch depends on the step. Both orders of the eager backends are in the graph and the tables pick one per
-step: full layers, and a sliding step whose ring holds the window and its new tokens, store first and read
-every key through the pages (paged_len = kv_len); a chunk larger than the ring reads its prefix from the
-pages and its own keys densely, then stores (paged_len = prefix), as TritonAttention and FlashInferAttention do. Per-row math is
+layers have a program per q tile and KV head of every sequence), so nothing in a launch depends on the step.
+Both orders of the eager backends are in the graph and the tables pick one per step: full layers, and a
+sliding step whose ring holds the window and its new tokens, store first and read every key through the
+pages (paged_len = kv_len); a chunk larger than the ring reads its prefix from the pages and its own keys
+densely, then stores (paged_len = prefix), as TritonAttention and FlashInferAttention do. Per-row math is
 `_attn_fwd`'s with TritonAttention's tile partition (tokens [i*TPT, (i+1)*TPT) of each sequence), so on the
 CPU interpreter the pieces match the eager Triton backend bit for bit (tests/integration/test_piecewise.py).
 """
