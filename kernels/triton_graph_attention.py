@@ -123,7 +123,8 @@ def graphed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     hkv = k.shape[1]
     kc, vc = kv_cache
     widen = kc.dtype != q.dtype
-    ks, vs = page_scales(kv_scale if kc.dtype == torch.float8_e4m3fn else None, hkv, q.device) if widen else (sinks,) * 2
+    ks, vs = (sinks, sinks) if not widen else \
+        page_scales(kv_scale if kc.dtype == torch.float8_e4m3fn else None, hkv, q.device)  # e4m3: [Hkv] fp32 each
     group = hq // hkv
     out = torch.zeros_like(q)  # padded rows: zeros, finite (engine/piecewise.py keeps padding finite)
     info, pt = tables.seq_info, tables.page_table
