@@ -64,9 +64,13 @@ class RenderCache:
 
     def render(self, messages: Sequence[Message]) -> list[int]:
         """Tokens of `render_conversation_for_completion(messages, Role.ASSISTANT)`."""
-        if not self.enabled:
-            return self.encoding.render_conversation_for_completion(Conversation.from_messages(list(messages)),
-                                                                    Role.ASSISTANT)
+        return self._cached(messages) if self.enabled else self._library(messages)
+
+    def _library(self, messages: Sequence[Message]) -> list[int]:
+        return self.encoding.render_conversation_for_completion(Conversation.from_messages(list(messages)),
+                                                                Role.ASSISTANT)
+
+    def _cached(self, messages: Sequence[Message]) -> list[int]:
         tools = has_function_tools(messages)
         out: list[int] = []
         for m in kept(messages):
@@ -94,20 +98,15 @@ class RenderCache:
     def check(self) -> bool:
         """This renderer against the library's on conversations covering every branch; False (and a
         warning) on any difference. The probe's entries are dropped afterwards."""
-        enabled, self.enabled = getattr(self, "enabled", False), True
         try:
-            for convo in _probe_conversations():
-                want = self.encoding.render_conversation_for_completion(Conversation.from_messages(convo),
-                                                                        Role.ASSISTANT)
-                if self.render(convo) != want:
-                    log.warning("openai-harmony renders conversations differently from what router/harmony_render.py "
-                                "restates: the per-message render cache is off (each request renders in full)")
-                    return False
-            return True
+            if all(self._cached(convo) == self._library(convo) for convo in _probe_conversations()):
+                return True
+            log.warning("openai-harmony renders conversations differently from what router/harmony_render.py "
+                        "restates: the per-message render cache is off (each request renders in full)")
+            return False
         finally:
             self._cache.clear()
             self.tokens_held = self.hits = self.misses = 0
-            self.enabled = enabled
 
 
 def _probe_conversations() -> list[list[Message]]:
