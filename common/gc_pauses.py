@@ -37,20 +37,13 @@ class GcPauses:
                               ["generation"], buckets=_BUCKETS, registry=registry)
         self._by_gen = [self.hist.labels(generation=str(g)) for g in range(3)]
         self._t0 = 0.0
-        self.count = [0, 0, 0]
-        self.total_s = [0.0, 0.0, 0.0]
-        self.max_s = [0.0, 0.0, 0.0]
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
             return
         dt = time.perf_counter() - self._t0
-        g = min(int(info.get("generation", 0)), 2)
-        self._by_gen[g].observe(dt)
-        self.count[g] += 1
-        self.total_s[g] += dt
-        self.max_s[g] = max(self.max_s[g], dt)
+        self._by_gen[min(int(info.get("generation", 0)), 2)].observe(dt)
 
     def install(self) -> GcPauses:
         if self not in gc.callbacks:
@@ -60,10 +53,6 @@ class GcPauses:
     def remove(self) -> None:
         if self in gc.callbacks:
             gc.callbacks.remove(self)
-
-    def summary(self) -> str:
-        return ", ".join(f"gen{g} {self.count[g]} x (total {self.total_s[g] * 1e3:.1f} ms, max "
-                         f"{self.max_s[g] * 1e3:.1f} ms)" for g in range(3))
 
 
 _PROCESS: GcPauses | None = None

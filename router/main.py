@@ -170,9 +170,11 @@ def make_app(cfg: RouterConfig, disc: Discovery):
             await asyncio.sleep(0.02)
         await orch.settle(SETTLE_S)
 
+    pauses = GcPauses(metrics.registry)  # tandem_gc_pause_seconds: the loop stalls they cause
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        pauses = GcPauses(metrics.registry).install()  # tandem_gc_pause_seconds: the loop stalls they cause
+        pauses.install()
         await fleet.start()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(fleet.first_poll.wait(), cfg.poll_interval_s * 3)
