@@ -34,7 +34,7 @@ import torch
 
 from benchmarks.common import environment, out_dir
 from benchmarks.prefill_prefix import host_profile, profile
-from engine.build import build_engine_parts, load_model
+from engine.build import build_engine_parts, load_model, make_piecewise
 from engine.core import EngineCore
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
@@ -94,16 +94,10 @@ def main() -> None:
         forwards[f"piecewise-{cfg.piecewise_graphed}"] = piecewise
     for f in a.forwards.split(","):
         if f not in forwards and f.startswith("piecewise-"):  # another bucket spacing or graphed attention, beside
-            from engine.piecewise import BUCKET_SETS, PiecewiseGraphs, buckets_for
-            from model.kv_cache import PageGroup
-
             kind = f[len("piecewise-"):]
-            graphed = {"sliding": frozenset({PageGroup.SLIDING}), "all": frozenset(PageGroup)}.get(kind, frozenset())
-            spacing = cfg.piecewise_buckets if kind in ("sliding", "all") else kind
-            forwards[f] = PiecewiseGraphs(model, buckets_for(min(cfg.scheduler.max_num_batched_tokens,
-                                                                 cfg.piecewise_max_tokens), BUCKET_SETS[spacing]),
-                                          pool=parts.pool, graphed=graphed, max_seqs=cfg.scheduler.max_num_seqs,
-                                          max_model_len=cfg.scheduler.max_model_len)
+            graphed = kind in ("sliding", "all")
+            forwards[f] = make_piecewise(cfg, model, parts.pool, buckets=None if graphed else kind,
+                                         graphed=kind if graphed else "none")
             forwards[f].capture()
     sched = Scheduler(parts.scheduler.cfg, parts.kv, ())
     core = EngineCore(sched, parts.runner, overlap=a.async_decode == "on")

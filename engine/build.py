@@ -166,21 +166,27 @@ def build_engine_parts(cfg: EngineConfig, model: GptOss | None = None) -> Engine
     sampler.warm_up(model.cfg.vocab_size)
     runner = ModelRunner(model, pool, sampler)
     if cfg.piecewise_graphs:
-        from engine.piecewise import BUCKET_SETS, PiecewiseGraphs, buckets_for
-
-        graphed = {"none": frozenset(), "sliding": frozenset({PageGroup.SLIDING}),
-                   "all": frozenset(PageGroup)}[cfg.piecewise_graphed]
-        graphed = frozenset(g for g in graphed if (spec.sliding_layers if g == PageGroup.SLIDING else spec.full_layers))
-        if graphed and not (cfg.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"):
-            log.warning("--piecewise-graphed-attention runs Triton kernels: a GPU, or TRITON_INTERPRET=1 on a CPU")
-            graphed = frozenset()
-        runner.piecewise = PiecewiseGraphs(model, buckets_for(min(cfg.scheduler.max_num_batched_tokens,
-                                                                  cfg.piecewise_max_tokens),
-                                                              BUCKET_SETS[cfg.piecewise_buckets]),
-                                           pool=pool, graphed=graphed, max_seqs=cfg.scheduler.max_num_seqs,
-                                           max_model_len=cfg.scheduler.max_model_len)
+        runner.piecewise = make_piecewise(cfg, model, pool)
         runner.piecewise.capture()
     return EngineParts(model, spec, pool, kv, scheduler, runner, sampler)
+
+
+def make_piecewise(cfg: EngineConfig, model: GptOss, pool: KVPool, *, buckets: str | None = None,
+                   graphed: str | None = None):
+    """The engine's piecewise graphs, not captured yet: cfg's bucket spacing and graphed attention, or the
+    ones named (benchmarks/mixed_step.py builds other sets beside the engine's for its A/B)."""
+    from engine.piecewise import BUCKET_SETS, GRAPHED, PiecewiseGraphs, buckets_for
+
+    spec = pool.spec
+    groups = frozenset(g for g in GRAPHED[graphed or cfg.piecewise_graphed]
+                       if (spec.sliding_layers if g == PageGroup.SLIDING else spec.full_layers))
+    if groups and not (cfg.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"):
+        log.warning("--piecewise-graphed-attention runs Triton kernels: a GPU, or TRITON_INTERPRET=1 on a CPU")
+        groups = frozenset()
+    sizes = buckets_for(min(cfg.scheduler.max_num_batched_tokens, cfg.piecewise_max_tokens),
+                        BUCKET_SETS[buckets or cfg.piecewise_buckets])
+    return PiecewiseGraphs(model, sizes, pool=pool, graphed=groups, max_seqs=cfg.scheduler.max_num_seqs,
+                           max_model_len=cfg.scheduler.max_model_len)
 
 
 def plan_and_log_kv(model_cfg: GptOssConfig, budget: int, dtype: torch.dtype, *, page_size: int, max_num_seqs: int,

@@ -64,6 +64,8 @@ DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # buckets are spaced this way (decode_worker/runner.py).
 FINE_BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 BUCKET_SETS = {"pow2": DEFAULT_BUCKETS, "fine": FINE_BUCKETS}
+# --piecewise-graphed-attention: the page groups whose layers' attention the pieces hold (module doc)
+GRAPHED = {"none": frozenset(), "sliding": frozenset({PageGroup.SLIDING}), "all": frozenset(PageGroup)}
 
 
 def buckets_for(max_tokens: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
