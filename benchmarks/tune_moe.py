@@ -82,62 +82,63 @@ class Tuner:
         inputs, so the log holds the before and the after of one process."""
         from kernels import moe as m
         from kernels.fp8_quant import quantize_act_1x128
-        from kernels.moe_align import align_by_expert, route_topk_softmax
+        from kernels.moe_align import route_topk_softmax
         t = tokens_for(bucket)
         gen = torch.Generator(device=DEVICE).manual_seed(bucket)
         x = torch.randn(t, H, device=DEVICE, generator=gen).to(torch.bfloat16)
         routes = [route_topk_softmax(lg, TOP_K) for lg in logit_sets(t, E, gen)]
         xq, xs = quantize_act_1x128(x) if fp8 else (x, None)
         best: tuple[float, MoEConfig] | None = None
-        if base is not None:
-            groups = [align_by_expert(ids, 0, E, base.block_m) for _, ids in routes]
-            try:
-                t1 = bench([lambda s=s: self._gate_up(m, quantize_act_1x128, xq, xs, w, groups[s], base.gemm1, fp8)
-                            for s in range(len(groups))], trials=3, min_ms=5)
-                acts = [self._acts(m, quantize_act_1x128, xq, xs, w, g, base.gemm1, fp8) for g in groups]
-                t2 = bench([lambda s=s: m.down(*acts[s], w, groups[s], routes[s][0], base.gemm2, torch.bfloat16)
-                            for s in range(len(groups))], trials=3, min_ms=5)
+        ctx = (m, quantize_act_1x128, xq, xs, w, routes)
+        if base is not None:  # timed whatever the budget says: the before of this bucket's A/B
+            r = self._pair(ctx, base.block_m, bucket, fp8, ([base.gemm1], [base.gemm2]), budget=False)
+            if r is not None:
+                (t1, _), (t2, _) = r
                 self.log.append({"fp8": fp8, "bucket": bucket, "T": t, "block_m": base.block_m, "base": True,
                                  "gate_up_ms": t1, "down_ms": t2, "gemm1": base.gemm1.to_json(),
                                  "gemm2": base.gemm2.to_json()})
                 best = (t1 + t2, base)
-            except Exception as e:  # noqa: BLE001 - a base entry that no longer runs loses to any tuned one
-                self.rep.errors.append(f"base {base}: {type(e).__name__}: {str(e)[:200]}")
         for bm in bm_candidates(bucket):
-            groups = [align_by_expert(ids, 0, E, bm) for _, ids in routes]
-            t1 = self._best(bm, bucket, fp8, 1, groups,
-                            lambda c, s: self._gate_up(m, quantize_act_1x128, xq, xs, w, groups[s], c, fp8))
-            if t1 is None:
+            r = self._pair(ctx, bm, bucket, fp8)
+            if r is None:
                 continue
-            # down's input per logit set (any gate_up tile gives the same values)
-            acts_by_set = [self._acts(m, quantize_act_1x128, xq, xs, w, g, t1[1], fp8) for g in groups]
-            t2 = self._best(bm, bucket, fp8, 2, groups,
-                            lambda c, s: m.down(*acts_by_set[s], w, groups[s], routes[s][0], c, torch.bfloat16))
-            if t2 is None:
-                continue
-            total = t1[0] + t2[0]
-            self.log.append({"fp8": fp8, "bucket": bucket, "T": t, "block_m": bm, "gate_up_ms": t1[0],
-                             "down_ms": t2[0], "gemm1": t1[1].to_json(), "gemm2": t2[1].to_json()})
-            if best is None or total < best[0]:
-                best = (total, MoEConfig(bm, t1[1], t2[1]))
+            (t1, g1), (t2, g2) = r
+            self.log.append({"fp8": fp8, "bucket": bucket, "T": t, "block_m": bm, "gate_up_ms": t1,
+                             "down_ms": t2, "gemm1": g1.to_json(), "gemm2": g2.to_json()})
+            if best is None or t1 + t2 < best[0]:
+                best = (t1 + t2, MoEConfig(bm, g1, g2))
         return best[1] if best else None
+
+    def _pair(self, ctx, bm: int, bucket: int, fp8: bool, candidates=(None, None), budget: bool = True):
+        """The fastest gate_up tile, then the fastest down tile on its output, for row tiles of bm (among
+        `candidates` per GEMM, default the bucket's space): ((ms, tile), (ms, tile)) or None."""
+        from kernels.moe_align import align_by_expert
+        m, quant, xq, xs, w, routes = ctx
+        groups = [align_by_expert(ids, 0, E, bm) for _, ids in routes]
+        t1 = self._best(bm, bucket, fp8, 1, groups, lambda c, s: self._acts(m, quant, xq, xs, w, groups[s], c, fp8),
+                        candidates[0], budget)
+        if t1 is None:
+            return None
+        # down's input per logit set (any gate_up tile gives the same values)
+        acts = [self._acts(m, quant, xq, xs, w, g, t1[1], fp8) for g in groups]
+        t2 = self._best(bm, bucket, fp8, 2, groups,
+                        lambda c, s: m.down(*acts[s], w, groups[s], routes[s][0], c, torch.bfloat16),
+                        candidates[1], budget)
+        return None if t2 is None else (t1, t2)
 
     @staticmethod
     def _acts(m, quant, xq, xs, w, g, cfg: TileConfig, fp8: bool):
+        """gate_up's output; with 128-wide FP8 tiles the separate re-quantisation belongs to its cost."""
         act, acts = m.gate_up(xq, xs, w, g, TOP_K, cfg, torch.bfloat16)
         return quant(act) if fp8 and acts is None else (act, acts)
 
-    @staticmethod
-    def _gate_up(m, quant, xq, xs, w, g, cfg: TileConfig, fp8: bool) -> None:
-        act, acts = m.gate_up(xq, xs, w, g, TOP_K, cfg, torch.bfloat16)
-        if fp8 and acts is None:  # 128-wide tiles: the separate re-quantisation belongs to this cost
-            quant(act)
-
-    def _best(self, bm: int, bucket: int, fp8: bool, gemm: int, groups, run) -> tuple[float, TileConfig] | None:
-        """Fastest tile for one GEMM: `run(cfg, s)` launches it on logit set s."""
+    def _best(self, bm: int, bucket: int, fp8: bool, gemm: int, groups, run, candidates=None,
+              budget: bool = True) -> tuple[float, TileConfig] | None:
+        """Fastest tile for one GEMM among `candidates` (default: the bucket's space): `run(cfg, s)` launches
+        it on logit set s. budget=False times them even past the deadline."""
         best = None
-        for cfg in tile_candidates(bm, bucket, fp8, gemm):
-            if self.out_of_time():
+        for cfg in candidates or tile_candidates(bm, bucket, fp8, gemm):
+            if budget and self.out_of_time():
                 break
             try:
                 ms = bench([lambda s=s: run(cfg, s) for s in range(len(groups))], trials=3, min_ms=5)
@@ -150,6 +151,7 @@ class Tuner:
 
 
 def main() -> None:
+    global WIDE, TMA, WIDE_FROM
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=165.0, help="seconds, compile time included")
     ap.add_argument("--no-bf16", action="store_true")
@@ -160,7 +162,6 @@ def main() -> None:
     ap.add_argument("--tma", action="store_true", help="with --wide: FP8 weight tiles by TMA")
     ap.add_argument("--wide-from", type=int, default=WIDE_FROM, help="the smallest bucket --wide applies to")
     args = ap.parse_args()
-    global WIDE, TMA, WIDE_FROM
     WIDE, TMA, WIDE_FROM = args.wide, args.tma, args.wide_from
     buckets = [int(b) for b in args.buckets.split(",")]
     base = json.loads(open(args.base).read()) if args.base else {}

@@ -42,7 +42,10 @@ def test_registry_suite_is_runnable_as_written(name: str):
             mods = [argv[2]] + ([argv[argv.index("-m", 3) + 1]] if argv[2] == "torch.distributed.run" else [])
             for mod in mods:
                 if mod not in EXTERNAL:
-                    assert (REPO / (mod.replace(".", "/") + ".py")).is_file(), f"{name}/{s.name}: no module {mod}"
+                    path = REPO / (mod.replace(".", "/") + ".py")
+                    assert path.is_file(), f"{name}/{s.name}: no module {mod}"
+                    # a syntax error would cost a device call (it needs no GPU library to show)
+                    compile(path.read_text(), str(path), "exec")
             for a in argv:
                 if a.startswith("tests/"):
                     assert (REPO / a).is_file(), f"{name}/{s.name}: no test file {a}"
