@@ -5,10 +5,21 @@ from __future__ import annotations
 
 import shlex
 
-from benchmarks.suite_defs import FUSION_AB, MT_SERVE_ARGS, PYTEST, SERVED_ARGS, Suite, multi_turn_step, step
+from benchmarks.suite_defs import FUSION_AB, MT_SERVE_ARGS, PYTEST, SERVED_ARGS, Step, Suite, multi_turn_step, step
 
 PREFILL_PREFIX = ("{py} -m benchmarks.prefill_prefix --device cuda --fp8 --random-weights gpt-oss-20b "
                   "--kv-cache-gib 12 --max-model-len 16384 ")
+# the decode worker's engine in the multi-turn suite's decode settings (benchmarks/mixed_step.py)
+MIXED_STEP = ("{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b --kv-cache-gib 28 "
+              "--max-num-seqs 128 --cuda-graphs --piecewise-graphs --max-model-len 16384 "
+              "--max-num-batched-tokens 4096 ")
+
+
+def colocated_pw_step(name: str, timeout_s: int, flags: str = "") -> Step:
+    """multi_turn_step's colocated run with ONE decode worker, piecewise graphs (+ `flags`) and its step trace."""
+    return multi_turn_step("colocated", timeout_s, name=name, extra="--colocated-decode 1 --ready-timeout-s 300 ",
+                           serve_args=MT_SERVE_ARGS.replace("--cuda-graphs", f"--cuda-graphs --piecewise-graphs {flags}"
+                                                            "--step-trace {out}/decode-steps-%p.jsonl"))
 
 ISSUE_SUITES: dict[str, Suite] = {
     # issue 26: FP8 (e4m3) KV pages. Not published: the report's series and kernel targets are bf16-KV ones.
@@ -118,50 +129,35 @@ ISSUE_SUITES: dict[str, Suite] = {
         steps=(step("loop-gpu-tests", "{py} -m pytest -q -rP -m gpu -p no:cacheprovider "
                                       "tests/integration/test_async_decode_gpu.py", 120,
                     summary=PYTEST + r"|collected first|first-token steps"),
-               multi_turn_step("colocated", 200, name="colocated-1-pw",
-                               extra="--colocated-decode 1 --ready-timeout-s 300 ",
-                               serve_args=MT_SERVE_ARGS.replace(
-                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs "
-                                                    "--step-trace {out}/decode-steps-%p.jsonl")),
-               multi_turn_step("colocated", 200, name="colocated-1-pw-wait",
-                               extra="--colocated-decode 1 --ready-timeout-s 300 ",
-                               serve_args=MT_SERVE_ARGS.replace(
-                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs --first-token-wait-ms 3 "
-                                                    "--step-trace {out}/decode-steps-%p.jsonl"))),
+               colocated_pw_step("colocated-1-pw", 200),
+               colocated_pw_step("colocated-1-pw-wait", 200, "--first-token-wait-ms 3 ")),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
     # Issue 25's colocated goal: a served mixed step was host-bound (multi-turn-colocated-pw-11's step trace: launch
     # 18.2 ms of CPU against 12.5 ms of GPU, p50; 8.0 s of the loop's 22.8 s went to launching mixed steps), about
-    # half of it the 24 attention islands (cProfile in mixed-step-6). Candidates, each opt-in until this suite measures it: attention inside the
-    # piecewise graphs (--piecewise-graphed-attention sliding: 12 islands instead of 24; all: none, the step is one
-    # graph, on the Triton kernel, which read decode rows at 90 % of copy bandwidth where fa2 reached 94.6 %) and
-    # buckets 1.5x apart (--piecewise-buckets fine: less padding, which the MoE computes like real rows). First the
-    # GPU tests of the pieces (all three ways, against the eager forward), then the mixed step alone with each
-    # graph set in one process, then the served multi-turn run with the candidate and with the defaults.
+    # half of it the 24 attention islands (cProfile in mixed-step-6). Candidates, each opt-in until this suite
+    # measures it: attention inside the piecewise graphs (--piecewise-graphed-attention sliding: 12 islands instead
+    # of 24; all: none, the step is one graph, on the Triton kernel, which read decode rows at 90 % of copy bandwidth
+    # where fa2 reached 94.6 %) and buckets 1.5x apart (--piecewise-buckets fine: less padding, which the MoE
+    # computes like real rows). First the GPU tests of the pieces (all three ways, against the eager forward), then
+    # the mixed step alone with each graph set in one process, then the served multi-turn run with the candidate
+    # and with the defaults.
     "multi-turn-colocated-ab": Suite(
-        "issue 25: the mixed step's host launch, A/B: piecewise GPU tests (islands, sliding attention in the graphs, "
-        "all attention in the graphs), the mixed step alone (60 decoding at 3.5k + a 3,296-cached, 280-new turn) with "
-        "pow2 buckets, fine buckets, sliding-in-graphs and all-in-graphs in one process, then multi-turn-colocated-pw's "
-        "served run (64 x 8 turns, ONE decode worker) with --piecewise-graphed-attention all --piecewise-buckets fine, "
+        "issue 25: the mixed step's host launch, A/B: piecewise GPU tests (islands, sliding attention in the "
+        "graphs, all attention in the graphs), the mixed step alone (60 decoding at 3.5k + a 3,296-cached, 280-new "
+        "turn) with pow2 buckets, fine buckets, sliding-in-graphs and all-in-graphs in one process, then "
+        "multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker) with --piecewise-graphed-attention "
+        "all --piecewise-buckets fine, "
         "then with the defaults",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(step("piecewise-gpu-tests", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
                                            "tests/integration/test_piecewise_gpu.py", 130, summary=PYTEST),
-               step("mixed-step", "{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b "
-                                  "--kv-cache-gib 28 --max-num-seqs 128 --cuda-graphs --piecewise-graphs "
-                                  "--max-model-len 16384 --max-num-batched-tokens 4096 --turns 5 "
-                                  "--forwards piecewise-pow2,piecewise-fine,piecewise-sliding,piecewise-all "
-                                  "--orders ready --mixed-roles decode --out {out}/mixed_step.json", 130,
+               step("mixed-step", MIXED_STEP + "--turns 5 --forwards piecewise-pow2,piecewise-fine,piecewise-sliding,"
+                                               "piecewise-all --orders ready --mixed-roles decode "
+                                               "--out {out}/mixed_step.json", 130,
                     summary=r"^decode steps|^mixed|Error|Traceback"),
-               multi_turn_step("colocated", 150, name="colocated-1-graphed-fine",
-                               extra="--colocated-decode 1 --ready-timeout-s 300 ",
-                               serve_args=MT_SERVE_ARGS.replace(
-                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs --piecewise-graphed-attention all "
-                                                    "--piecewise-buckets fine --step-trace {out}/decode-steps-%p.jsonl")),
-               multi_turn_step("colocated", 150, name="colocated-1-pw",
-                               extra="--colocated-decode 1 --ready-timeout-s 300 ",
-                               serve_args=MT_SERVE_ARGS.replace(
-                                   "--cuda-graphs", "--cuda-graphs --piecewise-graphs "
-                                                    "--step-trace {out}/decode-steps-%p.jsonl"))),
+               colocated_pw_step("colocated-1-graphed-fine", 150,
+                                 "--piecewise-graphed-attention all --piecewise-buckets fine "),
+               colocated_pw_step("colocated-1-pw", 150)),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
                     "multi-turn-colocated-pw-10/11 (2026-12-03): 2.82x and 2.83x with the defaults")),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
@@ -195,9 +191,6 @@ ISSUE_SUITES: dict[str, Suite] = {
                step("profile-fp8", "{py} -m benchmarks.profile_decode --preset gpt-oss-20b --batches 1 "
                                    "--kv-cache-dtype fp8", 100, summary=r"CUDA kernels per step|Error")),
         reproduces=("decode-profile-1 (2026-12-03): e4m3 pages at 8k x 1 replay in 2.99 ms against bf16's 2.42",)),
-    # multi-turn-colocated-pw-2's step trace: a cached turn's mixed step (~340 tokens, ~60 decodes) took 30 ms of
-    # host time to launch. This reproduces that step alone; run 4 showed the step after it waiting ~27 ms on the
-    # GPU, which the GPU spans and the timeline (busy time, idle gaps) now measure directly.
     # The MoE at the sizes served multi-turn steps run: decode steps of ~64 sequences (M = 8 routed rows per
     # expert) and mixed steps of ~300-400 tokens (M = 32-48), which sat between the tuned buckets (4, 16, 64) and
     # were tuned before the TMA weight tiles existed. The shipped table's pick is timed first in the same process.
@@ -208,6 +201,9 @@ ISSUE_SUITES: dict[str, Suite] = {
         carry=(".whl-site",),
         steps=(step("tune", "{py} -m benchmarks.tune_moe --no-bf16 --wide --tma --wide-from 8 --buckets 48,8,64,32,16 "
                             "--base kernels/tuning/moe.json --budget 400", 480, summary=r"tuned table|Error"),)),
+    # multi-turn-colocated-pw-2's step trace: a cached turn's mixed step (~340 tokens, ~60 decodes) took 30 ms of
+    # host time to launch. This reproduces that step alone; run 4 showed the step after it waiting ~27 ms on the
+    # GPU, which the GPU spans and the timeline (busy time, idle gaps) now measure directly.
     "mixed-step": Suite(
         "issue 25: the decode worker's engine (20b, the multi-turn suite's decode settings, CUDA graphs + piecewise "
         "graphs) with 60 sequences decoding at 3.5k context while a new turn (3,296 cached + 280 new tokens) joins: "
@@ -221,11 +217,9 @@ ISSUE_SUITES: dict[str, Suite] = {
                                                  "tests/integration/test_async_decode_gpu.py tests/kernels/test_attention_gpu.py "
                                                  "-k 'async_decode or flashinfer'", 150,
                     summary=PYTEST + r"|collected first"),
-               step("mixed-step", "{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b "
-                                  "--kv-cache-gib 28 --max-num-seqs 128 --cuda-graphs --piecewise-graphs "
-                                  "--max-model-len 16384 --max-num-batched-tokens 4096 --turns 3 --forwards piecewise "
-                                  "--orders ready,launch --mixed-roles decode,prefill --host-profile --profile "
-                                  "--timeline --out {out}/mixed_step.json", 200,
+               step("mixed-step", MIXED_STEP + "--turns 3 --forwards piecewise --orders ready,launch "
+                                               "--mixed-roles decode,prefill --host-profile --profile --timeline "
+                                               "--out {out}/mixed_step.json", 200,
                     summary=r"^decode steps|^mixed|^timeline|^  gap|Error|Traceback"),),
         reproduces=("multi-turn-colocated-pw-2 (2026-12-03): mixed steps' host launch 29.7 ms p50 (decode steps 4.7)",
                     "mixed-step-4 (2026-12-03): mixed step launch 12.5 ms, the next step's wait ~27 ms")),
