@@ -165,7 +165,27 @@ class Result:
     ttft_ms: dict = field(default_factory=dict)
     ingress_ms: dict = field(default_factory=dict)
     egress_ms: dict = field(default_factory=dict)
+    gc_pauses: dict = field(default_factory=dict)  # generation -> collections, total and mean ms during the load
     env: dict = field(default_factory=dict)
+
+
+def gc_pause_totals(url: str) -> dict[str, tuple[float, float]]:
+    """The router's tandem_gc_pause_seconds (common/gc_pauses.py) as generation -> (collections, seconds)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name != "tandem_gc_pause_seconds":
+            continue
+        for smp in fam.samples:
+            slot = {"tandem_gc_pause_seconds_count": 0, "tandem_gc_pause_seconds_sum": 1}.get(smp.name)
+            if slot is not None:
+                out.setdefault(smp.labels["generation"], [0.0, 0.0])[slot] = smp.value
+    return {g: (c, s) for g, (c, s) in out.items()}
 
 
 def run(streams: int, step_ms: float, seconds: float, prompt_len: int, out_lo: int, out_hi: int,
@@ -201,9 +221,11 @@ def run(streams: int, step_ms: float, seconds: float, prompt_len: int, out_lo: i
         if profile:  # py-spy (pip install py-spy) samples the router for the load's duration
             spy = subprocess.Popen(["py-spy", "record", "--pid", str(router.pid), "--format", "raw", "--rate", "200",
                                     "--duration", str(int(seconds)), "--output", profile, "--nonblocking"])
+        gc0 = gc_pause_totals(url)
         cpu0, w0, own0 = _cpu_s(router.pid), time.monotonic(), time.process_time()
         samples = asyncio.run(load(url + "/v1/completions", streams, seconds, prompt_len, out_lo, out_hi, 0))
         cpu1, w1, own1 = _cpu_s(router.pid), time.monotonic(), time.process_time()
+        gc1 = gc_pause_totals(url)
         parent.send("stop")
         times = parent.recv()
         if spy is not None:
@@ -217,6 +239,10 @@ def run(streams: int, step_ms: float, seconds: float, prompt_len: int, out_lo: i
     res = Result(streams, step_ms, seconds, requests=len(samples), errors=len(samples) - len(ok),
                  tokens_per_s=toks / (w1 - w0), router_cpu_us_per_token=(cpu1 - cpu0) / max(toks, 1) * 1e6,
                  client_cpu_us_per_token=(own1 - own0) / max(toks, 1) * 1e6,
+                 gc_pauses={g: {"collections": int(c - gc0.get(g, (0, 0))[0]),
+                                "total_ms": round((s - gc0.get(g, (0, 0))[1]) * 1e3, 1),
+                                "mean_ms": round((s - gc0.get(g, (0, 0))[1]) * 1e3 / max(c - gc0.get(g, (0, 0))[0], 1),
+                                                 3)} for g, (c, s) in sorted(gc1.items())},
                  env={"router_loop": router_loop or "default", "prompt_len": prompt_len, "out": [out_lo, out_hi],
                       "launch_ms": launch_ms, "worker_switch_interval_ms": switch_ms or "default"})
     parts = {"ttft_ms": [s.t_first - s.t_send for s in ok],
@@ -250,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"streams {n:4d}: {r.requests} requests ({r.errors} bad), {r.tokens_per_s:,.0f} tok/s, router "
               f"{r.router_cpu_us_per_token:.0f} us CPU/token (client {r.client_cpu_us_per_token:.0f}) | ttft p50 {r.ttft_ms['p50']:.1f} p90 {r.ttft_ms['p90']:.1f}"
               f" | ingress p50 {r.ingress_ms['p50']:.1f} p90 {r.ingress_ms['p90']:.1f} | egress p50 "
-              f"{r.egress_ms['p50']:.1f} p90 {r.egress_ms['p90']:.1f} ms", flush=True)
+              f"{r.egress_ms['p50']:.1f} p90 {r.egress_ms['p90']:.1f} ms | gc " + ", ".join(
+                  f"gen{g} {v['collections']}x {v['mean_ms']:.2f} ms" for g, v in r.gc_pauses.items()), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"router_stream": rows}, f, indent=1)
