@@ -34,6 +34,7 @@ from kv_transfer.messages import encode as encode_kv
 from model.kv_cache import SeqPages
 from model.prefix_cache import Hit
 from wire.protocol import (
+    MAX_RESERVATION_S,
     AdmitRequest,
     Admitted,
     GenerateRequest,
@@ -45,7 +46,6 @@ from wire.protocol import (
 )
 
 log = logging.getLogger("tandem.decode")
-MAX_TRANSFER_DEADLINE_S = 3600.0  # a reservation waits at most this for its KV (the router asks for ~60 s)
 
 
 @dataclass(slots=True)
@@ -94,9 +94,9 @@ class DecodeEngine:
             return Rejected(m.request_id, "this decode worker has no KV transfer backend", False)
         if m.request_id in self.peers or m.request_id in self.pending:
             return Rejected(m.request_id, "request id already in use on this worker", False)
-        if not (m.prompt_len >= 1 and m.max_tokens >= 1 and 0 < m.deadline_s <= MAX_TRANSFER_DEADLINE_S):
+        if not (m.prompt_len >= 1 and m.max_tokens >= 1 and 0 < m.deadline_s <= MAX_RESERVATION_S):
             return Rejected(m.request_id, f"admission needs prompt_len >= 1, max_tokens >= 1 and a deadline in "
-                                          f"(0, {MAX_TRANSFER_DEADLINE_S:.0f}] s", False)
+                                          f"(0, {MAX_RESERVATION_S:.0f}] s", False)
         try:
             self.scheduler.check_fits(m.prompt_len, m.max_tokens)
         except InvalidRequest as e:

@@ -31,9 +31,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ---- attention ------------------------------------------------------------------------------------
+# Score elements (Hq x Tq x Tk) up to which a sequence is attended in one dense pass. Larger ones (a long
+# prompt: 4 heads x 30k x 30k is 14 GB of fp32 scores per temporary) go in blocks of query rows, each
+# against only the keys its rows can see (causal: up to the block's last position; a window: from the
+# first row's oldest key), so memory stays bounded and a sliding layer costs O(T x W), not O(T^2). Same
+# formula per row; the masked keys a block leaves out contribute exact zeros, so only the summation
+# order (the last fp32 bit) can differ from one dense pass.
+DENSE_SCORES = 1 << 22
+
+
+def _block_rows(hq: int, tq: int, tk: int, window: int | None) -> int:
+    """Query rows per block: about DENSE_SCORES score elements (keys per block: all Tk, or W + rows)."""
+    if window is None:
+        return max(16, DENSE_SCORES // (hq * tk))
+    rows = 16
+    while rows < tq and hq * (2 * rows) * (2 * rows + window) <= DENSE_SCORES:
+        rows *= 2
+    return rows
+
+
 def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                 k_pos: torch.Tensor, sinks: torch.Tensor, sm_scale: float, window: int | None) -> torch.Tensor:
-    """One sequence. q [Tq,Hq,D], k/v [Tk,Hkv,D], q_pos [Tq], k_pos [Tk] absolute positions.
+    """One sequence. q [Tq,Hq,D], k/v [Tk,Hkv,D], q_pos [Tq] and k_pos [Tk] absolute positions, both
+    ascending. In blocks of query rows past DENSE_SCORES (see there), else `_attend_dense`."""
+    tq, hq, tk = q.shape[0], q.shape[1], k.shape[0]
+    if hq * tq * tk <= DENSE_SCORES:
+        return _attend_dense(q, k, v, q_pos, k_pos, sinks, sm_scale, window)
+    out = torch.empty_like(q)
+    rows = _block_rows(hq, tq, tk, window)
+    group = hq // k.shape[1]  # K/V per query head and in fp32 once, not per block
+    k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+    for i0 in range(0, tq, rows):
+        i1 = min(tq, i0 + rows)
+        hi = int(torch.searchsorted(k_pos, q_pos[i1 - 1], right=True))  # keys at or before the last row
+        lo = 0 if window is None else int(torch.searchsorted(k_pos, q_pos[i0] - (window - 1)))
+        out[i0:i1] = _attend_dense(q[i0:i1], k[lo:hi], v[lo:hi], q_pos[i0:i1], k_pos[lo:hi], sinks, sm_scale,
+                                   window)
+    return out
+
+
+def _attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                  k_pos: torch.Tensor, sinks: torch.Tensor, sm_scale: float, window: int | None) -> torch.Tensor:
+    """`_attend_one` in one pass: the [Hq, Tq, Tk] scores at once.
 
     Sink: a per-head raw logit (never scaled) with no value vector, so each row sums to < 1.
     Window W keeps keys with q_pos - k_pos < W (the current token plus W-1 before it).
@@ -41,8 +80,9 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
     qf, kf, vf = q.float(), k.float(), v.float()
-    kf = kf.repeat_interleave(group, dim=1)  # q head h uses KV head h // group
-    vf = vf.repeat_interleave(group, dim=1)
+    if group > 1:
+        kf = kf.repeat_interleave(group, dim=1)  # q head h uses KV head h // group
+        vf = vf.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", qf, kf) * sm_scale  # [Hq, Tq, Tk]
     diff = q_pos[:, None] - k_pos[None, :]  # [Tq, Tk]
     allowed = diff >= 0

@@ -26,6 +26,7 @@ its sliding ring may hold some layers' writes of the interrupted chunk.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -55,6 +56,16 @@ class Cancelled(Exception):
     def __init__(self, why: str) -> None:
         super().__init__(why)
         self.why = why
+
+
+def transfer_deadline(req: TransferRequest, deadline_s: float) -> TransferRequest:
+    """The transfer's own deadline: `deadline_s` (the router's --transfer-deadline-s) from its start, within
+    decode's reservation. The reservation outlives the prompt's queueing and compute (the router asks
+    for its prefill timeout plus this); the network part is bounded on its own, so a long prompt's
+    compute never eats the transfer's time and a stuck transfer never holds this batch-1 worker long."""
+    if not deadline_s > 0:
+        return req
+    return dataclasses.replace(req, deadline_unix=min(req.deadline_unix, time.time() + deadline_s))
 
 
 def _never() -> str:
@@ -113,6 +124,8 @@ class PrefillEngine:
         def stop_reason() -> str:
             if started and self.tx.poll(rid) == TransferStatus.FAILED:
                 return "kv transfer failed"
+            if not started and time.time() > req.deadline_unix:  # decode has let the pages go: computing is waste
+                return "the decode reservation's deadline passed during prefill"
             return cancelled()
 
         def check_layer(layer: int, last: bool) -> None:
@@ -130,6 +143,7 @@ class PrefillEngine:
                 q = min(self.chunk, n - pos)
                 last = pos + q == n
                 if last:
+                    req = transfer_deadline(req, m.deadline_s)
                     self.tx.start(req, seq.pages)
                     started = True
                 hook = (lambda i, last=last: check_layer(i, last)) if self.runner.interruptible else \

@@ -18,8 +18,8 @@ class RouterConfig:
     colocated: bool = False  # prefill on the decode workers even when prefill workers exist
     poll_interval_s: float = 1.0
     rpc_timeout_s: float = 10.0
-    prefill_timeout_s: float = 600.0
-    transfer_deadline_s: float = 60.0
+    prefill_timeout_s: float = 600.0  # the prefill RPC: queue + compute + transfer on the prefill worker
+    transfer_deadline_s: float = 60.0  # the KV transfer from its start (the prefill worker bounds it)
     stream_timeout_s: float = 300.0
     max_attempts: int = 3
     max_model_len: int = 131072
@@ -37,6 +37,14 @@ class RouterConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # non-empty: /v1/* needs one as a Bearer token
     prefill_cost: PrefillCost = field(default_factory=PrefillCost)  # local vs remote prefill of a cached prompt
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (LRU)
+
+    @property
+    def reservation_s(self) -> float:
+        """How long a decode worker holds pages reserved for a prefill's KV (AdmitRequest.deadline_s): past
+        the prefill's queueing and compute, which the prefill timeout bounds, and its transfer. Before
+        2026-12-05 this was the transfer deadline alone, so a prompt whose queueing and compute passed 60 s
+        failed every attempt (a 30k-token prompt on the CPU stack: three ~4-min attempts, then 503)."""
+        return self.prefill_timeout_s + self.transfer_deadline_s
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -35,6 +35,7 @@ from router.harmony import HarmonyFormat
 from router.lifecycle import InFlight
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
+from wire.protocol import MAX_RESERVATION_S
 
 log = logging.getLogger("tandem.router")
 # After the drain deadline: the aborted streams' tails get TAIL_S to reach slow readers, the Aborts SETTLE_S,
@@ -61,8 +62,11 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
     p.add_argument("--default-max-tokens", type=int, default=4096,
                    help="max_tokens of a request that names none (capped by the room left in the context)")
     p.add_argument("--poll-interval-s", type=float, default=1.0)
-    p.add_argument("--transfer-deadline-s", type=float, default=60.0)
-    p.add_argument("--prefill-timeout-s", type=float, default=600.0)
+    p.add_argument("--transfer-deadline-s", type=float, default=60.0,
+                   help="a prefill's KV transfer from its start (the network part; compute is not counted)")
+    p.add_argument("--prefill-timeout-s", type=float, default=600.0,
+                   help="a prefill worker's answer (queue + compute + transfer); a decode worker holds the "
+                        "pages it reserved this long plus --transfer-deadline-s")
     p.add_argument("--stream-timeout-s", type=float, default=300.0)
     o = p.add_argument_group("overload, cancellation and shutdown")
     o.add_argument("--max-queued-requests", type=int, default=1024,
@@ -96,6 +100,10 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
             or a.worker_grace_s < 0):
         raise ConfigError("--max-queued-requests, --request-timeout-s, --drain-timeout-s and --worker-grace-s "
                           "must be >= 0, --max-queue-wait-s > 0")
+    if not (a.transfer_deadline_s > 0 and a.prefill_timeout_s > 0
+            and a.transfer_deadline_s + a.prefill_timeout_s <= MAX_RESERVATION_S):
+        raise ConfigError(f"--transfer-deadline-s and --prefill-timeout-s must be > 0, their sum (a decode "
+                          f"reservation's life) at most {MAX_RESERVATION_S:.0f} s")
     if a.max_request_bytes < 1024:
         raise ConfigError("--max-request-bytes must be at least 1024")
     keys = tuple(k for k in [*a.api_key, *os.environ.get("TANDEM_API_KEYS", "").split(",")] if k.strip())

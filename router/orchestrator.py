@@ -199,7 +199,7 @@ class Orchestrator:
         t0 = time.monotonic()
         try:
             reply = await decode.call(AdmitRequest(rid, len(job.prompt_ids), job.sampling.max_tokens, prefill_tp,
-                                                   self.cfg.transfer_deadline_s, job.prompt_ids),
+                                                   self.cfg.reservation_s, job.prompt_ids),
                                       rid, self.cfg.rpc_timeout_s)
         except WorkerUnavailable:
             exclude.add(decode_addr)

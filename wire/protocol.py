@@ -33,6 +33,7 @@ PROTOCOL_VERSION = 6  # 2: sampling penalties and logit bias; TokenBatch (one fr
 # 4: structured outputs (SamplingSpec.grammars), n > 1 (SamplingSpec.share_prompt)
 # 5: TokenChunk carries a local prefill's queue and compute time (the TTFT breakdown of colocated requests)
 # 6: PrefillResult.split: where the prefill worker's compute time went (host before launch, launch, GPU)
+MAX_RESERVATION_S = 3600.0  # longest AdmitRequest.deadline_s a decode worker accepts
 MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
 
 
@@ -120,7 +121,7 @@ class AdmitRequest:
     prompt_len: int
     max_tokens: int
     prefill_tp: int  # the prefill worker's TP degree (heads per rank for the transfer plan)
-    deadline_s: float  # seconds the reservation may wait for its KV
+    deadline_s: float  # seconds the reservation may wait for its KV (0, MAX_RESERVATION_S]
     prompt_ids: list[int] = field(default_factory=list)  # for the prefix-cache lookup (empty: none)
 
 

@@ -107,3 +107,18 @@ def test_draining_router_refuses_new_requests():
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
         r = c.get("/ready")
         assert r.status_code == 503 and r.json()["reason"] == "draining"
+
+
+def test_decode_reservation_outlives_the_prefill_and_its_transfer():
+    """A decode reservation (AdmitRequest.deadline_s) covers the prefill worker's queue and compute
+    (bounded by --prefill-timeout-s) and then the transfer (--transfer-deadline-s from its start);
+    a sum past what decode workers accept is refused at start-up."""
+    from common.errors import ConfigError
+    from wire.protocol import MAX_RESERVATION_S
+
+    cfg, _ = parse_args(["--decode", "tcp://127.0.0.1:7200", "--transfer-deadline-s", "20",
+                         "--prefill-timeout-s", "300"])
+    assert cfg.reservation_s == 320.0
+    for bad in (["--transfer-deadline-s", "0"], ["--prefill-timeout-s", str(MAX_RESERVATION_S)]):
+        with pytest.raises(ConfigError, match="transfer-deadline-s"):
+            parse_args(["--decode", "tcp://127.0.0.1:7200", *bad])

@@ -189,3 +189,45 @@ def test_admission_refuses_nonsense_and_duplicates(pair):
     dec.abort("y", "done")
     settle(dec)
     assert all_free(dec.kv)
+
+
+class SlowCompute:
+    """cancelled() that takes `pause_s` on its call number `at` (a slow chunk, as a long prompt on a CPU)."""
+
+    def __init__(self, at: int, pause_s: float) -> None:
+        self.at, self.pause_s, self.calls = at, pause_s, 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.calls == self.at:
+            time.sleep(self.pause_s)
+        return ""
+
+
+def test_prefill_stops_once_decode_reservation_deadline_passed(pair):
+    """Decode lets the pages go at its reservation's deadline: a prefill still computing then stops
+    (between layers) rather than computing the rest of the prompt for a transfer that must fail."""
+    pre, dec = pair
+    a = admit(dec, "r", 40, deadline_s=0.3)
+    slow = SlowCompute(at=2, pause_s=0.4)  # after chunk 1's layer 0
+    res = pre.run(PrefillRequest("r", prompt(40), SPEC, a.kv_target, 30.0), slow)
+    assert not res.ok and "reservation's deadline passed during prefill" in res.error, res
+    assert slow.calls == 2 and all_free(pre.kv)  # stopped at the first check past the deadline
+    dec.abort("r", "router abort")
+    settle(dec)
+    assert all_free(dec.kv) and not dec.pending
+
+
+def test_transfer_deadline_runs_from_the_transfer_start(pair):
+    """The router's transfer deadline (PrefillRequest.deadline_s) bounds the transfer from its start
+    within decode's reservation: compute longer than it does not fail the request."""
+    pre, dec = pair
+    a = admit(dec, "r", 20, deadline_s=30.0)
+    started = []
+    start = pre.tx.start
+    pre.tx.start = lambda req, pages: (started.append((time.time(), req.deadline_unix)), start(req, pages))[1]
+    res = pre.run(PrefillRequest("r", prompt(20), SPEC, a.kv_target, 0.5), SlowCompute(at=1, pause_s=0.8))
+    assert res.ok, res  # 0.8 s of "compute" before the transfer, past the 0.5 s transfer deadline
+    (t, deadline), = started
+    assert 0.4 < deadline - t <= 0.5  # the transfer's own deadline, not the reservation's 30 s
+    assert dec.rx.poll("r") == TransferStatus.DONE
