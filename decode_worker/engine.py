@@ -48,6 +48,9 @@ from wire.protocol import (
 log = logging.getLogger("tandem.decode")
 
 
+LANDED_WAIT_S = 60.0  # KV landed, no StartDecode yet: the pages are freed this long after (the router is gone)
+
+
 @dataclass(slots=True)
 class Pending:
     """Pages reserved, KV on its way. `start` arrives from the router once prefill finished."""
@@ -224,6 +227,10 @@ class DecodeEngine:
         out = []
         for rid, p in list(self.pending.items()):
             st = self.rx.poll(rid)
+            if st == TransferStatus.DONE and p.start is None:
+                # The reservation outlived the prefill's compute (router: prefill timeout + transfer deadline);
+                # once the KV is here the router's StartDecode follows at once, so a long wait means it is gone
+                p.deadline = min(p.deadline, time.time() + LANDED_WAIT_S)
             if st == TransferStatus.FAILED:
                 o = self.rx.outcome(rid)
                 self.pending.pop(rid)

@@ -143,6 +143,18 @@ def test_landed_kv_without_start_is_freed_at_its_deadline(pair):
     assert "no StartDecode" in chunks[0][1].error and all_free(dec.kv)
 
 
+def test_landed_kv_waits_for_start_a_bounded_time_whatever_the_reservation(pair):
+    """A reservation long enough for a slow prefill does not hold landed KV that long: once the
+    transfer is done, a router that sends no StartDecode within LANDED_WAIT_S is gone."""
+    from decode_worker.engine import LANDED_WAIT_S
+
+    pre, dec = pair
+    a = admit(dec, "r", 12, deadline_s=3000.0)
+    assert pre.run(PrefillRequest("r", prompt(12), SPEC, a.kv_target, 30.0)).ok
+    assert dec.poll_transfers() == []
+    assert dec.pending["r"].deadline <= time.time() + LANDED_WAIT_S
+
+
 def test_abort_all_ends_every_request_with_a_reason(pair):
     pre, dec = pair
     a = admit(dec, "transfer", 12)  # reserved, KV not sent yet
