@@ -17,6 +17,8 @@ ended is the complete answer: `completed` is set and the engine stops the sequen
 `<|end|>` a model would go on to write outside any message). After a tool call's end token the
 tracker watches headers again. The tracker starts from the prompt's last `<|start|>`, so a prompt
 that ends with `<|start|>assistant<|channel|>final<|message|>` is constrained from its first token.
+A required tool call (tool_choice "required" or named; target CALL_TARGET) constrains the whole turn
+instead, from its first token: analysis messages, then a call of one of the tools (`call_grammar_text`).
 
 Lifecycle (worker): `GrammarCompiler` once per process (the tokenizer) -> per request
 `GrammarState(compiler, specs, prompt_ids)` -> per token `advance(tok)` -> per constrained step
@@ -102,10 +104,17 @@ def o200k_ranks() -> dict[bytes, int]:
     return ranks
 
 
+# tool_choice "required" or a named function: the whole assistant turn is constrained (JsonGrammar target
+# CALL_TARGET, schema the JSON object {tool name: its arguments' JSON schema}).
+CALL_TARGET = "call"
+_JSON_OPTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 @dataclass(frozen=True, slots=True)
 class JsonGrammar:
-    """What a request constrains: `target` "final" or "functions.NAME"; `schema` the JSON schema
-    text ("" = any JSON object: response_format json_object)."""
+    """What a request constrains: `target` "final" or "functions.NAME" (the JSON inside that message;
+    `schema` the JSON schema text, "" = any JSON object: response_format json_object), or CALL_TARGET
+    (the turn must end in a call of one of the tools `schema` maps to their arguments' schemas)."""
 
     target: str
     schema: str = ""
@@ -114,13 +123,42 @@ class JsonGrammar:
 def grammar_text(g: JsonGrammar) -> str:
     """The llguidance grammar of a JSON target (compact separators: no free whitespace, so even a
     random model cannot wander in spaces)."""
+    if g.target == CALL_TARGET:
+        return call_grammar_text(g.schema)
     llguidance = _llguidance()
     schema = g.schema or '{"type": "object"}'
-    opts = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=opts)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTS)
     except (ValueError, RuntimeError) as e:
         raise InvalidRequest(f"the JSON schema is not supported: {e}", param="response_format") from None
+
+
+def call_grammar_text(tools: str) -> str:
+    """The assistant turn after the prompt's `<|start|>assistant` when a call is required (Harmony has no
+    tool_choice): at most one analysis message (free text, no special token; a model made to call that
+    would rather answer wrote analysis after analysis when more were allowed: the demo model did), then
+    `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>` for one of
+    `tools` ({name: JSON schema text}), ARGS compact JSON of that schema. A final answer or a
+    commentary preamble cannot be sampled; <|call|> ends the turn (a stop token)."""
+    _llguidance()
+    try:
+        schemas = json.loads(tools)
+    except json.JSONDecodeError:
+        raise InvalidRequest("the call grammar's tools are not JSON", param="tool_choice") from None
+    if not isinstance(schemas, dict) or not schemas:
+        raise InvalidRequest("tool_choice needs at least one tool to call", param="tool_choice")
+    specials = f"{FIRST_SPECIAL_ID}-{VOCAB_SIZE - 1}"
+    lines = ["start: analysis? call",
+             'analysis: <|channel|> "analysis" <|message|> free <|end|> <|start|> "assistant"',
+             f"free: <[^{specials}]>*",
+             'call: <|channel|> "commentary to=functions." (' + " | ".join(f"c{i}" for i in range(len(schemas))) + ")"]
+    for i, (name, schema) in enumerate(schemas.items()):
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise InvalidRequest(f"invalid tool name {name!r}", param="tool_choice")
+        obj = json.loads(schema) if isinstance(schema, str) and schema else {"type": "object"}
+        obj = {**obj, "x-guidance": _JSON_OPTS}  # the separators of the other JSON grammars
+        lines.append(f'c{i}: "{name} " <|constrain|> "json" <|message|> %json {json.dumps(obj)} <|call|>')
+    return "\n".join(lines) + "\n"
 
 
 def check_schema(schema: str, param: str) -> None:
@@ -135,6 +173,13 @@ def check_schema(schema: str, param: str) -> None:
     is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(text)
     if is_error:
         raise InvalidRequest(f"the JSON schema is not supported: {msgs[0] if msgs else 'invalid'}", param=param)
+
+
+def check_call(tools: str) -> None:
+    """Router-side: the call grammar of a required tool call compiles. Raises InvalidRequest."""
+    is_error, msgs = _llguidance().LLMatcher.validate_grammar_with_warnings(call_grammar_text(tools))
+    if is_error:
+        raise InvalidRequest(f"the tools cannot be enforced: {msgs[0] if msgs else 'invalid'}", param="tool_choice")
 
 
 class GrammarCompiler:
@@ -171,7 +216,7 @@ class GrammarCompiler:
 
     def matcher(self, g: JsonGrammar):
         llguidance = _llguidance()
-        key = g.schema
+        key = f"{CALL_TARGET}:{g.schema}" if g.target == CALL_TARGET else g.schema
         with self._lock:
             text = self._texts.get(key)
             if text is not None:
@@ -248,6 +293,14 @@ class GrammarState:
             start = len(ids)
         for t in ids[start:]:
             self.advance(t)
+        call = self.by_target.get(CALL_TARGET)
+        if call is not None:  # a required call: every token of the turn, from the first
+            try:
+                self.matcher = self.compiler.matcher(call)
+            except InvalidRequest as e:  # checked at admission already; never fail a step over it
+                self.failed = e.message
+                return
+            self.ends, self.target = (CALL,), CALL_TARGET
 
     @property
     def active(self) -> bool:
@@ -283,6 +336,8 @@ class GrammarState:
             words[:] = 0
             for t in self.ends:
                 words[t // 32] |= np.uint32(1 << (t % 32))
+            return
+        if self.target == CALL_TARGET:  # the call grammar names every special token it allows (<|end|> too)
             return
         for t in (RETURN, END, CALL):
             if t not in self.ends and t // 32 < words.shape[0]:

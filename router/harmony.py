@@ -84,8 +84,8 @@ class HarmonyFormat:
 
 
 def _tool_choice_note(prompt: ChatPrompt) -> str | None:
-    # Harmony has no native tool_choice; without constrained decoding "required" and a named tool
-    # can only be asked for in the developer instructions (the named case also hides other tools).
+    # Harmony has no native tool_choice: "required" and a named tool are enforced by the call grammar
+    # (router/structured.py call_grammar) and asked for here too (the named case also hides other tools).
     if isinstance(prompt.tool_choice, NamedToolChoice):
         return f"You must call the function functions.{prompt.tool_choice.name} in this turn."
     if prompt.tool_choice == "required":

@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import InvalidRequest
 from router.chat_types import ChatMessage, ChatPrompt, NamedToolChoice, ResponseFormat, ToolCall, ToolDef
-from router.structured import ResponseFormatIn, check_combination, final_format, grammars, tool_grammar
+from router.structured import (ResponseFormatIn, call_grammar, check_combination, final_format, grammars,
+                               tool_grammar)
 from wire.protocol import GrammarSpec, LogitBias, SamplingSpec
 from router.tokenizer import VOCAB_SIZE
 
@@ -221,9 +222,13 @@ def to_chat_prompt(req: ChatCompletionRequest, current_date: str, knowledge_cuto
 
 
 def prompt_grammars(prompt: ChatPrompt, min_tokens: int) -> list[GrammarSpec]:
-    """The grammars of a chat prompt: its answer format and its strict tools (visible or not: the
-    model can only call the tools it was shown)."""
+    """The grammars of a chat prompt: its answer format, its strict tools (visible or not: the model can
+    only call the tools it was shown), and a required call (tool_choice "required" or named)."""
     out = grammars(prompt.response_format, prompt.tools)
+    if prompt.tool_choice == "required":
+        out.append(call_grammar(prompt.tools))
+    elif isinstance(prompt.tool_choice, NamedToolChoice):
+        out.append(call_grammar([t for t in prompt.tools if t.name == prompt.tool_choice.name]))
     check_combination(bool(out), min_tokens)
     return out
 

@@ -240,7 +240,7 @@ class Responses:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id, "reasoning": {"effort": effort, "summary": None},
             "store": req.store, "temperature": spec.temperature, "top_p": spec.top_p,
-            "text": {"format": _format_echo(fmt)}, "tool_choice": req.tool_choice_mode(),
+            "text": {"format": _format_echo(fmt)}, "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
                        "strict": t.strict_schema is not None} for t in tools],
             "truncation": "disabled", "usage": None, "metadata": req.metadata or {}, "user": req.user,

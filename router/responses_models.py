@@ -9,8 +9,8 @@ completions render through the same Harmony layer:
   function_call_output                     -> a tool ChatMessage answering its call_id
 `instructions` become a developer message of this request only (not carried over by
 previous_response_id, as in OpenAI's API). Everything else a client may send is either supported
-or refused with a 400 that names the parameter: unknown fields, built-in tools, tool_choice other
-than auto/none, encrypted reasoning, image/file inputs, background mode. Structured outputs
+or refused with a 400 that names the parameter: unknown fields, built-in tools, a tool_choice other than
+auto, none, required or a function, encrypted reasoning, image/file inputs, background mode. Structured outputs
 (`text.format` json_object / json_schema) and strict function tools (`strict: true`; the Responses
 API's default of true is taken as false here unless sent) are constrained (router/structured.py).
 """
@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import InvalidRequest
-from router.chat_types import ChatMessage, ResponseFormat, ToolCall, ToolDef
+from router.chat_types import ChatMessage, NamedToolChoice, ResponseFormat, ToolCall, ToolChoice, ToolDef
 from router.openai_models import INT32, FunctionDef, ToolIn, tool_def
 from router.structured import TextFormatIn, final_format
 
@@ -161,11 +161,15 @@ class ResponsesRequest(_Strict):
     def response_format(self) -> ResponseFormat | None:
         return final_format(self.text.format if self.text is not None else None, "text.format")
 
-    def tool_choice_mode(self) -> Literal["auto", "none"]:
+    def tool_choice_mode(self) -> ToolChoice:
+        """auto | none | required | {"type": "function", "name": NAME} (the last two enforced by decoding)."""
         c = self.tool_choice
-        if c is None or c in ("auto", "none"):
+        if c is None or c in ("auto", "none", "required"):
             return c or "auto"  # type: ignore[return-value]
-        raise InvalidRequest(f"tool_choice {c!r} is not supported; use 'auto' or 'none'", param="tool_choice")
+        if isinstance(c, dict) and c.get("type") == "function" and isinstance(c.get("name"), str) and len(c) == 2:
+            return NamedToolChoice(c["name"])
+        raise InvalidRequest(f"tool_choice {c!r} is not supported; use 'auto', 'none', 'required' or "
+                             "{'type': 'function', 'name': NAME}", param="tool_choice")
 
     def input_messages(self, known_calls: dict[str, str]) -> list[ChatMessage]:
         """This request's input as chat messages. `known_calls` (call_id -> name) holds the calls of

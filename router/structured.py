@@ -5,6 +5,7 @@ so a schema the grammar library cannot compile is a 400 naming the parameter, ne
     response_format {"type": "json_object"}              -> GrammarSpec("final", "")
     response_format {"type": "json_schema", json_schema} -> GrammarSpec("final", schema text)
     tools[i] {"strict": true, parameters}                -> GrammarSpec("functions.NAME", parameters text)
+    tool_choice "required" / {"function": {"name"}}      -> GrammarSpec("call", {name: parameters text})
 
 The workers constrain only inside the Harmony message the target names (common/grammar.py); the
 schema is also shown to the model in the developer message (Harmony's "# Response Formats").
@@ -13,13 +14,14 @@ schema is also shown to the model in the developer message (Harmony's "# Respons
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import InvalidRequest
-from common.grammar import check_schema, schema_json
+from common.grammar import CALL_TARGET, check_call, check_schema, schema_json
 from router.chat_types import ResponseFormat, ToolDef
 from wire.protocol import GrammarSpec
 
@@ -90,6 +92,26 @@ def tool_grammar(name: str, parameters: dict[str, Any] | None, param: str) -> Gr
 def grammars(fmt: ResponseFormat | None, tools: list[ToolDef]) -> list[GrammarSpec]:
     out = [GrammarSpec("final", fmt.schema)] if fmt is not None else []
     return out + [GrammarSpec(f"functions.{t.name}", t.strict_schema) for t in tools if t.strict_schema is not None]
+
+
+def call_grammar(tools: list[ToolDef]) -> GrammarSpec:
+    """tool_choice "required" (tools: every tool) or a named function (tools: that one): the turn must end
+    in a call (common/grammar.py call_grammar_text). Arguments follow the tool's schema: a strict tool's,
+    else its parameters where the grammar library compiles them, else any JSON object."""
+    schemas = {}
+    for t in tools:
+        if t.strict_schema is not None:
+            schemas[t.name] = t.strict_schema
+            continue
+        text = schema_json(t.parameters if t.parameters is not None else {"type": "object", "properties": {}})
+        try:
+            check_schema(text, "tools")
+        except InvalidRequest:
+            text = ""  # not strict: an object the library cannot enforce is still asked for
+        schemas[t.name] = text
+    spec = GrammarSpec(CALL_TARGET, json.dumps(schemas))
+    check_call(spec.schema)
+    return spec
 
 
 def check_combination(fmt_or_tools: bool, min_tokens: int) -> None:

@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 from common.errors import ProtocolError
 from wire.codec import brief, build, pack, to_wire, unpack
 
-PROTOCOL_VERSION = 6  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache;
+PROTOCOL_VERSION = 7  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache;
 # 4: structured outputs (SamplingSpec.grammars), n > 1 (SamplingSpec.share_prompt)
 # 5: TokenChunk carries a local prefill's queue and compute time (the TTFT breakdown of colocated requests)
 # 6: PrefillResult.split: where the prefill worker's compute time went (host before launch, launch, GPU)
+# 7: GrammarSpec target "call": a required tool call constrains the whole turn (tool_choice required / named)
 MAX_RESERVATION_S = 3600.0  # longest AdmitRequest.deadline_s a decode worker accepts
 MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
 
@@ -47,7 +48,9 @@ class LogitBias:
 class GrammarSpec:
     """A JSON grammar for one Harmony message target (common/grammar.py): target "final" (the
     answer: response_format) or "functions.NAME" (a strict tool's arguments); schema is the JSON
-    schema text, "" for any JSON object (response_format json_object)."""
+    schema text, "" for any JSON object (response_format json_object). Target "call" (tool_choice
+    required or named): the turn must end in a call; schema is a JSON object {tool name: its
+    arguments' schema text, "" = any object}."""
 
     target: str
     schema: str = ""

@@ -153,3 +153,34 @@ def _prompt(messages, tools) -> ChatPrompt:
             for t in tools or []]
     return ChatPrompt([ChatMessage(m["role"], m["content"]) for m in messages], tools=defs,
                       current_date=time.strftime("%Y-%m-%d"))
+
+
+def test_tool_choice_required_and_named_are_enforced(client):
+    """Unconstrained, the demo greets "hi" without a call; tool_choice "required" or naming the tool makes
+    the turn end in a call of it (the call grammar: the prefill worker samples the first token under it),
+    with arguments of its schema; "none" never calls. Chat and Responses."""
+    msgs = [{"role": "user", "content": "hi"}]
+    # A city from a list: "hi" names none, and the tiny model, made to call, would otherwise write any string
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]}}, "required": ["city"]}
+    weather = {"type": "function", "function": {**WEATHER["function"], "parameters": city}}
+    time_tool = {"type": "function", "function": {"name": "get_time", "description": "Get the local time in a city",
+                                                  "parameters": city}}
+    free = client.chat.completions.create(model=MODEL, messages=msgs, tools=[weather], temperature=0)
+    assert free.choices[0].message.tool_calls is None  # what the choice changes
+    for choice, names in (("required", {"get_weather", "get_time"}),
+                          ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
+        for seed in (1, 2):
+            r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[weather, time_tool],
+                                               tool_choice=choice, seed=seed, max_tokens=200)
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
+            call = ch.message.tool_calls[0].function
+            assert call.name in names and json.loads(call.arguments)["city"] in ("Paris", "Tokyo")
+    r = client.responses.create(model=MODEL, input="hi", tools=[{"type": "function", **weather["function"]}],
+                                tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=200)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
+    assert r.tool_choice.name == "get_weather"  # echoed as sent
+    none = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                          tools=[WEATHER], tool_choice="none", temperature=0)
+    assert none.choices[0].message.tool_calls is None

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.grammar import (CALL, END, RETURN, VOCAB_SIZE, GrammarState, JsonGrammar, default_compiler, fill_masks,
-                            schema_json)
+from common.grammar import (CALL, CALL_TARGET, CHANNEL, END, RETURN, VOCAB_SIZE, GrammarState, JsonGrammar,
+                            default_compiler, fill_masks, schema_json)
 from engine.sampling import GrammarMasks, SampleRow, Sampler, SamplingParams, apply_bitmask
 from router.tokenizer import load_encoding
 from wire.protocol import GenerateRequest, GrammarSpec, SamplingSpec, decode, encode
@@ -85,6 +85,41 @@ def test_other_targets_are_free(enc):
     for t in ids(enc, "<|channel|>commentary to=functions.f <|constrain|>json<|message|>"):
         st.advance(t)
     assert not st.active
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def call_state(enc, tools: dict) -> GrammarState:
+    g = JsonGrammar(CALL_TARGET, json.dumps({k: schema_json(v) if v else "" for k, v in tools.items()}))
+    return GrammarState(default_compiler(), [g], ids(enc, "<|start|>user<|message|>hi<|end|><|start|>assistant"))
+
+
+def test_a_required_call_constrains_the_turn_from_its_first_token(enc):
+    """tool_choice required / named: one analysis message stays free (it may end), then only a call of a tool,
+    its arguments compact JSON of its schema, ending with <|call|>; never a final answer."""
+    st = call_state(enc, {"get_weather": WEATHER, "get_time": None})
+    assert st.active and allowed(st) == {CHANNEL}
+    for t in ids(enc, "<|channel|>analysis<|message|>The user greets me."):
+        assert t in allowed(st)
+        st.advance(t)
+    assert END in allowed(st) and not allowed(st) & {RETURN, CALL}  # analysis ends with <|end|> only
+    for t in ids(enc, "<|end|><|start|>assistant<|channel|>"):
+        st.advance(t)
+    assert ids(enc, "final")[0] not in allowed(st) and ids(enc, "commentary")[0] in allowed(st)
+    for t in ids(enc, 'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'):
+        assert t in allowed(st), enc.decode([t])
+        st.advance(t)
+    assert allowed(st) == {CALL} and not st.failed
+    st.advance(CALL)
+    assert not st.active and not st.completed
+
+
+def test_a_named_call_allows_only_that_tool(enc):
+    st = call_state(enc, {"get_time": None})
+    for t in ids(enc, "<|channel|>commentary to=functions.get_"):
+        st.advance(t)
+    assert ids(enc, "time")[0] in allowed(st) and ids(enc, "weather")[0] not in allowed(st)
 
 
 def test_sampler_applies_the_bitmask_only_to_constrained_rows():

@@ -93,7 +93,8 @@ def test_items_become_one_assistant_turn_per_group():
                  "parameters": {"type": "object", "properties": 3}}]}, "tools"),
     ({"tools": [{"type": "function", "name": "f", "defer_loading": True}]}, "tools[0].defer_loading"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),  # no such tool
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"reasoning": {"effort": "minimal"}}, "reasoning.effort"),
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
@@ -180,7 +181,7 @@ def test_completions_unsupported_is_a_400(http):
 
 def test_invalid_request_is_typed():
     with pytest.raises(InvalidRequest):
-        ResponsesRequest.model_validate({"model": "m", "input": "hi", "tool_choice": "required"}).tool_choice_mode()
+        ResponsesRequest.model_validate({"model": "m", "input": "hi", "tool_choice": "any"}).tool_choice_mode()
 
 
 @pytest.fixture(scope="module")
