@@ -63,6 +63,11 @@ def _trace_headers(job: Job) -> dict[str, str]:
             "x-tandem-ttft-breakdown": ";".join(f"{k}={v:.4f}" for k, v in job.trace.parts.items())}
 
 
+def _is_branch(x: object) -> bool:
+    """A union branch's name in a pydantic error location ('str', 'list[ContentPart]'), not a field."""
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "dict", "list", "none") or "[" in x)
+
+
 def build_app(h: Handlers, serving: Serving) -> FastAPI:
     app = FastAPI(title="tandem", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
 
@@ -77,8 +82,12 @@ def build_app(h: Handlers, serving: Serving) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
+        # A value of a union type (message content: text or parts) fails every branch; the deepest error
+        # says what is wrong (an image part: content.0.type, not "content.str: should be a string")
         first = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        if any(_is_branch(x) for x in first.get("loc", ())):
+            first = max(errs, key=lambda er: len(er.get("loc", ())))
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body" and not _is_branch(x))
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             return error_body(400, "request body is not valid JSON", "invalid_request_error")

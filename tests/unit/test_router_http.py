@@ -37,6 +37,9 @@ def chat(**kw):
     (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]), 400, "tools"),
     (chat(tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
     (chat(messages=[{"role": "user", "content": " x" * 3000}]), 400, "messages"),
+    # content is text or text parts: an image part's error names the part, not the text branch
+    (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
+     "messages.0.content.0"),
 ])
 def test_bad_requests_get_openai_errors(client, body, status, param):
     r = client.post("/v1/chat/completions", json=body)
