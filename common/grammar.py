@@ -107,7 +107,12 @@ def o200k_ranks() -> dict[bytes, int]:
 # tool_choice "required" or a named function: the whole assistant turn is constrained (JsonGrammar target
 # CALL_TARGET, schema the JSON object {tool name: its arguments' JSON schema}).
 CALL_TARGET = "call"
-_JSON_OPTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# No free whitespace (even a random model cannot wander in spaces). Separators as gpt-oss writes them
+# (openai-harmony's examples; the demo model's training data, training/tasks.py): a final JSON answer as
+# json.dumps does, a tool call's arguments compact (`{"location":"Tokyo"}`). Forcing ", " into a call's
+# arguments put the demo model off its distribution: it wrote a string that never closed.
+_ANSWER_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_ARGS_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,14 +126,14 @@ class JsonGrammar:
 
 
 def grammar_text(g: JsonGrammar) -> str:
-    """The llguidance grammar of a JSON target (compact separators: no free whitespace, so even a
-    random model cannot wander in spaces)."""
+    """The llguidance grammar of a target (separators: _ANSWER_JSON, _ARGS_JSON)."""
     if g.target == CALL_TARGET:
         return call_grammar_text(g.schema)
     llguidance = _llguidance()
     schema = g.schema or '{"type": "object"}'
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTS)
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults=_ANSWER_JSON if g.target == "final" else _ARGS_JSON)
     except (ValueError, RuntimeError) as e:
         raise InvalidRequest(f"the JSON schema is not supported: {e}", param="response_format") from None
 
@@ -156,7 +161,7 @@ def call_grammar_text(tools: str) -> str:
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
             raise InvalidRequest(f"invalid tool name {name!r}", param="tool_choice")
         obj = json.loads(schema) if isinstance(schema, str) and schema else {"type": "object"}
-        obj = {**obj, "x-guidance": _JSON_OPTS}  # the separators of the other JSON grammars
+        obj = {**obj, "x-guidance": _ARGS_JSON}
         lines.append(f'c{i}: "{name} " <|constrain|> "json" <|message|> %json {json.dumps(obj)} <|call|>')
     return "\n".join(lines) + "\n"
 
@@ -216,7 +221,7 @@ class GrammarCompiler:
 
     def matcher(self, g: JsonGrammar):
         llguidance = _llguidance()
-        key = f"{CALL_TARGET}:{g.schema}" if g.target == CALL_TARGET else g.schema
+        key = f"{g.target if g.target in (CALL_TARGET, 'final') else 'args'}:{g.schema}"
         with self._lock:
             text = self._texts.get(key)
             if text is not None:
