@@ -181,6 +181,14 @@ def test_tool_choice_required_and_named_are_enforced(client):
     calls = [o for o in r.output if o.type == "function_call"]
     assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
     assert r.tool_choice.name == "get_weather"  # echoed as sent
+    # On a question it would call for anyway, the forced call is the free one: the arguments' separators
+    # are the model's (compact); json.dumps's ", " / ": " made it write a string that never closed
+    paris = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model=MODEL, messages=paris, tools=[WEATHER], tool_choice=choice,
+                                           temperature=0, max_tokens=100)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.arguments == '{"city":"Paris"}'
     none = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
                                           tools=[WEATHER], tool_choice="none", temperature=0)
     assert none.choices[0].message.tool_calls is None
