@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from common.errors import ConfigError, WorkerUnavailable
+from launcher import ports
 
 DEFAULT_CACHE = Path.home() / ".cache" / "tandem" / "checkpoints"
 
@@ -181,6 +182,7 @@ def serve(argv: list[str]) -> int:
                   "tiny model, whose replies are noise, with a default max_tokens of 64", file=sys.stderr)
             a.checkpoint = str(ensure_checkpoint("tiny", DEFAULT_CACHE))
             a.router_args = f"--default-max-tokens 64 {getattr(a, 'router_args', '') or ''}"
+    check_ports(a)
     env = worker_env(a.device)
     procs = [subprocess.Popen(cmd, env=env) for cmd in build_commands(a, a.checkpoint)]
     stop = {"now": False}
@@ -204,6 +206,22 @@ def serve(argv: list[str]) -> int:
     finally:
         shutdown(procs, drain_s=a.drain_timeout_s)
     return 0
+
+
+def check_ports(a: argparse.Namespace) -> None:
+    """Every port the deployment binds (build_commands) is free, or a ConfigError before anything starts: a
+    second `tandem serve` used to start its workers and fail ~20 s later on the router's bind."""
+    want = {a.port: "router, --port"}
+    for role, n, off in (("prefill", a.num_prefill, 100), ("decode", a.num_decode, 200)):
+        for i in range(n):
+            want[a.base_port + off + i] = f"{role} worker {i}, --base-port + {off + i}"
+            want[a.base_port + 1000 + off + i] = f"{role} worker {i} metrics, --base-port + {1000 + off + i}"
+    busy = ports.in_use(want, a.host)
+    if busy:
+        taken = ", ".join(f"{p} ({what})" for p, what in busy)
+        raise ConfigError(f"in use on {a.host} (another tandem serve?): {taken}. Pick free ones, e.g. "
+                          f"--port {a.port + 1} --base-port {a.base_port + 500} "
+                          f"(make serve ARGS='--port {a.port + 1} --base-port {a.base_port + 500}')")
 
 
 def shutdown(procs: list[subprocess.Popen], grace_s: float = 20.0, drain_s: float = 0.0) -> None:

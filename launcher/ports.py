@@ -32,6 +32,11 @@ def _bindable(port: int, host: str = "127.0.0.1") -> bool:
             return False
 
 
+def in_use(ports: dict[int, str], host: str = "127.0.0.1") -> list[tuple[int, str]]:
+    """The (port, what) of `ports` that cannot be bound on `host` now (another process holds them)."""
+    return [(p, what) for p, what in sorted(ports.items()) if not _bindable(p, host)]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     for _ in range(2000):
         port = _rng.randint(LOW, HIGH)
