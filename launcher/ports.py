@@ -23,8 +23,10 @@ _given: set[int] = set()
 _rng = random.Random()
 
 
-def _bindable(port: int, host: str = "127.0.0.1") -> bool:
+def _bindable(port: int, host: str = "127.0.0.1", reuse: bool = False) -> bool:
     with socket.socket() as s:
+        if reuse:  # as the servers bind (uvicorn, ZMQ, prometheus_client): only a listener blocks, not TIME_WAIT
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
             return True
@@ -33,8 +35,9 @@ def _bindable(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def in_use(ports: dict[int, str], host: str = "127.0.0.1") -> list[tuple[int, str]]:
-    """The (port, what) of `ports` that cannot be bound on `host` now (another process holds them)."""
-    return [(p, what) for p, what in sorted(ports.items()) if not _bindable(p, host)]
+    """The (port, what) of `ports` another process listens on (`host`): what would fail the servers' binds.
+    Connections a stopped deployment left in TIME_WAIT do not count (a restart right after Ctrl-C binds)."""
+    return [(p, what) for p, what in sorted(ports.items()) if not _bindable(p, host, reuse=True)]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

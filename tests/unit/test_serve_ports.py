@@ -30,3 +30,20 @@ def test_free_ports_pass_and_a_held_one_is_named():
             with pytest.raises(ConfigError, match=rf"{held} \({re.escape(what)}\).*--port {router + 1} --base-port"):
                 check_ports(_args(router, base))
     check_ports(_args(router, base))  # released: free again
+
+
+def test_connections_left_in_time_wait_do_not_count():
+    """A deployment stopped a moment ago leaves its servers' closed connections in TIME_WAIT; the servers
+    bind with SO_REUSEADDR, so a restart works and the check must not refuse it."""
+    port = ports.free_port()
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port))
+    srv.listen()
+    cli = socket.create_connection(("127.0.0.1", port))
+    conn, _ = srv.accept()
+    conn.close()  # the server's end closes first: it waits in TIME_WAIT
+    cli.close()
+    srv.close()
+    assert not ports._bindable(port)  # a plain bind would still fail here
+    assert ports.in_use({port: "metrics"}) == []
