@@ -18,7 +18,7 @@ ended is the complete answer: `completed` is set and the engine stops the sequen
 tracker watches headers again. The tracker starts from the prompt's last `<|start|>`, so a prompt
 that ends with `<|start|>assistant<|channel|>final<|message|>` is constrained from its first token.
 A required tool call (tool_choice "required" or named; target CALL_TARGET) constrains the whole turn
-instead, from its first token: analysis messages, then a call of one of the tools (`call_grammar_text`).
+instead, from its first token: one analysis message at most, then a call of one of the tools (`call_grammar_text`).
 
 Lifecycle (worker): `GrammarCompiler` once per process (the tokenizer) -> per request
 `GrammarState(compiler, specs, prompt_ids)` -> per token `advance(tok)` -> per constrained step
