@@ -188,6 +188,16 @@ def gc_pause_totals(url: str) -> dict[str, tuple[float, float]]:
     return {g: (c, s) for g, (c, s) in out.items()}
 
 
+def gc_pause_delta(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:
+    """generation -> collections, total and mean ms between two gc_pause_totals."""
+    out = {}
+    for g, (c1, s1) in sorted(after.items()):
+        c0, s0 = before.get(g, (0.0, 0.0))
+        n, ms = int(c1 - c0), (s1 - s0) * 1e3
+        out[g] = {"collections": n, "total_ms": round(ms, 1), "mean_ms": round(ms / max(n, 1), 3)}
+    return out
+
+
 def run(streams: int, step_ms: float, seconds: float, prompt_len: int, out_lo: int, out_hi: int,
         router_loop: str | None, profile: str | None = None, launch_ms: float = 0.0,
         switch_ms: float | None = None) -> Result:
@@ -239,10 +249,7 @@ def run(streams: int, step_ms: float, seconds: float, prompt_len: int, out_lo: i
     res = Result(streams, step_ms, seconds, requests=len(samples), errors=len(samples) - len(ok),
                  tokens_per_s=toks / (w1 - w0), router_cpu_us_per_token=(cpu1 - cpu0) / max(toks, 1) * 1e6,
                  client_cpu_us_per_token=(own1 - own0) / max(toks, 1) * 1e6,
-                 gc_pauses={g: {"collections": int(c - gc0.get(g, (0, 0))[0]),
-                                "total_ms": round((s - gc0.get(g, (0, 0))[1]) * 1e3, 1),
-                                "mean_ms": round((s - gc0.get(g, (0, 0))[1]) * 1e3 / max(c - gc0.get(g, (0, 0))[0], 1),
-                                                 3)} for g, (c, s) in sorted(gc1.items())},
+                 gc_pauses=gc_pause_delta(gc0, gc1),
                  env={"router_loop": router_loop or "default", "prompt_len": prompt_len, "out": [out_lo, out_hi],
                       "launch_ms": launch_ms, "worker_switch_interval_ms": switch_ms or "default"})
     parts = {"ttft_ms": [s.t_first - s.t_send for s in ok],

@@ -65,6 +65,9 @@ O200K_PATTERN = "|".join([
     r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+""",
 ])
 _RECIPIENT = re.compile(r"to=(\S+)")
+# OpenAI's rule for function names; it also keeps `functions.NAME` one word in a Harmony header and a name
+# safe inside the call grammar's string literals (router/chat_types.py checks requests against it).
+TOOL_NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _llguidance():
@@ -158,7 +161,7 @@ def call_grammar_text(tools: str) -> str:
              f"free: <[^{specials}]>*",
              'call: <|channel|> "commentary to=functions." (' + " | ".join(f"c{i}" for i in range(len(schemas))) + ")"]
     for i, (name, schema) in enumerate(schemas.items()):
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        if not isinstance(name, str) or not TOOL_NAME_PATTERN.fullmatch(name):
             raise InvalidRequest(f"invalid tool name {name!r}", param="tool_choice")
         obj = json.loads(schema) if isinstance(schema, str) and schema else {"type": "object"}
         obj = {**obj, "x-guidance": _ARGS_JSON}
@@ -300,12 +303,16 @@ class GrammarState:
             self.advance(t)
         call = self.by_target.get(CALL_TARGET)
         if call is not None:  # a required call: every token of the turn, from the first
-            try:
-                self.matcher = self.compiler.matcher(call)
-            except InvalidRequest as e:  # checked at admission already; never fail a step over it
-                self.failed = e.message
-                return
-            self.ends, self.target = (CALL,), CALL_TARGET
+            self._start(call, (CALL,))
+
+    def _start(self, g: JsonGrammar, ends: tuple[int, ...]) -> None:
+        """Constrain from the next token with g's matcher, until one of `ends`."""
+        try:
+            self.matcher = self.compiler.matcher(g)
+        except InvalidRequest as e:  # checked at admission already; never fail a step over it
+            self.failed = e.message
+            return
+        self.ends, self.target = ends, g.target
 
     @property
     def active(self) -> bool:
@@ -317,13 +324,7 @@ class GrammarState:
             target = self.tracker.feed(tok)
             g = self.by_target.get(target) if target else None
             if g is not None and not self.failed:
-                try:
-                    self.matcher = self.compiler.matcher(g)
-                except InvalidRequest as e:  # checked at admission already; never fail a step over it
-                    self.failed = e.message
-                    return
-                self.ends = END_TOKENS["final" if target == "final" else "tool"]
-                self.target = target
+                self._start(g, END_TOKENS["final" if target == "final" else "tool"])
             return
         if not m.consume_token(tok):
             self.failed = (m.get_error() or f"token {tok} refused").splitlines()[0][:300]

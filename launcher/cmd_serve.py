@@ -91,18 +91,18 @@ def build_commands(a: argparse.Namespace, checkpoint: str) -> list[list[str]]:
     cmds = []
     prefill, decode = [], []
     for i in range(a.num_prefill):
-        port = a.base_port + 100 + i
+        port, metrics_port = ports.worker_ports(a.base_port, "prefill", i)
         prefill.append(f"tcp://{a.host}:{port}")
         flags = worker_flags(a, checkpoint, device=device(a.prefill_tp), kv_backend=a.kv_backend, tp=a.prefill_tp,
                              moe_mode="tp", kv_cache_gib=getattr(a, "prefill_kv_cache_gib", None))
-        cmds.append(exe + ["prefill-worker", *flags, "--port", str(port), "--metrics-port", str(a.base_port + 1100 + i),
+        cmds.append(exe + ["prefill-worker", *flags, "--port", str(port), "--metrics-port", str(metrics_port),
                            *shlex.split(getattr(a, "prefill_args", "") or "")])
     for i in range(a.num_decode):
-        port = a.base_port + 200 + i
+        port, metrics_port = ports.worker_ports(a.base_port, "decode", i)
         decode.append(f"tcp://{a.host}:{port}")
         flags = worker_flags(a, checkpoint, device=device(a.decode_tp), kv_backend="none" if a.colocated else a.kv_backend,
                              tp=a.decode_tp, moe_mode=a.decode_moe_mode)
-        cmds.append(exe + ["decode-worker", *flags, "--port", str(port), "--metrics-port", str(a.base_port + 1200 + i),
+        cmds.append(exe + ["decode-worker", *flags, "--port", str(port), "--metrics-port", str(metrics_port),
                            *shlex.split(getattr(a, "decode_args", "") or "")])
     router = exe + ["router", "--host", a.host, "--port", str(a.port), "--model-name", a.model_name,
                     "--drain-timeout-s", str(getattr(a, "drain_timeout_s", 30.0))]
@@ -212,10 +212,11 @@ def check_ports(a: argparse.Namespace) -> None:
     """Every port the deployment binds (build_commands) is free, or a ConfigError before anything starts: a
     second `tandem serve` used to start its workers and fail ~20 s later on the router's bind."""
     want = {a.port: "router, --port"}
-    for role, n, off in (("prefill", a.num_prefill, 100), ("decode", a.num_decode, 200)):
+    for role, n in (("prefill", a.num_prefill), ("decode", a.num_decode)):
         for i in range(n):
-            want[a.base_port + off + i] = f"{role} worker {i}, --base-port + {off + i}"
-            want[a.base_port + 1000 + off + i] = f"{role} worker {i} metrics, --base-port + {1000 + off + i}"
+            port, metrics_port = ports.worker_ports(a.base_port, role, i)
+            want[port] = f"{role} worker {i}, --base-port + {port - a.base_port}"
+            want[metrics_port] = f"{role} worker {i} metrics, --base-port + {metrics_port - a.base_port}"
     busy = ports.in_use(want, a.host)
     if busy:
         taken = ", ".join(f"{p} ({what})" for p, what in busy)

@@ -18,7 +18,14 @@ from common.errors import ConfigError
 LOW, HIGH = 20000, 32000
 # A deployment's worker ports sit at these offsets from its base port (launcher.cmd_serve.build_commands):
 # prefill base+100+i, decode base+200+i, their metrics +1100+i and +1200+i.
-WORKER_OFFSETS = (100, 200, 1100, 1200)
+ROLE_OFFSETS = {"prefill": (100, 1100), "decode": (200, 1200)}  # role -> (port, metrics port) offsets
+WORKER_OFFSETS = tuple(sorted(off for pair in ROLE_OFFSETS.values() for off in pair))
+
+
+def worker_ports(base_port: int, role: str, i: int) -> tuple[int, int]:
+    """(port, metrics port) of worker i of `role` ("prefill" | "decode") in a deployment at `base_port`."""
+    off, metrics_off = ROLE_OFFSETS[role]
+    return base_port + off + i, base_port + metrics_off + i
 _given: set[int] = set()
 _rng = random.Random()
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from autoscaler.connector import ScalingError
 from autoscaler.core import Phase
 from common.errors import ConfigError, WorkerUnavailable
+from launcher import ports
 from launcher.ray_actors import RouterLaunch, WorkerLaunch
 from launcher.ray_fleet import MemberKey, Reconciler, Timing
 
@@ -65,13 +66,13 @@ class FleetSpec:
 
     def launch(self, key: MemberKey) -> WorkerLaunch:
         prefill = key.phase is Phase.PREFILL
-        # The same layout as `tandem serve`: base+100+i prefill, base+200+i decode, +1000 metrics;
-        # slots past 99 would run into the other phase's range: they take free ports.
+        # The same layout as `tandem serve` (launcher.ports.worker_ports); slots past 99 would run into the
+        # other phase's range: they take free ports.
         fixed = self.base_port and key.slot < 100
-        port = self.base_port + (100 if prefill else 200) + key.slot if fixed else 0
+        port, metrics_port = ports.worker_ports(self.base_port, key.phase.value, key.slot) if fixed else (0, 0)
         return WorkerLaunch(role=key.phase.value, slot=key.slot,
                             flags=self.prefill_flags if prefill else self.decode_flags,
-                            device=self.device, port=port, metrics_port=port + 1000 if port else 0,
+                            device=self.device, port=port, metrics_port=metrics_port,
                             bundle=self.prefill_bundle if prefill else self.decode_bundle)
 
 

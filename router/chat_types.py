@@ -17,13 +17,13 @@ generates may raise.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from enum import Enum
 from collections.abc import Sequence
 from typing import Literal, Protocol, get_args
 
 from common.errors import InvalidRequest
+from common.grammar import TOOL_NAME_PATTERN
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 ReasoningEffort = Literal["low", "medium", "high"]
@@ -32,8 +32,6 @@ FinishReason = Literal["stop", "tool_calls", "length"]
 JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
 JsonObject = dict[str, JsonValue]
 
-# OpenAI's rule for function names; it also keeps `functions.NAME` one word in a Harmony header.
-TOOL_NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass(slots=True)
@@ -148,6 +146,19 @@ class ChatPrompt:
         elif choice == "required" and not self.tools:
             raise InvalidRequest("tool_choice 'required' needs at least one tool",
                                  param="tool_choice")
+
+    def visible_tools(self) -> list[ToolDef]:
+        """The tools the model is shown: none for tool_choice "none", only the named one for a named choice."""
+        if self.tool_choice == "none":
+            return []
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in self.tools if t.name == self.tool_choice.name]
+        return list(self.tools)
+
+    @property
+    def call_required(self) -> bool:
+        """tool_choice "required" or a named function: the turn must end in a call of a visible tool."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
 
 # ---- output side -------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from openai_harmony import (Author, DeveloperContent, HarmonyEncoding, HarmonyEr
 from common.errors import InvalidRequest
 from router.chat_types import (TOOL_NAME_PATTERN, ChatFormat, ChatMessage, ChatPrompt, Delta,
                                DeltaKind, FinishReason, NamedToolChoice, ParsedCompletion,
-                               StreamParser, ToolCall, ToolDef)
+                               StreamParser, ToolCall)
 from router.harmony_render import DEFAULT_MAX_TOKENS, RenderCache
 from router.tokenizer import (ASSISTANT_STOP_TOKEN_IDS, CALL, CHANNEL, CONSTRAIN, FIRST_SPECIAL_ID,
                               MESSAGE, START, IncrementalDetokenizer, Tokenizer, in_vocab,
@@ -93,14 +93,6 @@ def _tool_choice_note(prompt: ChatPrompt) -> str | None:
     return None
 
 
-def _visible_tools(prompt: ChatPrompt) -> list[ToolDef]:
-    if prompt.tool_choice == "none":
-        return []
-    if isinstance(prompt.tool_choice, NamedToolChoice):
-        return [t for t in prompt.tools if t.name == prompt.tool_choice.name]
-    return list(prompt.tools)
-
-
 def _assistant_messages(m: ChatMessage) -> list[Message]:
     out: list[Message] = []
     if m.reasoning:
@@ -139,7 +131,7 @@ def to_harmony_messages(prompt: ChatPrompt) -> list[Message]:
     if rf is not None:  # Harmony's place for it: the developer message, after the instructions
         desc = f"// {rf.description}\n" if rf.description else ""
         instructions.append(f"# Response Formats\n\n## {rf.name}\n\n{desc}{rf.schema or 'a JSON object'}")
-    tools = _visible_tools(prompt)
+    tools = prompt.visible_tools()
     if instructions or tools:
         developer = DeveloperContent.new()
         if instructions:

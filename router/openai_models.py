@@ -225,10 +225,8 @@ def prompt_grammars(prompt: ChatPrompt, min_tokens: int) -> list[GrammarSpec]:
     """The grammars of a chat prompt: its answer format, its strict tools (visible or not: the model can
     only call the tools it was shown), and a required call (tool_choice "required" or named)."""
     out = grammars(prompt.response_format, prompt.tools)
-    if prompt.tool_choice == "required":
-        out.append(call_grammar(prompt.tools))
-    elif isinstance(prompt.tool_choice, NamedToolChoice):
-        out.append(call_grammar([t for t in prompt.tools if t.name == prompt.tool_choice.name]))
+    if prompt.call_required:
+        out.append(call_grammar(prompt.visible_tools()))
     check_combination(bool(out), min_tokens)
     return out
 
