@@ -130,6 +130,30 @@ def test_a_named_call_allows_only_that_tool(enc):
     assert ids(enc, "time")[0] in allowed(st) and ids(enc, "weather")[0] not in allowed(st)
 
 
+def test_router_checks_give_the_same_error_when_remembered():
+    """check_schema / check_call remember each grammar's verdict: a repeat answers from the cache with the
+    same message and the caller's param, and a valid grammar stays valid."""
+    from common.errors import InvalidRequest  # noqa: PLC0415
+    from common.grammar import _grammar_error, check_call, check_schema  # noqa: PLC0415
+
+    bad_schema = json.dumps({"type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}})
+    bad_tools = json.dumps({"not a name": ""})
+    good_tools = json.dumps({"get_weather": schema_json(WEATHER)})
+    _grammar_error.cache_clear()
+    for _ in range(2):
+        for param in ("response_format", "tools"):
+            with pytest.raises(InvalidRequest) as e:
+                check_schema(bad_schema, param)
+            assert e.value.param == param and e.value.message.startswith("the JSON schema is not supported")
+        with pytest.raises(InvalidRequest) as e:
+            check_call(bad_tools)
+        assert e.value.param == "tool_choice" and "invalid tool name" in e.value.message
+        check_call(good_tools)
+        check_schema(schema_json(WEATHER), "tools")
+    info = _grammar_error.cache_info()
+    assert info.misses == 4 and info.hits == 6  # 4 distinct grammars, 10 checks
+
+
 def test_sampler_applies_the_bitmask_only_to_constrained_rows():
     torch.manual_seed(0)
     logits = torch.randn(3, 100)  # [R, V]
