@@ -1,7 +1,9 @@
 """Where a decode step's time goes: one eager 20b decode step under torch.profiler (CUDA kernels by
-total time, launches per step), at batch 1 and 64 with 8k context.
+total time, launches per step), at batch 1 and 64 with 8k context; with --prefill-lens, where a
+batch-1 prefill's goes too (issue 27's prefill goal: 8k tokens).
 
     python -m benchmarks.profile_decode --preset gpt-oss-20b [--fusions on] [--kv-cache-dtype fp8]
+    python -m benchmarks.profile_decode --batches '' --prefill-lens 8192 --fp8-attention
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main() -> None:
     ap.add_argument("--preset", default="gpt-oss-20b")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--prefill-lens", default="", help="comma-separated prompt lengths to profile a prefill of")
     ap.add_argument("--fp8-attention", action="store_true", help="FP8 QKV/O projections (workers default: bf16)")
     ap.add_argument("--attention", default="flashinfer", choices=["flashinfer", "triton", "flashinfer-triton-decode"])
     ap.add_argument("--linear", default="scaled_mm", choices=["scaled_mm", "deepgemm", "triton"])
@@ -33,9 +36,11 @@ def main() -> None:
     moe = auto_moe_backend("cuda:0", fp8=True, whole_experts=True) if a.moe == "auto" else a.moe
     model = build(a.preset, a.attention, a.linear, moe, fp8_attention=a.fp8_attention)
     model.backends.fusions = parse_fusions(a.fusions)
-    for b in [int(x) for x in a.batches.split(",")]:
-        spec, pool, kv = decode_state(model, a.context + 32, b,
-                                      torch.float8_e4m3fn if a.kv_cache_dtype == "fp8" else None)
+    suffix = ("" if a.fusions == DEFAULT_FUSIONS else f"_fusions-{a.fusions}") + (
+        "_kv-fp8" if a.kv_cache_dtype == "fp8" else "") + ("_fp8-qkvo" if a.fp8_attention else "")
+    kv_dtype = torch.float8_e4m3fn if a.kv_cache_dtype == "fp8" else None
+    for b in [int(x) for x in a.batches.split(",") if x]:
+        spec, pool, kv = decode_state(model, a.context + 32, b, kv_dtype)
         seqs = []
         for _ in range(b):
             p = SeqPages()
@@ -45,22 +50,36 @@ def main() -> None:
         meta = build_step_meta([SeqStep(p, a.context, 1) for p in seqs], spec, model.device)
         ids = torch.randint(0, model.cfg.vocab_size, (b,), device=model.device)
         step = lambda: model.compute_logits(model(ids, meta, pool)).argmax(-1)  # noqa: E731
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
-        # kernels and the torch ops that launched them (aten::* rows: which op the elementwise kernels are)
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=70)
-        kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
-        table += f"\nCUDA kernels per step: {kernels / 5:.0f}\n"
+        table = profile_steps(step, 5)
         print(f"\n### batch {b}, context {a.context}, KV {a.kv_cache_dtype} (5 steps)\n{table}", flush=True)
-        suffix = ("" if a.fusions == DEFAULT_FUSIONS else f"_fusions-{a.fusions}") + (
-            "_kv-fp8" if a.kv_cache_dtype == "fp8" else "")
         (out_dir() / f"profile_decode_b{b}{suffix}.txt").write_text(table)
         del pool, kv, seqs
+    for n in [int(x) for x in a.prefill_lens.split(",") if x]:
+        spec, pool, kv = decode_state(model, n + 16, 1, kv_dtype)
+        pages = SeqPages()
+        kv.grow(pages, n)
+        meta = build_step_meta([SeqStep(pages, 0, n)], spec, model.device)
+        ids = torch.randint(0, model.cfg.vocab_size, (n,), device=model.device)
+        step = lambda: model.compute_logits(model(ids, meta, pool)[-1:]).argmax(-1)  # noqa: E731  (bench_model's)
+        table = profile_steps(step, 3)
+        print(f"\n### prefill {n} tokens, KV {a.kv_cache_dtype} (3 prefills)\n{table}", flush=True)
+        (out_dir() / f"profile_prefill_{n}{suffix}.txt").write_text(table)
+        del pool, kv
+
+
+def profile_steps(step, reps: int) -> str:
+    """torch.profiler's table of `reps` calls of `step` after 3 warm-up calls: kernels and the torch ops
+    that launched them (aten::* rows: which op the elementwise kernels are), and kernels per call."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=70)
+    kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return table + f"\nCUDA kernels per step: {kernels / reps:.0f}\n"
 
 
 if __name__ == "__main__":

@@ -174,6 +174,17 @@ ISSUE_SUITES: dict[str, Suite] = {
                                  "--batches 1 --bf16-contexts 8192 --bf16-batches 1", 150,
                     summary=r"^decode ctx|FAILED")),
         reproduces=("issue 27's decode profile table (2026-12-02: batch 1, 8k, eager)",)),
+    # Issue 27's prefill goal (8k <= 70 ms; fp8-gemv-ab-1: 84.3 ms with FP8 QKV/O, 89.3 bf16) had no table of
+    # where the time goes: the MoE's DeepGEMM GEMMs against its gather / SwiGLU / combine passes, attention, norms.
+    "prefill-profile": Suite(
+        "where a 20b prefill of 8k tokens spends its time (eager, torch.profiler, 3 prefills, workers' defaults): "
+        "FP8 QKV/O (the faster prefill) and bf16 QKV/O",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=tuple(step(f"profile-prefill-{tag}", "{py} -m benchmarks.profile_decode --preset gpt-oss-20b "
+                                                   f"--batches '' --prefill-lens 8192 {flag}", 120,
+                         summary=r"CUDA kernels per step|Error")
+                    for tag, flag in (("fp8", "--fp8-attention"), ("bf16", ""))),
+        reproduces=("fp8-gemv-ab-1 (2026-12-03): 20b prefill 8k 84.3 ms (FP8 QKV/O), 89.3 ms (bf16)",)),
     # decode-profile-1's two batch-1 costs of e4m3 pages: the quantising K/V store (~20 us per layer: 16-token
     # programs of divisions for 1 token) and the split merge (33 us per full layer: a serial loop over 64
     # splits per program). Both changed; this checks bits and times them.
