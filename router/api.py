@@ -24,6 +24,7 @@ from functools import partial
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from common.errors import InvalidRequest, TandemError
 from router.chat_output import abort_tail, chat_sse, collect_chat, collect_completions, completion_sse
@@ -48,6 +49,10 @@ class Serving:
     def admitting(self) -> None:
         if self.draining:
             raise ServiceDraining("the server is shutting down and takes no new requests; retry on another replica")
+
+
+ENDPOINTS = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET|DELETE /v1/responses/{id}, "
+             "GET /v1/models, GET /health, GET /ready, GET /metrics")
 
 
 def error_body(status: int, message: str, etype: str, param: str | None = None, code: int | str | None = None,
@@ -94,6 +99,19 @@ def build_app(h: Handlers, serving: Serving) -> FastAPI:
         if first.get("type") == "extra_forbidden":
             return error_body(400, f"unsupported parameter: {loc}", "invalid_request_error", loc)
         return error_body(400, f"{loc}: {msg}" if loc else msg, "invalid_request_error", loc or None)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException) -> JSONResponse:
+        # Routing errors in OpenAI's shape, not FastAPI's {"detail": ...}: an OpenAI client would otherwise
+        # show a bare "Error code: 404" for an endpoint tandem does not serve (embeddings, audio, images).
+        where = f"{request.method} {request.url.path}"
+        if e.status_code == 404:
+            msg = f"Invalid URL ({where}): tandem serves {ENDPOINTS}"
+        elif e.status_code == 405:
+            msg = f"Method not allowed ({where})"
+        else:
+            msg = str(e.detail)
+        return error_body(e.status_code, msg, "invalid_request_error", headers=getattr(e, "headers", None))
 
     @app.get("/health")
     async def health() -> dict:

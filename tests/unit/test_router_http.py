@@ -57,6 +57,18 @@ def test_invalid_json_and_completions_errors(client):
     assert r.status_code == 400
 
 
+def test_unknown_endpoints_and_methods_get_openai_errors(client):
+    """An endpoint tandem does not serve (embeddings) or a wrong method answers in OpenAI's error shape, naming
+    what is served, not FastAPI's {"detail": "Not Found"} (the openai client showed a bare 'Error code: 404')."""
+    r = client.post("/v1/embeddings", json={"model": "m", "input": "hi"})
+    err = r.json()["error"]
+    assert r.status_code == 404 and err["type"] == "invalid_request_error" and err["code"] == 404
+    assert "POST /v1/embeddings" in err["message"] and "/v1/chat/completions" in err["message"]
+    r = client.get("/v1/chat/completions")
+    assert r.status_code == 405 and "GET /v1/chat/completions" in r.json()["error"]["message"]
+    assert "allow" in r.headers
+
+
 def test_no_worker_is_503_with_reason_not_a_hang(client):
     assert client.get("/ready").status_code == 503
     t0 = time.monotonic()
