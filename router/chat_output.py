@@ -33,12 +33,19 @@ def abort_tail(head: dict, choice: dict, e: TandemError) -> list[bytes]:
             b"data: [DONE]\n\n"]
 
 
+def reasoning_fields(text: str | None) -> dict:
+    """The chain of thought under both names clients read: `reasoning` (OpenAI's guidance for gpt-oss on Chat
+    Completions, OpenRouter, vLLM since it dropped the other; Codex reads it) and `reasoning_content` (the
+    DeepSeek spelling that LangChain, LlamaIndex and many UIs still read)."""
+    return {"reasoning": text, "reasoning_content": text}
+
+
 def delta_json(ev: Event) -> list[dict]:
     """OpenAI chat deltas of one event: reasoning, content and tool-call pieces, in order."""
     out = []
     for d in ev.deltas:
         if d.kind == DeltaKind.REASONING:
-            out.append({"reasoning_content": d.text})
+            out.append(reasoning_fields(d.text))
         elif d.kind == DeltaKind.CONTENT:
             out.append({"content": d.text})
         elif d.kind == DeltaKind.TOOL_CALL_START:
@@ -77,7 +84,7 @@ async def collect_chat(events, base: dict, req: ChatCompletionRequest, jobs: lis
     choices = []
     for i in range(len(jobs)):
         p = parsed[i]
-        msg: dict = {"role": "assistant", "content": p.content, "reasoning_content": p.reasoning}
+        msg: dict = {"role": "assistant", "content": p.content, **reasoning_fields(p.reasoning)}
         if p.tool_calls:
             msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                                  for c in p.tool_calls]

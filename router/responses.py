@@ -238,7 +238,7 @@ class Responses:
             "model": req.model, "output": [], "instructions": req.instructions, "error": None,
             "incomplete_details": None, "max_output_tokens": req.max_output_tokens,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": req.previous_response_id, "reasoning": {"effort": effort, "summary": None},
+            "previous_response_id": req.previous_response_id, "reasoning": {"effort": effort, "summary": req.reasoning.summary if req.reasoning else None},
             "store": req.store, "temperature": spec.temperature, "top_p": spec.top_p,
             "text": {"format": _format_echo(fmt)}, "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,

@@ -136,9 +136,11 @@ class ResponsesRequest(_Strict):
         no(self.service_tier not in (None, "auto", "default"), "service_tier",
            f"service_tier {self.service_tier!r} is not supported")
         if self.reasoning is not None:
-            no(self.reasoning.summary is not None or self.reasoning.generate_summary is not None,
-               "reasoning.summary", "reasoning summaries are not supported (the reasoning text itself is "
-               "returned as reasoning_text content)")
+            # "auto" lets the server choose, and gpt-oss has no summariser: the answer's reasoning items carry
+            # the reasoning text itself (reasoning_text content) and an empty summary. Codex sends "auto".
+            asked = {self.reasoning.summary, self.reasoning.generate_summary} - {None, "auto"}
+            no(bool(asked), "reasoning.summary", f"reasoning summaries ({', '.join(map(repr, sorted(asked)))}) are "
+               "not supported; 'auto' is (the reasoning text itself is returned as reasoning_text content)")
         if self.text is not None:
             no(self.text.verbosity not in (None, "medium"), "text.verbosity", "text.verbosity is not supported")
 

@@ -59,7 +59,8 @@ def test_readme_example_answers_and_stops(client):
     assert r.status == "completed" and r.output_text
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0)
     assert r.choices[0].message.content == "Hello! How can I help you today?"
-    assert r.choices[0].message.model_extra["reasoning_content"]
+    extra = r.choices[0].message.model_extra
+    assert extra["reasoning"] and extra["reasoning"] == extra["reasoning_content"]  # both names clients read
     assert r.usage.completion_tokens < 40
 
 

@@ -96,7 +96,8 @@ def test_items_become_one_assistant_turn_per_group():
     ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),  # no such tool
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"reasoning": {"effort": "minimal"}}, "reasoning.effort"),
-    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
+    ({"reasoning": {"generate_summary": "concise"}}, "reasoning.summary"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}}, "text.format.schema"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
@@ -114,6 +115,15 @@ def test_unsupported_is_a_400_naming_the_parameter(http, body, param):
     r = http.post("/v1/responses", json={"model": "m", "input": "hi", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+
+
+def test_reasoning_summary_auto_is_accepted():
+    """Codex sends reasoning.summary "auto": the server's choice, and gpt-oss has no summariser (the reasoning
+    text comes as reasoning_text content); only a summary style it cannot write is refused."""
+    from router.responses_models import ResponsesRequest  # noqa: PLC0415
+
+    ResponsesRequest.model_validate({"model": "m", "input": "hi", "reasoning": {"effort": "low", "summary": "auto"}}
+                                    ).check_unsupported()
 
 
 def test_unknown_previous_response_is_404(http):

@@ -220,8 +220,9 @@ def test_prefill_stops_once_decode_reservation_deadline_passed(pair):
     """Decode lets the pages go at its reservation's deadline: a prefill still computing then stops
     (between layers) rather than computing the rest of the prompt for a transfer that must fail."""
     pre, dec = pair
-    a = admit(dec, "r", 40, deadline_s=0.3)
-    slow = SlowCompute(at=2, pause_s=0.4)  # after chunk 1's layer 0
+    # 1.5 s of slack before the first check: a loaded CI machine took > 0.3 s to reach it
+    a = admit(dec, "r", 40, deadline_s=1.5)
+    slow = SlowCompute(at=2, pause_s=1.6)  # after chunk 1's layer 0
     res = pre.run(PrefillRequest("r", prompt(40), SPEC, a.kv_target, 30.0), slow)
     assert not res.ok and "reservation's deadline passed during prefill" in res.error, res
     assert slow.calls == 2 and all_free(pre.kv)  # stopped at the first check past the deadline
