@@ -37,6 +37,7 @@ class RouterConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # non-empty: /v1/* needs one as a Bearer token
     prefill_cost: PrefillCost = field(default_factory=PrefillCost)  # local vs remote prefill of a cached prompt
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (LRU)
+    builtin_tools: str = "ignore"  # /v1/responses built-in tools (web_search, ...): ignore | refuse (400)
 
     @property
     def reservation_s(self) -> float:

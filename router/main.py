@@ -26,6 +26,7 @@ from common.gc_pauses import GcPauses, freeze_startup_heap
 from router.admission import AdmissionQueue
 from router.api import Serving, build_app
 from router.prefill_cost import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, PrefillCost
+from router.responses_tools import BUILTIN_POLICIES
 from router.config import RouterConfig
 from router.edge import ApiKeys, BodyLimit
 from router.errors import ServiceDraining
@@ -93,6 +94,10 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
                         "0 = always on a prefill worker. Default from measured H200 figures")
     o.add_argument("--responses-store-size", type=int, default=1024,
                    help="stored /v1/responses (for previous_response_id), least recently used dropped first")
+    o.add_argument("--builtin-tools", choices=BUILTIN_POLICIES, default="ignore",
+                   help="/v1/responses tools OpenAI runs itself (web_search, file_search, ...; Codex sends web_search "
+                        "on every request): ignore = the model is not offered them, the response's "
+                        "x-tandem-ignored-tools header names them; refuse = 400")
     a = p.parse_args(argv)
     if a.max_prefill_queue < 1:
         raise ConfigError("--max-prefill-queue must be >= 1")
@@ -128,7 +133,7 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
                        request_timeout_s=a.request_timeout_s,
                        drain_timeout_s=a.drain_timeout_s, max_request_bytes=a.max_request_bytes,
                        api_keys=tuple(k.strip() for k in keys), prefill_cost=PrefillCost(a.remote_prefill_min_tokens),
-                       responses_store_size=a.responses_store_size)
+                       responses_store_size=a.responses_store_size, builtin_tools=a.builtin_tools)
     return cfg, disc
 
 

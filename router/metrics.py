@@ -23,6 +23,9 @@ class RouterMetrics:
         self.prompt_tokens = Counter("tandem_prompt_tokens_total", "prompt tokens", registry=r)
         self.generation_tokens = Counter("tandem_generation_tokens_total", "generated tokens", registry=r)
         self.retries = Counter("tandem_retries_total", "transparent retries before the first token", registry=r)
+        self.ignored_tools = Counter("tandem_ignored_builtin_tools_total", "built-in tools (web_search, ...) a "
+                                     "/v1/responses request sent that the model was not offered (--builtin-tools "
+                                     "ignore)", ["type"], registry=r)
         self.router_queue = Gauge("tandem_router_queue_depth", "requests waiting in the router's admission queue",
                                   registry=r)
         self.router_queued = Counter("tandem_router_queued_requests_total", "requests that entered the router's "

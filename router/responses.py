@@ -26,12 +26,10 @@ queue-wait header. Stored responses (store: true, the default) live in a bounded
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -40,19 +38,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from common.errors import InvalidRequest, NotFound, TandemError
 from router.chat_output import prefix_usage
-from router.chat_types import ChatMessage, ChatPrompt, DeltaKind, ParsedCompletion
+from router.chat_types import ChatMessage, ChatPrompt, ParsedCompletion
 from router.handlers import Handlers
 from router.openai_models import prompt_grammars
 from router.orchestrator import Job
-from router.responses_models import ResponsesRequest
+from router.responses_models import ResponsesRequest, ToolSet
+from router.responses_output import OutputBuilder, failed, new_id, sse
 from wire.protocol import SamplingSpec
 
 if TYPE_CHECKING:
     from router.api import Serving
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(16)}"
 
 
 @dataclass(slots=True)
@@ -90,124 +85,12 @@ class ResponseStore:
         del self._items[response_id]
 
 
-@dataclass(slots=True)
-class _Open:
-    index: int
-    item: dict
-    text: list[str] = field(default_factory=list)
-
-
-class OutputBuilder:
-    """Parser deltas -> output items and the SSE events that build them, with sequence numbers."""
-
-    def __init__(self, response: dict) -> None:
-        self.response = response  # the Response object being built; output grows as items close
-        self.seq = 0
-        self.open: _Open | None = None
-
-    def event(self, etype: str, **fields) -> dict:
-        ev = {"type": etype, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return ev
-
-    def start(self) -> list[dict]:
-        return [self.event("response.created", response=self.snapshot()),
-                self.event("response.in_progress", response=self.snapshot())]
-
-    def snapshot(self) -> dict:
-        return json.loads(json.dumps(self.response))
-
-    def feed(self, deltas) -> list[dict]:
-        out: list[dict] = []
-        for d in deltas:
-            if d.kind is DeltaKind.REASONING:
-                out += self._ensure("reasoning")
-                out.append(self._delta("response.reasoning_text.delta", d.text))
-            elif d.kind is DeltaKind.CONTENT:
-                out += self._ensure("message")
-                out.append(self._delta("response.output_text.delta", d.text, logprobs=[]))
-            elif d.kind is DeltaKind.TOOL_CALL_START:
-                out += self._close("completed")
-                out += self._open({"id": _id("fc"), "type": "function_call", "call_id": d.tool_call_id,
-                                   "name": d.tool_name, "arguments": "", "status": "in_progress"})
-            elif d.kind is DeltaKind.TOOL_CALL_ARGS and self.open is not None:
-                self.open.text.append(d.text)
-                out.append(self.event("response.function_call_arguments.delta", item_id=self.open.item["id"],
-                                      output_index=self.open.index, delta=d.text))
-        return out
-
-    def finish(self, parsed: ParsedCompletion, usage: dict) -> list[dict]:
-        incomplete = parsed.finish_reason == "length"
-        out = self._close("incomplete" if incomplete else "completed")
-        r = self.response
-        r["status"] = "incomplete" if incomplete else "completed"
-        r["incomplete_details"] = {"reason": "max_output_tokens"} if incomplete else None
-        r["completed_at"] = None if incomplete else int(time.time())
-        r["usage"] = usage
-        out.append(self.event("response.incomplete" if incomplete else "response.completed",
-                              response=self.snapshot()))
-        return out
-
-    # -- items ---------------------------------------------------------------------------------------
-
-    def _ensure(self, kind: str) -> list[dict]:
-        if self.open is not None and self.open.item["type"] == kind:
-            return []
-        out = self._close("completed")
-        if kind == "reasoning":
-            return out + self._open({"id": _id("rs"), "type": "reasoning", "summary": [], "content": [],
-                                     "status": "in_progress"}, {"type": "reasoning_text", "text": ""})
-        return out + self._open({"id": _id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
-                                 "content": []}, {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-
-    def _open(self, item: dict, part: dict | None = None) -> list[dict]:
-        self.open = _Open(len(self.response["output"]), item)
-        out = [self.event("response.output_item.added", output_index=self.open.index, item=dict(item))]
-        if part is not None:
-            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open.index,
-                                  content_index=0, part=part))
-        return out
-
-    def _delta(self, etype: str, text: str, **extra) -> dict:
-        assert self.open is not None
-        self.open.text.append(text)
-        return self.event(etype, item_id=self.open.item["id"], output_index=self.open.index, content_index=0,
-                          delta=text, **extra)
-
-    def _close(self, status: str) -> list[dict]:
-        o, self.open = self.open, None
-        if o is None:
-            return []
-        item, text, ids = o.item, "".join(o.text), {"item_id": o.item["id"], "output_index": o.index}
-        out = []
-        if item["type"] == "function_call":
-            item["arguments"] = text
-            out.append(self.event("response.function_call_arguments.done", **ids, arguments=text))
-        else:
-            if item["type"] == "reasoning":
-                part = {"type": "reasoning_text", "text": text}
-                out.append(self.event("response.reasoning_text.done", **ids, content_index=0, text=text))
-            else:
-                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-                out.append(self.event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[]))
-            out.append(self.event("response.content_part.done", **ids, content_index=0, part=part))
-            item["content"] = [part]
-        item["status"] = status
-        self.response["output"].append(item)
-        out.append(self.event("response.output_item.done", output_index=o.index, item=item))
-        return out
-
-
-def _sse(ev: dict) -> bytes:
-    return f"event: {ev['type']}\ndata: {json.dumps(ev, separators=(',', ':'))}\n\n".encode()
-
-
 class Responses:
     def __init__(self, h: Handlers, store: ResponseStore) -> None:
         self.h, self.store = h, store
 
-    def prepare(self, req: ResponsesRequest) -> tuple[Job, list[ChatMessage], dict[str, str], dict]:
-        """-> (job, the conversation so far without instructions, its calls, the initial Response)."""
+    def prepare(self, req: ResponsesRequest) -> tuple[Job, list[ChatMessage], dict[str, str], dict, ToolSet]:
+        """-> (job, the conversation so far without instructions, its calls, the initial Response, its tools)."""
         h = self.h
         h.check_model(req.model)
         req.check_unsupported()
@@ -216,7 +99,8 @@ class Responses:
         history = (list(prev.conversation) if prev else []) + req.input_messages(calls)
         if not history:
             raise InvalidRequest("input must not be empty", param="input")
-        tools = req.tool_defs()
+        toolset = req.tool_set(h.cfg.builtin_tools)
+        tools = toolset.defs
         effort = (req.reasoning.effort if req.reasoning else None) or "medium"
         instructions = [ChatMessage("developer", req.instructions)] if req.instructions else []
         fmt = req.response_format()
@@ -234,19 +118,20 @@ class Responses:
                             top_p=1.0 if req.top_p is None else req.top_p, stop_token_ids=h.fmt.stop_token_ids(),
                             grammars=prompt_grammars(prompt, 0))
         response = {
-            "id": _id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "model": req.model, "output": [], "instructions": req.instructions, "error": None,
             "incomplete_details": None, "max_output_tokens": req.max_output_tokens,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id, "reasoning": {"effort": effort, "summary": req.reasoning.summary if req.reasoning else None},
             "store": req.store, "temperature": spec.temperature, "top_p": spec.top_p,
             "text": {"format": _format_echo(fmt)}, "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-            "tools": [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
-                       "strict": t.strict_schema is not None} for t in tools],
+            "tools": [_tool_echo(t, toolset.custom) for t in tools],
             "truncation": "disabled", "usage": None, "metadata": req.metadata or {}, "user": req.user,
             "background": False,
         }
-        return Job(response["id"], ids, spec, req.priority), history, calls, response
+        if req.prompt_cache_key is not None:
+            response["prompt_cache_key"] = req.prompt_cache_key
+        return Job(response["id"], ids, spec, req.priority), history, calls, response, toolset
 
     def events(self, req: ResponsesRequest, job: Job, history: list[ChatMessage], calls: dict[str, str],
                b: OutputBuilder, first, events) -> AsyncIterator[dict]:
@@ -304,18 +189,17 @@ async def _chain(pending: list, events):
 async def _sse_stream(events: AsyncIterator[dict], b: OutputBuilder) -> AsyncIterator[bytes]:
     try:
         async for ev in events:
-            yield _sse(ev)
+            yield sse(ev)
     except TandemError as e:
-        for ev in _failed(b, e):
+        for ev in failed(b, e):
             yield ev
 
 
-def _failed(b: OutputBuilder, e: TandemError) -> list[bytes]:
-    """How a stream ends on an error after it started (a worker lost, the request timeout, the drain
-    deadline): an `error` event, then `response.failed` with the reason."""
-    b.response.update(status="failed", error={"code": e.error_type, "message": e.message})
-    return [_sse(b.event("error", code=e.error_type, message=e.message, param=e.param)),
-            _sse(b.event("response.failed", response=b.snapshot()))]
+def _tool_echo(t, custom: frozenset[str]) -> dict:
+    if t.name in custom:
+        return {"type": "custom", "name": t.name, "description": t.description, "format": {"type": "text"}}
+    return {"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
+            "strict": t.strict_schema is not None}
 
 
 def _format_echo(fmt) -> dict:
@@ -333,8 +217,16 @@ def register_responses(app: FastAPI, h: Handlers, store_size: int, serving: Serv
     @app.post("/v1/responses")
     async def create(req: ResponsesRequest, request: Request):
         serving.admitting()
-        job, history, calls, response = api.prepare(req)
-        b = OutputBuilder(response)
+        job, history, calls, response, toolset = api.prepare(req)
+        b = OutputBuilder(response, toolset.custom, req.seal_reasoning)
+        for t in toolset.ignored:  # built-in tools this server does not run (router/responses_tools.py)
+            h.metrics.ignored_tools.labels(t).inc()
+
+        def headers() -> dict[str, str]:
+            out = {"x-tandem-queue-wait-s": f"{job.trace.queue_wait_s:.3f}"}
+            if toolset.ignored:
+                out["x-tandem-ignored-tools"] = ",".join(toolset.ignored)
+            return out
         chat = h.chat_events(job, [])
         scope = serving.inflight.open(job.request_id)
         scope.track_first_out([job.trace], bool(req.stream))
@@ -344,10 +236,9 @@ def register_responses(app: FastAPI, h: Handlers, store_size: int, serving: Serv
             except BaseException:
                 serving.inflight.close(scope)
                 raise
-            headers = {"x-tandem-queue-wait-s": f"{job.trace.queue_wait_s:.3f}"}
             body = _sse_stream(api.events(req, job, history, calls, b, first, chat), b)
-            return StreamingResponse(scope.stream(body, partial(_failed, b)), media_type="text/event-stream",
-                                     headers=headers)
+            return StreamingResponse(scope.stream(body, partial(failed, b)), media_type="text/event-stream",
+                                     headers=headers())
 
         async def collect() -> dict:
             first = await _first(chat)
@@ -359,7 +250,7 @@ def register_responses(app: FastAPI, h: Handlers, store_size: int, serving: Serv
             body = await scope.run(request, collect())
         finally:
             serving.inflight.close(scope)
-        return JSONResponse(body, headers={"x-tandem-queue-wait-s": f"{job.trace.queue_wait_s:.3f}"})
+        return JSONResponse(body, headers=headers())
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> dict:

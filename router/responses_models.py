@@ -9,14 +9,16 @@ completions render through the same Harmony layer:
   function_call_output                     -> a tool ChatMessage answering its call_id
 `instructions` become a developer message of this request only (not carried over by
 previous_response_id, as in OpenAI's API). Everything else a client may send is either supported
-or refused with a 400 that names the parameter: unknown fields, built-in tools, a tool_choice other than
-auto, none, required or a function, encrypted reasoning, image/file inputs, background mode. Structured outputs
+or refused with a 400 that names the parameter: unknown fields, a tool_choice other than auto, none,
+required or a function, image/file inputs, background mode. Custom (freeform) tools, built-in tools and
+sealed reasoning (`include: ["reasoning.encrypted_content"]`) are router/responses_tools.py's. Structured outputs
 (`text.format` json_object / json_schema) and strict function tools (`strict: true`; the Responses
 API's default of true is taken as false here unless sent) are constrained (router/structured.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from common.errors import InvalidRequest
 from router.chat_types import ChatMessage, NamedToolChoice, ResponseFormat, ToolCall, ToolChoice, ToolDef
 from router.openai_models import INT32, FunctionDef, ToolIn, tool_def
+from router.responses_tools import (BUILTIN_TOOLS, CUSTOM_PARAMETERS, custom_arguments, open_reasoning)
 from router.structured import TextFormatIn, final_format
 
 
@@ -63,16 +66,24 @@ class FunctionCallItem(_Lenient):
 
 
 class FunctionCallOutputItem(_Lenient):
-    type: Literal["function_call_output"]
+    type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str
     output: str | list[TextPart]
+
+
+class CustomToolCallItem(_Lenient):
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
 
 
 class OtherItem(_Lenient):
     type: str
 
 
-Item = MessageItem | ReasoningItem | FunctionCallItem | FunctionCallOutputItem | OtherItem
+Item = MessageItem | ReasoningItem | FunctionCallItem | CustomToolCallItem | FunctionCallOutputItem | OtherItem
+INCLUDABLE = ("reasoning.encrypted_content",)
 
 
 class FunctionToolIn(_Lenient):
@@ -81,6 +92,17 @@ class FunctionToolIn(_Lenient):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    format: dict[str, Any] | None = None  # custom tools: {"type": "text"} or a grammar (not enforced)
+
+
+@dataclass(slots=True)
+class ToolSet:
+    """A request's tools as the model sees them: function tools and custom tools (as one-string-argument
+    functions, router/responses_tools.py), the names of the custom ones, and the built-in types left out."""
+
+    defs: list[ToolDef]
+    custom: frozenset[str]
+    ignored: tuple[str, ...]
 
 
 class ReasoningIn(_Strict):
@@ -119,6 +141,10 @@ class ResponsesRequest(_Strict):
     max_tool_calls: int | None = None
     service_tier: str | None = None
     priority: Annotated[int, Field(ge=-INT32, le=INT32)] = 0  # vLLM extension: lower is admitted sooner when queued
+    # Accepted and not needed: tandem's prefix cache is keyed by content (and placement follows it), so a
+    # cache key adds nothing; client_metadata is the client's own bookkeeping (newer Codex sends it).
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
+    client_metadata: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         """Refuse, naming the parameter, what we accept in the schema but cannot honour."""
@@ -127,7 +153,8 @@ class ResponsesRequest(_Strict):
                 raise InvalidRequest(why, param=param)
 
         no(bool(self.background), "background", "background mode is not supported")
-        no(bool(self.include), "include", f"include is not supported (asked for {self.include})")
+        other = [x for x in self.include or [] if x not in INCLUDABLE]
+        no(bool(other), "include", f"include {other} is not supported (only {list(INCLUDABLE)})")
         no(bool(self.top_logprobs), "top_logprobs", "top_logprobs is not supported by /v1/responses")
         no(self.truncation == "auto", "truncation", "truncation 'auto' is not supported; a prompt longer "
            "than the context is refused")
@@ -144,31 +171,50 @@ class ResponsesRequest(_Strict):
         if self.text is not None:
             no(self.text.verbosity not in (None, "medium"), "text.verbosity", "text.verbosity is not supported")
 
-    def tool_defs(self) -> list[ToolDef]:
-        out = []
+    @property
+    def seal_reasoning(self) -> bool:
+        return "reasoning.encrypted_content" in (self.include or [])
+
+    def tool_set(self, builtin: str) -> ToolSet:
+        """Function and custom tools for the model; built-in ones left out (`builtin` "ignore") or refused."""
+        out, custom, ignored = [], set(), []
         for i, t in enumerate(self.tools or []):
-            if t.type != "function":
-                raise InvalidRequest(f"tools[{i}]: only function tools are supported, not {t.type!r}",
+            if t.type in BUILTIN_TOOLS and builtin == "ignore":
+                ignored.append(t.type)
+                continue
+            if t.type not in ("function", "custom"):
+                why = "tandem runs no built-in tools" if t.type in BUILTIN_TOOLS else "unknown tool type"
+                raise InvalidRequest(f"tools[{i}]: {why}: {t.type!r} (function and custom tools are supported)",
                                      param=f"tools[{i}].type")
             if not t.name:
-                raise InvalidRequest(f"tools[{i}]: a function tool needs a name", param=f"tools[{i}].name")
+                raise InvalidRequest(f"tools[{i}]: a {t.type} tool needs a name", param=f"tools[{i}].name")
             extra = sorted(k for k, v in (t.model_extra or {}).items() if v is not None)
+            if t.type == "custom":
+                extra += [k for k in ("parameters", "strict") if getattr(t, k) is not None]
+                fn = FunctionDef(name=t.name, description=t.description or "", parameters=CUSTOM_PARAMETERS,
+                                 strict=True)
+                custom.add(t.name)
+            else:
+                extra += ["format"] if t.format is not None else []
+                fn = FunctionDef(name=t.name, description=t.description or "", parameters=t.parameters,
+                                 strict=t.strict)
             if extra:
-                raise InvalidRequest(f"tools[{i}]: unsupported function tool field {extra[0]!r}",
+                raise InvalidRequest(f"tools[{i}]: unsupported {t.type} tool field {extra[0]!r}",
                                      param=f"tools[{i}].{extra[0]}")
-            fn = FunctionDef(name=t.name, description=t.description or "", parameters=t.parameters, strict=t.strict)
             out.append(tool_def(ToolIn(type="function", function=fn), f"tools[{i}]"))
-        return out
+        return ToolSet(out, frozenset(custom), tuple(ignored))
 
     def response_format(self) -> ResponseFormat | None:
         return final_format(self.text.format if self.text is not None else None, "text.format")
 
     def tool_choice_mode(self) -> ToolChoice:
-        """auto | none | required | {"type": "function", "name": NAME} (the last two enforced by decoding)."""
+        """auto | none | required | {"type": "function" or "custom", "name": NAME} (the last two enforced by
+        decoding)."""
         c = self.tool_choice
         if c is None or c in ("auto", "none", "required"):
             return c or "auto"  # type: ignore[return-value]
-        if isinstance(c, dict) and c.get("type") == "function" and isinstance(c.get("name"), str) and len(c) == 2:
+        if isinstance(c, dict) and c.get("type") in ("function", "custom") and isinstance(c.get("name"), str) \
+                and len(c) == 2:
             return NamedToolChoice(c["name"])
         raise InvalidRequest(f"tool_choice {c!r} is not supported; use 'auto', 'none', 'required' or "
                              "{'type': 'function', 'name': NAME}", param="tool_choice")
@@ -217,16 +263,18 @@ def items_to_messages(items: list, known_calls: dict[str, str]) -> list[ChatMess
                 turn = None
             assistant().content = text
         elif isinstance(it, ReasoningItem):
-            if it.encrypted_content:
-                raise InvalidRequest(f"{where}: encrypted reasoning is not supported",
-                                     param=f"{where}.encrypted_content")
             parts = it.content if it.content else it.summary
             text = "".join(p.text or "" for p in parts)
+            if not text and it.encrypted_content:  # a stateless client's reasoning, sealed by this server
+                text = open_reasoning(it.encrypted_content, f"{where}.encrypted_content")
             if turn is not None and (turn.reasoning or turn.content or turn.tool_calls):
                 turn = None  # a new reasoning item starts the next assistant message
             assistant().reasoning = text or None
         elif isinstance(it, FunctionCallItem):
             assistant().tool_calls.append(ToolCall(it.call_id, it.name, it.arguments))
+            known_calls[it.call_id] = it.name
+        elif isinstance(it, CustomToolCallItem):
+            assistant().tool_calls.append(ToolCall(it.call_id, it.name, custom_arguments(it.input)))
             known_calls[it.call_id] = it.name
         elif isinstance(it, FunctionCallOutputItem):
             turn = None
@@ -235,10 +283,12 @@ def items_to_messages(items: list, known_calls: dict[str, str]) -> list[ChatMess
                                      "conversation", param=f"{where}.call_id")
             out.append(ChatMessage("tool", _text(it.output, where, ("input_text", "output_text", "text")),
                                    tool_call_id=it.call_id, name=known_calls[it.call_id]))
-        elif it.type in ("message", "reasoning", "function_call", "function_call_output"):
+        elif it.type in ("message", "reasoning", "function_call", "function_call_output", "custom_tool_call",
+                         "custom_tool_call_output"):
             raise InvalidRequest(f"{where} is not a valid {it.type} item (a required field is missing or has "
                                  "the wrong type)", param=where)
         else:
             raise InvalidRequest(f"{where}: input items of type {it.type!r} are not supported (message, "
-                                 "reasoning, function_call, function_call_output are)", param=f"{where}.type")
+                                 "reasoning, function_call, function_call_output, custom_tool_call, "
+                                 "custom_tool_call_output are)", param=f"{where}.type")
     return out

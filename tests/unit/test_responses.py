@@ -12,8 +12,10 @@ from router.chat_types import Delta, DeltaKind, ParsedCompletion, ToolCall
 from router.config import RouterConfig
 from router.fleet import Discovery
 from router.main import make_app
-from router.responses import OutputBuilder, ResponseStore, StoredResponse
+from router.responses import ResponseStore, StoredResponse
 from router.responses_models import ResponsesRequest
+from router.responses_output import OutputBuilder
+from router.responses_tools import CUSTOM_PARAMETERS, seal_reasoning
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 
@@ -88,7 +90,9 @@ def test_items_become_one_assistant_turn_per_group():
 
 @pytest.mark.parametrize("body,param", [
     ({"foo": 1}, "foo"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "hosted_thing"}]}, "tools[0].type"),
+    ({"tools": [{"type": "custom", "name": "f", "parameters": {"type": "object"}}]}, "tools[0].parameters"),
+    ({"tools": [{"type": "function", "name": "f", "format": {"type": "text"}}]}, "tools[0].format"),
     ({"tools": [{"type": "function", "name": "f", "strict": True,
                  "parameters": {"type": "object", "properties": 3}}]}, "tools"),
     ({"tools": [{"type": "function", "name": "f", "defer_loading": True}]}, "tools[0].defer_loading"),
@@ -102,7 +106,7 @@ def test_items_become_one_assistant_turn_per_group():
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}}, "text.format.schema"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"background": True}, "background"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
@@ -199,3 +203,81 @@ def http():
     cfg = RouterConfig(model_name="m", decode=("tcp://127.0.0.1:1",), poll_interval_s=0.2, max_model_len=2048)
     with TestClient(make_app(cfg, Discovery([], ["tcp://127.0.0.1:1"]))) as c:
         yield c
+
+
+# ---- what Codex sends (router/responses_tools.py) ---------------------------------------------------
+APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+               "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}
+EXEC = {"type": "function", "name": "exec_command", "description": "Run a command.", "strict": False,
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"],
+                       "additionalProperties": False}}
+
+
+def codex_body(**kw) -> dict:
+    """The shape of a Codex request to a gpt-oss provider (fields as its Responses client sends them)."""
+    return {"model": "m", "instructions": "You are Codex.", "input": [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: none"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix the bug"}]}],
+        "tools": [EXEC, APPLY_PATCH, {"type": "web_search", "external_web_access": False}],
+        "tool_choice": "auto", "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": False, "stream": True, "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "7f0c8c1e-conversation", **kw}
+
+
+def test_codex_request_is_accepted_tools_mapped_and_builtins_left_out():
+    req = ResponsesRequest.model_validate(codex_body())
+    req.check_unsupported()
+    ts = req.tool_set("ignore")
+    assert [t.name for t in ts.defs] == ["exec_command", "apply_patch"] and ts.custom == {"apply_patch"}
+    assert ts.defs[1].parameters == CUSTOM_PARAMETERS and ts.defs[1].strict_schema  # constrained {"input": str}
+    assert ts.ignored == ("web_search",) and req.seal_reasoning
+    with pytest.raises(InvalidRequest) as e:
+        req.tool_set("refuse")
+    assert e.value.param == "tools[2].type" and "built-in" in e.value.message
+
+
+def test_custom_calls_and_sealed_reasoning_round_trip_through_items():
+    """A custom tool call comes out as custom_tool_call (input decoded from the model's {"input": ...}), a
+    sealed reasoning item as encrypted_content; sent back by a stateless client (content null), both become
+    the same assistant turn the model wrote."""
+    b = OutputBuilder(base_response(), frozenset({"apply_patch"}), seal=True)
+    evs = b.start() + b.feed([Delta(DeltaKind.REASONING, "Patch it.")])
+    evs += b.feed([Delta(DeltaKind.TOOL_CALL_START, tool_index=0, tool_call_id="call_9", tool_name="apply_patch"),
+                   Delta(DeltaKind.TOOL_CALL_ARGS, '{"input":"*** Begin Patch\\n', tool_index=0),
+                   Delta(DeltaKind.TOOL_CALL_ARGS, '*** End Patch"}', tool_index=0)])
+    evs += b.finish(ParsedCompletion("Patch it.", None, [ToolCall("call_9", "apply_patch", "{}")], "tool_calls"),
+                    usage())
+    typed = [EVENTS.validate_python(e) for e in evs]
+    assert "response.custom_tool_call_input.done" in [e.type for e in typed]
+    assert "response.function_call_arguments.delta" not in [e.type for e in typed]
+    final = Response.model_validate(b.response)
+    rs, ctc = final.output
+    assert ctc.type == "custom_tool_call" and ctc.input == "*** Begin Patch\n*** End Patch" and ctc.call_id == "call_9"
+    assert rs.encrypted_content and rs.content[0].text == "Patch it."
+    sent_back = [{"type": "reasoning", "summary": [], "content": None, "encrypted_content": rs.encrypted_content},
+                 {"type": "custom_tool_call", "call_id": "call_9", "name": "apply_patch", "input": ctc.input},
+                 {"type": "custom_tool_call_output", "call_id": "call_9", "output": "Done!"}]
+    msgs = ResponsesRequest.model_validate(codex_body(input=sent_back)).input_messages({})
+    assert [m.role for m in msgs] == ["assistant", "tool"] and msgs[0].reasoning == "Patch it."
+    assert msgs[0].tool_calls[0].arguments == '{"input":"*** Begin Patch\\n*** End Patch"}'
+    assert msgs[1].name == "apply_patch" and msgs[1].content == "Done!"
+
+
+def test_sealed_reasoning_from_elsewhere_or_tampered_is_a_400():
+    good = seal_reasoning("x" * 100)
+    for blob in ("gAAAAABo-openai-blob", good[:-4], good + "AAAA", "tandem-rs1:!!!"):
+        req = ResponsesRequest.model_validate(codex_body(input=[
+            {"type": "reasoning", "summary": [], "content": None, "encrypted_content": blob}]))
+        with pytest.raises(InvalidRequest) as e:
+            req.input_messages({})
+        assert e.value.param == "input[0].encrypted_content", blob
+
+
+def test_codex_request_passes_validation_over_http(http):
+    """Past every 400 to placement (no worker here: 503); with --builtin-tools refuse the web_search tool is a 400."""
+    r = http.post("/v1/responses", json=codex_body(stream=False))
+    assert r.status_code == 503, r.text
+    cfg = RouterConfig(model_name="m", decode=("tcp://127.0.0.1:1",), poll_interval_s=0.2, builtin_tools="refuse")
+    with TestClient(make_app(cfg, Discovery([], ["tcp://127.0.0.1:1"]))) as c:
+        r = c.post("/v1/responses", json=codex_body(stream=False))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools[2].type"
