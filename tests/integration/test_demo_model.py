@@ -193,3 +193,33 @@ def test_tool_choice_required_and_named_are_enforced(client):
     none = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
                                           tools=[WEATHER], tool_choice="none", temperature=0)
     assert none.choices[0].message.tool_calls is None
+
+
+def test_codex_shaped_turns_with_a_custom_tool_and_sealed_reasoning(client):
+    """What Codex sends a gpt-oss provider, through the disaggregated stack: a custom (freeform) tool, a
+    built-in web_search (left out, named in a header), store: false with sealed reasoning. The forced custom
+    call comes back as custom_tool_call; the next turn, stateless, sends reasoning back only as
+    encrypted_content (content null) with the call and its output, and completes."""
+    apply_patch = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+                   "format": {"type": "text"}}
+    # a question the demo calls a tool for: made to call apply_patch, it writes a short input ("hi" made it
+    # write a string that never closed within 300 tokens: the tiny model, not the path)
+    first = [{"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                              "text": "What is the weather in Paris?"}]}]
+    kw = dict(model=MODEL, instructions="You are a coding agent.", store=False, parallel_tool_calls=False,
+              tools=[apply_patch, {"type": "web_search"}], reasoning={"effort": "medium", "summary": "auto"},
+              include=["reasoning.encrypted_content"], max_output_tokens=300, temperature=0,
+              extra_body={"prompt_cache_key": "conversation-1"})
+    raw = client.responses.with_raw_response.create(input=first, tool_choice={"type": "custom", "name": "apply_patch"},
+                                                    **kw)
+    assert raw.headers["x-tandem-ignored-tools"] == "web_search"
+    r = raw.parse()
+    (rs,) = [o for o in r.output if o.type == "reasoning"] or [None]
+    (call,) = [o for o in r.output if o.type == "custom_tool_call"]
+    assert r.status == "completed" and call.name == "apply_patch" and isinstance(call.input, str) and call.input
+    items = first + ([{"type": "reasoning", "summary": [], "content": None, "encrypted_content": rs.encrypted_content}]
+                     if rs is not None else [])
+    items += [{"type": "custom_tool_call", "call_id": call.call_id, "name": "apply_patch", "input": call.input},
+              {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done!"}]
+    r2 = client.responses.create(input=items, **kw)
+    assert r2.status == "completed" and not [o for o in r2.output if o.type == "custom_tool_call"]
