@@ -111,6 +111,10 @@ class ReasoningIn(_Strict):
     generate_summary: str | None = None
 
 
+class StreamOptionsIn(_Strict):
+    include_obfuscation: bool | None = None  # OpenAI pads deltas against side channels; tandem never does
+
+
 class TextIn(_Strict):
     format: TextFormatIn | None = None
     verbosity: str | None = None
@@ -144,7 +148,9 @@ class ResponsesRequest(_Strict):
     # Accepted and not needed: tandem's prefix cache is keyed by content (and placement follows it), so a
     # cache key adds nothing; client_metadata is the client's own bookkeeping (newer Codex sends it).
     prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # cached pages live until evicted (LRU)
     client_metadata: dict[str, Any] | None = None
+    stream_options: StreamOptionsIn | None = None
 
     def check_unsupported(self) -> None:
         """Refuse, naming the parameter, what we accept in the schema but cannot honour."""

@@ -221,7 +221,8 @@ def codex_body(**kw) -> dict:
         "tools": [EXEC, APPLY_PATCH, {"type": "web_search", "external_web_access": False}],
         "tool_choice": "auto", "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"},
         "store": False, "stream": True, "include": ["reasoning.encrypted_content"],
-        "prompt_cache_key": "7f0c8c1e-conversation", **kw}
+        "prompt_cache_key": "7f0c8c1e-conversation", "stream_options": {"include_obfuscation": False},
+        "prompt_cache_retention": "in_memory", **kw}
 
 
 def test_codex_request_is_accepted_tools_mapped_and_builtins_left_out():
