@@ -154,7 +154,8 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[Any] | None = None
     function_call: Any = None
     verbosity: str | None = None
-    prompt_cache_key: str | None = None
+    # A cache-routing hint: accepted and not needed (the prefix cache is keyed by content, placement follows it)
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -162,7 +163,7 @@ class ChatCompletionRequest(_SamplingFields):
                 "stores responses)")
         _refuse(self.metadata is not None, "metadata", "metadata is only kept with store, which is not supported")
         _refuse(self.modalities not in (None, ["text"]), "modalities", "only the text modality is supported")
-        for name in ("audio", "prediction", "web_search_options", "functions", "function_call", "prompt_cache_key"):
+        for name in ("audio", "prediction", "web_search_options", "functions", "function_call"):
             _refuse(getattr(self, name) is not None, name, f"{name} is not supported")
         _refuse(self.verbosity not in (None, "medium"), "verbosity", "verbosity is not supported")
         _refuse(self.top_logprobs is not None and not self.logprobs, "top_logprobs",
