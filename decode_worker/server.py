@@ -83,7 +83,8 @@ class DecodeServer:
             queued_tokens=sched.waiting_tokens, running=len(sched.running),
             kv_free_pages=free_full, kv_total_pages=total, kv_free_sliding_pages=e.kv.num_free()[PageGroup.SLIDING],
             kv_total_sliding_pages=e.kv.spec.num_pages[PageGroup.SLIDING] - own_ring, page_size=e.kv.spec.page_size,
-            max_num_seqs=sched.cfg.max_num_seqs, busy_seconds=self.busy_seconds, **status_fields(e.kv))
+            max_num_seqs=sched.cfg.max_num_seqs, busy_seconds=self.busy_seconds, max_model_len=sched.cfg.max_model_len,
+            **status_fields(e.kv))
 
     def handle(self, peer: bytes, msg: object, received: float | None = None) -> None:
         """One message from a router; `received`: when the I/O thread got it (monotonic)."""

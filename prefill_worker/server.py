@@ -87,7 +87,8 @@ class PrefillServer:
             kv_free_pages=kv.num_free()[PageGroup.FULL], kv_total_pages=kv.spec.num_pages[PageGroup.FULL],
             kv_free_sliding_pages=kv.num_free()[PageGroup.SLIDING],
             kv_total_sliding_pages=kv.spec.num_pages[PageGroup.SLIDING],
-            page_size=kv.spec.page_size, max_num_seqs=1, busy_seconds=self.busy_seconds, **status_fields(kv))
+            page_size=kv.spec.page_size, max_num_seqs=1, busy_seconds=self.busy_seconds,
+            max_model_len=self.engine.parts.scheduler.cfg.max_model_len, **status_fields(kv))
 
     def _past_drain_deadline(self) -> bool:
         return self.draining.is_set() and time.monotonic() >= self.drain_deadline

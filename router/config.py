@@ -23,7 +23,7 @@ class RouterConfig:
     stream_timeout_s: float = 300.0
     max_attempts: int = 3
     max_model_len: int = 131072
-    default_max_tokens: int = 4096
+    default_max_tokens: int = 0  # a request naming none: 0 = the room its context leaves (Handlers.default_max_tokens)
     knowledge_cutoff: str = "2024-06"
     served_models: tuple[str, ...] = field(default=())
     # overload, cancellation, drain, bounds, auth (issue 24)

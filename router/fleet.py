@@ -213,6 +213,17 @@ class Fleet:
             n += 1
             await asyncio.sleep(self.interval)
 
+    def context_limit(self) -> int | None:
+        """The most tokens (prompt + output) a sequence may reach on any ready decode worker: the smaller of
+        its max_model_len and its whole KV cache, over the workers; None until one has said."""
+        limits = []
+        for addr, st in self.workers.items():
+            s = st.status
+            if self.roles[addr] == "decode" and st.healthy and s is not None and s.ready and s.max_model_len > 0:
+                kv = s.kv_total_pages * s.page_size
+                limits.append(min(s.max_model_len, kv) if kv > 0 else s.max_model_len)
+        return min(limits) if limits else None
+
     def snapshot(self) -> FleetSnapshot:
         views: dict[str, list[WorkerView]] = {"prefill": [], "decode": []}
         now = time.monotonic()

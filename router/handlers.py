@@ -74,6 +74,18 @@ class Handlers:
             raise ModelNotFound(f"model {name!r} does not exist; served: {', '.join(self.cfg.model_names)}",
                                 param="model")
 
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """max_tokens of a request that names none: --default-max-tokens if set, else (0, the default) the
+        room the context leaves, as OpenAI and vLLM do: the router's --max-model-len and every ready decode
+        worker's context and KV cache (Fleet.context_limit). A reasoning model's long answer is then not cut at
+        an arbitrary length (Codex ends a turn cut by max_output_tokens with an error). At least 1: a prompt
+        that leaves no room is refused by the length checks."""
+        if self.cfg.default_max_tokens > 0:
+            return max(min(self.cfg.default_max_tokens, self.cfg.max_model_len - prompt_len), 1)
+        fleet = self.orch.fleet.context_limit()
+        limit = min(self.cfg.max_model_len, fleet) if fleet is not None else self.cfg.max_model_len
+        return max(limit - prompt_len, 1)
+
     def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
         room = self.cfg.max_model_len - prompt_len
         if room < 1:
@@ -82,7 +94,7 @@ class Handlers:
         if requested is not None and requested > room:
             raise InvalidRequest(f"prompt ({prompt_len} tokens) + max_tokens ({requested}) exceeds the maximum "
                                  f"context length {self.cfg.max_model_len}", param="max_tokens")
-        return requested if requested is not None else min(self.cfg.default_max_tokens, room)
+        return requested if requested is not None else self.default_max_tokens(prompt_len)
 
     def _logprob_entry(self, token_id: int, logprob: float, top: list) -> dict:
         return {"token": self.tok.decode([token_id]), "logprob": logprob,

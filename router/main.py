@@ -60,8 +60,10 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
     p.add_argument("--decode-port", type=int, default=7200)
     p.add_argument("--colocated", action="store_true", help="prefill on the decode workers")
     p.add_argument("--max-model-len", type=int, default=131072)
-    p.add_argument("--default-max-tokens", type=int, default=4096,
-                   help="max_tokens of a request that names none (capped by the room left in the context)")
+    p.add_argument("--default-max-tokens", type=int, default=0,
+                   help="max_tokens of a request that names none; 0 (default) = the room its context leaves, as "
+                        "OpenAI and vLLM: the smaller of --max-model-len and the decode workers' context and KV "
+                        "cache (before 2026-12-06: 4096, which cut long reasoning)")
     p.add_argument("--poll-interval-s", type=float, default=1.0)
     p.add_argument("--transfer-deadline-s", type=float, default=60.0,
                    help="a prefill's KV transfer from its start (the network part; compute is not counted)")
@@ -109,6 +111,8 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, Discovery]:
             and a.transfer_deadline_s + a.prefill_timeout_s <= MAX_RESERVATION_S):
         raise ConfigError(f"--transfer-deadline-s and --prefill-timeout-s must be > 0, their sum (a decode "
                           f"reservation's life) at most {MAX_RESERVATION_S:.0f} s")
+    if a.default_max_tokens < 0:
+        raise ConfigError("--default-max-tokens must be >= 0 (0: the room the context leaves)")
     if a.max_request_bytes < 1024:
         raise ConfigError("--max-request-bytes must be at least 1024")
     keys = tuple(k for k in [*a.api_key, *os.environ.get("TANDEM_API_KEYS", "").split(",")] if k.strip())

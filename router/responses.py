@@ -113,7 +113,7 @@ class Responses:
             raise InvalidRequest(f"the input has {len(ids)} tokens; with max_output_tokens "
                                  f"({req.max_output_tokens}) it exceeds the context length {h.cfg.max_model_len}",
                                  param="input" if room < 1 else "max_output_tokens")
-        spec = SamplingSpec(max_tokens=req.max_output_tokens or min(h.cfg.default_max_tokens, room),
+        spec = SamplingSpec(max_tokens=req.max_output_tokens or h.default_max_tokens(len(ids)),
                             temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=1.0 if req.top_p is None else req.top_p, stop_token_ids=h.fmt.stop_token_ids(),
                             grammars=prompt_grammars(prompt, 0))

@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 from common.errors import ProtocolError
 from wire.codec import brief, build, pack, to_wire, unpack
 
-PROTOCOL_VERSION = 7  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache;
+PROTOCOL_VERSION = 8  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache;
 # 4: structured outputs (SamplingSpec.grammars), n > 1 (SamplingSpec.share_prompt)
 # 5: TokenChunk carries a local prefill's queue and compute time (the TTFT breakdown of colocated requests)
 # 6: PrefillResult.split: where the prefill worker's compute time went (host before launch, launch, GPU)
 # 7: GrammarSpec target "call": a required tool call constrains the whole turn (tool_choice required / named)
+# 8: WorkerStatus.max_model_len: the router's default max_tokens is the room a worker's context and KV leave
 MAX_RESERVATION_S = 3600.0  # longest AdmitRequest.deadline_s a decode worker accepts
 MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
 
@@ -116,6 +117,7 @@ class WorkerStatus:
     cache_events: list[int] = field(default_factory=list)
     cached_pages: int = 0  # full-attention pages held by the cache alone (evictable)
     kv_bytes_per_token: int = 0  # one token's KV over all layers (this rank's heads): what shipping it costs
+    max_model_len: int = 0  # the worker's context limit (prompt + output tokens); 0: not said
 
 
 @dataclass(frozen=True, slots=True)
