@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-import jsonschema
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import InvalidRequest
 from router.chat_types import ChatMessage, ChatPrompt, NamedToolChoice, ResponseFormat, ToolCall, ToolDef
-from router.structured import (ResponseFormatIn, call_grammar, check_combination, final_format, grammars,
+from router.structured import (ResponseFormatIn, call_grammar, check_combination, final_format, grammars, meta_error,
                                tool_grammar)
 from wire.protocol import GrammarSpec, LogitBias, SamplingSpec
 from router.tokenizer import VOCAB_SIZE
@@ -196,11 +195,10 @@ def _text(content: str | list[ContentPart] | None) -> str:
 def tool_def(t: ToolIn, param: str = "tools") -> ToolDef:
     params = t.function.parameters
     if params is not None:
-        try:
-            jsonschema.validators.validator_for(params).check_schema(params)
-        except jsonschema.SchemaError as e:
-            raise InvalidRequest(f"tool {t.function.name!r}: parameters is not a valid JSON schema: {e.message}",
-                                 param="tools") from None
+        error = meta_error(params)
+        if error is not None:
+            raise InvalidRequest(f"tool {t.function.name!r}: parameters is not a valid JSON schema: {error}",
+                                 param="tools")
         if params.get("type", "object") != "object":
             raise InvalidRequest(f"tool {t.function.name!r}: parameters must describe an object", param="tools")
     strict = tool_grammar(t.function.name, params, f"{param}.parameters").schema if t.function.strict else None

@@ -282,3 +282,15 @@ def test_codex_request_passes_validation_over_http(http):
     with TestClient(make_app(cfg, Discovery([], ["tcp://127.0.0.1:1"]))) as c:
         r = c.post("/v1/responses", json=codex_body(stream=False))
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools[2].type"
+
+
+def test_tool_schemas_are_checked_once_per_text():
+    """The meta-schema check of a tool's parameters is remembered by their text (Codex resends 12 tools a
+    turn: ~9 ms of the router's loop each time): the same verdict, valid or not, from the cache."""
+    from router.structured import _meta_error, meta_error  # noqa: PLC0415
+
+    _meta_error.cache_clear()
+    bad = {"type": "object", "properties": 3}
+    for _ in range(3):
+        assert meta_error(bad) and meta_error(EXEC["parameters"]) is None
+    assert _meta_error.cache_info().misses == 2 and _meta_error.cache_info().hits == 4
