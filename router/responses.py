@@ -125,7 +125,7 @@ class Responses:
             "previous_response_id": req.previous_response_id, "reasoning": {"effort": effort, "summary": req.reasoning.summary if req.reasoning else None},
             "store": req.store, "temperature": spec.temperature, "top_p": spec.top_p,
             "text": {"format": _format_echo(fmt)}, "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-            "tools": [_tool_echo(t, toolset.custom) for t in tools],
+            "tools": _tools_echo(toolset),
             "truncation": "disabled", "usage": None, "metadata": req.metadata or {}, "user": req.user,
             "background": False,
         }
@@ -195,11 +195,27 @@ async def _sse_stream(events: AsyncIterator[dict], b: OutputBuilder) -> AsyncIte
             yield ev
 
 
-def _tool_echo(t, custom: frozenset[str]) -> dict:
-    if t.name in custom:
-        return {"type": "custom", "name": t.name, "description": t.description, "format": {"type": "text"}}
-    return {"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
-            "strict": t.strict_schema is not None}
+def _tools_echo(ts: ToolSet) -> list[dict]:
+    """The tools the model was offered, as the request grouped them (built-in ones left out)."""
+    def one(t) -> dict:
+        if t.name in ts.custom:
+            return {"type": "custom", "name": t.name, "description": t.description, "format": {"type": "text"}}
+        return {"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
+                "strict": t.strict_schema is not None}
+
+    out: list[dict] = []
+    groups: dict[str, dict] = {}
+    for t in ts.defs:
+        ns = ts.namespaces.get(t.name)
+        if ns is None:
+            out.append(one(t))
+            continue
+        if ns not in groups:
+            groups[ns] = {"type": "namespace", "name": ns, "description": ts.namespace_descriptions.get(ns, ""),
+                          "tools": []}
+            out.append(groups[ns])
+        groups[ns]["tools"].append(one(t))
+    return out
 
 
 def _format_echo(fmt) -> dict:
@@ -218,7 +234,7 @@ def register_responses(app: FastAPI, h: Handlers, store_size: int, serving: Serv
     async def create(req: ResponsesRequest, request: Request):
         serving.admitting()
         job, history, calls, response, toolset = api.prepare(req)
-        b = OutputBuilder(response, toolset.custom, req.seal_reasoning)
+        b = OutputBuilder(response, toolset.custom, req.seal_reasoning, toolset.namespaces)
         for t in toolset.ignored:  # built-in tools this server does not run (router/responses_tools.py)
             h.metrics.ignored_tools.labels(t).inc()
 

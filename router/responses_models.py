@@ -18,10 +18,10 @@ API's default of true is taken as false here unless sent) are constrained (route
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from common.errors import InvalidRequest
 from router.chat_types import ChatMessage, NamedToolChoice, ResponseFormat, ToolCall, ToolChoice, ToolDef
@@ -93,6 +93,7 @@ class FunctionToolIn(_Lenient):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
     format: dict[str, Any] | None = None  # custom tools: {"type": "text"} or a grammar (not enforced)
+    tools: list[dict[str, Any]] | None = None  # namespace tools: the function / custom tools they group
 
 
 @dataclass(slots=True)
@@ -101,8 +102,36 @@ class ToolSet:
     functions, router/responses_tools.py), the names of the custom ones, and the built-in types left out."""
 
     defs: list[ToolDef]
-    custom: frozenset[str]
-    ignored: tuple[str, ...]
+    custom: set[str] = field(default_factory=set)
+    ignored: list[str] = field(default_factory=list)
+    namespaces: dict[str, str] = field(default_factory=dict)  # tool name -> its namespace tool's name
+    namespace_descriptions: dict[str, str] = field(default_factory=dict)
+
+    def add(self, t: FunctionToolIn, where: str, namespace: str | None = None) -> None:
+        """One function or custom tool (inside `namespace`: its tools keep their names, which must not clash
+        with another tool's; a call comes back with the namespace, as OpenAI's does)."""
+        if not t.name:
+            raise InvalidRequest(f"{where}: a {t.type} tool needs a name", param=f"{where}.name")
+        if any(d.name == t.name for d in self.defs):
+            raise InvalidRequest(f"{where}: tool name {t.name!r} is used twice (namespaces included)",
+                                 param=f"{where}.name")
+        extra = sorted(k for k, v in (t.model_extra or {}).items() if v is not None)
+        extra += ["tools"] if t.tools is not None else []
+        desc = t.description or ""
+        if namespace is not None:  # the model sees which group a flattened tool belongs to
+            self.namespaces[t.name] = namespace
+            ns = self.namespace_descriptions.get(namespace)
+            desc = f"({namespace}: {ns}) {desc}".strip() if ns else desc
+        if t.type == "custom":
+            extra += [k for k in ("parameters", "strict") if getattr(t, k) is not None]
+            fn = FunctionDef(name=t.name, description=desc, parameters=CUSTOM_PARAMETERS, strict=True)
+            self.custom.add(t.name)
+        else:
+            extra += ["format"] if t.format is not None else []
+            fn = FunctionDef(name=t.name, description=desc, parameters=t.parameters, strict=t.strict)
+        if extra:
+            raise InvalidRequest(f"{where}: unsupported {t.type} tool field {extra[0]!r}", param=f"{where}.{extra[0]}")
+        self.defs.append(tool_def(ToolIn(type="function", function=fn), where))
 
 
 class ReasoningIn(_Strict):
@@ -182,33 +211,33 @@ class ResponsesRequest(_Strict):
         return "reasoning.encrypted_content" in (self.include or [])
 
     def tool_set(self, builtin: str) -> ToolSet:
-        """Function and custom tools for the model; built-in ones left out (`builtin` "ignore") or refused."""
-        out, custom, ignored = [], set(), []
+        """Function and custom tools for the model, a namespace's flattened (Harmony's developer tools are one
+        `functions` namespace); built-in ones left out (`builtin` "ignore") or refused."""
+        ts = ToolSet([])
         for i, t in enumerate(self.tools or []):
+            where = f"tools[{i}]"
             if t.type in BUILTIN_TOOLS and builtin == "ignore":
-                ignored.append(t.type)
-                continue
-            if t.type not in ("function", "custom"):
-                why = "tandem runs no built-in tools" if t.type in BUILTIN_TOOLS else "unknown tool type"
-                raise InvalidRequest(f"tools[{i}]: {why}: {t.type!r} (function and custom tools are supported)",
-                                     param=f"tools[{i}].type")
-            if not t.name:
-                raise InvalidRequest(f"tools[{i}]: a {t.type} tool needs a name", param=f"tools[{i}].name")
-            extra = sorted(k for k, v in (t.model_extra or {}).items() if v is not None)
-            if t.type == "custom":
-                extra += [k for k in ("parameters", "strict") if getattr(t, k) is not None]
-                fn = FunctionDef(name=t.name, description=t.description or "", parameters=CUSTOM_PARAMETERS,
-                                 strict=True)
-                custom.add(t.name)
+                ts.ignored.append(t.type)
+            elif t.type == "namespace":
+                if not t.name or not t.tools:
+                    raise InvalidRequest(f"{where}: a namespace tool needs a name and tools", param=where)
+                ts.namespace_descriptions[t.name] = t.description or ""
+                for j, inner in enumerate(t.tools):
+                    try:
+                        it = FunctionToolIn.model_validate(inner)
+                    except ValidationError:
+                        it = None
+                    if it is None or it.type not in ("function", "custom"):
+                        raise InvalidRequest(f"{where}.tools[{j}]: a namespace holds function and custom tools",
+                                             param=f"{where}.tools[{j}].type")
+                    ts.add(it, f"{where}.tools[{j}]", t.name)
+            elif t.type in ("function", "custom"):
+                ts.add(t, where)
             else:
-                extra += ["format"] if t.format is not None else []
-                fn = FunctionDef(name=t.name, description=t.description or "", parameters=t.parameters,
-                                 strict=t.strict)
-            if extra:
-                raise InvalidRequest(f"tools[{i}]: unsupported {t.type} tool field {extra[0]!r}",
-                                     param=f"tools[{i}].{extra[0]}")
-            out.append(tool_def(ToolIn(type="function", function=fn), f"tools[{i}]"))
-        return ToolSet(out, frozenset(custom), tuple(ignored))
+                why = "tandem runs no built-in tools" if t.type in BUILTIN_TOOLS else "unknown tool type"
+                raise InvalidRequest(f"{where}: {why}: {t.type!r} (function, custom and namespace tools are "
+                                     "supported)", param=f"{where}.type")
+        return ts
 
     def response_format(self) -> ResponseFormat | None:
         return final_format(self.text.format if self.text is not None else None, "text.format")

@@ -31,9 +31,10 @@ class OutputBuilder:
     `custom`: the custom tools' names, whose calls become custom_tool_call items (their input decoded from
     the JSON arguments once the call is complete); `seal`: reasoning items carry encrypted_content."""
 
-    def __init__(self, response: dict, custom: frozenset[str] = frozenset(), seal: bool = False) -> None:
+    def __init__(self, response: dict, custom: frozenset[str] | set[str] = frozenset(), seal: bool = False,
+                 namespaces: dict[str, str] | None = None) -> None:
         self.response = response  # the Response object being built; output grows as items close
-        self.custom, self.seal = custom, seal
+        self.custom, self.seal, self.namespaces = custom, seal, namespaces or {}
         self.seq = 0
         self.open: _Open | None = None
 
@@ -60,12 +61,14 @@ class OutputBuilder:
                 out.append(self._delta("response.output_text.delta", d.text, logprobs=[]))
             elif d.kind is DeltaKind.TOOL_CALL_START and d.tool_name in self.custom:
                 out += self._close("completed")
-                out += self._open({"id": new_id("ctc"), "type": "custom_tool_call", "call_id": d.tool_call_id,
-                                   "name": d.tool_name, "input": "", "status": "in_progress"})
+                out += self._open(self._in_namespace({"id": new_id("ctc"), "type": "custom_tool_call",
+                                                      "call_id": d.tool_call_id, "name": d.tool_name, "input": "",
+                                                      "status": "in_progress"}))
             elif d.kind is DeltaKind.TOOL_CALL_START:
                 out += self._close("completed")
-                out += self._open({"id": new_id("fc"), "type": "function_call", "call_id": d.tool_call_id,
-                                   "name": d.tool_name, "arguments": "", "status": "in_progress"})
+                out += self._open(self._in_namespace({"id": new_id("fc"), "type": "function_call",
+                                                      "call_id": d.tool_call_id, "name": d.tool_name, "arguments": "",
+                                                      "status": "in_progress"}))
             elif d.kind is DeltaKind.TOOL_CALL_ARGS and self.open is not None:
                 self.open.text.append(d.text)
                 if self.open.item["type"] == "function_call":  # a custom call's input is known at its end
@@ -86,6 +89,10 @@ class OutputBuilder:
         return out
 
     # -- items ---------------------------------------------------------------------------------------
+
+    def _in_namespace(self, item: dict) -> dict:
+        ns = self.namespaces.get(item["name"])
+        return item if ns is None else {**item, "namespace": ns}
 
     def _ensure(self, kind: str) -> list[dict]:
         if self.open is not None and self.open.item["type"] == kind:

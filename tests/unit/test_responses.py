@@ -231,7 +231,7 @@ def test_codex_request_is_accepted_tools_mapped_and_builtins_left_out():
     ts = req.tool_set("ignore")
     assert [t.name for t in ts.defs] == ["exec_command", "apply_patch"] and ts.custom == {"apply_patch"}
     assert ts.defs[1].parameters == CUSTOM_PARAMETERS and ts.defs[1].strict_schema  # constrained {"input": str}
-    assert ts.ignored == ("web_search",) and req.seal_reasoning
+    assert ts.ignored == ["web_search"] and req.seal_reasoning
     with pytest.raises(InvalidRequest) as e:
         req.tool_set("refuse")
     assert e.value.param == "tools[2].type" and "built-in" in e.value.message
