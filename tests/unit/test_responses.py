@@ -294,3 +294,29 @@ def test_tool_schemas_are_checked_once_per_text():
     for _ in range(3):
         assert meta_error(bad) and meta_error(EXEC["parameters"]) is None
     assert _meta_error.cache_info().misses == 2 and _meta_error.cache_info().hits == 4
+
+
+def test_namespace_tools_are_flattened_and_calls_carry_their_namespace():
+    """Codex 0.171 groups its sub-agent tools: {"type": "namespace", "name", "description", "tools": [...]}
+    (seen in a captured request; a 400 before). The model sees them as functions (Harmony has one
+    developer namespace); a call comes back as a function_call with `namespace`; names stay unique."""
+    ns = {"type": "namespace", "name": "multi_agent_v1", "description": "Tools for sub-agents.",
+          "tools": [{"type": "function", "name": "spawn_agent", "description": "Spawn one.", "strict": False,
+                     "parameters": {"type": "object", "properties": {"task": {"type": "string"}}}}]}
+    req = ResponsesRequest.model_validate(codex_body(tools=[EXEC, ns, {"type": "web_search"}]))
+    ts = req.tool_set("ignore")
+    assert [t.name for t in ts.defs] == ["exec_command", "spawn_agent"]
+    assert ts.namespaces == {"spawn_agent": "multi_agent_v1"} and "multi_agent_v1" in ts.defs[1].description
+    b = OutputBuilder(base_response(), ts.custom, namespaces=ts.namespaces)
+    evs = b.start() + b.feed([Delta(DeltaKind.TOOL_CALL_START, tool_index=0, tool_call_id="c1", tool_name="spawn_agent"),
+                              Delta(DeltaKind.TOOL_CALL_ARGS, '{"task":"x"}', tool_index=0)])
+    evs += b.finish(ParsedCompletion(None, None, [ToolCall("c1", "spawn_agent", '{"task":"x"}')], "tool_calls"), usage())
+    [EVENTS.validate_python(e) for e in evs]
+    (fc,) = Response.model_validate(b.response).output
+    assert fc.type == "function_call" and fc.name == "spawn_agent" and fc.namespace == "multi_agent_v1"
+    for tools, param in (([ns, {**ns, "name": "other"}], "tools[1].tools[0].name"),
+                         ([{**ns, "tools": [{"type": "web_search"}]}], "tools[0].tools[0].type"),
+                         ([{**ns, "tools": []}], "tools[0]")):
+        with pytest.raises(InvalidRequest) as e:
+            ResponsesRequest.model_validate(codex_body(tools=tools)).tool_set("ignore")
+        assert e.value.param == param
