@@ -6,6 +6,10 @@ coding agent), mapped onto what gpt-oss knows, which is Harmony function calls w
   of one string argument, `{"input": "..."}`, constrained by decoding to that shape (strict), and the
   call comes back as a `custom_tool_call` item whose `input` is the string. A format's grammar (Lark or
   regex) is not enforced: the text travels inside a JSON string.
+- Namespace tools, `{"type": "namespace", "name", "description", "tools": [...]}` (Codex's sub-agent tools):
+  Harmony gives developer tools one `functions` namespace, so their tools are offered flat (names must stay
+  unique; each description names its group) and a call comes back with `namespace` set
+  (responses_models.ToolSet, responses_output.OutputBuilder).
 - Built-in tools (web_search, file_search, code_interpreter, ...) run on OpenAI's servers; tandem has
   none of them. Codex sends web_search on every request, so by default (`--builtin-tools ignore`) the
   model is not offered them, the response says which were left out (header x-tandem-ignored-tools) and
