@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from common.errors import TandemError
@@ -16,7 +17,6 @@ from router.responses_tools import custom_input, seal_reasoning
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
-
 
 
 @dataclass(slots=True)
@@ -31,7 +31,7 @@ class OutputBuilder:
     `custom`: the custom tools' names, whose calls become custom_tool_call items (their input decoded from
     the JSON arguments once the call is complete); `seal`: reasoning items carry encrypted_content."""
 
-    def __init__(self, response: dict, custom: frozenset[str] | set[str] = frozenset(), seal: bool = False,
+    def __init__(self, response: dict, custom: Set[str] = frozenset(), seal: bool = False,
                  namespaces: dict[str, str] | None = None) -> None:
         self.response = response  # the Response object being built; output grows as items close
         self.custom, self.seal, self.namespaces = custom, seal, namespaces or {}
@@ -59,16 +59,9 @@ class OutputBuilder:
             elif d.kind is DeltaKind.CONTENT:
                 out += self._ensure("message")
                 out.append(self._delta("response.output_text.delta", d.text, logprobs=[]))
-            elif d.kind is DeltaKind.TOOL_CALL_START and d.tool_name in self.custom:
-                out += self._close("completed")
-                out += self._open(self._in_namespace({"id": new_id("ctc"), "type": "custom_tool_call",
-                                                      "call_id": d.tool_call_id, "name": d.tool_name, "input": "",
-                                                      "status": "in_progress"}))
             elif d.kind is DeltaKind.TOOL_CALL_START:
                 out += self._close("completed")
-                out += self._open(self._in_namespace({"id": new_id("fc"), "type": "function_call",
-                                                      "call_id": d.tool_call_id, "name": d.tool_name, "arguments": "",
-                                                      "status": "in_progress"}))
+                out += self._open(self._call_item(d.tool_call_id, d.tool_name))
             elif d.kind is DeltaKind.TOOL_CALL_ARGS and self.open is not None:
                 self.open.text.append(d.text)
                 if self.open.item["type"] == "function_call":  # a custom call's input is known at its end
@@ -90,8 +83,12 @@ class OutputBuilder:
 
     # -- items ---------------------------------------------------------------------------------------
 
-    def _in_namespace(self, item: dict) -> dict:
-        ns = self.namespaces.get(item["name"])
+    def _call_item(self, call_id: str, name: str) -> dict:
+        """A function_call, or a custom_tool_call for a custom tool; `namespace` when the tool is in one."""
+        custom = name in self.custom
+        item = {"id": new_id("ctc" if custom else "fc"), "type": "custom_tool_call" if custom else "function_call",
+                "call_id": call_id, "name": name, "input" if custom else "arguments": "", "status": "in_progress"}
+        ns = self.namespaces.get(name)
         return item if ns is None else {**item, "namespace": ns}
 
     def _ensure(self, kind: str) -> list[dict]:

@@ -76,10 +76,10 @@ def _meta_error(text: str) -> str | None:
 def _schema_text(schema: dict[str, Any] | None, param: str) -> str:
     if schema is None:
         raise InvalidRequest("json_schema needs a schema", param=param)
-    error = meta_error(schema)
+    text = schema_json(schema)
+    error = _meta_error(text)
     if error is not None:
         raise InvalidRequest(f"not a valid JSON schema: {error}", param=param)
-    text = schema_json(schema)
     check_schema(text, param)
     return text
 
