@@ -181,6 +181,9 @@ def summarize(results: list[TurnResult], duration_s: float, kv_bytes_per_token: 
         out[name] = {
             "requests": len(rs),
             "ttft_ms": _pct([r.ttft_s for r in rs], 1e3),
+            # time per output token after the first: what a loop change that helps TTFT must not cost decoding
+            "tpot_ms": _pct([(r.e2e_s - r.ttft_s) / (len(r.output_ids) - 1) for r in rs
+                             if r.e2e_s is not None and len(r.output_ids) > 1], 1e3),
             "prompt_tokens_per_turn": prompt / len(rs) if rs else None,
             "computed_tokens_per_turn": sum(r.computed_tokens or 0 for r in rs) / len(rs) if rs else None,
             "new_tokens_per_turn": sum(r.new_tokens for r in rs) / len(rs) if rs else None,
@@ -271,13 +274,14 @@ def ttft_breakdown(base_url: str) -> dict[str, tuple[float, int]]:
 
 
 def format_runs(runs: list[dict]) -> str:
-    cols = ("TTFT p50 t1", "TTFT p50 t2+", "TTFT p99 t2+", "computed/turn t2+", "KV bytes/turn t2+",
+    cols = ("TTFT p50 t1", "TTFT p50 t2+", "TTFT p99 t2+", "TPOT p50 t2+", "computed/turn t2+", "KV bytes/turn t2+",
             "/new tokens' KV", "hit rate t2+", "local t2+", "leaks")
     lines = [f"{'':28}" + "".join(f"{c:>18}" for c in cols)]
     for r in runs:
         s = r["summary"]
         t1, t2 = s["turn1"], s["turns2plus"]
-        vals = [t1["ttft_ms"]["p50"], t2["ttft_ms"]["p50"], t2["ttft_ms"]["p99"], t2["computed_tokens_per_turn"],
+        vals = [t1["ttft_ms"]["p50"], t2["ttft_ms"]["p50"], t2["ttft_ms"]["p99"], (t2.get("tpot_ms") or {}).get("p50"),
+                t2["computed_tokens_per_turn"],
                 t2["kv_bytes_per_turn"], s["turns2plus_bytes_over_new_token_kv"], t2["hit_rate"], t2["prefilled_locally"],
                 (r.get("leaks") or {}).get("leaked")]
         cells = [f"{v:18.3f}" if isinstance(v, float) else f"{str(v):>18}" for v in vals]

@@ -160,6 +160,22 @@ ISSUE_SUITES: dict[str, Suite] = {
                colocated_pw_step("colocated-1-pw", 150)),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
                     "multi-turn-colocated-pw-10/11 (2026-12-03): 2.82x and 2.83x with the defaults")),
+    # multi-turn-colocated-ab-1 (H100): a cached turn's TTFT p50 was 40.8 ms with either graph set, ~3 decode
+    # periods (steps of ~63 sequences took ~11-13 ms): the overlapped loop queues step N+1 before an arrival
+    # can join it. --launch-hold (engine/launch_hold.py) holds that launch until shortly before N ends; the
+    # lead it keeps is the next launch's host time, so it holds longer where mixed launches are short
+    # (attention in the graphs: 3.3 ms p50 against the islands' 10). TPOT p50 in the table: the price, if any.
+    "launch-hold-ab": Suite(
+        "issue 25: multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker, step trace) with the "
+        "defaults, with --launch-hold, and with --launch-hold --piecewise-graphed-attention all --piecewise-buckets "
+        "fine; each with and without prefix caching",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(colocated_pw_step("colocated-1-pw", 150),
+               colocated_pw_step("colocated-1-hold", 150, "--launch-hold "),
+               colocated_pw_step("colocated-1-hold-graphed-fine", 150,
+                                 "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine ")),
+        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
+                    "multi-turn-colocated-ab-1 (2026-12-06, H100): 2.62x with the defaults")),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
     # at 8k replays in 3.05 ms with e4m3 pages, slower than bf16's 2.44 where batch 128 is 1.29x faster).
     "decode-profile": Suite(

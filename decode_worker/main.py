@@ -9,6 +9,7 @@ from engine.worker_args import add_worker_args, worker_id
 from engine.worker_main import build_parts, exit_now, maybe_warm_up, serve, transfer_config
 from decode_worker.engine import DecodeEngine
 from decode_worker.server import DecodeServer
+from engine.launch_hold import LaunchHold
 from engine.tp.group import RankGroup
 from engine.tp.proxies import RankParts, lead
 from kv_transfer.interface import new_epoch
@@ -46,6 +47,8 @@ def main(argv: list[str]) -> int:
         engine = DecodeEngine(rp.parts, rp.receiver, overlap=a.async_decode == "on")
         engine.core.collect_ready = engine.core.collect_ready and a.collect_order != "launch"
         engine.core.first_token_wait_s = max(a.first_token_wait_ms, 0.0) / 1e3
+        if a.launch_hold and engine.core.overlap and a.device.startswith("cuda"):  # CPU steps have no GPU clock
+            engine.core.launch_hold = LaunchHold()
         if a.step_trace:
             from engine.step_trace import StepTrace
 

@@ -21,6 +21,9 @@ steps were not done when the next iteration began although their GPU span ended 
 launch, and their first tokens waited for the next launch (~12 ms p50). Measured worse served both times:
 waiting without a bound (multi-turn-colocated-pw-6) and with 3 ms, in both orders (run 10: cached TTFT p50
 51.6 vs 42.3 ms, p99 498 vs 84; run 11: 69.0 vs 57.6; queue and local prefill both longer). Kept as the A/B's switch.
+With `launch_hold` (--launch-hold, engine/launch_hold.py) the decode worker's loop holds the next
+launch until shortly before the step in flight is predicted to end, so requests arriving meanwhile
+join the next step instead of the one after it; this class keeps the estimates (`launch_hold_s`).
 With `overlap=False` (or a runner that cannot overlap, such as a tensor-parallel group's) every
 step is collected right after its launch: the same code, synchronous.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 
+from engine.launch_hold import LaunchHold
 from engine.runner import ModelRunner, StepHandle
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
@@ -53,10 +57,21 @@ class EngineCore:
         # always launch first (the A/B of benchmarks/mixed_step.py). Needs a runner that can tell.
         self.collect_ready = hasattr(runner, "ready")
         self.first_token_wait_s = 0.0  # --first-token-wait-ms (decode worker, off by default: measured worse)
+        self.launch_hold: LaunchHold | None = None  # --launch-hold (decode worker; a GPU runner that overlaps)
+        self.held_s = 0.0  # how long the caller held this iteration's launch (the step trace's hold_ms)
+        self._t_tokens = 0.0  # perf_counter when the last collect's tokens reached the host
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self.inflight is not None
+
+    def launch_hold_s(self) -> float:
+        """How long the caller may hold this iteration (handling arrivals) before calling step(): 0 unless
+        holding is on, a decode-only step is in flight and nothing waits to be scheduled."""
+        h = self.launch_hold
+        if h is None or self.inflight is None or self.scheduler.waiting or not self.overlap:
+            return 0.0
+        return h.hold(time.perf_counter())
 
     def step(self) -> list[Sequence]:
         """One iteration. Returns the sequences that received a token (finished ones included)."""
@@ -75,9 +90,14 @@ class EngineCore:
             # idled up to 10-20 ms, then the GPU idled while it planned: multi-turn-colocated-pw-6).
             done += self._collect(prev)
             prev = None
+            if self.launch_hold is not None:
+                self.launch_hold.idle(self.held_s > 0)
+        t_planned = time.perf_counter()
         parts = None
         if self.trace is not None:  # where the iteration's host time goes, for the step trace
             parts = {"collect_first": (time.perf_counter() - t0) * 1e3} if first else {}
+            if self.held_s > 0:
+                parts["hold"] = self.held_s * 1e3
             if hasattr(self.runner, "launch_parts"):
                 self.runner.launch_parts = parts
         for src, dst in self.scheduler.pending_copies:  # prompts shared early: copied before anything writes their ring
@@ -88,6 +108,8 @@ class EngineCore:
             assert prev is not None
             done += self._collect(prev)
             prev = None
+            if self.launch_hold is not None:
+                self.launch_hold.idle(self.held_s > 0)
             items = self.scheduler.schedule(preempt_ok=True)
         handle = None
         t1 = t2 = time.perf_counter()
@@ -102,8 +124,22 @@ class EngineCore:
             handle = self.runner.launch(items, prev, self.num_steps)
             self.scheduler.on_launch(items, self.num_steps)
             t2, c2 = time.perf_counter(), cpu()
+        hold = self.launch_hold
+        if hold is not None and handle is not None:
+            hold.launched(t2 - t_planned, not self._decode_only(items))
+        # the step in flight still running once the next is queued: the host blocks on it, and the next
+        # step begins on the GPU when its tokens come (engine/launch_hold.py's clock)
+        queued = hold is not None and prev is not None and handle is not None and not self.runner.ready(prev)
         if prev is not None:
             done += self._collect(prev)
+            if hold is not None:
+                if handle is None:
+                    hold.idle(self.held_s > 0)
+                else:
+                    hold.collected(self._t_tokens, queued, self._decode_only(prev.items), self._decode_only(items),
+                                   self.held_s > 0)
+        elif hold is not None and handle is not None:
+            hold.started, hold.decode_only = None, False  # launched onto an idle GPU: its start was not seen
         if self.trace is not None and (items or collected is not None):
             self.trace.record(self.num_steps if items else 0, t_mono, items or (), t1 - t0, t2 - t1,
                               time.perf_counter() - t2, collected.no if collected is not None else None,
@@ -112,6 +148,7 @@ class EngineCore:
         if handle is not None and handle.deferred is not None:  # grammar rows: masks need prev's tokens
             self.runner.finish_sample(handle)
         self.inflight = handle
+        self.held_s = 0.0
         if handle is not None and not self.overlap:
             done += self._collect(handle)
         if (dt := time.perf_counter() - t0) > SLOW_STEP_S:
@@ -129,6 +166,11 @@ class EngineCore:
         self.scheduler.finish(seq, FinishReason.ABORT)
 
     @staticmethod
+    def _decode_only(items) -> bool:
+        """No prompt chunk in the step: every row decodes one token (engine/step_trace.py's chunks == 0)."""
+        return all(it.q_len == 1 and it.start >= len(it.seq.prompt_ids) for it in items)
+
+    @staticmethod
     def _first_tokens(h: StepHandle) -> bool:
         """The step samples some prompt's first token (a chunk that completes its prompt)."""
         return any(it.sample and it.start < len(it.seq.prompt_ids) for it in h.items)
@@ -136,6 +178,7 @@ class EngineCore:
     def _collect(self, h: StepHandle | None) -> list[Sequence]:
         assert h is not None
         tokens, lps = self.runner.collect(h)
+        self._t_tokens = time.perf_counter()
         if self.inflight is h:
             self.inflight = None
         done = self.scheduler.postprocess(h.items, tokens, lps)

@@ -14,7 +14,8 @@ iteration collected. launch_cpu_ms: the loop thread's CPU time during the launch
 launch_ms: the thread waited: the GIL, a preempted core); collected_gpu_ms: the collected step's span
 on the GPU (CUDA runs with a trace only; see engine.runner.time_gpu); collected_first: that step was
 done when the iteration began, so it was collected before this launch (sched_ms includes it;
-engine.core). Parts, where measured: collect_first_ms (that early collect, inside sched_ms), and inside
+engine.core). Parts, where measured: collect_first_ms (that early collect, inside sched_ms), hold_ms (the
+launch held for arrivals before the iteration, --launch-hold: not in sched_ms), and inside
 launch_ms meta_ms (step metadata, attention plans, piecewise tables), forward_ms (the forward's launches
 or a graph replay) and sample_ms (queueing the sampler). Without a path the rows stay in memory
 (`rows`): the start-up warm-up and benchmarks/mixed_step.py read them.

@@ -100,6 +100,10 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                    help="overlapped loop: wait up to this long for a step that sampled prompts' first tokens "
                         "before planning the next one (engine/core.py); 0 = off, the default: measured worse served "
                         "(multi-turn-colocated-pw-10/11: cached turns' TTFT p50 51.6 / 69.0 ms with 3 ms, 42.3 / 57.6 without)")
+    p.add_argument("--launch-hold", action=argparse.BooleanOptionalAction, default=False,
+                   help="decode worker, overlapped loop on a GPU: hold the next step's launch until shortly before "
+                        "the step in flight is predicted to end, handling arrivals meanwhile, so a new request joins "
+                        "the next step rather than the one after it (engine/launch_hold.py)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="content-addressed KV pages kept after a request ends and reused by later prompts "
                         "with the same prefix (model/prefix_cache.py)")
