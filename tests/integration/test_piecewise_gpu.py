@@ -28,7 +28,9 @@ from model.kv_cache import SeqPages
 
 pytestmark = pytest.mark.gpu
 
-LAYERS = 4
+# TANDEM_PW_LAYERS=2 (suite launch-hold-ab): fewer random layers amplify rounding less, which tells a
+# kernel's rounding (grows with depth) from a fault (large from the first layer on)
+LAYERS = int(os.environ.get("TANDEM_PW_LAYERS", "4"))
 REL_BOUND = 3e-2  # hidden, logits, K/V: relative Frobenius error, piecewise vs eager
 TIE = 0.25  # two bf16 steps at the random model's top logits (~16-20): a near-tie below this margin
 BUILD_S: list[float] = []
@@ -120,7 +122,8 @@ def test_piecewise_gpu_matches_eager(parts):
         for s in seqs:
             kv.release(s)
         if os.environ.get("OUT"):
-            name = f"piecewise_gpu_graphed{len(graphed)}.json" if graphed else "piecewise_gpu.json"
+            name = (f"piecewise_gpu_graphed{len(graphed)}" if graphed else "piecewise_gpu") + \
+                ("" if LAYERS == 4 else f"_{LAYERS}layers") + ".json"
             Path(os.environ["OUT"], name).write_text(json.dumps(report, indent=1) + "\n")
     assert kv.num_free() == free0 == tuple(parts.spec.num_pages)
 
