@@ -162,8 +162,8 @@ ISSUE_SUITES: dict[str, Suite] = {
                     "multi-turn-colocated-pw-10/11 (2026-12-03): 2.82x and 2.83x with the defaults")),
     # multi-turn-colocated-ab-1 (H100): a cached turn's TTFT p50 was 40.8 ms with either graph set, ~3 decode
     # periods (steps of ~63 sequences took ~11-13 ms): the overlapped loop queues step N+1 before an arrival
-    # can join it. --launch-hold (engine/launch_hold.py) holds that launch until shortly before N ends; the
-    # lead it keeps is the next launch's host time, so it holds longer where mixed launches are short
+    # can join it. --launch-hold (engine/launch_hold.py) holds that launch until a decode launch's time before N
+    # ends; a prompt joins if its mixed launch still fits, so it gains more where mixed launches are short
     # (attention in the graphs: 3.3 ms p50 against the islands' 10). TPOT p50 in the table: the price, if any.
     "launch-hold-ab": Suite(
         "issue 25: the piecewise GPU tests' eager comparison on 2 random layers (attention in the graphs differed "

@@ -24,6 +24,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from common.stall import StallWatch
 from common.worker_io import WorkerIO
 from decode_worker.engine import DecodeEngine
+from engine.launch_hold import Hold
 from engine.prefix_metrics import PrefixMetrics, status_fields, with_events
 from model.kv_cache import PageGroup
 from wire.protocol import (Abort, AdmitRequest, GenerateRequest, Rejected, StartDecode, StatusRequest, TokenChunk,
@@ -129,7 +130,7 @@ class DecodeServer:
                 self.handle(peer, msg, received)
             for peer, chunk in e.poll_transfers():
                 self.io.send(peer, chunk)
-            if not self.draining.is_set() and (hold := e.core.launch_hold_s()) > 0:
+            if not self.draining.is_set() and (hold := e.core.hold()) is not None:
                 self._hold(hold)
             t0 = time.perf_counter()
             out = e.step()
@@ -150,16 +151,20 @@ class DecodeServer:
                      h.margin_s * 1e3)
         log.info("drained; exiting")
 
-    def _hold(self, seconds: float) -> None:
-        """--launch-hold (engine/launch_hold.py): handle arrivals until `seconds` pass or a prompt waits to
-        be scheduled (its mixed step's longer launch gets the rest of the time), then the step launches."""
+    def _hold(self, hold: Hold) -> None:
+        """--launch-hold (engine/launch_hold.py): handle arrivals until `hold.until`. A prompt arriving while
+        its mixed launch still fits (`admit_until`) ends the hold and joins the step; a later one is left for
+        the step after (the core's `admit`), which it would have joined without the hold."""
         e = self.engine
         t0 = time.perf_counter()
-        end = t0 + seconds
-        while (left := end - time.perf_counter()) > 0 and not e.scheduler.waiting:
+        while (left := hold.until - time.perf_counter()) > 0:
             for peer, msg, received in self.io.drain_timed(min(left, 0.0005)):
                 self.handle(peer, msg, received)
             for peer, chunk in e.poll_transfers():
                 self.io.send(peer, chunk)
+            if e.scheduler.waiting and e.core.admit:
+                if time.perf_counter() <= hold.admit_until:
+                    break
+                e.core.admit = False
         e.core.held_s = time.perf_counter() - t0
         HELD.observe(e.core.held_s)

@@ -23,7 +23,7 @@ waiting without a bound (multi-turn-colocated-pw-6) and with 3 ms, in both order
 51.6 vs 42.3 ms, p99 498 vs 84; run 11: 69.0 vs 57.6; queue and local prefill both longer). Kept as the A/B's switch.
 With `launch_hold` (--launch-hold, engine/launch_hold.py) the decode worker's loop holds the next
 launch until shortly before the step in flight is predicted to end, so requests arriving meanwhile
-join the next step instead of the one after it; this class keeps the estimates (`launch_hold_s`).
+join the next step instead of the one after it; this class keeps the estimates (`hold`).
 With `overlap=False` (or a runner that cannot overlap, such as a tensor-parallel group's) every
 step is collected right after its launch: the same code, synchronous.
 """
@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.launch_hold import LaunchHold
+from engine.launch_hold import Hold, LaunchHold
 from engine.runner import ModelRunner, StepHandle
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
@@ -59,18 +59,19 @@ class EngineCore:
         self.first_token_wait_s = 0.0  # --first-token-wait-ms (decode worker, off by default: measured worse)
         self.launch_hold: LaunchHold | None = None  # --launch-hold (decode worker; a GPU runner that overlaps)
         self.held_s = 0.0  # how long the caller held this iteration's launch (the step trace's hold_ms)
+        self.admit = True  # False: the caller's hold deferred a late arrival to the step after this one
         self._t_tokens = 0.0  # perf_counter when the last collect's tokens reached the host
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self.inflight is not None
 
-    def launch_hold_s(self) -> float:
-        """How long the caller may hold this iteration (handling arrivals) before calling step(): 0 unless
-        holding is on, a decode-only step is in flight and nothing waits to be scheduled."""
+    def hold(self) -> Hold | None:
+        """The hold the caller may take (handling arrivals) before calling step(), or None: only with
+        holding on, a decode-only step in flight and nothing waiting to be scheduled."""
         h = self.launch_hold
         if h is None or self.inflight is None or self.scheduler.waiting or not self.overlap:
-            return 0.0
+            return None
         return h.hold(time.perf_counter())
 
     def step(self) -> list[Sequence]:
@@ -103,7 +104,7 @@ class EngineCore:
         for src, dst in self.scheduler.pending_copies:  # prompts shared early: copied before anything writes their ring
             self.runner.copy_sliding_pages(src, dst)
         self.scheduler.pending_copies.clear()
-        items = self.scheduler.schedule(preempt_ok=prev is None)
+        items = self.scheduler.schedule(preempt_ok=prev is None, admit=self.admit)
         if items is None:  # a preemption is due: complete the step in flight, then preempt
             assert prev is not None
             done += self._collect(prev)
@@ -148,7 +149,7 @@ class EngineCore:
         if handle is not None and handle.deferred is not None:  # grammar rows: masks need prev's tokens
             self.runner.finish_sample(handle)
         self.inflight = handle
-        self.held_s = 0.0
+        self.held_s, self.admit = 0.0, True
         if handle is not None and not self.overlap:
             done += self._collect(handle)
         if (dt := time.perf_counter() - t0) > SLOW_STEP_S:

@@ -8,9 +8,12 @@ request arriving in the hold join N+1: with steps of period P and a hold of D, t
 from 2.5 P to 2.5 P - D (multi-turn-colocated-ab-1, H100: decode steps of ~63 sequences at ~3.6k
 context took ~11-13 ms and a cached turn's TTFT p50 was 40.8 ms, ~3 periods with the launches).
 
-What is kept before N's predicted end (the lead) is the next launch's host time (scheduler and launch,
-a mixed step's as well as a decode step's: an arrival makes the next step mixed) plus a margin. A
-hold is taken only when both are known: N is a decode-only step (its span is predicted by the spans of
+What is kept before N's predicted end (the lead) is the next launch's host time (scheduler and launch)
+plus a margin: a decode step's launch when nothing arrives, which is where the hold ends. An arrival
+makes the next step mixed, whose launch is longer (10 ms p50 with attention as islands, 3.3 in the
+graphs): one that comes while a mixed launch still fits before N's end ends the hold and joins the next
+step; a later one waits for the step after (`admit_until`), as it would have without the hold, rather
+than leave the GPU idle while its step launches. A hold is taken only when both are known: N is a decode-only step (its span is predicted by the spans of
 recent decode-only steps) and N's start on the GPU was seen (N was queued behind N-1, and the host
 blocked on N-1's tokens: N began when they came). A launch that came too late shows as the step before
 it already done when the host looked: the GPU idled. The margin then doubles (up to MAX_MARGIN_S) and
@@ -39,6 +42,12 @@ def hold_seconds(started: float | None, span: float | None, lead: float, now: fl
     return max(0.0, started + span - lead - now)
 
 
+@dataclass(frozen=True, slots=True)
+class Hold:
+    until: float  # perf_counter: launch then (a decode step's lead before the step in flight ends)
+    admit_until: float  # a prompt arriving before this joins the next step (its mixed launch still fits)
+
+
 def _quantile(xs, q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -54,14 +63,19 @@ class LaunchHold:
     holds: int = 0  # launches held
     late: int = 0  # held launches that came after the GPU went idle
 
-    def lead(self) -> float:
-        return max((_quantile(v, LAUNCH_Q) for v in self.launch_s.values()), default=0.0) + self.margin_s
+    def lead(self, mixed: bool) -> float:
+        """Host time kept before the predicted end for the next launch (decode-only or mixed)."""
+        return _quantile(self.launch_s[mixed], LAUNCH_Q) + self.margin_s
 
-    def hold(self, now: float) -> float:
-        """Seconds to hold the next launch now (0: launch at once)."""
-        if not self.decode_only or len(self.spans) < MIN_SPANS or True not in self.launch_s:
-            return 0.0  # no mixed launch seen yet: its time (the lead an arrival needs) is not known
-        return hold_seconds(self.started, statistics.median(self.spans), self.lead(), now)
+    def hold(self, now: float) -> Hold | None:
+        """The hold to take now, or None: launch at once."""
+        if not self.decode_only or len(self.spans) < MIN_SPANS or len(self.launch_s) < 2:
+            return None  # both kinds of launch seen: the leads are known
+        span = statistics.median(self.spans)
+        wait = hold_seconds(self.started, span, self.lead(False), now)
+        if wait <= 0:
+            return None
+        return Hold(now + wait, now + hold_seconds(self.started, span, self.lead(True), now))
 
     def launched(self, seconds: float, mixed: bool) -> None:
         """A step was scheduled and launched in `seconds` of host time."""

@@ -100,8 +100,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step -------------------------------------------------------------------------------
-    def schedule(self, preempt_ok: bool = True) -> list[ScheduledSeq] | None:
-        """The next step's batch; None when it needs a preemption and `preempt_ok` is False."""
+    def schedule(self, preempt_ok: bool = True, admit: bool = True) -> list[ScheduledSeq] | None:
+        """The next step's batch; None when it needs a preemption and `preempt_ok` is False. `admit`:
+        waiting sequences may start (False: the running ones only, engine/launch_hold.py)."""
         budget = self.cfg.max_num_batched_tokens
         items: list[ScheduledSeq] = []
         i = 0
@@ -117,7 +118,7 @@ class Scheduler:
                 break  # seq itself was preempted (it was the newest)
             items.append(ScheduledSeq(seq, seq.num_cached, q, q == seq.num_uncached))
             budget -= q
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             hit = self.lookup(seq)
             q = min(seq.total_len - hit.num_tokens, budget)

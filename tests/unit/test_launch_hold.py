@@ -35,11 +35,15 @@ def _learned(span=0.012, launch_dec=0.002, launch_mix=0.003) -> LaunchHold:
     return h
 
 
-def test_prediction_from_decode_spans_and_lead_from_both_launch_kinds():
+def test_prediction_from_decode_spans_and_leads_from_each_launch_kind():
     h = _learned()
     assert list(h.spans) == pytest.approx([0.012] * 4)  # the first decode step began when the mixed one ended
-    assert h.lead() == pytest.approx(0.003 + BASE_MARGIN_S)  # a mixed launch is the longer: an arrival needs it
-    assert h.hold(h.started + 0.001) == pytest.approx(0.012 - 0.003 - BASE_MARGIN_S - 0.001)
+    assert h.lead(False) == pytest.approx(0.002 + BASE_MARGIN_S) and h.lead(True) == pytest.approx(0.003 + BASE_MARGIN_S)
+    now = h.started + 0.001
+    hold = h.hold(now)  # until a decode launch's lead before the end; prompts admitted while a mixed one fits
+    assert hold.until == pytest.approx(h.started + 0.012 - 0.002 - BASE_MARGIN_S)
+    assert hold.admit_until == pytest.approx(h.started + 0.012 - 0.003 - BASE_MARGIN_S)
+    assert h.hold(h.started + 0.012 - 0.002 - BASE_MARGIN_S + 1e-4) is None  # the moment passed
 
 
 def test_no_hold_without_what_the_prediction_needs():
@@ -47,13 +51,13 @@ def test_no_hold_without_what_the_prediction_needs():
     for _ in range(5):
         h.launched(0.002, mixed=False)
         h.collected(time.perf_counter(), True, True, True, False)
-    assert h.hold(h.started) == 0.0  # no mixed launch seen: the lead an arrival needs is unknown
+    assert h.hold(h.started) is None  # no mixed launch seen: the lead an arrival needs is unknown
     h = _learned()
     h.collected(h.started + 0.012, queued=True, prev_decode_only=True, next_decode_only=False, held=False)
-    assert h.hold(h.started) == 0.0  # a mixed step in flight: its span is not predicted
+    assert h.hold(h.started) is None  # a mixed step in flight: its span is not predicted
     h = _learned()
     h.collected(h.started + 0.02, queued=False, prev_decode_only=True, next_decode_only=True, held=False)
-    assert h.started is None and h.hold(time.perf_counter()) == 0.0  # the in-flight step's start was not seen
+    assert h.started is None and h.hold(time.perf_counter()) is None  # the in-flight step's start was not seen
 
 
 def test_a_late_held_launch_widens_the_margin_and_timely_ones_narrow_it():
@@ -111,18 +115,18 @@ def _core(span: float, hold: bool):
 
 
 def _serve(core, arrivals: dict[int, Sequence], holds: list):
-    """The decode server's loop, reduced: hold (an arrival due in the hold is added and ends it), step."""
+    """The decode server's loop, reduced: hold (sleeping), step; arrivals come between iterations."""
     outputs, n = {}, 0
     pending = dict(arrivals)
     while core.has_work or pending:
         n += 1
         if n in pending:  # arrives before this iteration's hold
             core.scheduler.add(pending.pop(n))
-        hold = core.launch_hold_s()
-        if hold > 0:
-            time.sleep(hold)
-            core.held_s = hold
-        holds.append(hold)
+        hold = core.hold()
+        if hold is not None:
+            core.held_s = max(0.0, hold.until - time.perf_counter())
+            time.sleep(core.held_s)
+        holds.append(core.held_s)
         for seq in core.step():
             outputs[seq.request_id] = list(seq.output_ids)
     return outputs
@@ -168,7 +172,7 @@ def test_an_arrival_during_the_hold_joins_the_next_launch():
     launch = core.runner.launch
     core.runner.launch = lambda items, prev=None, no=0, **kw: (launched.append({it.seq.request_id for it in items}),
                                                               launch(items, prev, no, **kw))[1]
-    while core.launch_hold_s() == 0.0:  # until the estimates allow a hold (a mixed launch, decode spans)
+    while core.hold() is None:  # until the estimates allow a hold (a mixed launch, decode spans)
         core.step()
         if len(launched) == 3:  # a mixed launch: a short prompt joins the batch
             core.scheduler.add(Sequence("warm", [5, 6, 7], SamplingParams(max_tokens=30, temperature=0.0)))
@@ -176,25 +180,41 @@ def test_an_arrival_during_the_hold_joins_the_next_launch():
     n = len(launched)
     newcomer = Sequence("new", [9, 8, 7, 6], SamplingParams(max_tokens=2, temperature=0.0))
     core.scheduler.add(newcomer)  # arrives during the hold (the server's _hold ends it: a prompt waits)
-    assert core.launch_hold_s() == 0.0
+    assert core.hold() is None
     core.held_s = 0.001
     core.step()
     assert "new" in launched[n]
+    while core.hold() is None:
+        core.step()
+    late = Sequence("late", [4, 3, 2], SamplingParams(max_tokens=2, temperature=0.0))
+    core.scheduler.add(late)  # after admit_until: the hold defers it to the step after
+    core.admit, core.held_s = False, 0.001
+    core.step()
+    assert "late" not in launched[-1] and late in core.scheduler.waiting and core.admit
+    core.step()
+    assert "late" in launched[-1]
     while core.has_work:
         core.step()
 
 
-def test_server_hold_ends_when_a_prompt_waits():
-    from decode_worker.server import DecodeServer
-
-    waiting = []
-    msgs = [[], [], [("peer", "generate", 0.0)], []]
-    calls = []
-    engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=waiting), core=SimpleNamespace(held_s=0.0),
+def _server(msgs):
+    waiting, calls = [], []
+    engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=waiting), core=SimpleNamespace(held_s=0.0, admit=True),
                              poll_transfers=lambda: [])
     io = SimpleNamespace(drain_timed=lambda t: (calls.append(t), msgs.pop(0) if msgs else [])[1])
-    server = SimpleNamespace(engine=engine, io=io, handle=lambda peer, msg, received: waiting.append(msg))
+    return SimpleNamespace(engine=engine, io=io, handle=lambda peer, msg, received: waiting.append(msg)), calls
+
+
+def test_server_hold_ends_when_a_prompt_arrives_in_time_and_defers_a_late_one():
+    from decode_worker.server import DecodeServer
+    from engine.launch_hold import Hold
+
+    server, calls = _server([[], [], [("peer", "generate", 0.0)], []])
     t0 = time.perf_counter()
-    DecodeServer._hold(server, 1.0)
-    assert time.perf_counter() - t0 < 0.5 and waiting == ["generate"] and len(calls) == 3
-    assert all(t <= 0.0005 for t in calls) and 0 < engine.core.held_s < 0.5
+    DecodeServer._hold(server, Hold(t0 + 1.0, t0 + 1.0))
+    assert time.perf_counter() - t0 < 0.5 and server.engine.scheduler.waiting == ["generate"] and len(calls) == 3
+    assert all(t <= 0.0005 for t in calls) and 0 < server.engine.core.held_s < 0.5 and server.engine.core.admit
+    server, calls = _server([[("peer", "generate", 0.0)]])
+    t0 = time.perf_counter()
+    DecodeServer._hold(server, Hold(t0 + 0.02, t0 - 1.0))  # its mixed launch no longer fits: held to the end
+    assert server.engine.core.held_s >= 0.0195 and not server.engine.core.admit
