@@ -162,6 +162,8 @@ class DecodeServer:
                 self.handle(peer, msg, received)
             for peer, chunk in e.poll_transfers():
                 self.io.send(peer, chunk)
+            if e.core.inflight_done():
+                break  # predicted too long: the GPU went idle (the next collect counts the launch late)
             if e.scheduler.waiting and e.core.admit:
                 if time.perf_counter() <= hold.admit_until:
                     break

@@ -74,6 +74,10 @@ class EngineCore:
             return None
         return h.hold(time.perf_counter())
 
+    def inflight_done(self) -> bool:
+        """The step in flight finished on the GPU (a hold that outlasts it stops: the GPU is idle)."""
+        return self.inflight is not None and self.runner.ready(self.inflight)
+
     def step(self) -> list[Sequence]:
         """One iteration. Returns the sequences that received a token (finished ones included)."""
         t0 = time.perf_counter()

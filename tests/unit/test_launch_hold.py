@@ -199,8 +199,8 @@ def test_an_arrival_during_the_hold_joins_the_next_launch():
 
 def _server(msgs):
     waiting, calls = [], []
-    engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=waiting), core=SimpleNamespace(held_s=0.0, admit=True),
-                             poll_transfers=lambda: [])
+    core = SimpleNamespace(held_s=0.0, admit=True, inflight_done=lambda: False)
+    engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=waiting), core=core, poll_transfers=lambda: [])
     io = SimpleNamespace(drain_timed=lambda t: (calls.append(t), msgs.pop(0) if msgs else [])[1])
     return SimpleNamespace(engine=engine, io=io, handle=lambda peer, msg, received: waiting.append(msg)), calls
 
@@ -218,3 +218,8 @@ def test_server_hold_ends_when_a_prompt_arrives_in_time_and_defers_a_late_one():
     t0 = time.perf_counter()
     DecodeServer._hold(server, Hold(t0 + 0.02, t0 - 1.0))  # its mixed launch no longer fits: held to the end
     assert server.engine.core.held_s >= 0.0195 and not server.engine.core.admit
+    server, calls = _server([])
+    server.engine.core.inflight_done = lambda: len(calls) >= 2  # the step in flight ends early
+    t0 = time.perf_counter()
+    DecodeServer._hold(server, Hold(t0 + 1.0, t0 + 1.0))
+    assert len(calls) == 2 and server.engine.core.held_s < 0.5
