@@ -60,12 +60,13 @@ def load(folder: Path) -> dict[str, dict]:
     """The folder's results by the name the report reads them by: its top-level JSON (suite.json aside)
     and what its suite-run sub-folders publish."""
     docs = {p.name: _read(p) for p in sorted(folder.glob("*.json")) if p.name != "suite.json"}
-    for sub in suite_folders(folder):
+    subs = suite_folders(folder)
+    for sub in subs:
         for name, rel in _read(sub / "suite.json").get("published", {}).items():
             if name in docs:
                 raise ConfigError(f"{folder}: {name} is published by {sub.name}/ and exists already; rename one")
             docs[name] = _read(sub / rel)
-    if not docs:
+    if not docs and not subs:  # suite runs that publish nothing (multi-turn A/Bs) still make a dated page
         raise ConfigError(f"no JSON results in {folder}")
     return docs
 
