@@ -168,14 +168,16 @@ ISSUE_SUITES: dict[str, Suite] = {
     "launch-hold-ab": Suite(
         "issue 25: the piecewise GPU tests' eager comparison on 2 random layers (attention in the graphs differed "
         "by 0.086 on 4: rounding amplified, or a fault?), then multi-turn-colocated-pw's served run (64 x 8 turns, "
-        "ONE decode worker, step trace) with the defaults, with --launch-hold, and with --launch-hold --piecewise-graphed-attention all --piecewise-buckets "
-        "fine; each with and without prefix caching",
+        "ONE decode worker, step trace) with the defaults, with --launch-hold, with --launch-hold --launch-hold-bubble "
+        "0.25, and with --launch-hold --piecewise-graphed-attention all --piecewise-buckets fine; each with and without "
+        "prefix caching",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(step("piecewise-2layers", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
                                          "tests/integration/test_piecewise_gpu.py -k matches_eager", 90, summary=PYTEST,
                     env={"TANDEM_PW_LAYERS": "2"}),
                colocated_pw_step("colocated-1-pw", 150),
                colocated_pw_step("colocated-1-hold", 150, "--launch-hold "),
+               colocated_pw_step("colocated-1-hold-bubble", 150, "--launch-hold --launch-hold-bubble 0.25 "),
                colocated_pw_step("colocated-1-hold-graphed-fine", 150,
                                  "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine ")),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",

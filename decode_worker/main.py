@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
         engine.core.collect_ready = engine.core.collect_ready and a.collect_order != "launch"
         engine.core.first_token_wait_s = max(a.first_token_wait_ms, 0.0) / 1e3
         if a.launch_hold and engine.core.overlap and a.device.startswith("cuda"):  # CPU steps have no GPU clock
-            engine.core.launch_hold = LaunchHold()
+            engine.core.launch_hold = LaunchHold(bubble_frac=max(a.launch_hold_bubble, 0.0))
         if a.step_trace:
             from engine.step_trace import StepTrace
 

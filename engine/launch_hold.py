@@ -13,7 +13,10 @@ plus a margin: a decode step's launch when nothing arrives, which is where the h
 makes the next step mixed, whose launch is longer (10 ms p50 with attention as islands, 3.3 in the
 graphs): one that comes while a mixed launch still fits before N's end ends the hold and joins the next
 step; a later one waits for the step after (`admit_until`), as it would have without the hold, rather
-than leave the GPU idle while its step launches. A hold is taken only when both are known: N is a decode-only step (its span is predicted by the spans of
+than leave the GPU idle while its step launches. With `bubble_frac` > 0 (--launch-hold-bubble) a prompt
+is admitted while its launch at the median would leave the GPU idle for at most that share of a step:
+one request's first token a whole step earlier against every running sequence's next token a little
+later. A hold is taken only when both are known: N is a decode-only step (its span is predicted by the spans of
 recent decode-only steps) and N's start on the GPU was seen (N was queued behind N-1, and the host
 blocked on N-1's tokens: N began when they came). A launch that came too late shows as the step before
 it already done when the host looked: the GPU idled. The margin then doubles (up to MAX_MARGIN_S) and
@@ -62,6 +65,7 @@ class LaunchHold:
     decode_only: bool = False  # the in-flight step has no prompt chunk
     holds: int = 0  # launches held
     late: int = 0  # held launches that came after the GPU went idle
+    bubble_frac: float = 0.0  # --launch-hold-bubble: idle GPU time an admitted prompt may cost, share of a step
 
     def lead(self, mixed: bool) -> float:
         """Host time kept before the predicted end for the next launch (decode-only or mixed)."""
@@ -75,7 +79,9 @@ class LaunchHold:
         wait = hold_seconds(self.started, span, self.lead(False), now)
         if wait <= 0:
             return None
-        return Hold(now + wait, now + hold_seconds(self.started, span, self.lead(True), now))
+        admit_lead = self.lead(True) if self.bubble_frac <= 0 else \
+            statistics.median(self.launch_s[True]) - self.bubble_frac * span
+        return Hold(now + wait, self.started + span - admit_lead)
 
     def launched(self, seconds: float, mixed: bool) -> None:
         """A step was scheduled and launched in `seconds` of host time."""

@@ -104,6 +104,10 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                    help="decode worker, overlapped loop on a GPU: hold the next step's launch until shortly before "
                         "the step in flight is predicted to end, handling arrivals meanwhile, so a new request joins "
                         "the next step rather than the one after it (engine/launch_hold.py)")
+    p.add_argument("--launch-hold-bubble", type=float, default=0.0, metavar="FRAC",
+                   help="with --launch-hold: a prompt arriving in the hold joins the next step while its launch (at "
+                        "the median) would leave the GPU idle for at most this share of a step (0: only while it "
+                        "fits with the margin)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="content-addressed KV pages kept after a request ends and reused by later prompts "
                         "with the same prefix (model/prefix_cache.py)")
