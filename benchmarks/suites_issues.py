@@ -169,8 +169,8 @@ ISSUE_SUITES: dict[str, Suite] = {
         "issue 25: the piecewise GPU tests' eager comparison on 2 random layers (attention in the graphs differed "
         "by 0.086 on 4: rounding amplified, or a fault?), then multi-turn-colocated-pw's served run (64 x 8 turns, "
         "ONE decode worker, step trace) with the defaults, with --launch-hold, with --launch-hold --launch-hold-bubble "
-        "0.25, and with --launch-hold --piecewise-graphed-attention all --piecewise-buckets fine; each with and without "
-        "prefix caching",
+        "0.25 and 0.5, and with --launch-hold --piecewise-graphed-attention all --piecewise-buckets fine (bubble 0 and "
+        "0.25); each with and without prefix caching (run with --only: the whole is more than one device call)",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(step("piecewise-2layers", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
                                          "tests/integration/test_piecewise_gpu.py -k matches_eager", 90, summary=PYTEST,
@@ -178,8 +178,12 @@ ISSUE_SUITES: dict[str, Suite] = {
                colocated_pw_step("colocated-1-pw", 150),
                colocated_pw_step("colocated-1-hold", 150, "--launch-hold "),
                colocated_pw_step("colocated-1-hold-bubble", 150, "--launch-hold --launch-hold-bubble 0.25 "),
+               colocated_pw_step("colocated-1-hold-bubble50", 150, "--launch-hold --launch-hold-bubble 0.5 "),
                colocated_pw_step("colocated-1-hold-graphed-fine", 150,
-                                 "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine ")),
+                                 "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine "),
+               colocated_pw_step("colocated-1-hold-graphed-fine-bubble25", 150,
+                                 "--launch-hold --launch-hold-bubble 0.25 --piecewise-graphed-attention all "
+                                 "--piecewise-buckets fine ")),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
                     "multi-turn-colocated-ab-1 (2026-12-06, H100): 2.62x with the defaults")),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1

@@ -11,8 +11,8 @@ context took ~11-13 ms and a cached turn's TTFT p50 was 40.8 ms, ~3 periods with
 What is kept before N's predicted end (the lead) is the next launch's host time (scheduler and launch)
 plus a margin: a decode step's launch when nothing arrives, which is where the hold ends. An arrival
 makes the next step mixed, whose launch is longer (10 ms p50 with attention as islands, 3.3 in the
-graphs): one that comes while a mixed launch still fits before N's end ends the hold and joins the next
-step; a later one waits for the step after (`admit_until`), as it would have without the hold, rather
+graphs): one that comes while a mixed launch (at its median, with the base margin) still fits before N's
+end ends the hold and joins the next step; a later one waits for the step after (`admit_until`), as it would have without the hold, rather
 than leave the GPU idle while its step launches. With `bubble_frac` > 0 (--launch-hold-bubble) a prompt
 is admitted while its launch at the median would leave the GPU idle for at most that share of a step:
 one request's first token a whole step earlier against every running sequence's next token a little
@@ -79,8 +79,10 @@ class LaunchHold:
         wait = hold_seconds(self.started, span, self.lead(False), now)
         if wait <= 0:
             return None
-        admit_lead = self.lead(True) if self.bubble_frac <= 0 else \
-            statistics.median(self.launch_s[True]) - self.bubble_frac * span
+        # an arrival's mixed launch at the median, with the base margin: launch-hold-ab-1 (H100) held 770 launches
+        # with the decode lead's p80 and adaptive margin for both, and deferred every arrival (they came ~5 ms
+        # into ~12 ms steps; attention in the graphs launches a mixed step in 3.7 ms p50)
+        admit_lead = statistics.median(self.launch_s[True]) + BASE_MARGIN_S - self.bubble_frac * span
         return Hold(now + wait, self.started + span - admit_lead)
 
     def launched(self, seconds: float, mixed: bool) -> None:

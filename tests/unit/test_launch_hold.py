@@ -43,6 +43,9 @@ def test_prediction_from_decode_spans_and_leads_from_each_launch_kind():
     hold = h.hold(now)  # until a decode launch's lead before the end; prompts admitted while a mixed one fits
     assert hold.until == pytest.approx(h.started + 0.012 - 0.002 - BASE_MARGIN_S)
     assert hold.admit_until == pytest.approx(h.started + 0.012 - 0.003 - BASE_MARGIN_S)
+    h.margin_s = 4 * BASE_MARGIN_S  # widened by late decode launches: the decode deadline moves, admission not
+    assert h.hold(now).until == pytest.approx(h.started + 0.012 - 0.002 - 4 * BASE_MARGIN_S)
+    assert h.hold(now).admit_until == pytest.approx(hold.admit_until)
     assert h.hold(h.started + 0.012 - 0.002 - BASE_MARGIN_S + 1e-4) is None  # the moment passed
 
 
@@ -51,7 +54,7 @@ def test_a_bubble_share_admits_prompts_later():
     h.bubble_frac = 0.25
     hold = h.hold(h.started + 0.001)
     # admitted while a median mixed launch (3 ms) ends no more than a quarter step (3 ms) after the end
-    assert hold.admit_until == pytest.approx(h.started + 0.012 - 0.003 + 0.25 * 0.012)
+    assert hold.admit_until == pytest.approx(h.started + 0.012 - 0.003 - BASE_MARGIN_S + 0.25 * 0.012)
     assert hold.until == pytest.approx(h.started + 0.012 - 0.002 - BASE_MARGIN_S)
 
 
