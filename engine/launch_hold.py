@@ -8,19 +8,19 @@ request arriving in the hold join N+1: with steps of period P and a hold of D, t
 from 2.5 P to 2.5 P - D (multi-turn-colocated-ab-1, H100: decode steps of ~63 sequences at ~3.6k
 context took ~11-13 ms and a cached turn's TTFT p50 was 40.8 ms, ~3 periods with the launches).
 
-What is kept before N's predicted end (the lead) is the next launch's host time (scheduler and launch)
-plus a margin: a decode step's launch when nothing arrives, which is where the hold ends. An arrival
-makes the next step mixed, whose launch is longer (10 ms p50 with attention as islands, 3.3 in the
-graphs): one that comes while a mixed launch (at its median, with the base margin) still fits before N's
-end ends the hold and joins the next step; a later one waits for the step after (`admit_until`), as it would have without the hold, rather
-than leave the GPU idle while its step launches. With `bubble_frac` > 0 (--launch-hold-bubble) a prompt
-is admitted while its launch at the median would leave the GPU idle for at most that share of a step:
-one request's first token a whole step earlier against every running sequence's next token a little
-later. A hold is taken only when both are known: N is a decode-only step (its span is predicted by the spans of
-recent decode-only steps) and N's start on the GPU was seen (N was queued behind N-1, and the host
-blocked on N-1's tokens: N began when they came). A launch that came too late shows as the step before
-it already done when the host looked: the GPU idled. The margin then doubles (up to MAX_MARGIN_S) and
-decays back while holds land in time.
+What is kept before N's predicted end (the lead) is the next launch's host time (scheduler and launch) plus
+a margin: a decode step's launch when nothing arrives, which is where the hold ends. An arrival makes the
+next step mixed, whose launch is longer (10 ms p50 with attention as islands, 3.3 in the graphs): one that
+comes while a mixed launch (at its median, with the base margin) still fits before N's end ends the hold and
+joins the next step; a later one waits for the step after (`admit_until`), as it would have without the
+hold, rather than leave the GPU idle while its step launches. With `bubble_frac` > 0 (--launch-hold-bubble)
+a prompt is admitted while its launch at the median would leave the GPU idle for at most that share of a
+step: one request's first token a whole step earlier against every running sequence's next token a little
+later. A hold is taken only when both are known: N is a decode-only step (its span is predicted by the spans
+of recent decode-only steps) and N's start on the GPU was seen (N was queued behind N-1, and the host
+blocked on N-1's tokens: N began when they came). A launch that came too late shows as the step before it
+already done when the host looked: the GPU idled. The margin then doubles (up to MAX_MARGIN_S) and decays
+back while holds land in time.
 """
 
 from __future__ import annotations

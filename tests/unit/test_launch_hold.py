@@ -38,7 +38,8 @@ def _learned(span=0.012, launch_dec=0.002, launch_mix=0.003) -> LaunchHold:
 def test_prediction_from_decode_spans_and_leads_from_each_launch_kind():
     h = _learned()
     assert list(h.spans) == pytest.approx([0.012] * 4)  # the first decode step began when the mixed one ended
-    assert h.lead(False) == pytest.approx(0.002 + BASE_MARGIN_S) and h.lead(True) == pytest.approx(0.003 + BASE_MARGIN_S)
+    assert h.lead(False) == pytest.approx(0.002 + BASE_MARGIN_S)
+    assert h.lead(True) == pytest.approx(0.003 + BASE_MARGIN_S)
     now = h.started + 0.001
     hold = h.hold(now)  # until a decode launch's lead before the end; prompts admitted while a mixed one fits
     assert hold.until == pytest.approx(h.started + 0.012 - 0.002 - BASE_MARGIN_S)
