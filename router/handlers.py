@@ -86,14 +86,17 @@ class Handlers:
         limit = min(self.cfg.max_model_len, fleet) if fleet is not None else self.cfg.max_model_len
         return max(limit - prompt_len, 1)
 
-    def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
+    def max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str = "messages",
+                   max_param: str = "max_tokens") -> int:
+        """The request's output budget: `requested`, or the default for its prompt; a 400 naming the
+        endpoint's own field (`prompt_param`, `max_param`) when the context cannot hold it."""
         room = self.cfg.max_model_len - prompt_len
         if room < 1:
-            raise InvalidRequest(f"the prompt has {prompt_len} tokens; the maximum context length is "
-                                 f"{self.cfg.max_model_len}", param="messages")
+            raise InvalidRequest(f"the {prompt_param} has {prompt_len} tokens; the maximum context length is "
+                                 f"{self.cfg.max_model_len}", param=prompt_param)
         if requested is not None and requested > room:
-            raise InvalidRequest(f"prompt ({prompt_len} tokens) + max_tokens ({requested}) exceeds the maximum "
-                                 f"context length {self.cfg.max_model_len}", param="max_tokens")
+            raise InvalidRequest(f"{prompt_param} ({prompt_len} tokens) + {max_param} ({requested}) exceeds the "
+                                 f"maximum context length {self.cfg.max_model_len}", param=max_param)
         return requested if requested is not None else self.default_max_tokens(prompt_len)
 
     def _logprob_entry(self, token_id: int, logprob: float, top: list) -> dict:
@@ -152,7 +155,7 @@ class Handlers:
         check_texts(_chat_texts(req), self.cfg.max_model_len)  # before the tokenizer sees it
         prompt = to_chat_prompt(req, time.strftime("%Y-%m-%d"), self.cfg.knowledge_cutoff)
         ids = guarded(self.fmt.render, prompt, param="messages")
-        max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens, len(ids))
+        max_tokens = self.max_tokens(req.max_completion_tokens or req.max_tokens, len(ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         spec = sampling_spec(req, max_tokens, self.fmt.stop_token_ids(), logprobs, prompt_grammars(prompt, req.min_tokens))
         return self.choices(f"chatcmpl-{uuid.uuid4().hex}", ids, spec, req.n, req.priority), req.stop_strings()
@@ -244,7 +247,7 @@ class Handlers:
         grammars = completion_grammars(req)
         rid, jobs = f"cmpl-{uuid.uuid4().hex}", []
         for k, ids in enumerate(prompts):
-            max_tokens = self._max_tokens(req.max_tokens if req.max_tokens is not None else 16, len(ids))
+            max_tokens = self.max_tokens(req.max_tokens if req.max_tokens is not None else 16, len(ids), "prompt")
             spec = sampling_spec(req, max_tokens, [], req.logprobs, grammars)
             jobs += self.choices(rid if len(prompts) == 1 else f"{rid}-p{k}", ids, spec, req.n, req.priority)
         return rid, jobs, req.stop_strings()

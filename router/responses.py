@@ -108,12 +108,8 @@ class Responses:
                             reasoning_effort=effort, knowledge_cutoff=h.cfg.knowledge_cutoff,
                             current_date=time.strftime("%Y-%m-%d"), response_format=fmt)
         ids = h.fmt.render(prompt)
-        room = h.cfg.max_model_len - len(ids)
-        if room < 1 or (req.max_output_tokens or 0) > room:
-            raise InvalidRequest(f"the input has {len(ids)} tokens; with max_output_tokens "
-                                 f"({req.max_output_tokens}) it exceeds the context length {h.cfg.max_model_len}",
-                                 param="input" if room < 1 else "max_output_tokens")
-        spec = SamplingSpec(max_tokens=req.max_output_tokens or h.default_max_tokens(len(ids)),
+        budget = h.max_tokens(req.max_output_tokens or None, len(ids), "input", "max_output_tokens")
+        spec = SamplingSpec(max_tokens=budget,
                             temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=1.0 if req.top_p is None else req.top_p, stop_token_ids=h.fmt.stop_token_ids(),
                             grammars=prompt_grammars(prompt, 0))

@@ -114,6 +114,8 @@ def test_items_become_one_assistant_turn_per_group():
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].call_id"),
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "zzz"}]}, "input[0].encrypted_content"),
     ({"input": "x" * 20000}, "input"),
+    ({"input": "hello " * 3000}, "input"),  # more tokens than the context (2048)
+    ({"max_output_tokens": 100_000}, "max_output_tokens"),  # with the input, more than the context
 ])
 def test_unsupported_is_a_400_naming_the_parameter(http, body, param):
     r = http.post("/v1/responses", json={"model": "m", "input": "hi", **body})

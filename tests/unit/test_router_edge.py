@@ -55,7 +55,7 @@ def test_long_inputs_are_400_before_the_tokenizer(client):
     r = client.post("/v1/chat/completions", json=chat("hello " * 5000))
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
     r = client.post("/v1/completions", json={"model": "m", "prompt": [1000] * 5000, "max_tokens": 4})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"  # the field this endpoint takes
     # characters that can only exceed the context: refused without tokenising
     with pytest.raises(Exception, match="more than"):
         check_texts([("prompt", "ab " * (4096 * MAX_CHARS_PER_TOKEN // 3 + 1))], 4096)
