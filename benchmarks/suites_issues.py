@@ -168,24 +168,33 @@ ISSUE_SUITES: dict[str, Suite] = {
     "launch-hold-ab": Suite(
         "issue 25: the piecewise GPU tests' eager comparison on 2 random layers (attention in the graphs differed "
         "by 0.086 on 4: rounding amplified, or a fault?), then multi-turn-colocated-pw's served run (64 x 8 turns, "
-        "ONE decode worker, step trace) with the defaults, with --launch-hold, with --launch-hold --launch-hold-bubble "
-        "0.25 and 0.5, and with --launch-hold --piecewise-graphed-attention all --piecewise-buckets fine (bubble 0 and "
-        "0.25); each with and without prefix caching (run with --only: the whole is more than one device call)",
+        "ONE decode worker, step trace) with the defaults, with --launch-hold and with --launch-hold "
+        "--launch-hold-bubble 0.25; each with and without prefix caching",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(step("piecewise-2layers", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
                                          "tests/integration/test_piecewise_gpu.py -k matches_eager", 90, summary=PYTEST,
                     env={"TANDEM_PW_LAYERS": "2"}),
                colocated_pw_step("colocated-1-pw", 150),
                colocated_pw_step("colocated-1-hold", 150, "--launch-hold "),
-               colocated_pw_step("colocated-1-hold-bubble", 150, "--launch-hold --launch-hold-bubble 0.25 "),
-               colocated_pw_step("colocated-1-hold-bubble50", 150, "--launch-hold --launch-hold-bubble 0.5 "),
-               colocated_pw_step("colocated-1-hold-graphed-fine", 150,
-                                 "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine "),
-               colocated_pw_step("colocated-1-hold-graphed-fine-bubble25", 150,
-                                 "--launch-hold --launch-hold-bubble 0.25 --piecewise-graphed-attention all "
-                                 "--piecewise-buckets fine ")),
+               colocated_pw_step("colocated-1-hold-bubble", 150, "--launch-hold --launch-hold-bubble 0.25 ")),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
                     "multi-turn-colocated-ab-1 (2026-12-06, H100): 2.62x with the defaults")),
+    # launch-hold-ab-1/2: no prompt was admitted from a hold; they reach the worker ~4-5 ms into a ~11 ms step, so
+    # admission needs a mixed launch of a few ms: attention in the graphs (3.7 ms on a fast host). The same
+    # served run with the defaults, the hold with attention in the graphs, and the hold with a bubble of half a
+    # step (admits the islands' ~10 ms launches at the cost of an idle GPU).
+    "launch-hold-graphed-ab": Suite(
+        "issue 25: multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker, step trace) with the "
+        "defaults, with --launch-hold --piecewise-graphed-attention all --piecewise-buckets fine, and with "
+        "--launch-hold --launch-hold-bubble 0.5; each with and without prefix caching",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(colocated_pw_step("colocated-1-pw", 150),
+               colocated_pw_step("colocated-1-hold-graphed-fine", 150,
+                                 "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine "),
+               colocated_pw_step("colocated-1-hold-bubble50", 150, "--launch-hold --launch-hold-bubble 0.5 ")),
+        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
+                    "launch-hold-ab-2 (2026-12-06, H100, ran as launch-hold-ab --only these three): no prompt "
+                    "admitted from a hold")),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
     # at 8k replays in 3.05 ms with e4m3 pages, slower than bf16's 2.44 where batch 128 is 1.29x faster).
     "decode-profile": Suite(
