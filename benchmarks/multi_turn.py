@@ -280,9 +280,8 @@ def format_runs(runs: list[dict]) -> str:
     for r in runs:
         s = r["summary"]
         t1, t2 = s["turn1"], s["turns2plus"]
-        vals = [t1["ttft_ms"]["p50"], t2["ttft_ms"]["p50"], t2["ttft_ms"]["p99"], (t2.get("tpot_ms") or {}).get("p50"),
-                t2["computed_tokens_per_turn"],
-                t2["kv_bytes_per_turn"], s["turns2plus_bytes_over_new_token_kv"], t2["hit_rate"], t2["prefilled_locally"],
+        vals = [t1["ttft_ms"]["p50"], t2["ttft_ms"]["p50"], t2["ttft_ms"]["p99"], t2["tpot_ms"]["p50"],
+                t2["computed_tokens_per_turn"], t2["kv_bytes_per_turn"], s["turns2plus_bytes_over_new_token_kv"], t2["hit_rate"], t2["prefilled_locally"],
                 (r.get("leaks") or {}).get("leaked")]
         cells = [f"{v:18.3f}" if isinstance(v, float) else f"{str(v):>18}" for v in vals]
         lines.append(f"{r['label']:28}" + "".join(cells) + ("" if not s["failed"] else f"  failed {s['failed']}"))

@@ -26,9 +26,12 @@ def load(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _p50(rows: list[dict], key: str) -> float | None:
-    vals = [r[key] for r in rows if r.get(key) is not None]
+def _p50(vals: list[float]) -> float | None:
     return round(statistics.median(vals), 2) if vals else None
+
+
+def _col(rows: list[dict], key: str) -> list[float]:
+    return [r[key] for r in rows if r.get(key) is not None]
 
 
 def summarize(rows: list[dict], skip: float = SKIP_FRACTION) -> dict:
@@ -41,11 +44,11 @@ def summarize(rows: list[dict], skip: float = SKIP_FRACTION) -> dict:
     out: dict = {"steps": len(rows), "steps_per_s": round((len(rows) - 1) / (rows[-1]["t"] - rows[0]["t"]), 1),
                  "collected_first": sum(bool(r.get("collected_first")) for r in rows)}
     for kind, rs in (("decode", [r for r in rows if not r["chunks"]]), ("mixed", [r for r in rows if r["chunks"]])):
-        spans = [{"gpu_ms": span[r["step"]]} for r in rs if r["step"] in span]
-        out[kind] = {"n": len(rs), "tokens_p50": _p50(rs, "tokens"), "launch_ms_p50": _p50(rs, "launch_ms"),
-                     "gpu_ms_p50": _p50(spans, "gpu_ms"), "wait_ms_p50": _p50(rs, "wait_ms")}
+        out[kind] = {"n": len(rs), "tokens_p50": _p50(_col(rs, "tokens")), "launch_ms_p50": _p50(_col(rs, "launch_ms")),
+                     "gpu_ms_p50": _p50([span[r["step"]] for r in rs if r["step"] in span]),
+                     "wait_ms_p50": _p50(_col(rs, "wait_ms"))}
     held = [r for r in rows if "hold_ms" in r]
-    out["held"] = {"n": len(held), "hold_ms_p50": _p50(held, "hold_ms"),
+    out["held"] = {"n": len(held), "hold_ms_p50": _p50(_col(held, "hold_ms")),
                    "mixed_from_a_hold": sum(1 for r in held if r["chunks"])}
     return out
 

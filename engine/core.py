@@ -131,7 +131,7 @@ class EngineCore:
             t2, c2 = time.perf_counter(), cpu()
         hold = self.launch_hold
         if hold is not None and handle is not None:
-            hold.launched(t2 - t_planned, not self._decode_only(items))
+            hold.launched(t2 - t_planned, any(it.chunk for it in items))
         # the step in flight still running once the next is queued: the host blocks on it, and the next
         # step begins on the GPU when its tokens come (engine/launch_hold.py's clock)
         queued = hold is not None and prev is not None and handle is not None and not self.runner.ready(prev)
@@ -141,10 +141,10 @@ class EngineCore:
                 if handle is None:
                     hold.idle(self.held_s > 0)
                 else:
-                    hold.collected(self._t_tokens, queued, self._decode_only(prev.items), self._decode_only(items),
-                                   self.held_s > 0)
+                    hold.collected(self._t_tokens, queued, not any(it.chunk for it in prev.items),
+                                   not any(it.chunk for it in items), self.held_s > 0)
         elif hold is not None and handle is not None:
-            hold.started, hold.decode_only = None, False  # launched onto an idle GPU: its start was not seen
+            hold.idle(held=False)  # launched onto an idle GPU (nothing in flight to hold behind): start unseen
         if self.trace is not None and (items or collected is not None):
             self.trace.record(self.num_steps if items else 0, t_mono, items or (), t1 - t0, t2 - t1,
                               time.perf_counter() - t2, collected.no if collected is not None else None,
@@ -169,11 +169,6 @@ class EngineCore:
     def abort(self, seq: Sequence) -> None:
         """End a sequence now; its pages return once no launched step can still write them."""
         self.scheduler.finish(seq, FinishReason.ABORT)
-
-    @staticmethod
-    def _decode_only(items) -> bool:
-        """No prompt chunk in the step: every row decodes one token (engine/step_trace.py's chunks == 0)."""
-        return all(it.q_len == 1 and it.start >= len(it.seq.prompt_ids) for it in items)
 
     @staticmethod
     def _first_tokens(h: StepHandle) -> bool:

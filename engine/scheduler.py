@@ -57,6 +57,11 @@ class ScheduledSeq:
     q_len: int  # new tokens this step
     sample: bool  # the chunk reaches the last known token, so a new token is sampled
 
+    @property
+    def chunk(self) -> bool:
+        """A prompt chunk (more than one token, or tokens of the prompt), not a one-token decode row."""
+        return self.q_len > 1 or self.start < len(self.seq.prompt_ids)
+
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVManager, eos_ids: tuple[int, ...]) -> None:

@@ -45,7 +45,7 @@ class StepTrace:
     def record(self, step: int, t_start: float, items, sched_s: float, launch_s: float, wait_s: float,
                collected: int | None, launch_cpu_s: float = 0.0, collected_gpu_ms: float | None = None,
                collected_first: bool = False, parts: dict[str, float] | None = None) -> None:
-        chunks = [it.q_len for it in items if it.q_len > 1 or it.start < len(it.seq.prompt_ids)]
+        chunks = [it.q_len for it in items if it.chunk]
         row = {"step": step, "t": round(t_start - self._t0, 6), "seqs": len(items),
                "tokens": sum(it.q_len for it in items), "chunks": len(chunks), "max_chunk": max(chunks, default=0),
                "sched_ms": round(sched_s * 1e3, 3), "launch_ms": round(launch_s * 1e3, 3),
