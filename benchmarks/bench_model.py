@@ -43,9 +43,18 @@ def use_fusions(model, setting: str) -> str:
     return fusions_name(model.backends.fusions)
 
 
+def use_prefill_reads(model, setting: str) -> str:
+    """Switch a FlashInfer model's prefill reads (FlashInferAttention.set_prefill_reads): 'FRESH' or
+    'FRESH/SLIDING', e.g. paged, ragged, ragged/fa2. Returns the setting."""
+    fresh, _, sliding = setting.partition("/")
+    model.backends.attention.set_prefill_reads(fresh, sliding or None)
+    return setting
+
+
 def prefill_section(res: Results, model, lens: list[int], ceil: dict, tp: int, kv_dtype: torch.dtype | None = None,
-                    name: str = "prefill", fusions: list[str] | None = None) -> None:
-    settings = fusions or [fusions_name(model.backends.fusions)]
+                    name: str = "prefill", fusions: list[str] | None = None, reads: list[str] | None = None) -> None:
+    """reads: prefill-read settings (use_prefill_reads) to A/B against each other, or None (the model's)."""
+    settings = [(f, r) for f in fusions or [fusions_name(model.backends.fusions)] for r in reads or [None]]
     rounds = 3 if len(settings) > 1 else 1
     with res.section(name) as sec:
         for n in lens:
@@ -59,17 +68,22 @@ def prefill_section(res: Results, model, lens: list[int], ceil: dict, tp: int, k
                 h = model(ids, meta, pool)
                 return model.compute_logits(h[-1:])
 
-            times: dict[str, list[float]] = {s: [] for s in settings}
+            def use(s):
+                use_fusions(model, s[0])
+                if s[1] is not None:
+                    use_prefill_reads(model, s[1])
+
+            times: dict[tuple, list[float]] = {s: [] for s in settings}
             for _ in range(rounds):  # interleaved, so drift falls on every setting alike
                 for s in settings:
-                    use_fusions(model, s)
+                    use(s)
                     times[s].append(time_cuda(run, warmup=1, iters=3 if n >= 16384 else 5))
             for s in settings:
                 ms = sorted(times[s])[len(times[s]) // 2]
                 fl = prefill_flops(model.cfg, n)
                 tps = n / (ms * 1e-3)
                 row = {"tokens": n, "ms": ms, "kv_dtype": str(spec.dtype).removeprefix("torch."),
-                       "fusions": use_fusions(model, s),
+                       "fusions": use_fusions(model, s[0]), **({"reads": s[1]} if s[1] else {}),
                        "TFLOPs": fl / (ms * 1e-3) / 1e12 / tp,
                        "ratio_fp8_peak": fl / (ms * 1e-3) / 1e12 / tp / ceil["fp8_TFLOPs"],
                        "tokens_per_s_per_gpu": tps / tp, "usd_per_M_input": dollars_per_million(tps / tp)}
@@ -77,7 +91,8 @@ def prefill_section(res: Results, model, lens: list[int], ceil: dict, tp: int, k
                     row["ms_rounds"] = times[s]
                 sec["rows"].append(row)
                 print(f"prefill {n:>6}: {ms:8.2f} ms  {row['TFLOPs']:6.1f} TFLOP/s/GPU  "
-                      f"${row['usd_per_M_input']:.4f}/M  fusions {row['fusions']}", flush=True)
+                      f"${row['usd_per_M_input']:.4f}/M  fusions {row['fusions']}"
+                      + (f"  reads {s[1]}" if s[1] else ""), flush=True)
             del pool, kv, meta
             if model.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -178,6 +193,9 @@ def main() -> None:
     ap.add_argument("--fusions", default=DEFAULT_FUSIONS,
                     help="kernel fusions (kernels.registry.Fusion): one setting, or several separated by commas for "
                          "an A/B on the same model, e.g. off,rope_store,norm_router,norm_quant,on")
+    ap.add_argument("--prefill-reads", default="",
+                    help="FlashInfer prefill reads to A/B in the prefill section, separated by commas: paged, ragged, "
+                         "ragged/fa2 (FlashInferAttention.set_prefill_reads); default: the backend's")
     ap.add_argument("--tag", default="")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
     a = ap.parse_args()
@@ -199,7 +217,9 @@ def main() -> None:
           + (f"; fusion settings {settings}" if len(settings) > 1 else ""), flush=True)
     from model.kv_cache import resolve_kv_dtype
     kv_dtype = resolve_kv_dtype(a.kv_cache_dtype, model.dtype)
-    prefill_section(res, model, [int(x) for x in a.prefill_lens.split(",") if x], ceil, 1, kv_dtype, fusions=settings)
+    reads = [r for r in a.prefill_reads.split(",") if r.strip()] or None
+    prefill_section(res, model, [int(x) for x in a.prefill_lens.split(",") if x], ceil, 1, kv_dtype, fusions=settings,
+                    reads=reads)
     decode_section(res, model, [int(x) for x in a.contexts.split(",") if x], [int(x) for x in a.batches.split(",") if x],
                    ceil, 1, not a.no_graphs and a.device == "cuda", kv_dtype, fusions=settings)
     use_fusions(model, settings[0])
@@ -209,7 +229,7 @@ def main() -> None:
         hf_peer_section(res, model, a.preset, res.data.get("prefill", {}).get("rows", []),
                         res.data.get("decode", {}).get("rows", []))
     res.save()
-    for name, cols in (("prefill", ["tokens", "fusions", "ms", "TFLOPs", "ratio_fp8_peak", "usd_per_M_input"]),
+    for name, cols in (("prefill", ["tokens", "fusions", *(["reads"] if reads else []), "ms", "TFLOPs", "ratio_fp8_peak", "usd_per_M_input"]),
                        ("decode", ["context", "batch", "fusions", "ms_per_step", "gpu_ms_graph_replay", "step_to_replay",
                                    "ms_per_step_sync_loop", "tok_s_per_gpu", "tok_s_per_user",
                                    "usd_per_M_output", "ratio_to_floor"]),

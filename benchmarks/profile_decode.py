@@ -32,12 +32,18 @@ def main() -> None:
     ap.add_argument("--moe", default="auto", help="auto: what the workers pick (kernels.registry)")
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"], help="KV pages (fp8: e4m3)")
     ap.add_argument("--fusions", default=DEFAULT_FUSIONS, help="kernels.registry.Fusion setting: off, on, or '+'-joined names")
+    ap.add_argument("--prefill-reads", default="", help="FlashInfer prefill reads, e.g. ragged or ragged/fa2 "
+                                                        "(benchmarks.bench_model.use_prefill_reads); default: the backend's")
     a = ap.parse_args()
     moe = auto_moe_backend("cuda:0", fp8=True, whole_experts=True) if a.moe == "auto" else a.moe
     model = build(a.preset, a.attention, a.linear, moe, fp8_attention=a.fp8_attention)
     model.backends.fusions = parse_fusions(a.fusions)
+    if a.prefill_reads:
+        from benchmarks.bench_model import use_prefill_reads
+        use_prefill_reads(model, a.prefill_reads)
     suffix = ("" if a.fusions == DEFAULT_FUSIONS else f"_fusions-{a.fusions}") + (
-        "_kv-fp8" if a.kv_cache_dtype == "fp8" else "") + ("_fp8-qkvo" if a.fp8_attention else "")
+        "_kv-fp8" if a.kv_cache_dtype == "fp8" else "") + ("_fp8-qkvo" if a.fp8_attention else "") + (
+        "_reads-" + a.prefill_reads.replace("/", "-") if a.prefill_reads else "")
     kv_dtype = torch.float8_e4m3fn if a.kv_cache_dtype == "fp8" else None
     for b in [int(x) for x in a.batches.split(",") if x]:
         spec, pool, kv = decode_state(model, a.context + 32, b, kv_dtype)

@@ -25,7 +25,7 @@ from benchmarks import report_load
 from benchmarks.plots import ModelSeries, write_all
 from benchmarks.report_fmt import fmt, last_line, pct, table
 from benchmarks.report_load import Run, load, runs_of
-from benchmarks.report_series import _is_model, build_series, label_of, model_docs, peers
+from benchmarks.report_series import _is_model, build_series, label_of, model_docs, peers, setting_of
 from benchmarks.report_summary import perf_summary, update_readme
 from benchmarks.report_targets import (KV_MAX_OVERLAP_SHARE, KV_MIN_GBPS, Target, allreduce_docs, allreduce_targets,
                                        kernel_targets, kv_targets, missed_goals)
@@ -100,7 +100,7 @@ def sec_prefill(docs: dict[str, dict]) -> list[str]:
     for n, d in model_docs(docs):
         fp8 = d.get("ceilings", {}).get("fp8_TFLOPs")
         for r in d.get("prefill", {}).get("rows", []):
-            rows.append([label_of(d, r.get("fusions"))[0], r["tokens"], r["ms"], r["TFLOPs"], fp8, pct(r["ratio_fp8_peak"]),
+            rows.append([label_of(d, setting_of(r))[0], r["tokens"], r["ms"], r["TFLOPs"], fp8, pct(r["ratio_fp8_peak"]),
                          r["tokens_per_s_per_gpu"], f"${r['usd_per_M_input']:.4f}", f"`{n}`"])
     return table(rows, ["model", "input tokens", "ms", "TFLOP/s per GPU", "FP8 peak (same run)", "of FP8 peak",
                         "tokens/s per GPU", "$/M input", "file"])
@@ -114,7 +114,7 @@ def sec_decode(docs: dict[str, dict]) -> list[str]:
             if "skipped" in r:
                 gaps.append(f"- {label_of(d)[0]}, context {r['context']} batch {r['batch']}: skipped ({r['skipped']})")
                 continue
-            rows.append([label_of(d, r.get("fusions"))[0], r["context"], r["batch"], r["ms_per_step"], r.get("gpu_ms_graph_replay"),
+            rows.append([label_of(d, setting_of(r))[0], r["context"], r["batch"], r["ms_per_step"], r.get("gpu_ms_graph_replay"),
                          r["tok_s_per_user"], r["tok_s_per_gpu"], f"${r['usd_per_M_output']:.3f}", r["hbm_floor_ms"],
                          copy, pct(r["ratio_to_floor"]), f"`{n}`"])
         if "error" in d.get("decode", {}):

@@ -20,17 +20,23 @@ def model_docs(docs: dict[str, dict]) -> list[tuple[str, dict]]:
 
 def _plain(d: dict) -> bool:
     """A run of one --fusions setting: the defaults of its day (off before 2026-12-03, rope_store since;
-    kernels.registry.DEFAULT_FUSIONS). An A/B lists several settings, separated by commas."""
-    return "," not in (d["args"].get("fusions") or "")
+    kernels.registry.DEFAULT_FUSIONS). An A/B lists several settings, separated by commas; a run that
+    chose its prefill reads (--prefill-reads) is not the defaults' either."""
+    return "," not in (d["args"].get("fusions") or "") and not d["args"].get("prefill_reads")
+
+
+def setting_of(r: dict) -> str:
+    """A row's setting: its fusions, and its prefill reads where it chose them."""
+    return (r.get("fusions") or "off") + (f" · reads {r['reads']}" if r.get("reads") else "")
 
 
 def fusion_settings(d: dict) -> list[str | None]:
-    """The fusion settings a model run measured: [None] for a plain run; an A/B (its rows carry
-    "fusions") gives one series per setting, never merged with the defaults'."""
+    """The settings a model run measured: [None] for a plain run; an A/B (its rows carry "fusions", and
+    "reads") gives one series per setting, never merged with the defaults'."""
     if _plain(d):
         return [None]
     rows = d.get("prefill", {}).get("rows", []) + d.get("decode", {}).get("rows", [])
-    return sorted({r.get("fusions") or "off" for r in rows})
+    return sorted({setting_of(r) for r in rows})
 
 
 def label_of(d: dict, fusions: str | None = None) -> tuple[str, int]:
@@ -40,7 +46,8 @@ def label_of(d: dict, fusions: str | None = None) -> tuple[str, int]:
     if _plain(d):
         fusions = None  # a plain run: the defaults of its day (its rows say which)
     elif fusions is None:
-        fusions = d["args"]["fusions"]
+        reads = d["args"].get("prefill_reads")
+        fusions = d["args"]["fusions"] + (f" · reads {reads}" if reads else "")
     tp = int(d.get("world", 1))
     moe = f" MoE-{d['args']['moe_mode'].upper()}" if tp > 1 and d["args"].get("moe_mode") else ""
     backend = d["args"].get("moe")  # the Triton MoE was the only one before DeepGEMM's: unlabelled
@@ -69,7 +76,7 @@ def build_series(docs: dict[str, dict], runs: dict[str, Run] | None = None) -> l
             label, tp = label_of(d, fz)
             s = out.setdefault(label, ModelSeries(label, tp))
             src = source(n, d, runs or {})
-            mine = (lambda r: True) if fz is None else (lambda r, fz=fz: (r.get("fusions") or "off") == fz)
+            mine = (lambda r: True) if fz is None else (lambda r, fz=fz: setting_of(r) == fz)
             prefill = [r for r in d.get("prefill", {}).get("rows", []) if mine(r)]
             if prefill and "prefill" not in s.sources:
                 s.prefill, s.sources["prefill"] = list(prefill), src

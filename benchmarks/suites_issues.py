@@ -247,6 +247,30 @@ ISSUE_SUITES: dict[str, Suite] = {
         carry=(".whl-site",),
         steps=(step("tune", "{py} -m benchmarks.tune_moe --no-bf16 --wide --tma --wide-from 8 --buckets 48,8,64,32,16 "
                             "--base kernels/tuning/moe.json --budget 400", 480, summary=r"tuned table|Error"),)),
+    # prefill-profile-1 (H100): of an 8k prefill's ~84 ms, the 12 full layers' attention took 16.4 ms on fa3's paged
+    # mainloop although a prompt with no cached prefix has every key in its own k/v, and the 12 sliding layers
+    # 3.5 ms (287 us each for 1/32 of a full layer's work); the MoE's SwiGLU pass 5.9 ms at ~1.9 TB/s.
+    "prefill-reads-ab": Suite(
+        "issue 27's prefill: FlashInfer's attention GPU tests (a fresh prompt read ragged against the reference and "
+        "the paged read, self-tests, real dims), the MoE SwiGLU pass per row vs per tile (SWIGLU_TILE_EXPERT) at 8k, "
+        "then gpt-oss-20b prefill 2k and 8k (FP8 QKV/O on DeepGEMM) A/B in one process: full layers read paged vs "
+        "ragged, sliding reads on fa3 vs fa2; then the 8k profile with ragged full layers and fa2 sliding reads",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("attention-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_gpu.py "
+                                           "-k 'fresh_prefill or flashinfer_self_test or flashinfer_real_dims'", 150,
+                    summary=PYTEST),
+               step("swiglu-micro", "{py} -m benchmarks.fusion --tokens 8192 --rows swiglu", 60,
+                    summary=r"^swiglu|wrote|Error"),
+               step("model-20b-reads", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --linear deepgemm "
+                                       "--prefill-lens 2048,8192 --contexts '' --batches '' "
+                                       "--prefill-reads paged,ragged,paged/fa2,ragged/fa2 "
+                                       "--tag gpt-oss-20b-tp1-prefill-reads-ab", 200,
+                    summary=r"^prefill|FAILED|Error",
+                    publish={"model_gpt-oss-20b-tp1-prefill-reads-ab.json": "model_gpt-oss-20b-tp1-prefill-reads-ab.json"}),
+               step("profile-ragged", "{py} -m benchmarks.profile_decode --preset gpt-oss-20b --batches '' "
+                                      "--prefill-lens 8192 --fp8-attention --linear deepgemm --prefill-reads ragged/fa2",
+                    120, summary=r"CUDA kernels per step|Error")),
+        reproduces=("prefill-profile-1 (2026-12-06, H100): 8k prefill ~84 ms, full layers' paged attention 16.4 ms",)),
     # multi-turn-colocated-pw-2's step trace: a cached turn's mixed step (~340 tokens, ~60 decodes) took 30 ms of
     # host time to launch. This reproduces that step alone; run 4 showed the step after it waiting ~27 ms on the
     # GPU, which the GPU spans and the timeline (busy time, idle gaps) now measure directly.

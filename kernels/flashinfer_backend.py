@@ -99,6 +99,10 @@ class FlashInferAttention:
         # 1.63 ms each, 57 % of the step's GPU time, the ragged sliding ones 179 us for ~144 keys per
         # row (mixed-step-5, 2026-12-03); fa2 packs the 8 heads of a group into one tile.
         self.mixed_role = "decode"
+        # Reads of a prefill step whose sequences all start at position 0 (a prompt's first chunk; the
+        # prefill worker's whole prompt), see set_prefill_reads.
+        self.fresh_prefill = "paged"
+        self.sliding_prefill: str | None = None  # backend of prefill steps' sliding ragged reads (None: the role's)
         self._backend: dict[str, str] = {}  # resolved per role once the device is known
         self._dims: AttentionDims | None = None
         self._windows: dict[int, int] = {}  # page group -> window_left, learned from forward
@@ -135,6 +139,17 @@ class FlashInferAttention:
                     self._wrapper(role, "paged", wl)
                 if role == "prefill":
                     self._wrapper(role, "ragged", wl)
+
+    def set_prefill_reads(self, fresh: str = "paged", sliding: str | None = None) -> None:
+        """How prefill steps read keys. fresh: full layers of a step with no cached prefix, where every
+        key is in the step's own k/v: "paged" stores, then reads the pages back (fa3's paged mainloop
+        loads page rows one by one), "ragged" reads the dense k/v (fa3's TMA mainloop) and stores after;
+        the same values either way. sliding: the backend of sliding-window ragged reads in prefill
+        steps ("fa2", "fa3"; None = the prefill role's). Re-plans the next step."""
+        if fresh not in ("paged", "ragged") or sliding not in (None, "fa2", "fa3"):
+            raise ConfigError(f"unknown prefill reads {fresh!r}/{sliding!r} (paged|ragged, fa2|fa3)")
+        self.fresh_prefill, self.sliding_prefill = fresh, sliding
+        self._step, self._plans = None, {}
 
     def enable_cuda_graphs(self, batch_sizes: Sequence[int], max_pages_per_seq: int) -> None:
         self._graph_sizes = set(batch_sizes)
@@ -209,14 +224,16 @@ class FlashInferAttention:
                 self._backend[role] = ("fa3" if fa3_ok else "fa2") if want == "auto" else want
 
     def _wrapper(self, role: str, kind: str, window_left: int, graph_batch: int = 0):
-        # Graph wrappers own index buffers sized by the page capacity: a new capacity needs new ones.
-        key = (role, kind, window_left, graph_batch, self._graph_max_pages if graph_batch else 0)
-        w = self._wrappers.get(key)
-        if w is not None:
-            return w
         d = self._dims
         assert d is not None and self._workspace is not None
         backend = "fa2" if kind == "paged" and d.fp8_kv else self._backend[role]
+        if kind == "ragged" and window_left >= 0 and role == "prefill" and self.sliding_prefill:
+            backend = self.sliding_prefill
+        # Graph wrappers own index buffers sized by the page capacity: a new capacity needs new ones.
+        key = (role, kind, window_left, backend, graph_batch, self._graph_max_pages if graph_batch else 0)
+        w = self._wrappers.get(key)
+        if w is not None:
+            return w
         try:
             w = self._make_wrapper(backend, kind, window_left, graph_batch)
         except Exception as e:  # a failed fa3 JIT build: fall back to fa2 for good
@@ -269,8 +286,9 @@ class FlashInferAttention:
         d = self._dims
         assert d is not None
         cu_q = host_cu(step)
-        if not g.pages_hold_all:
-            return self._plan_chunk(step, g, window_left, cu_q)
+        fresh = not step.is_decode and not any(g.prefix_lens_host)
+        if not g.pages_hold_all or (fresh and self.fresh_prefill == "ragged" and not d.fp8_kv):
+            return self._plan_chunk(step, g, window_left, cu_q)  # no prefix: no gather, the step's own k/v
         if d.fp8_kv and not step.is_decode:
             return self._plan_fp8_prefill(g, window_left, cu_q)
         p, maxp = d.page_size, g.page_table.shape[1]

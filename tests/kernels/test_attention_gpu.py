@@ -128,6 +128,31 @@ def test_flashinfer_real_dims(backend, window):
     assert _rel(*_run_case(impl, [1] * 16, [8191] * 16, window, seed=3)) <= 1e-2
 
 
+@pytest.mark.parametrize("window", [None, W])
+@pytest.mark.parametrize("sliding", [None, "fa2"])
+def test_flashinfer_fresh_prefill_read_ragged(window, sliding):
+    """A prefill step with no cached prefix read from its own k/v (set_prefill_reads("ragged")): the
+    reference's output, and it stores the pages the paged read stores, bit for bit."""
+    q_lens = [700, 33, 2048]
+    got = {}
+    for fresh in ("paged", "ragged"):
+        impl = _flashinfer("fa3")
+        impl.set_prefill_reads(fresh, sliding)
+        step, num_pages = _step(q_lens, [0] * len(q_lens), window, seed=5)
+        g = torch.Generator(device=DEV).manual_seed(6)
+        kc = torch.randn(num_pages, HKV, P, D, generator=g, device=DEV, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        t = sum(q_lens)
+        q, k, v = (torch.randn(t, h, D, generator=g, device=DEV, dtype=torch.bfloat16) for h in (HQ, HKV, HKV))
+        sinks = torch.randn(HQ, generator=g, device=DEV) * 2
+        impl.plan(step)
+        out = impl.forward(0 if window is None else 1, q, k, v, (kc, vc), sinks, D ** -0.5, window)
+        assert _rel(out, _reference(step, q, kc, vc, sinks, window)) <= 1e-2
+        got[fresh] = (out, kc, vc)
+    assert torch.equal(got["paged"][1], got["ragged"][1]) and torch.equal(got["paged"][2], got["ragged"][2])
+    assert _rel(got["ragged"][0], got["paged"][0].float()) <= 1e-2
+
+
 @pytest.mark.parametrize("backend", ["flashinfer-fa2", "triton"])
 def test_decode_cuda_graph_replays_a_later_step(backend):
     """Capture one decode forward for batch 4; then plan a different step (other lengths, other

@@ -85,3 +85,21 @@ def test_summary_cell_falls_back_to_an_older_run_that_measured_it():
     cells = row.split(" | ")
     assert "500 tok/s" in cells[2] and "8,000 tok/s/GPU" in cells[3] and "32,000 tok/s/GPU" in cells[4]
     assert "old.json, 2026-12-01" in cells[0] and "new.json, 2026-12-04" in cells[0]
+
+
+def test_prefill_reads_ab_is_one_series_per_setting_never_the_defaults():
+    """A run that A/Bs FlashInfer's prefill reads (bench_model --prefill-reads) with one fusion setting
+    draws one line per reads setting, none of them labelled as the day's defaults."""
+    def row(reads: str, ms: float) -> dict:
+        return {"tokens": 8192, "ms": ms, "fusions": "rope_store", "reads": reads, "TFLOPs": 1.0,
+                "ratio_fp8_peak": 0.5, "tokens_per_s_per_gpu": 1.0, "usd_per_M_input": 1.0}
+
+    args = {"preset": "gpt-oss-20b", "moe": "deepgemm", "attention": "flashinfer", "fusions": "rope_store"}
+    plain = {"args": args, "env": {"date": "2026-12-05"}, "prefill": {"rows": [row("", 90.0) | {"reads": None}]}}
+    ab = {"args": args | {"prefill_reads": "paged,ragged"}, "env": {"date": "2026-12-06"},
+          "prefill": {"rows": [row("paged", 85.0), row("ragged", 80.0)]}}
+    series = {s.label: s for s in report.build_series({"plain.json": plain, "ab.json": ab})}
+    plain_label = next(label for label in series if "reads" not in label)
+    assert [r["ms"] for r in series[plain_label].prefill] == [90.0]
+    assert {label.rsplit("reads ", 1)[1]: s.prefill[0]["ms"] for label, s in series.items() if "reads" in label} == {
+        "paged": 85.0, "ragged": 80.0}
