@@ -271,6 +271,28 @@ ISSUE_SUITES: dict[str, Suite] = {
                                       "--prefill-lens 8192 --fp8-attention --linear deepgemm --prefill-reads ragged/fa2",
                     120, summary=r"CUDA kernels per step|Error")),
         reproduces=("prefill-profile-1 (2026-12-06, H100): 8k prefill ~84 ms, full layers' paged attention 16.4 ms",)),
+    # The defaults changed 2026-12-06 after prefill-reads-ab-1 and moe-tune-mid-1: a fresh prompt's full layers read
+    # ragged, prefill sliding reads on fa2, the DeepGEMM MoE's SwiGLU pass per tile, the Triton MoE's tiles for
+    # buckets 8-64 (decode and mixed steps). Their GPU tests, the prefill before/after, and what they do served.
+    "kernel-defaults-check": Suite(
+        "the 2026-12-06 kernel defaults: GPU tests (FlashInfer fresh-prompt reads and self-tests, the SwiGLU tile "
+        "pass's bits, the Triton FP8 MoE at 64-384 tokens on the new tiles), gpt-oss-20b prefill 8k with the old reads "
+        "(paged/fa3) and the new (ragged/fa2) in one process plus decode replay at 8k x 1 and 64, "
+        "multi-turn-colocated-pw's served run (issue 25: 64 x 8 turns, ONE decode worker), and the piecewise GPU "
+        "tests (attention in the graphs judged against the eager forward on the same kernels)",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("kernel-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_gpu.py "
+                                        "tests/kernels/test_fusion_gpu.py tests/kernels/test_gemm_moe_gpu.py "
+                                        "-k 'flashinfer or swiglu or fp8_moe_real_dims'", 120, summary=PYTEST),
+               step("model-20b", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --linear deepgemm "
+                                 "--prefill-lens 8192 --contexts 8192 --batches 1,64 --prefill-reads paged/fa3,ragged/fa2 "
+                                 "--tag gpt-oss-20b-tp1-kernel-defaults", 110, summary=r"^prefill|^decode ctx|FAILED|Error",
+                    publish={"model_gpt-oss-20b-tp1-kernel-defaults.json": "model_gpt-oss-20b-tp1-kernel-defaults.json"}),
+               colocated_pw_step("colocated-1-pw", 150),
+               step("piecewise-gpu-tests", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
+                                           "tests/integration/test_piecewise_gpu.py", 130, summary=PYTEST)),
+        reproduces=("prefill-reads-ab-1 (2026-12-06, H100): 8k prefill 87.3 ms (paged/fa3) -> 85.1 (ragged/fa2)",
+                    "launch-hold-ab-1 (2026-12-06, H100): colocated cached TTFT 2.71x with the defaults")),
     # multi-turn-colocated-pw-2's step trace: a cached turn's mixed step (~340 tokens, ~60 decodes) took 30 ms of
     # host time to launch. This reproduces that step alone; run 4 showed the step after it waiting ~27 ms on the
     # GPU, which the GPU spans and the timeline (busy time, idle gaps) now measure directly.

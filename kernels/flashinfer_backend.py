@@ -99,10 +99,11 @@ class FlashInferAttention:
         # 1.63 ms each, 57 % of the step's GPU time, the ragged sliding ones 179 us for ~144 keys per
         # row (mixed-step-5, 2026-12-03); fa2 packs the 8 heads of a group into one tile.
         self.mixed_role = "decode"
-        # Reads of a prefill step whose sequences all start at position 0 (a prompt's first chunk; the
-        # prefill worker's whole prompt), see set_prefill_reads.
-        self.fresh_prefill = "paged"
-        self.sliding_prefill: str | None = None  # backend of prefill steps' sliding ragged reads (None: the role's)
+        # How prefill steps read keys (set_prefill_reads). prefill-reads-ab-1 (H100, 20b, 8k prompt, per full
+        # layer): fa3 ragged 1.25 ms vs paged 1.37; the sliding layers on fa2 158 us vs fa3's 287 (fa3 spends
+        # ~5x a window's share of work there). The 8k prefill 87.3 -> 85.1 ms; at 2k within noise.
+        self.fresh_prefill = "ragged"
+        self.sliding_prefill: str | None = "fa2"
         self._backend: dict[str, str] = {}  # resolved per role once the device is known
         self._dims: AttentionDims | None = None
         self._windows: dict[int, int] = {}  # page group -> window_left, learned from forward
@@ -140,7 +141,7 @@ class FlashInferAttention:
                 if role == "prefill":
                     self._wrapper(role, "ragged", wl)
 
-    def set_prefill_reads(self, fresh: str = "paged", sliding: str | None = None) -> None:
+    def set_prefill_reads(self, fresh: str = "ragged", sliding: str | None = "fa2") -> None:
         """How prefill steps read keys. fresh: full layers of a step with no cached prefix, where every
         key is in the step's own k/v: "paged" stores, then reads the pages back (fa3's paged mainloop
         loads page rows one by one), "ragged" reads the dense k/v (fa3's TMA mainloop) and stores after;

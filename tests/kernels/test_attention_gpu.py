@@ -135,13 +135,12 @@ def test_flashinfer_fresh_prefill_read_ragged(window, sliding):
     reference's output, and it stores the pages the paged read stores, bit for bit."""
     q_lens = [700, 33, 2048]
     got = {}
-    for fresh in ("paged", "ragged"):
+    for fresh in ("paged", "ragged"):  # the same seeds: the same q, k, v and pages before the store
         impl = _flashinfer("fa3")
         impl.set_prefill_reads(fresh, sliding)
         step, num_pages = _step(q_lens, [0] * len(q_lens), window, seed=5)
         g = torch.Generator(device=DEV).manual_seed(6)
-        kc = torch.randn(num_pages, HKV, P, D, generator=g, device=DEV, dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
+        kc, vc = (torch.randn(num_pages, HKV, P, D, generator=g, device=DEV, dtype=torch.bfloat16) for _ in "kv")
         t = sum(q_lens)
         q, k, v = (torch.randn(t, h, D, generator=g, device=DEV, dtype=torch.bfloat16) for h in (HQ, HKV, HKV))
         sinks = torch.randn(HQ, generator=g, device=DEV) * 2

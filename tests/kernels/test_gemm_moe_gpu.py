@@ -121,7 +121,7 @@ def test_deepgemm_moe_real_dims(e: int, t: int, el: int, start: int, inter: int)
     assert _rel(out, want) < 2e-2, _rel(out, want)
 
 
-@pytest.mark.parametrize("e,t", [(32, 1), (128, 1), (32, 4), (32, 64), (32, 2048), (128, 512)])
+@pytest.mark.parametrize("e,t", [(32, 1), (128, 1), (32, 4), (32, 64), (32, 256), (32, 384), (32, 2048), (128, 512)])
 def test_fp8_moe_real_dims(e: int, t: int):
     from kernels.moe import TritonMoE
     w = _experts(e, 2880, 2880, fp8=True)
