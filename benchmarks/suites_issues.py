@@ -195,6 +195,25 @@ ISSUE_SUITES: dict[str, Suite] = {
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
                     "launch-hold-ab-2 (2026-12-06, H100, ran as launch-hold-ab --only these three): no prompt "
                     "admitted from a hold")),
+    # kernel-defaults-check-1 (H100): a cached turn's mixed step (~300 tokens + ~63 decode rows) spans 16.6 ms on
+    # the GPU against a decode step's 10.3; in the 512 bucket its ~190 padded rows route through the MoE like real
+    # ones (engine/piecewise.py FINE_BUCKETS). Fine buckets alone, then with the hold and attention in the graphs
+    # (the launch-hold-graphed-ab arm never run on a fast lease with the median admission rule).
+    "colocated-buckets-ab": Suite(
+        "issue 25: the piecewise GPU tests' eager comparison on 2 random layers (attention in the graphs at T=352), "
+        "then multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker, step trace) with the "
+        "defaults (pow2 buckets), with --piecewise-buckets fine, and with --launch-hold "
+        "--piecewise-graphed-attention all --piecewise-buckets fine; each with and without prefix caching",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("piecewise-2layers", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
+                                         "tests/integration/test_piecewise_gpu.py -k matches_eager", 90, summary=PYTEST,
+                    env={"TANDEM_PW_LAYERS": "2"}),
+               colocated_pw_step("colocated-1-pw", 150),
+               colocated_pw_step("colocated-1-fine", 150, "--piecewise-buckets fine "),
+               colocated_pw_step("colocated-1-hold-graphed-fine", 150,
+                                 "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine ")),
+        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
+                    "kernel-defaults-check-1 (2026-12-06, H100): 2.56x with the defaults")),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
     # at 8k replays in 3.05 ms with e4m3 pages, slower than bf16's 2.44 where batch 128 is 1.29x faster).
     "decode-profile": Suite(
