@@ -66,7 +66,7 @@ class EngineConfig:
     # Buckets stop here: above ~2k tokens a 20b step is GPU-bound and padding to the next bucket costs
     # more than the launches saved (3.3-3.6k-token chunks 7-13 % slower in the 4,096 bucket, piecewise-ab-1)
     piecewise_max_tokens: int = 2048
-    piecewise_buckets: str = "pow2"  # engine.piecewise.BUCKET_SETS: 2x apart, or "fine" (1.5x; opt-in, not yet measured)
+    piecewise_buckets: str = "fine"  # engine.piecewise.BUCKET_SETS: "fine" (1.5x apart) or "pow2" (2x)
     # attention inside the piecewise graphs too (kernels/triton_graph_attention.py): "none", "sliding" (the
     # sliding-window layers') or "all" (a step is one graph); opt-in, not yet measured on the GPU
     piecewise_graphed: str = "none"

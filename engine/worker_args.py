@@ -79,9 +79,9 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                         "the sliding-window layers' (only full-attention layers stay eager), or all (a step up to the "
                         "largest bucket is one graph). Meant for a decode worker's mixed steps: on a prefill worker a "
                         "graphed layer's KV streams out only after its piece, and long chunks run slower on the kernel")
-    p.add_argument("--piecewise-buckets", choices=["pow2", "fine"], default="pow2",
-                   help="piecewise bucket spacing: pow2 (16, 32, 64, ...) or fine (1.5x apart: 16, 24, 32, 48, ...; "
-                        "less padding, whose rows the MoE computes like real ones, for twice the graphs)")
+    p.add_argument("--piecewise-buckets", choices=["pow2", "fine"], default="fine",
+                   help="piecewise bucket spacing: fine (1.5x apart: 16, 24, 32, 48, ...; less padding, whose rows the "
+                        "MoE computes like real ones, for about twice the graphs in the same pool) or pow2 (16, 32, 64, ...)")
     p.add_argument("--step-trace", default=None, metavar="PATH",
                    help="write one JSON line per engine step to PATH (%%p = the process id): sizes and host times "
                         "of each step, for diagnosing served latency (engine/step_trace.py)")

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from engine.build import EngineConfig, build_engine_parts
+from engine.piecewise import FINE_BUCKETS, buckets_for
 from engine.scheduler import SchedulerConfig
 from model.context import SeqStep, build_step_meta
 from model.kv_cache import SeqPages
@@ -94,7 +95,7 @@ def _rel_written(got: list[torch.Tensor], want: list[torch.Tensor], before: list
 def test_piecewise_gpu_matches_eager(parts):
     model, pool, kv, runner = parts.model, parts.pool, parts.kv, parts.runner
     pw = runner.piecewise
-    assert pw is not None and pw.buckets == (16, 32, 64, 128, 256, 512, 1024, 2048)
+    assert pw is not None and pw.buckets == buckets_for(2048, FINE_BUCKETS)  # the default spacing
     graphed = sorted(int(g) for g in pw.tables)
     assert len(pw.islands) == {0: LAYERS, 1: LAYERS // 2, 2: 0}[len(graphed)]
     assert sorted(pw.graphs) == list(pw.buckets) and all(len(g) == len(pw.islands) + 1 for g in pw.graphs.values())
