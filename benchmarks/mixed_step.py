@@ -189,6 +189,9 @@ def main() -> None:
         if a.profile:
             sched.add(Sequence("prof", prompt + rand(a.new), greedy(a.prefix + a.new)))
             res["profile"] = profile(core.step, path.with_suffix(".profile.txt"))
+            for _ in range(3):
+                core.step()
+            res["profile_decode"] = profile(core.step, path.with_suffix(".profile_decode.txt"))  # a decode step, beside
         if a.timeline:
             for _ in range(3):
                 core.step()

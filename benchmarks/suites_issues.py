@@ -214,6 +214,16 @@ ISSUE_SUITES: dict[str, Suite] = {
                                  "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine ")),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
                     "kernel-defaults-check-1 (2026-12-06, H100): 2.56x with the defaults")),
+    # colocated-buckets-ab-1: with fine buckets a cached turn's mixed step (~245 new tokens beside ~63 decode rows at
+    # ~3.6k context) still spans 15.1 ms on the GPU against a decode step's 9.9; where do the 5 ms go?
+    "mixed-step-profile": Suite(
+        "issue 25: the decode worker's engine (20b, the multi-turn suite's decode settings, CUDA graphs + piecewise "
+        "graphs with the default buckets) with 60 sequences decoding at 3.5k context while a new turn (3,296 cached + "
+        "280 new tokens) joins: torch.profiler of the mixed step, then of a decode step of the same batch",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("mixed-step", MIXED_STEP + "--turns 3 --forwards piecewise --orders ready --mixed-roles decode "
+                                               "--profile --out {out}/mixed_step.json", 200,
+                    summary=r"^decode steps|^mixed|Error|Traceback"),)),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
     # at 8k replays in 3.05 ms with e4m3 pages, slower than bf16's 2.44 where batch 128 is 1.29x faster).
     "decode-profile": Suite(
