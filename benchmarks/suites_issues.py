@@ -224,6 +224,15 @@ ISSUE_SUITES: dict[str, Suite] = {
         steps=(step("mixed-step", MIXED_STEP + "--turns 3 --forwards piecewise --orders ready --mixed-roles decode "
                                                "--profile --out {out}/mixed_step.json", 200,
                     summary=r"^decode steps|^mixed|Error|Traceback"),)),
+    # mixed-step-profile-1 (H100): a 340-token mixed step's MoE took 382 us per layer (weights at 2.1 TB/s) where a
+    # 60-row decode step's took 270 (2.95 TB/s, the copy rate): 2.7 ms of the step's 4.5 ms extra. 16-row tiles
+    # (decode-style streaming: deeper pipelines, split-K) for the mid buckets, against the table's picks.
+    "moe-tune-mid16": Suite(
+        "the Triton FP8 MoE's mid buckets (M = 48, 32, 64 routed rows per expert: 384-, 256-, 512-token steps of 20b) "
+        "with 16-row tiles added to the wide TMA space (6 stages, split-K 2); each bucket's current pick timed first",
+        carry=(".whl-site",),
+        steps=(step("tune", "{py} -m benchmarks.tune_moe --no-bf16 --wide --tma --wide-from 8 --buckets 48,32,64 "
+                            "--base kernels/tuning/moe.json --budget 230", 300, summary=r"tuned table|Error"),)),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
     # at 8k replays in 3.05 ms with e4m3 pages, slower than bf16's 2.44 where batch 128 is 1.29x faster).
     "decode-profile": Suite(

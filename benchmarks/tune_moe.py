@@ -38,7 +38,7 @@ def tokens_for(bucket: int) -> int:
 def bm_candidates(bucket: int) -> list[int]:
     """Row tiles worth trying for M routed rows per expert (any M: the buckets between the shipped ones
     too, e.g. 8 = a 64-token decode step, 48 = a 384-token piecewise bucket)."""
-    return [16] if bucket <= 4 else [16, 32] if bucket <= 16 else [32, 64] if bucket <= 64 else [64, 128]
+    return [16] if bucket <= 4 else [16, 32] if bucket <= 16 else [16, 32, 64] if bucket <= 64 else [64, 128]
 
 
 WIDE = False  # --wide: buckets >= WIDE_FROM also try 4 stages, 4/8 warps and 256-wide tiles (64-row only)
@@ -51,8 +51,12 @@ def tile_candidates(bm: int, bucket: int, fp8: bool, gemm: int) -> list[TileConf
     if WIDE and bucket >= WIDE_FROM:
         group = 8 if bucket > 64 else 1
         tma = TMA and fp8
-        return [TileConfig(bm, bn, bk, group, w, s, 1, tma=tma)
-                for bn, w, s in product([128, 256], [4, 8], [3, 4])
+        # 16-row tiles of mid buckets (M = 17-64: a few tiles per expert, whose weight tiles the L2 shares) stream
+        # the weights as decode does: deeper pipelines (6 stages of 34 KB) and split-K too (mixed-step-profile-1:
+        # a 340-token step's MoE read its weights at 2.1 TB/s against a 60-row decode step's 2.95)
+        mid16 = bm <= 16 and bucket <= 64
+        return [TileConfig(bm, bn, bk, group, w, s, sk, tma=tma)
+                for bn, w, s, sk in product([128, 256], [4, 8], [3, 4, 6] if mid16 else [3, 4], [1, 2] if mid16 else [1])
                 if not (bm >= 128 and (w == 4 or bn == 256))]  # 128 x 256 spills (ptxas)
     decode = bucket <= 4  # bandwidth-bound, few tiles: split K over more CTAs (kernels/moe.py)
     if gemm == 1:
