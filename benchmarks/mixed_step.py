@@ -48,12 +48,6 @@ def _launched(rows: list[dict]) -> list[dict]:
     return [{**r, "step_ms": r["sched_ms"] + r["launch_ms"] + r["wait_ms"]} for r in rows if r["step"]]
 
 
-def set_mixed_read(attn, role: str) -> None:
-    """decode | prefill (one launch on that role's kernel) | split-fa3 | split-fa2 (--mixed-attention)."""
-    split = role.startswith("split-")
-    attn.mixed_role, attn.mixed_split = ("decode", role.removeprefix("split-")) if split else (role, None)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_worker_args(ap, port=0, metrics_port=0)
@@ -71,8 +65,8 @@ def main() -> None:
                          "before the next launch), wait (ready, and a step with first tokens "
                          "is waited for up to 3 ms: --first-token-wait-ms 3) or launch (always launch the next step first)")
     ap.add_argument("--mixed-roles", default="decode",
-                    help="FlashInfer: whose kernel reads a mixed step's attention, compared: decode (fa2, GQA-packed), "
-                         "prefill (fa3), split-fa3 / split-fa2 (rows on fa2, chunks apart on fa3 / fa2: --mixed-attention)")
+                    help="FlashInfer: whose kernel reads a mixed step's attention, compared: decode (fa2, GQA-packed) "
+                         "and/or prefill (fa3)")
     ap.add_argument("--timeline", action="store_true",
                     help="torch.profiler over a mixed step and the step that collects it: the GPU's busy time, "
                          "its idle gaps and the kernels around the longest (mixed_step.timeline.json)")
@@ -151,7 +145,7 @@ def main() -> None:
     for m in modes:
         forward, order, role = m.split("/")
         if role != "-":
-            set_mixed_read(attn, role)
+            attn.mixed_role = role
         parts.runner.piecewise = forwards[forward]
         core.collect_ready = order in ("ready", "wait")
         core.first_token_wait_s = 0.003 if order == "wait" else 0.0  # the decode worker's default
@@ -180,7 +174,7 @@ def main() -> None:
     core.collect_ready = True
     core.first_token_wait_s = 0.0
     if roles != ["-"]:
-        set_mixed_read(attn, roles[0])
+        attn.mixed_role = roles[0]
     if a.host_profile or a.profile or a.timeline:
         prompt = rand(a.prefix)
         pre = Sequence("hprof-prev", prompt, greedy())

@@ -233,24 +233,6 @@ ISSUE_SUITES: dict[str, Suite] = {
         carry=(".whl-site",),
         steps=(step("tune", "{py} -m benchmarks.tune_moe --no-bf16 --wide --tma --wide-from 8 --buckets 48,32,64 "
                             "--base kernels/tuning/moe.json --budget 230", 300, summary=r"tuned table|Error"),)),
-    # mixed-step-profile-1: the 12 full layers of a 340-token mixed step read attention in 240 us each (2.9 ms) on one
-    # fa2 launch (one q-tile shape for 60 one-token rows and a 280-token chunk). --mixed-attention split-fa3|split-fa2
-    # reads the rows on fa2 and the chunk apart.
-    "mixed-split-ab": Suite(
-        "issue 25: a mixed step's attention read apart (--mixed-attention): its GPU test (reference, one launch), the "
-        "mixed step alone (60 decoding at 3.5k + a 3,296-cached, 280-new turn) with one launch, split-fa3 and split-fa2 "
-        "in one process, then multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker) with the defaults "
-        "and with --mixed-attention split-fa3",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
-        steps=(step("attention-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_gpu.py "
-                                           "-k 'mixed_step_read_apart or flashinfer_self_test'", 60, summary=PYTEST),
-               step("mixed-step", MIXED_STEP + "--turns 3 --forwards piecewise --orders ready "
-                                               "--mixed-roles decode,split-fa3,split-fa2 --out {out}/mixed_step.json", 150,
-                    summary=r"^decode steps|^mixed|Error|Traceback"),
-               colocated_pw_step("colocated-1-pw", 150),
-               colocated_pw_step("colocated-1-split-fa3", 150, "--mixed-attention split-fa3 ")),
-        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
-                    "colocated-buckets-ab-1 (2026-12-06, H100): 2.88x with fine buckets")),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
     # at 8k replays in 3.05 ms with e4m3 pages, slower than bf16's 2.44 where batch 128 is 1.29x faster).
     "decode-profile": Suite(

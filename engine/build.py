@@ -66,7 +66,6 @@ class EngineConfig:
     # Buckets stop here: above ~2k tokens a 20b step is GPU-bound and padding to the next bucket costs
     # more than the launches saved (3.3-3.6k-token chunks 7-13 % slower in the 4,096 bucket, piecewise-ab-1)
     piecewise_max_tokens: int = 2048
-    mixed_attention: str = "one"  # one | split-fa3 | split-fa2: how FlashInfer reads a mixed step (worker_args)
     piecewise_buckets: str = "fine"  # engine.piecewise.BUCKET_SETS: "fine" (1.5x apart) or "pow2" (2x)
     # attention inside the piecewise graphs too (kernels/triton_graph_attention.py): "none", "sliding" (the
     # sliding-window layers') or "all" (a step is one graph); opt-in, not yet measured on the GPU
@@ -101,10 +100,6 @@ def load_model(cfg: EngineConfig) -> GptOss:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     src = open_source(cfg)
     backends = make_backends(cfg.attention_backend, cfg.linear_backend, cfg.moe_backend, cfg.fusions)
-    if cfg.mixed_attention != "one":  # kernels/flashinfer_backend.py mixed_split
-        if not hasattr(backends.attention, "mixed_split"):
-            raise ConfigError(f"--mixed-attention {cfg.mixed_attention} needs the flashinfer attention backend")
-        backends.attention.mixed_split = cfg.mixed_attention.removeprefix("split-")
     model = GptOss(src.config, backends, dtype=DTYPES[cfg.dtype], fp8=cfg.fp8, parallel=cfg.parallel,
                    device=cfg.device, fp8_attention=cfg.fp8_attention)
     prepare_backends(backends, cfg.device, dense_shapes(model))

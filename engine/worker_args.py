@@ -79,9 +79,6 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                         "the sliding-window layers' (only full-attention layers stay eager), or all (a step up to the "
                         "largest bucket is one graph). Meant for a decode worker's mixed steps: on a prefill worker a "
                         "graphed layer's KV streams out only after its piece, and long chunks run slower on the kernel")
-    p.add_argument("--mixed-attention", choices=["one", "split-fa3", "split-fa2"], default="one",
-                   help="FlashInfer: a step mixing one-token rows (decodes) with prompt chunks reads attention in one "
-                        "launch (fa2, GQA packed), or apart: the rows on fa2, the chunks on fa3 or fa2 (two launches)")
     p.add_argument("--piecewise-buckets", choices=["pow2", "fine"], default="fine",
                    help="piecewise bucket spacing: fine (1.5x apart: 16, 24, 32, 48, ...; less padding, whose rows the "
                         "MoE computes like real ones, for about twice the graphs in the same pool) or pow2 (16, 32, 64, ...)")
@@ -148,7 +145,6 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         seed=a.seed, progress=tp_rank == 0, async_decode=a.async_decode == "on",
         enable_prefix_caching=a.enable_prefix_caching, piecewise_graphs=a.piecewise_graphs,
         piecewise_max_tokens=a.piecewise_max_tokens, piecewise_buckets=a.piecewise_buckets,
-        mixed_attention=a.mixed_attention,
         piecewise_graphed=a.piecewise_graphed_attention,
         parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group,
                                 max(0, a.fast_allreduce_kib) << 10 if gpu else 0, a.fast_allreduce_impl, a.vocab_parallel))

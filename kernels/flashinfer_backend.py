@@ -50,7 +50,7 @@ import torch
 from common.errors import ConfigError
 from kernels.flashinfer_fp8kv import FP8_KV, read_slots
 from kernels.flashinfer_host import (AttentionDims, host_cu, pinned, chunk_gather_indices, chunk_row_sources,
-                                     import_flashinfer, mixed_split_point)
+                                     import_flashinfer)
 from kernels.flashinfer_variants import build_variant, jit_args
 from kernels.interface import GroupMeta, StepMeta
 from kernels.triton_store_kv import gather_kv, rope_qk, rope_qk_store_kv, store_kv
@@ -69,7 +69,6 @@ class _GroupPlan:
     slots: torch.Tensor | None = None  # [T] int64 slot_mapping to store with (static when graphed)
     gather: torch.Tensor | None = None  # [Tk] int64 dense row sources (gather_kv): slot, or -(new row + 1)
     read_slots: torch.Tensor | None = None  # FP8 prefill: store first, then every key read back from pages
-    split: tuple[int, object] | None = None  # mixed step read apart: (one-token rows first, the chunks' wrapper)
 
 
 class FlashInferAttention:
@@ -100,9 +99,6 @@ class FlashInferAttention:
         # 1.63 ms each, 57 % of the step's GPU time, the ragged sliding ones 179 us for ~144 keys per
         # row (mixed-step-5, 2026-12-03); fa2 packs the 8 heads of a group into one tile.
         self.mixed_role = "decode"
-        # ... or apart (--mixed-attention split-fa3|split-fa2): the one-token rows on fa2 (GQA packed), the chunks
-        # on this backend's paged kernel, two launches; None = one launch on mixed_role's kernel.
-        self.mixed_split: str | None = None
         # How prefill steps read keys (set_prefill_reads). prefill-reads-ab-1 (H100, 20b, 8k prompt, per full
         # layer): fa3 ragged 1.25 ms vs paged 1.37; the sliding layers on fa2 158 us vs fa3's 287 (fa3 spends
         # ~5x a window's share of work there). The 8k prefill 87.3 -> 85.1 ms; at 2k within noise.
@@ -228,13 +224,12 @@ class FlashInferAttention:
             for role, want in self._want.items():
                 self._backend[role] = ("fa3" if fa3_ok else "fa2") if want == "auto" else want
 
-    def _wrapper(self, role: str, kind: str, window_left: int, graph_batch: int = 0, backend: str | None = None):
+    def _wrapper(self, role: str, kind: str, window_left: int, graph_batch: int = 0):
         d = self._dims
         assert d is not None and self._workspace is not None
-        if backend is None:
-            backend = "fa2" if kind == "paged" and d.fp8_kv else self._backend[role]
-            if kind == "ragged" and window_left >= 0 and role == "prefill" and self.sliding_prefill:
-                backend = self.sliding_prefill
+        backend = "fa2" if kind == "paged" and d.fp8_kv else self._backend[role]
+        if kind == "ragged" and window_left >= 0 and role == "prefill" and self.sliding_prefill:
+            backend = self.sliding_prefill
         # Graph wrappers own index buffers sized by the page capacity: a new capacity needs new ones.
         key = (role, kind, window_left, backend, graph_batch, self._graph_max_pages if graph_batch else 0)
         w = self._wrappers.get(key)
@@ -318,9 +313,6 @@ class FlashInferAttention:
         # the stream, i.e. wait for the step in flight (the overlapped loop plans step N+1 while N runs).
         # Pinned lengths (the same values) keep the copy asynchronous.
         lens = pinned(torch.tensor(g.kv_lens_host, dtype=torch.int32))
-        k = mixed_split_point(step.q_lens_host) if self.mixed_split and not decode and not d.fp8_kv else 0
-        if k:
-            return self._plan_split(g, window_left, (cu_q, indptr, indices, last, lens), k)
         w.plan(cu_q, indptr, indices, last, d.num_q_heads, d.num_kv_heads, d.head_dim, p, causal=True,
                window_left=window_left, q_data_type=d.dtype, kv_data_type=d.kv_dtype or d.dtype, seq_lens=lens)
         slots = g.slot_mapping
@@ -330,21 +322,6 @@ class FlashInferAttention:
                 slots = self._graph_slots[(graph, window_left)] = torch.empty(graph, dtype=torch.int64, device=d.device)
             slots.copy_(g.slot_mapping)
         return _GroupPlan("paged", w, slots)
-
-    def _plan_split(self, g: GroupMeta, window_left: int, paged: tuple, k: int) -> _GroupPlan:
-        """A mixed step read apart: its first k sequences (one-token rows) on the decode role's kernel, the
-        chunks after them on `mixed_split`'s; both over the pages the store fills first. paged: the whole
-        step's (cu_q, kv indptr, page indices, last page lengths, kv lengths), host tensors but indices."""
-        d = self._dims
-        cu_q, indptr, indices, last, lens = paged
-        n = int(indptr[k])  # the rows' pages come first in indices
-        rows = self._wrapper("decode", "paged", window_left)
-        chunks = self._wrapper("prefill", "paged", window_left, backend=self.mixed_split)
-        dims = (d.num_q_heads, d.num_kv_heads, d.head_dim, d.page_size)
-        kw = dict(causal=True, window_left=window_left, q_data_type=d.dtype, kv_data_type=d.kv_dtype or d.dtype)
-        rows.plan(cu_q[:k + 1], indptr[:k + 1], indices[:n], last[:k], *dims, seq_lens=lens[:k], **kw)
-        chunks.plan(pinned(cu_q[k:] - k), pinned(indptr[k:] - n), indices[n:], last[k:], *dims, seq_lens=lens[k:], **kw)
-        return _GroupPlan("paged", rows, g.slot_mapping, split=(k, chunks))
 
     def _role(self, step: StepMeta) -> str:
         """Whose kernel reads this step: decode steps the decode role's, steps mixing one-token rows
@@ -439,11 +416,6 @@ class FlashInferAttention:
                 store_kv(k, v, k_cache, v_cache, plan.slots, kv_scale)
             if fp8:
                 return plan.wrapper.run(q, (k_cache, v_cache), sinks, kv_scale[0], kv_scale[1], sm_scale, out=out)
-            if plan.split is not None:  # [rows ; chunks], each on its own kernel (_plan_split)
-                k, chunks = plan.split
-                plan.wrapper.run(q[:k], (k_cache, v_cache), sinks, sm_scale, out=out[:k])
-                chunks.run(q[k:], (k_cache, v_cache), sinks, sm_scale, out=out[k:])
-                return out
             return plan.wrapper.run(q, (k_cache, v_cache), sinks, sm_scale, out=out)
         if plan.read_slots is not None:  # FP8 prefill: store, then every key back from the pages
             if rope is None:

@@ -56,15 +56,6 @@ def host_cu(step: StepMeta) -> torch.Tensor:
     return pinned(torch.tensor([0] + step.q_lens_host, dtype=torch.int32).cumsum(0, dtype=torch.int32))
 
 
-def mixed_split_point(q_lens: list[int]) -> int:
-    """k where a mixed step's first k sequences are one-token rows and the rest chunks (the scheduler
-    lists running sequences before admitted ones), else 0: the rows that can be read apart."""
-    k = 0
-    while k < len(q_lens) and q_lens[k] == 1:
-        k += 1
-    return k if 0 < k < len(q_lens) and all(n > 1 for n in q_lens[k:]) else 0
-
-
 def pinned(t: torch.Tensor) -> torch.Tensor:
     """Host tensors the plan copies to the device (index buffers of the graph wrappers) live in
     pinned memory: a copy from pageable memory may wait for the stream, and the overlapped decode

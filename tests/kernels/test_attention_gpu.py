@@ -152,24 +152,6 @@ def test_flashinfer_fresh_prefill_read_ragged(window, sliding):
     assert _rel(got["ragged"][0], got["paged"][0].float()) <= 1e-2
 
 
-@pytest.mark.parametrize("window", [None, W])
-@pytest.mark.parametrize("chunks", ["fa3", "fa2"])
-def test_flashinfer_mixed_step_read_apart(window, chunks):
-    """--mixed-attention split-*: a mixed step's one-token rows (listed first, as the scheduler does) on fa2 and
-    its chunks on `chunks`, two launches: the reference's output, and close to the one-launch read."""
-    q_lens, prefix = [1, 1, 1, 300, 40], [3000, 150, 900, 500, 0]
-    outs = []
-    pytest.importorskip("flashinfer")
-    from kernels.flashinfer_backend import FlashInferAttention
-    for split in (None, chunks):
-        impl = FlashInferAttention()  # the workers' roles: prefill fa3 (auto on sm90a), decode fa2
-        impl.mixed_split = split
-        out, expected = _run_case(impl, q_lens, prefix, window, seed=7)
-        assert _rel(out, expected) <= 1e-2
-        outs.append(out)
-    assert _rel(outs[1], outs[0].float()) <= 1e-2
-
-
 @pytest.mark.parametrize("backend", ["flashinfer-fa2", "triton"])
 def test_decode_cuda_graph_replays_a_later_step(backend):
     """Capture one decode forward for batch 4; then plan a different step (other lengths, other
