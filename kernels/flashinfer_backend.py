@@ -15,8 +15,10 @@ Lifecycle:
     (fa2 if fa3 fails to build), decode fa2 (fa3 does not pack GQA heads into a q tile, so q_len 1
     would fill one 192-row tile per head).
   * `plan(step)` plans each page group once; every layer of the group reuses that plan.
-  * `forward`: no cache -> ragged causal over the step's tokens; pages_hold_all -> store, then
-    paged; otherwise -> gather [prefix from pages ; new K/V] densely, ragged, then store. With
+  * `forward`: no cache, or a prefill step with no cached prefix (`fresh_prefill`) -> ragged causal over the
+    step's own tokens, then store; pages_hold_all -> store, then paged; otherwise -> gather [prefix from
+    pages ; new K/V] densely, ragged, then store. Prefill steps' sliding ragged reads run on fa2
+    (`sliding_prefill`; set_prefill_reads says why). With
     rope= (Fusion.ROPE_STORE) q and k arrive unrotated: where the store comes first (paged, FP8
     prefill) one launch rotates q and k and stores (`rope_qk_store_kv`), elsewhere they are rotated
     first, as the model would have.
