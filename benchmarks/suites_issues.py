@@ -14,6 +14,11 @@ MIXED_STEP = ("{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weight
               "--max-num-seqs 128 --cuda-graphs --piecewise-graphs --max-model-len 16384 "
               "--max-num-batched-tokens 4096 ")
 
+# the piecewise GPU tests' eager comparison on 2 random layers: rounding halves with depth, a wiring fault does not
+PW_2LAYERS = step("piecewise-2layers", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
+                                       "tests/integration/test_piecewise_gpu.py -k matches_eager", 90, summary=PYTEST,
+                  env={"TANDEM_PW_LAYERS": "2"})
+
 
 def colocated_pw_step(name: str, timeout_s: int, flags: str = "") -> Step:
     """multi_turn_step's colocated run with ONE decode worker, piecewise graphs (+ `flags`) and its step trace."""
@@ -171,9 +176,7 @@ ISSUE_SUITES: dict[str, Suite] = {
         "ONE decode worker, step trace) with the defaults, with --launch-hold and with --launch-hold "
         "--launch-hold-bubble 0.25; each with and without prefix caching",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
-        steps=(step("piecewise-2layers", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
-                                         "tests/integration/test_piecewise_gpu.py -k matches_eager", 90, summary=PYTEST,
-                    env={"TANDEM_PW_LAYERS": "2"}),
+        steps=(PW_2LAYERS,
                colocated_pw_step("colocated-1-pw", 150),
                colocated_pw_step("colocated-1-hold", 150, "--launch-hold "),
                colocated_pw_step("colocated-1-hold-bubble", 150, "--launch-hold --launch-hold-bubble 0.25 ")),
@@ -205,10 +208,8 @@ ISSUE_SUITES: dict[str, Suite] = {
         "defaults (pow2 buckets), with --piecewise-buckets fine, and with --launch-hold "
         "--piecewise-graphed-attention all --piecewise-buckets fine; each with and without prefix caching",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
-        steps=(step("piecewise-2layers", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
-                                         "tests/integration/test_piecewise_gpu.py -k matches_eager", 90, summary=PYTEST,
-                    env={"TANDEM_PW_LAYERS": "2"}),
-               colocated_pw_step("colocated-1-pw", 150),
+        steps=(PW_2LAYERS,
+               colocated_pw_step("colocated-1-pw", 150, "--piecewise-buckets pow2 "),  # the default until this A/B
                colocated_pw_step("colocated-1-fine", 150, "--piecewise-buckets fine "),
                colocated_pw_step("colocated-1-hold-graphed-fine", 150,
                                  "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine ")),
