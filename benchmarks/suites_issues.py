@@ -198,6 +198,19 @@ ISSUE_SUITES: dict[str, Suite] = {
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
                     "launch-hold-ab-2 (2026-12-06, H100, ran as launch-hold-ab --only these three): no prompt "
                     "admitted from a hold")),
+    # colocated-buckets-ab-1: with attention in the graphs a mixed launch takes ~4.4 ms, yet the hold launched 4 of 398
+    # mixed steps from a hold: prompts come ~4-5 ms into a ~10 ms step, so launch + margin rarely fit before the
+    # step in flight ends. A bubble of 0.3 of a step admits them at the cost of an idle GPU then (TPOT's price shows).
+    "launch-hold-bubble-ab": Suite(
+        "issue 25: multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker, step trace) with the "
+        "defaults, and with --launch-hold --launch-hold-bubble 0.3 --piecewise-graphed-attention all; each with and "
+        "without prefix caching",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(colocated_pw_step("colocated-1-pw", 150),
+               colocated_pw_step("colocated-1-hold-graphed-bubble30", 150,
+                                 "--launch-hold --launch-hold-bubble 0.3 --piecewise-graphed-attention all ")),
+        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
+                    "colocated-buckets-ab-1 (2026-12-06, H100): 2.88x with fine buckets (now the default)")),
     # kernel-defaults-check-1 (H100): a cached turn's mixed step (~300 tokens + ~63 decode rows) spans 16.6 ms on
     # the GPU against a decode step's 10.3; in the 512 bucket its ~190 padded rows route through the MoE like real
     # ones (engine/piecewise.py FINE_BUCKETS). Fine buckets alone, then with the hold and attention in the graphs
