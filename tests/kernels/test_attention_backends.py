@@ -284,9 +284,18 @@ def test_flashinfer_planning_matches_torch(fake_flashinfer):
     impl = fake_flashinfer.FlashInferAttention()
     self_test_attention(impl, "cpu", torch.float32, shape=SMALL)
     kinds = set(_FakeWrapper.log)
-    # prefill on fa3 (sm90a), decode on fa2; both window kinds; paged and ragged (chunks, no cache)
-    assert {("fa3", "paged", False, False), ("fa3", "ragged", True, False),
+    # prefill on fa3 (sm90a): a fresh prompt's full layers read ragged; prefill's sliding reads on fa2 (set_prefill_reads);
+    # decode (and mixed steps) on fa2, paged, both window kinds
+    assert {("fa3", "ragged", False, False), ("fa2", "ragged", True, False),
             ("fa2", "paged", True, False), ("fa2", "paged", False, False)} <= kinds
+    assert ("fa3", "ragged", True, False) not in kinds
+    # the reads before 2026-12-06: full layers stored then read paged on fa3, sliding reads on fa3
+    _FakeWrapper.log = []
+    impl.set_prefill_reads("paged", "fa3")
+    self_test_attention(impl, "cpu", torch.float32, shape=SMALL)
+    assert {("fa3", "paged", False, False), ("fa3", "ragged", True, False)} <= set(_FakeWrapper.log)
+    with pytest.raises(ConfigError, match="unknown prefill reads"):
+        impl.set_prefill_reads("dense")
 
 
 def test_flashinfer_decode_graph_buffers(fake_flashinfer):
@@ -329,7 +338,7 @@ def test_flashinfer_fp8_kv_planning_matches_torch(fake_flashinfer):
     assert impl._fp8_fallback is None and impl._triton_decode is None
     kinds = set(_FakeWrapper.log)
     assert {("fa2", "paged", True, True), ("fa2", "paged", False, True),  # decode of 3: graph wrappers
-            ("fa3", "ragged", True, False), ("fa3", "ragged", False, False)} <= kinds
+            ("fa2", "ragged", True, False), ("fa3", "ragged", False, False)} <= kinds  # prefill: sliding reads on fa2
     assert not any(b == "fa3" and kind == "paged" for b, kind, _, _ in kinds)  # fa3 cannot read e4m3 pages
     built = sys.modules["flashinfer.prefill"].built
     assert {(b, sliding) for b, uri, sliding in built if "e4m3" in uri} == {("fa2", False), ("fa2", True)}
@@ -350,7 +359,7 @@ def test_flashinfer_fp8_kv_decode_runs_on_the_triton_decode_kernel(fake_flashinf
     assert calls and set(calls) == {torch.float8_e4m3fn}
     assert sorted(impl._triton_decode._graph) == [(3, PageGroup.FULL, 64), (3, PageGroup.SLIDING, 64)]
     kinds = set(_FakeWrapper.log)
-    assert not any(kind == "paged" for _, kind, _, _ in kinds) and ("fa3", "ragged", True, False) in kinds
+    assert not any(kind == "paged" for _, kind, _, _ in kinds) and ("fa3", "ragged", False, False) in kinds
     assert not any("e4m3" in uri for _, uri, _ in sys.modules["flashinfer.prefill"].built)
     calls.clear()
     self_test_attention(impl, "cpu", torch.float32, shape=SMALL)  # fp32 pages: FlashInfer decodes again
@@ -359,7 +368,7 @@ def test_flashinfer_fp8_kv_decode_runs_on_the_triton_decode_kernel(fake_flashinf
     fresh = fake_flashinfer.FlashInferAttention()  # start-up builds no wrapper the e4m3 decode would not use
     fresh.prepare(fake_flashinfer.AttentionDims(8, 2, 16, 4, torch.float32, torch.device("cpu"), torch.float8_e4m3fn),
                   {PageGroup.FULL: None, PageGroup.SLIDING: 8})
-    assert set(_FakeWrapper.log) == {("fa3", "ragged", True, False), ("fa3", "ragged", False, False)}
+    assert set(_FakeWrapper.log) == {("fa2", "ragged", True, False), ("fa3", "ragged", False, False)}
 
 
 def test_flashinfer_triton_decode_takes_16bit_pages_too(fake_flashinfer, monkeypatch):
