@@ -8,7 +8,8 @@ A run, top to bottom:
             (ignore_eos, so exactly A)
   run       every conversation is one client task sending its turns one after the other (the next
             turn is only known once the answer arrived); conversations start together, or staggered
-            by --conversation-gap-ms
+            by --conversation-gap-ms; with --client-procs N the conversations are dealt round-robin
+            to N client processes (each its own event loop), which start at one agreed instant
   measure   per request: TTFT, end-to-end, and what the server says it did in usage:
             prompt_tokens_details.cached_tokens, tandem.computed_tokens (prefill tokens computed),
             tandem.kv_bytes_shipped, tandem.prefill (local / remote)
@@ -49,10 +50,16 @@ class MultiTurnSpec:
     seed: int = 0
     token_id_range: tuple[int, int] = (1000, 100_000)
     request_timeout_s: float = 300.0
+    # Load client processes. One asyncio loop parses every stream's SSE events: at 64 conversations x ~80 tokens/s
+    # a first token can wait behind a step's ~60 other chunks in the client itself, which adds to every TTFT
+    # measured, cached or not (the server's parts are in ttft_parts).
+    client_procs: int = 1
 
     def __post_init__(self) -> None:
         if self.conversations < 1 or self.turns < 1 or self.system_len < 0:
             raise ConfigError("--conversations and --turns must be >= 1, --system-len >= 0")
+        if not 1 <= self.client_procs <= self.conversations:
+            raise ConfigError("--client-procs must be between 1 and --conversations")
 
 
 @dataclass(slots=True)
@@ -135,7 +142,8 @@ async def one_turn(client: aiohttp.ClientSession, spec: MultiTurnSpec, r: TurnRe
     return r
 
 
-async def run_conversations(spec: MultiTurnSpec) -> tuple[list[TurnResult], float]:
+async def run_conversations(spec: MultiTurnSpec, part: tuple[int, int] = (0, 1)) -> tuple[list[TurnResult], float]:
+    """The conversations c with c % n == k, part = (k, n); all of them by default."""
     system, convs = plan(spec)
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)  # one keep-alive connection per conversation
     timeout = aiohttp.ClientTimeout(total=None, connect=10.0)  # the request's own deadline: one_turn
@@ -155,9 +163,32 @@ async def run_conversations(spec: MultiTurnSpec) -> tuple[list[TurnResult], floa
             return out
 
         t0 = time.perf_counter()
-        results = [r for conv in await asyncio.gather(*(conversation(c) for c in range(spec.conversations)))
+        results = [r for conv in await asyncio.gather(*(conversation(c) for c in range(part[0], spec.conversations,
+                                                                                         part[1])))
                    for r in conv]
         return results, time.perf_counter() - t0
+
+
+def _run_part(spec: MultiTurnSpec, k: int, start_at: float) -> tuple[list[TurnResult], float]:
+    """One client process's share (conversations c % client_procs == k), started at wall-clock `start_at`."""
+    time.sleep(max(0.0, start_at - time.time()))
+    return _run_loop(run_conversations(spec, (k, spec.client_procs)))
+
+
+def run_load(spec: MultiTurnSpec) -> tuple[list[TurnResult], float]:
+    """Every conversation, in this process or dealt to spec.client_procs spawned ones (results merged in
+    conversation order; the duration is the longest process's)."""
+    if spec.client_procs == 1:
+        return _run_loop(run_conversations(spec))
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    n = spec.client_procs
+    with ProcessPoolExecutor(n, mp_context=mp.get_context("spawn")) as ex:
+        start_at = time.time() + 3.0  # spawned interpreters import aiohttp and numpy first
+        parts = list(ex.map(_run_part, [spec] * n, range(n), [start_at] * n))
+    results = sorted((r for rs, _ in parts for r in rs), key=lambda r: (r.conversation, r.turn))
+    return results, max(d for _, d in parts)
 
 
 def _pct(values: list[float], scale: float = 1.0) -> dict:
@@ -231,7 +262,7 @@ def warm_up(spec: MultiTurnSpec, conversations: int) -> dict:
 
     results, duration = _run_loop(run_conversations(
         replace(spec, conversations=conversations, turns=min(2, spec.turns), seed=spec.seed + 1000,
-                conversation_gap_s=0.0)))
+                conversation_gap_s=0.0, client_procs=1)))
     return {"conversations": conversations, "requests": len(results), "failed": sum(not r.ok for r in results),
             "duration_s": duration}
 
@@ -242,7 +273,7 @@ def run(spec: MultiTurnSpec, label: str, workers: list[str] = (), warmup: int = 
     the load."""
     warm = warm_up(spec, warmup) if warmup else None
     before = ttft_breakdown(spec.base_url)
-    results, duration = _run_loop(run_conversations(spec))
+    results, duration = run_load(spec)
     after = ttft_breakdown(spec.base_url)
     doc = asdict(spec)
     sts = worker_status(list(workers))

@@ -266,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--system-len", type=int, default=2048, help="shared system prompt tokens")
     m.add_argument("--user-len", default="100:300", help="new user tokens per turn: N or LO:HI")
     m.add_argument("--conversation-gap-ms", type=float, default=0.0, help="stagger the conversations' starts")
+    m.add_argument("--client-procs", type=int, default=1,
+                   help="load client processes, the conversations dealt round-robin (one event loop parsing every "
+                        "stream's events adds its own delay to each TTFT it measures)")
     m.add_argument("--compare-caching", action="store_true",
                    help="--launch: each mode with --enable-prefix-caching and with --no-enable-prefix-caching "
                         "(disaggregated also with --remote-prefill-min-tokens 0: every prefill remote)")
@@ -332,7 +335,7 @@ def main_multi_turn(a: argparse.Namespace, argv: list[str]) -> int:
         return multi_turn.MultiTurnSpec(url, a.model or _model_of(url, a.connect_timeout_s), a.conversations,
                                         a.turns, a.system_len, LengthRange.parse(a.user_len),
                                         LengthRange.parse(a.output_len), a.conversation_gap_ms / 1e3, a.seed,
-                                        request_timeout_s=a.request_timeout_s)
+                                        request_timeout_s=a.request_timeout_s, client_procs=a.client_procs)
 
     runs = []
     if a.url:

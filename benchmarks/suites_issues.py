@@ -20,9 +20,10 @@ PW_2LAYERS = step("piecewise-2layers", "{py} -m pytest -q -s -m gpu -p no:cachep
                   env={"TANDEM_PW_LAYERS": "2"})
 
 
-def colocated_pw_step(name: str, timeout_s: int, flags: str = "") -> Step:
-    """multi_turn_step's colocated run with ONE decode worker, piecewise graphs (+ `flags`) and its step trace."""
-    return multi_turn_step("colocated", timeout_s, name=name, extra="--colocated-decode 1 --ready-timeout-s 300 ",
+def colocated_pw_step(name: str, timeout_s: int, flags: str = "", bench: str = "") -> Step:
+    """multi_turn_step's colocated run with ONE decode worker, piecewise graphs (+ `flags` to the decode worker,
+    `bench` to the load) and its step trace."""
+    return multi_turn_step("colocated", timeout_s, name=name, extra="--colocated-decode 1 --ready-timeout-s 300 " + bench,
                            serve_args=MT_SERVE_ARGS.replace("--cuda-graphs", f"--cuda-graphs --piecewise-graphs {flags}"
                                                             "--step-trace {out}/decode-steps-%p.jsonl"))
 
@@ -203,10 +204,12 @@ ISSUE_SUITES: dict[str, Suite] = {
     # step in flight ends. A bubble of 0.3 of a step admits them at the cost of an idle GPU then (TPOT's price shows).
     "launch-hold-bubble-ab": Suite(
         "issue 25: multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker, step trace) with the "
-        "defaults, and with --launch-hold --launch-hold-bubble 0.3 --piecewise-graphed-attention all; each with and "
-        "without prefix caching",
+        "defaults, the same load from 4 client processes (--client-procs 4: the client's own loop is in every TTFT), "
+        "and with --launch-hold --launch-hold-bubble 0.3 --piecewise-graphed-attention all; each with and without "
+        "prefix caching",
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(colocated_pw_step("colocated-1-pw", 150),
+               colocated_pw_step("colocated-1-pw-clients4", 150, bench="--client-procs 4 "),
                colocated_pw_step("colocated-1-hold-graphed-bubble30", 150,
                                  "--launch-hold --launch-hold-bubble 0.3 --piecewise-graphed-attention all ")),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",

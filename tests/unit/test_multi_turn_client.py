@@ -8,7 +8,7 @@ import json
 from aiohttp import web
 
 from benchmarks.loadgen import LengthRange
-from benchmarks.multi_turn import MultiTurnSpec, run_conversations
+from benchmarks.multi_turn import MultiTurnSpec, run_conversations, run_load
 
 SEEN: list[list[int]] = []
 
@@ -35,7 +35,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _serve(spec_kw: dict, system: int):
+async def _serve(spec_kw: dict, system: int, load=None):
     app = web.Application()
     app.router.add_post("/v1/completions", _completions)
     runner = web.AppRunner(app)
@@ -45,6 +45,8 @@ async def _serve(spec_kw: dict, system: int):
     port = site._server.sockets[0].getsockname()[1]
     try:
         spec = MultiTurnSpec(base_url=f"http://127.0.0.1:{port}", model="m", system_len=system, **spec_kw)
+        if load is not None:  # a synchronous load (client processes): off this loop, which serves them
+            return await asyncio.to_thread(load, spec)
         return await run_conversations(spec)
     finally:
         await runner.cleanup()
@@ -76,3 +78,24 @@ def test_multi_turn_client_records_http_errors_and_deadlines(monkeypatch):
     errs = sorted(r.error.split(":")[0] for r in results)
     assert not any(r.ok for r in results)
     assert errs == ["TimeoutError", "http_503"]
+
+
+def test_multi_turn_client_processes_deal_the_conversations():
+    """--client-procs 2: the conversations run in two spawned client processes, dealt round-robin, and come
+    back merged in conversation order with the same prompts a single client sends."""
+    import pytest
+
+    from common.errors import ConfigError
+
+    kw = dict(conversations=3, turns=2, user_len=LengthRange(3, 3), output_len=LengthRange(4, 4),
+              token_id_range=(1000, 2000))
+    SEEN.clear()
+    asyncio.run(_serve(kw, 8))
+    single = sorted(map(tuple, SEEN))
+    SEEN.clear()
+    results, duration = asyncio.run(_serve(kw | {"client_procs": 2}, 8, load=run_load))
+    assert duration > 0 and all(r.ok for r in results), [r.error for r in results]
+    assert [(r.conversation, r.turn) for r in results] == [(c, t) for c in range(3) for t in (1, 2)]
+    assert sorted(map(tuple, SEEN)) == single  # the same requests, from two processes
+    with pytest.raises(ConfigError, match="client-procs"):
+        MultiTurnSpec(base_url="http://x", model="m", conversations=2, client_procs=3)
