@@ -25,9 +25,13 @@ def _plain(d: dict) -> bool:
     return "," not in (d["args"].get("fusions") or "") and not d["args"].get("prefill_reads")
 
 
+def _with_reads(fusions: str, reads: str | None) -> str:
+    return fusions + (f" · reads {reads}" if reads else "")
+
+
 def setting_of(r: dict) -> str:
     """A row's setting: its fusions, and its prefill reads where it chose them."""
-    return (r.get("fusions") or "off") + (f" · reads {r['reads']}" if r.get("reads") else "")
+    return _with_reads(r.get("fusions") or "off", r.get("reads"))
 
 
 def fusion_settings(d: dict) -> list[str | None]:
@@ -46,8 +50,7 @@ def label_of(d: dict, fusions: str | None = None) -> tuple[str, int]:
     if _plain(d):
         fusions = None  # a plain run: the defaults of its day (its rows say which)
     elif fusions is None:
-        reads = d["args"].get("prefill_reads")
-        fusions = d["args"]["fusions"] + (f" · reads {reads}" if reads else "")
+        fusions = _with_reads(d["args"]["fusions"], d["args"].get("prefill_reads"))
     tp = int(d.get("world", 1))
     moe = f" MoE-{d['args']['moe_mode'].upper()}" if tp > 1 and d["args"].get("moe_mode") else ""
     backend = d["args"].get("moe")  # the Triton MoE was the only one before DeepGEMM's: unlabelled

@@ -248,7 +248,7 @@ ISSUE_SUITES: dict[str, Suite] = {
         "the Triton FP8 MoE's mid buckets (M = 48, 32, 64 routed rows per expert: 384-, 256-, 512-token steps of 20b) "
         "with 16-row tiles added to the wide TMA space (6 stages, split-K 2); each bucket's current pick timed first",
         carry=(".whl-site",),
-        steps=(step("tune", "{py} -m benchmarks.tune_moe --no-bf16 --wide --tma --wide-from 8 --buckets 48,32,64 "
+        steps=(step("tune", "{py} -m benchmarks.tune_moe --no-bf16 --wide --tma --wide-from 8 --mid16 --buckets 48,32,64 "
                             "--base kernels/tuning/moe.json --budget 230", 300, summary=r"tuned table|Error"),)),
     # Issue 27's decode table, regenerated with today's defaults; e4m3 pages next to bf16 (fp8-kv-model-2: batch 1
     # at 8k replays in 3.05 ms with e4m3 pages, slower than bf16's 2.44 where batch 128 is 1.29x faster).

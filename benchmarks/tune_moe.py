@@ -38,12 +38,17 @@ def tokens_for(bucket: int) -> int:
 def bm_candidates(bucket: int) -> list[int]:
     """Row tiles worth trying for M routed rows per expert (any M: the buckets between the shipped ones
     too, e.g. 8 = a 64-token decode step, 48 = a 384-token piecewise bucket)."""
-    return [16] if bucket <= 4 else [16, 32] if bucket <= 16 else [16, 32, 64] if bucket <= 64 else [64, 128]
+    mid = [16, 32, 64] if MID16 else [32, 64]
+    return [16] if bucket <= 4 else [16, 32] if bucket <= 16 else mid if bucket <= 64 else [64, 128]
 
 
 WIDE = False  # --wide: buckets >= WIDE_FROM also try 4 stages, 4/8 warps and 256-wide tiles (64-row only)
 TMA = False  # --tma: with --wide, FP8 weight tiles by TMA descriptors (kernels/moe.py expert_gemm_tma)
 WIDE_FROM = 64  # --wide-from: the smallest bucket the wide space applies to
+# --mid16: 16-row tiles for the mid buckets (M = 17-64) too, with --wide streaming the weights as decode does: deeper
+# pipelines (6 stages of 34 KB) and split-K 2. moe-tune-mid16-1 (H100): 26-30 % slower than 32/64-row tiles at
+# M = 32, 48, 64 (each expert's weights read by 3-4 row tiles), so off unless asked for.
+MID16 = False
 
 
 def tile_candidates(bm: int, bucket: int, fp8: bool, gemm: int) -> list[TileConfig]:
@@ -51,10 +56,7 @@ def tile_candidates(bm: int, bucket: int, fp8: bool, gemm: int) -> list[TileConf
     if WIDE and bucket >= WIDE_FROM:
         group = 8 if bucket > 64 else 1
         tma = TMA and fp8
-        # 16-row tiles of mid buckets (M = 17-64: a few tiles per expert, whose weight tiles the L2 shares) stream
-        # the weights as decode does: deeper pipelines (6 stages of 34 KB) and split-K too (mixed-step-profile-1:
-        # a 340-token step's MoE read its weights at 2.1 TB/s against a 60-row decode step's 2.95)
-        mid16 = bm <= 16 and bucket <= 64
+        mid16 = bm <= 16 and bucket <= 64  # only with --mid16 (MID16)
         return [TileConfig(bm, bn, bk, group, w, s, sk, tma=tma)
                 for bn, w, s, sk in product([128, 256], [4, 8], [3, 4, 6] if mid16 else [3, 4], [1, 2] if mid16 else [1])
                 if not (bm >= 128 and (w == 4 or bn == 256))]  # 128 x 256 spills (ptxas)
@@ -155,7 +157,7 @@ class Tuner:
 
 
 def main() -> None:
-    global WIDE, TMA, WIDE_FROM
+    global WIDE, TMA, WIDE_FROM, MID16
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=165.0, help="seconds, compile time included")
     ap.add_argument("--no-bf16", action="store_true")
@@ -165,8 +167,9 @@ def main() -> None:
     ap.add_argument("--wide", action="store_true", help="a wider tile space for the prefill buckets")
     ap.add_argument("--tma", action="store_true", help="with --wide: FP8 weight tiles by TMA")
     ap.add_argument("--wide-from", type=int, default=WIDE_FROM, help="the smallest bucket --wide applies to")
+    ap.add_argument("--mid16", action="store_true", help="16-row tiles for buckets 17-64 too (measured slower: MID16)")
     args = ap.parse_args()
-    WIDE, TMA, WIDE_FROM = args.wide, args.tma, args.wide_from
+    WIDE, TMA, WIDE_FROM, MID16 = args.wide, args.tma, args.wide_from, args.mid16
     buckets = [int(b) for b in args.buckets.split(",")]
     base = json.loads(open(args.base).read()) if args.base else {}
     rep = Report("moe_tuning")

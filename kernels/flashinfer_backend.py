@@ -60,6 +60,11 @@ from kernels.triton_store_kv import gather_kv, rope_qk, rope_qk_store_kv, store_
 log = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partials), shared by all wrappers
+# How prefill steps read keys by default (set_prefill_reads). prefill-reads-ab-1 (H100, 20b, 8k prompt, per full
+# layer): fa3 ragged 1.25 ms vs paged 1.37; the sliding layers on fa2 158 us vs fa3's 287 (fa3 spends ~5x a
+# window's share of work there). The 8k prefill 87.3 -> 85.1 ms; at 2k within noise.
+FRESH_PREFILL = "ragged"
+SLIDING_PREFILL: str | None = "fa2"
 
 
 @dataclass(slots=True)
@@ -101,11 +106,7 @@ class FlashInferAttention:
         # 1.63 ms each, 57 % of the step's GPU time, the ragged sliding ones 179 us for ~144 keys per
         # row (mixed-step-5, 2026-12-03); fa2 packs the 8 heads of a group into one tile.
         self.mixed_role = "decode"
-        # How prefill steps read keys (set_prefill_reads). prefill-reads-ab-1 (H100, 20b, 8k prompt, per full
-        # layer): fa3 ragged 1.25 ms vs paged 1.37; the sliding layers on fa2 158 us vs fa3's 287 (fa3 spends
-        # ~5x a window's share of work there). The 8k prefill 87.3 -> 85.1 ms; at 2k within noise.
-        self.fresh_prefill = "ragged"
-        self.sliding_prefill: str | None = "fa2"
+        self.fresh_prefill, self.sliding_prefill = FRESH_PREFILL, SLIDING_PREFILL  # set_prefill_reads
         self._backend: dict[str, str] = {}  # resolved per role once the device is known
         self._dims: AttentionDims | None = None
         self._windows: dict[int, int] = {}  # page group -> window_left, learned from forward
@@ -143,7 +144,7 @@ class FlashInferAttention:
                 if role == "prefill":
                     self._wrapper(role, "ragged", wl)
 
-    def set_prefill_reads(self, fresh: str = "ragged", sliding: str | None = "fa2") -> None:
+    def set_prefill_reads(self, fresh: str = FRESH_PREFILL, sliding: str | None = SLIDING_PREFILL) -> None:
         """How prefill steps read keys. fresh: full layers of a step with no cached prefix, where every
         key is in the step's own k/v: "paged" stores, then reads the pages back (fa3's paged mainloop
         loads page rows one by one), "ragged" reads the dense k/v (fa3's TMA mainloop) and stores after;
