@@ -302,19 +302,6 @@ ISSUE_SUITES: dict[str, Suite] = {
         carry=(".whl-site",),
         steps=(step("tune", "{py} -m benchmarks.tune_moe --no-bf16 --wide --tma --wide-from 8 --buckets 48,8,64,32,16 "
                             "--base kernels/tuning/moe.json --budget 400", 480, summary=r"tuned table|Error"),)),
-    # mixed-step-profile-1 (H100): a mixed step's MoE read the weights at 2.1 TB/s with one 64-row tile per expert and
-    # N tile (decode's 16-row tiles: 2.95); kernels/moe_persistent.py runs the same tiles on a persistent grid with
-    # one software pipeline across tiles. Its GPU tests (same bits as one program per tile), then the shipped picks
-    # of the mid buckets against their own tiles on persistent grids, the picks timed first in the same process.
-    "moe-persistent": Suite(
-        "issue 25's mixed steps: the grouped FP8 MoE on persistent grids (kernels/moe_persistent.py): GPU tests (bits "
-        "equal to one program per tile, TMA tiles at real dims), then tune_moe --persistent for M = 48, 64, 32, 16, 8 "
-        "routed rows per expert (the shipped pick first)",
-        carry=(".whl-site",),
-        steps=(step("gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemm_moe_gpu.py "
-                                 "-k 'persistent or tma_tiles or real_dims'", 180, summary=PYTEST),
-               step("tune", "{py} -m benchmarks.tune_moe --no-bf16 --persistent --buckets 48,64,32,16,8 "
-                            "--base kernels/tuning/moe.json --budget 250", 330, summary=r"tuned table|Error"))),
     # prefill-profile-1 (H100): of an 8k prefill's ~84 ms, the 12 full layers' attention took 16.4 ms on fa3's paged
     # mainloop although a prompt with no cached prefix has every key in its own k/v, and the 12 sliding layers
     # 3.5 ms (287 us each for 1/32 of a full layer's work); the MoE's SwiGLU pass 5.9 ms at ~1.9 TB/s.

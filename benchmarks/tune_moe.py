@@ -49,14 +49,6 @@ WIDE_FROM = 64  # --wide-from: the smallest bucket the wide space applies to
 # pipelines (6 stages of 34 KB) and split-K 2. moe-tune-mid16-1 (H100): 26-30 % slower than 32/64-row tiles at
 # M = 32, 48, 64 (each expert's weights read by 3-4 row tiles), so off unless asked for.
 MID16 = False
-# --persistent: each bucket's shipped pick against its own tiles on persistent grids (1 or 2 programs per SM,
-# kernels/moe_persistent.py; a stage more or not), the pick timed first: an A/B of the grid alone
-PERSISTENT = False
-
-
-def persistent_variants(c: TileConfig) -> list[TileConfig]:
-    return [TileConfig(**{**c.to_json(), "persistent": p, "num_stages": s})
-            for p in (1, 2) for s in (c.num_stages, c.num_stages + 1)] if c.split_k <= 1 else []
 
 
 def tile_candidates(bm: int, bucket: int, fp8: bool, gemm: int) -> list[TileConfig]:
@@ -112,13 +104,8 @@ class Tuner:
                                  "gate_up_ms": t1, "down_ms": t2, "gemm1": base.gemm1.to_json(),
                                  "gemm2": base.gemm2.to_json()})
                 best = (t1 + t2, base)
-        if PERSISTENT and base is not None:
-            spaces = [(base.block_m, (persistent_variants(base.gemm1) or [base.gemm1],
-                                      persistent_variants(base.gemm2) or [base.gemm2]))]
-        else:
-            spaces = [(bm, (None, None)) for bm in bm_candidates(bucket)]
-        for bm, candidates in spaces:
-            r = self._pair(ctx, bm, bucket, fp8, candidates)
+        for bm in bm_candidates(bucket):
+            r = self._pair(ctx, bm, bucket, fp8)
             if r is None:
                 continue
             (t1, g1), (t2, g2) = r
@@ -170,7 +157,7 @@ class Tuner:
 
 
 def main() -> None:
-    global WIDE, TMA, WIDE_FROM, MID16, PERSISTENT
+    global WIDE, TMA, WIDE_FROM, MID16
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=165.0, help="seconds, compile time included")
     ap.add_argument("--no-bf16", action="store_true")
@@ -181,9 +168,8 @@ def main() -> None:
     ap.add_argument("--tma", action="store_true", help="with --wide: FP8 weight tiles by TMA")
     ap.add_argument("--wide-from", type=int, default=WIDE_FROM, help="the smallest bucket --wide applies to")
     ap.add_argument("--mid16", action="store_true", help="16-row tiles for buckets 17-64 too (measured slower: MID16)")
-    ap.add_argument("--persistent", action="store_true", help="the shipped picks on persistent grids (PERSISTENT)")
     args = ap.parse_args()
-    WIDE, TMA, WIDE_FROM, MID16, PERSISTENT = args.wide, args.tma, args.wide_from, args.mid16, args.persistent
+    WIDE, TMA, WIDE_FROM, MID16 = args.wide, args.tma, args.wide_from, args.mid16
     buckets = [int(b) for b in args.buckets.split(",")]
     base = json.loads(open(args.base).read()) if args.base else {}
     rep = Report("moe_tuning")

@@ -153,16 +153,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, b_ptr, act_ptr, acts_p
                       DOT_F32, PHASE, SPLIT_K)
     if PHASE == 1:
         return
-    gate_up_epilogue(acc, act_ptr, acts_ptr, rows, valid, pid_n, I, alpha, limit, stride_am, stride_ask,
-                     QUANT_OUT, BLOCK_M, BLOCK_N, FP8_MAX_C, HW_CVT)
-
-
-@triton.jit
-def gate_up_epilogue(acc, act_ptr, acts_ptr, rows, valid, pid_n, I, alpha, limit, stride_am, stride_ask,
-                     QUANT_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
-    """Clamped SwiGLU on interleaved columns (2i = gate_i, 2i+1 = up_i) of a gate_up tile, stored as act
-    rows (re-quantised to e4m3 1x128 when the tile is exactly one group wide)."""
+    # Clamped SwiGLU on interleaved columns: 2i = gate_i, 2i+1 = up_i.
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))  # [BM, BN/2] each
     gate = tl.minimum(gate, limit)  # from above only
     up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -208,14 +199,8 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, b_ptr, rw_ptr, y_ptr,
                       DOT_F32, PHASE, SPLIT_K)
     if PHASE == 1:
         return
-    down_epilogue(acc, rw_ptr, y_ptr, pair, valid, offs_n, N, stride_ym, OUT_ROUND)
-
-
-@triton.jit
-def down_epilogue(acc, rw_ptr, y_ptr, pair, valid, offs_n, N, stride_ym, OUT_ROUND: tl.constexpr):
-    """A down tile's rows to their pairs' y rows, at the reference's rounding points: the linear's output in
-    x.dtype, then times the routing weight."""
     wgt = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)  # [BM] routing weight
+    # Reference rounding points: the linear's output in x.dtype, then times the weight.
     y = round_as(acc, OUT_ROUND) * wgt[:, None]
     tl.store(y_ptr + pair[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=valid[:, None] & (offs_n < N)[None, :])
@@ -252,13 +237,6 @@ def _launch_cfg(cfg: TileConfig, device: torch.device) -> dict[str, int]:
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, DOT_F32=device.type == "cpu")
 
 
-def _persistent_launch(cfg: TileConfig, device: torch.device, **consts) -> dict:
-    """The persistent kernels' launch options: _launch_cfg's without the tile order (N fastest there)."""
-    opts = _launch_cfg(cfg, device)
-    del opts["GROUP_M"]
-    return {**opts, **consts}
-
-
 def gate_up(x: torch.Tensor, xs: torch.Tensor | None, w: ExpertWeights, g: ExpertGrouping, top_k: int,
             cfg: TileConfig, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, H] (e4m3 with xs [T, KB], or native) -> act [R, I] in grouped row order (+ act scales
@@ -275,11 +253,6 @@ def gate_up(x: torch.Tensor, xs: torch.Tensor | None, w: ExpertWeights, g: Exper
     acts_arg = acts_buf if acts_buf is not None else act
     tiles = g.max_blocks * triton.cdiv(n, cfg.block_n)
     desc = weight_desc(w.w1, cfg.block_n, cfg.block_k) if (fp8 and cfg.tma) else None
-    if cfg.persistent and cfg.split_k <= 1:
-        from kernels import moe_persistent  # noqa: PLC0415 - it imports this module's helpers
-        moe_persistent.gate_up(x, xs_, w, desc, ws, act, acts_arg, g, tiles, top_k, fp8, quant_out, cfg,
-                               _persistent_launch(cfg, x.device, SCALE_K=BLOCK, FP8_MAX_C=FP8_MAX, HW_CVT=x.is_cuda))
-        return act, (acts_buf.t() if acts_buf is not None else None)
     for phase, grid, part in _phases(cfg, tiles, rows, n, act):
         _gate_up_kernel[(grid,)](
             x, xs_, w.w1, desc, ws, w.b1, act, acts_arg, g.sorted_pairs, g.block_expert, g.num_rows, part,
@@ -316,11 +289,6 @@ def down(act: torch.Tensor, acts: torch.Tensor | None, w: ExpertWeights, g: Expe
     b2 = w.b2 if w.b2 is not None else w.w2
     tiles = g.max_blocks * triton.cdiv(n, cfg.block_n)
     desc = weight_desc(w.w2, cfg.block_n, cfg.block_k) if (fp8 and cfg.tma) else None
-    if cfg.persistent and cfg.split_k <= 1:
-        from kernels import moe_persistent  # noqa: PLC0415 - it imports this module's helpers
-        moe_persistent.down(act, as_, w, desc, ws, b2, weights, y, g, tiles, fp8, cfg,
-                            _persistent_launch(cfg, act.device, SCALE_K=BLOCK, OUT_ROUND=_ROUND_CODE[out_dtype]))
-        return y
     for phase, grid, part in _phases(cfg, tiles, act.shape[0], n, y):
         _down_kernel[(grid,)](
             act, as_, w.w2, desc, ws, b2, weights, y, g.sorted_pairs, g.block_expert, g.num_rows, part,

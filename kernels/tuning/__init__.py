@@ -36,22 +36,18 @@ class TileConfig:
     split_k: int = 1
     # FP8 expert GEMMs: weight tiles by TMA (tensor descriptors) instead of per-thread copies.
     tma: bool = False
-    # MoE expert GEMMs without split-K: a persistent grid of this many programs per SM, each looping over
-    # tiles with one software pipeline across them (kernels/moe_persistent.py); 0 = one program per tile.
-    persistent: int = 0
 
     def to_json(self) -> dict[str, int]:
         d = asdict(self)
-        for f in ("tma", "persistent"):
-            if not d[f]:
-                del d[f]  # tables written before the field stay byte-identical
+        if not self.tma:
+            del d["tma"]  # tables written before the field stay byte-identical
         return d
 
     @staticmethod
     def from_json(d: dict[str, int]) -> TileConfig:
         return TileConfig(int(d["block_m"]), int(d["block_n"]), int(d["block_k"]), int(d.get("group_m", 1)),
                           int(d["num_warps"]), int(d["num_stages"]), int(d.get("split_k", 1)),
-                          bool(d.get("tma", False)), int(d.get("persistent", 0)))
+                          bool(d.get("tma", False)))
 
 
 @dataclass(frozen=True, slots=True)

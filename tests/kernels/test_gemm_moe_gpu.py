@@ -153,24 +153,6 @@ def test_grouped_fp8_moe_tma_tiles(e: int, t: int, split: int):
     assert _rel(out, plain) < 1e-3  # same K loop, same rounding points: only fp32 summation order
 
 
-@pytest.mark.parametrize("t,bm,per_sm", [(384, 64, 1), (384, 64, 2), (128, 32, 2), (2048, 64, 1)])
-def test_grouped_fp8_moe_persistent_grid(t: int, bm: int, per_sm: int):
-    """The persistent grid (kernels/moe_persistent.py, tile loop flattened into the K loop) at real dims: the same
-    bits as one program per tile, with TMA weight tiles and fused re-quantisation (gate_up 256 wide)."""
-    from kernels.moe import TritonMoE
-    from kernels.tuning import MoEConfig, TileConfig
-    w = _experts(32, 2880, 2880, fp8=True)
-    x = torch.randn(t, 2880, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(t, 32, device="cuda").to(torch.bfloat16)
-    tiles = [TileConfig(bm, 256, 128, 1, 8 if bm == 64 else 4, 3, tma=True),
-             TileConfig(bm, 256 if bm == 64 else 128, 128, 1, 8 if bm == 64 else 4, 3, tma=True)]
-    grid = TritonMoE(MoEConfig(bm, *tiles), small_max_pairs=0)(x, logits, 4, w)
-    pers = [TileConfig(**{**c.to_json(), "persistent": per_sm}) for c in tiles]
-    out = TritonMoE(MoEConfig(bm, *pers), small_max_pairs=0)(x, logits, 4, w)
-    assert torch.equal(out, grid)
-    assert _rel(out, _moe_reference(x, logits, 4, w, fp8_acts=True, act_dtype=torch.float32)) < 5e-3
-
-
 def test_bf16_moe_real_dims():
     from kernels.moe import TritonMoE
     w = _experts(32, 2880, 2880, fp8=False)

@@ -190,39 +190,6 @@ def test_fp8_moe_fp32_tight(cfg: MoEConfig, h: int, i: int):
     assert _rel(out, TorchMoE()(x, logits, 4, w)) < 6e-2
 
 
-# Persistent grids (kernels/moe_persistent.py): fewer programs than tiles, the tile loop flattened into the K loop.
-PERSISTENT = [MoEConfig(16, TileConfig(16, 256, 128, 1, 4, 2, tma=True, persistent=1),
-                        TileConfig(16, 64, 128, 1, 4, 2, tma=True, persistent=1)),
-              MoEConfig(32, TileConfig(32, 128, 128, 1, 4, 2, persistent=2), TileConfig(32, 128, 64, 1, 4, 2, persistent=2))]
-
-
-@pytest.mark.parametrize("fp8", [True, False])
-@pytest.mark.parametrize("k", [0, 1], ids=["fused_requant_tma", "separate_requant"])
-def test_moe_persistent_grid_same_bits_as_one_program_per_tile(k: int, fp8: bool):
-    """The persistent kernels loop over the tiles in use (N fastest) on a grid smaller than the tiles; each tile's
-    K loop and epilogue are the one-program-per-tile kernels' own, so the output is the same bits."""
-    torch.manual_seed(7 + k)
-    t, e, h, i = 23, 8, 256, 192  # i = 192: the last N tile of gate_up wraps; 8 experts, uneven rows
-    w = _experts(e, e, h, i, torch.float32, fp8=fp8, seed=k)
-    x = torch.randn(t, h)
-    logits = _logits(t, e, torch.float32, seed=k)
-    cfg = PERSISTENT[k]
-    if not fp8:
-        cfg = MoEConfig(cfg.block_m, *(TileConfig(**{**c.to_json(), "block_k": 64, "tma": False})
-                                       for c in (cfg.gemm1, cfg.gemm2)))
-    grid = MoEConfig(cfg.block_m, *(TileConfig(**{**c.to_json(), "persistent": 0}) for c in (cfg.gemm1, cfg.gemm2)))
-    out = TritonMoE(cfg, small_max_pairs=0)(x, logits, 4, w)
-    assert torch.equal(out, TritonMoE(grid, small_max_pairs=0)(x, logits, 4, w))
-    want = _fp8_act_reference(x, logits, 4, w) if fp8 else TorchMoE()(x, logits, 4, w)
-    assert _rel(out, want) < 1e-3
-
-
-def test_persistent_field_round_trips_and_stays_out_of_old_tables():
-    c = TileConfig(64, 256, 128, 1, 8, 3, tma=True, persistent=2)
-    assert TileConfig.from_json(c.to_json()) == c
-    assert "persistent" not in TileConfig(64, 256, 128, 1, 8, 3, tma=True).to_json()
-
-
 def test_fp8_moe_bf16_hidden_2880():
     t, e, h, i = 5, 4, 2880, 128
     w = _experts(e, e, h, i, torch.bfloat16, fp8=True, seed=1)
