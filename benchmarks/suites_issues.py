@@ -302,6 +302,21 @@ ISSUE_SUITES: dict[str, Suite] = {
         carry=(".whl-site",),
         steps=(step("tune", "{py} -m benchmarks.tune_moe --no-bf16 --wide --tma --wide-from 8 --buckets 48,8,64,32,16 "
                             "--base kernels/tuning/moe.json --budget 400", 480, summary=r"tuned table|Error"),)),
+    # launch-hold-bubble-ab-1 / colocated-buckets-ab-1 (H100): a cached turn's first token waits for the step in
+    # flight, the step queued behind it and its own mixed step (~300 tokens beside ~63 decode rows: 15.1 ms on the
+    # GPU against a decode step's 9.9). With --prefill-steps separate its own step is prompt-only (~250 tokens) and
+    # the decode rows run in the step after it (SGLang's order).
+    "prefill-steps-ab": Suite(
+        "issue 25: multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker, step trace) with mixed "
+        "steps (the default) and with --prefill-steps separate (one client process each), then separate with 4 "
+        "client processes; each with and without prefix caching",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(colocated_pw_step("colocated-1-pw", 150),
+               colocated_pw_step("colocated-1-separate", 150, "--prefill-steps separate "),
+               colocated_pw_step("colocated-1-separate-clients4", 150, "--prefill-steps separate ",
+                                 bench="--client-procs 4 ")),
+        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
+                    "colocated-buckets-ab-1 (2026-12-06, H100): 2.88x with the defaults")),
     # prefill-profile-1 (H100): of an 8k prefill's ~84 ms, the 12 full layers' attention took 16.4 ms on fa3's paged
     # mainloop although a prompt with no cached prefix has every key in its own k/v, and the 12 sliding layers
     # 3.5 ms (287 us each for 1/32 of a full layer's work); the MoE's SwiGLU pass 5.9 ms at ~1.9 TB/s.

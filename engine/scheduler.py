@@ -7,6 +7,8 @@ Each step spends a token budget (max_num_batched_tokens):
   2. WAITING sequences are admitted in arrival order while budget, max_num_seqs and free pages allow,
      keeping one page of headroom per running sequence so admissions do not immediately force
      preemptions.
+  With prefill_steps="separate" a step with prompt work (1's chunks, 2's admissions) runs it without the
+  decode rows, and the step after it is the usual one (SchedulerConfig).
 `postprocess` applies the sampled tokens: appends, checks stop conditions, frees finished pages.
 
 Overlapped steps (engine.core): step N+1 is scheduled and launched before step N's tokens reach the
@@ -48,6 +50,11 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 131072
+    # "mixed": prompt chunks share a step with the decode rows (one step, the MoE's weights read once for both);
+    # "separate": a step with prompt work runs it alone and the step after it decodes (SGLang's default order):
+    # a prompt's first token waits for its own tokens' step only, the decode rows for one more step. Never two
+    # prompt-only steps in a row while sequences decode, so a flood of prompts cannot stall decoding.
+    prefill_steps: str = "mixed"
 
 
 @dataclass(slots=True)
@@ -75,6 +82,8 @@ class Scheduler:
         self._fenced: deque[tuple[int, SeqPages]] = deque()  # (step that may still use them, pages)
         self.share_prompts = True  # the runner can copy pages (engine/core.py); a TP group's cannot
         self.pending_copies: list[tuple[list[int], list[int]]] = []  # sliding (src, dst), before the next launch
+        self.prompt_only_steps = 0  # prefill_steps="separate": steps scheduled with prompt work alone
+        self._last_prompt_only = False
 
     # ---- admission ------------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -108,6 +117,15 @@ class Scheduler:
     def schedule(self, preempt_ok: bool = True, admit: bool = True) -> list[ScheduledSeq] | None:
         """The next step's batch; None when it needs a preemption and `preempt_ok` is False. `admit`:
         waiting sequences may start (False: the running ones only, engine/launch_hold.py)."""
+        decode_only = False
+        if self.cfg.prefill_steps == "separate":
+            if not self._last_prompt_only and (items := self._prompts_only(admit)):
+                self._last_prompt_only = True
+                self.prompt_only_steps += 1
+                return items
+            # otherwise the decode rows run alone (after a prompt-only step, or when the prompt work cannot run
+            # now: its pages), unless none decodes
+            decode_only = any(_decoding(s) for s in self.running)
         budget = self.cfg.max_num_batched_tokens
         items: list[ScheduledSeq] = []
         i = 0
@@ -116,6 +134,8 @@ class Scheduler:
             i += 1
             if seq.num_pending and self._last_by_length(seq):
                 continue  # its pending token is its last: nothing more to compute
+            if decode_only and not _decoding(seq):
+                continue
             q = min(seq.num_uncached, budget)
             if not self.kv.can_grow(seq.pages, seq.num_cached + q) and not preempt_ok:
                 return None  # pages grown so far stay with their sequences: they need them next time anyway
@@ -123,7 +143,14 @@ class Scheduler:
                 break  # seq itself was preempted (it was the newest)
             items.append(ScheduledSeq(seq, seq.num_cached, q, q == seq.num_uncached))
             budget -= q
-        while admit and self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        if admit and not decode_only:
+            self._admit(items, budget)
+        self._last_prompt_only = False
+        return items
+
+    def _admit(self, items: list[ScheduledSeq], budget: int) -> None:
+        """WAITING sequences into the step, in arrival order, while budget, seats and pages allow."""
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             hit = self.lookup(seq)
             q = min(seq.total_len - hit.num_tokens, budget)
@@ -136,6 +163,25 @@ class Scheduler:
             self.running.append(seq)
             items.append(ScheduledSeq(seq, seq.num_cached, q, q == seq.num_uncached))
             budget -= q
+
+    def _prompts_only(self, admit: bool) -> list[ScheduledSeq]:
+        """prefill_steps="separate": the prompt chunks of running sequences and the admissions, without the decode
+        rows; [] when there is no prompt work or nothing decodes. Chunks that need a preemption to grow wait for
+        pages (the decode-only steps between them may preempt, newest first, as usual)."""
+        prompts = [s for s in self.running if not _decoding(s)]
+        if len(prompts) == len(self.running) or not (prompts or (admit and self.waiting)):
+            return []
+        budget = self.cfg.max_num_batched_tokens
+        items: list[ScheduledSeq] = []
+        for seq in prompts:
+            q = min(seq.num_uncached, budget)
+            if budget <= 0 or not self.kv.can_grow(seq.pages, seq.num_cached + q):
+                continue
+            self.kv.grow(seq.pages, seq.num_cached + q)
+            items.append(ScheduledSeq(seq, seq.num_cached, q, q == seq.num_uncached))
+            budget -= q
+        if admit:
+            self._admit(items, budget)
         return items
 
     def _last_by_length(self, seq: Sequence) -> bool:
@@ -300,6 +346,11 @@ class Scheduler:
         seq.num_pending = 0
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _decoding(seq: Sequence) -> bool:
+    """Its next row is one decode token (not a prompt chunk, nor a preempted sequence's recompute)."""
+    return seq.num_cached >= len(seq.prompt_ids) and seq.num_uncached <= 1
 
 
 def note_ring_write(seq: Sequence, start: int, end: int, page_size: int, window: int) -> None:

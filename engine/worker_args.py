@@ -108,6 +108,10 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                    help="with --launch-hold: a prompt arriving in the hold joins the next step while its launch (at "
                         "the median) would leave the GPU idle for at most this share of a step (0: only while it "
                         "fits with the margin)")
+    p.add_argument("--prefill-steps", choices=["mixed", "separate"], default="mixed",
+                   help="mixed: prompt chunks share a step with the decode rows; separate: a step with prompt work runs "
+                        "it alone and the next one decodes (a new prompt's first token waits only for its own step, "
+                        "decoding sequences for one more step; never two prompt-only steps in a row)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="content-addressed KV pages kept after a request ends and reused by later prompts "
                         "with the same prefix (model/prefix_cache.py)")
@@ -141,7 +145,7 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         page_size=a.page_size, kv_cache_dtype=a.kv_cache_dtype, kv_scale_calibration=max(0, a.kv_scale_calibration),
         kv_cache_bytes=int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None,
         kv_cache_fraction=a.kv_cache_fraction,
-        scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),
+        scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len, a.prefill_steps),
         seed=a.seed, progress=tp_rank == 0, async_decode=a.async_decode == "on",
         enable_prefix_caching=a.enable_prefix_caching, piecewise_graphs=a.piecewise_graphs,
         piecewise_max_tokens=a.piecewise_max_tokens, piecewise_buckets=a.piecewise_buckets,
