@@ -71,7 +71,8 @@ def main() -> None:
                     help="torch.profiler over a mixed step and the step that collects it: the GPU's busy time, "
                          "its idle gaps and the kernels around the longest (mixed_step.timeline.json)")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--host-profile", action="store_true")
+    ap.add_argument("--host-profile", type=int, nargs="?", const=1, default=0, metavar="N",
+                    help="cProfile N mixed steps' iterations (and 4N decode steps'), us per step by function")
     ap.add_argument("--out", default=None, help="JSON file (default: $OUT/mixed_step.json)")
     a = ap.parse_args()
     cfg = engine_config(a, role="decode")
@@ -181,11 +182,26 @@ def main() -> None:
         sched.add(pre)
         run_until(lambda: pre.finished)  # the batch keeps decoding: a step stays in flight
         if a.host_profile:
-            sched.add(Sequence("hprof", prompt + rand(a.new), greedy(a.prefix + a.new)))
-            host_profile(core.step, path.with_suffix(".host_mixed.txt"))  # the mixed step's launch
+            turn = []
+
+            def add_turn() -> None:  # the next profiled step is a mixed one: a new turn on the cached prompt
+                turn.append(Sequence(f"hprof-{len(turn)}", prompt + rand(a.new), greedy(a.prefix + a.new)))
+                sched.add(turn[-1])
+
+            def settle() -> None:  # unprofiled: the turn's token, then it leaves (the batch stays B)
+                run_until(lambda: bool(turn[-1].output_ids))
+                core.abort(turn[-1])
+                for _ in range(3):
+                    core.step()
+                add_turn()
+
+            add_turn()
+            host_profile(core.step, path.with_suffix(".host_mixed.txt"), a.host_profile, settle)  # mixed launches
+            settle()
+            core.abort(turn[-1])
             for _ in range(3):
                 core.step()
-            host_profile(core.step, path.with_suffix(".host_decode.txt"))  # a decode step
+            host_profile(core.step, path.with_suffix(".host_decode.txt"), 4 * a.host_profile)  # decode steps
         if a.profile:
             sched.add(Sequence("prof", prompt + rand(a.new), greedy(a.prefix + a.new)))
             res["profile"] = profile(core.step, path.with_suffix(".profile.txt"))

@@ -126,19 +126,27 @@ def profile(run, path: Path) -> dict:
             "host_syncs": syncs, **(row(r) if isinstance(r, PrefillResult) else {})}
 
 
-def host_profile(run, path: Path) -> None:
-    """One call of run() under cProfile: where the host's launch time goes (Python, per function)."""
+def host_profile(run, path: Path, calls: int = 1, between=None, top: int = 45) -> None:
+    """`calls` calls of run() under cProfile (`between()` runs unprofiled after each): where the host's launch
+    time goes, per function, in microseconds per call of run() (cProfile's own overhead included, so read the
+    shares, not the sum), sorted by own time and by cumulative time."""
     import cProfile
-    import io
-    import pstats
 
     prof = cProfile.Profile()
-    prof.runcall(run)
-    buf = io.StringIO()
-    for key in ("tottime", "cumulative"):
-        buf.write(f"\n==== sorted by {key}\n")
-        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
-    path.write_text(buf.getvalue())
+    for _ in range(calls):
+        prof.runcall(run)
+        if between is not None:
+            between()
+    prof.create_stats()
+    rows = [(tt, ct, nc, f"{fn[0].split('/work/main/')[-1]}:{fn[1]}({fn[2]})")
+            for fn, (_, nc, tt, ct, _) in prof.stats.items()]
+    total = max(ct for _, ct, _, _ in rows) if rows else 0.0
+    lines = [f"{calls} call(s); the profiled call's total {total / calls * 1e6:.0f} us per call (cProfile included)"]
+    for key, name in ((0, "own time"), (1, "cumulative")):
+        lines += ["", f"==== by {name}: us per call | calls per call | function"]
+        for tt, ct, nc, fn in sorted(rows, key=lambda r: -r[key])[:top]:
+            lines.append(f"{(tt if key == 0 else ct) / calls * 1e6:9.1f}  {nc / calls:7.1f}  {fn}")
+    path.write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:

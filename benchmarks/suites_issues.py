@@ -317,6 +317,17 @@ ISSUE_SUITES: dict[str, Suite] = {
                                  bench="--client-procs 4 ")),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
                     "colocated-buckets-ab-1 (2026-12-06, H100): 2.88x with the defaults")),
+    # prefill-steps-ab-1 and launch-hold-bubble-ab-1 (H100 leases whose host was the limit): a cached turn's mixed
+    # step launched in 16-18 ms of host time for ~14-18 ms of GPU work, decode steps in 3-5.7 ms (metadata 2.5-4.2).
+    # Where that host time goes, per function (cProfile over 8 mixed launches and 32 decode steps).
+    "mixed-host-profile": Suite(
+        "issue 25: the decode worker's engine (20b, the multi-turn suite's decode settings, CUDA graphs + piecewise "
+        "graphs) with 60 sequences decoding at 3.5k context while new turns (3,296 cached + 280 new tokens) join: "
+        "cProfile of 8 mixed steps' iterations and 32 decode steps', us per step by function",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(step("mixed-step", MIXED_STEP + "--turns 3 --forwards piecewise --orders ready --mixed-roles decode "
+                                               "--host-profile 8 --out {out}/mixed_step.json", 240,
+                    summary=r"^decode steps|^mixed|Error|Traceback"),)),
     # prefill-profile-1 (H100): of an 8k prefill's ~84 ms, the 12 full layers' attention took 16.4 ms on fa3's paged
     # mainloop although a prompt with no cached prefix has every key in its own k/v, and the 12 sliding layers
     # 3.5 ms (287 us each for 1/32 of a full layer's work); the MoE's SwiGLU pass 5.9 ms at ~1.9 TB/s.
