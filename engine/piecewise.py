@@ -53,6 +53,7 @@ import torch
 from kernels.interface import StepMeta
 from model.gpt_oss import GptOss
 from model.kv_cache import KVPool, PageGroup
+from model.labels import label
 
 log = logging.getLogger("tandem.piecewise")
 
@@ -208,7 +209,7 @@ class PiecewiseGraphs:
             self.sin[:t].copy_(sin)
         self.plan(step)  # a no-op when the runner planned this step
         for k in range(self.num_pieces):
-            with torch.profiler.record_function(f"piece{k}"):
+            with label(f"piece{k}"):
                 if graphs is not None:
                     graphs[k].replay()
                 else:
@@ -218,7 +219,7 @@ class PiecewiseGraphs:
                     on_layer_done(i)
             if k < len(self.islands):
                 i = self.islands[k]
-                with torch.profiler.record_function(f"attention{i}"):
+                with label(f"attention{i}"):
                     self.island(i, t, cos, sin, kv)
                 if on_layer_done is not None:
                     on_layer_done(i)

@@ -44,6 +44,7 @@ from engine.sequence import TokenLogprob
 from model.context import SeqStep, build_step_meta
 from model.gpt_oss import GptOss
 from model.kv_cache import KVPool, PageGroup
+from model.labels import label
 
 
 @dataclass(slots=True)
@@ -127,7 +128,7 @@ class ModelRunner:
         logits, sample_rows = handle.deferred
         handle.deferred = None
         items, rows, no = handle.items, handle.rows, handle.no
-        with torch.profiler.record_function("sample"):
+        with label("sample"):
             out = self.sampler.sample(logits, sample_rows, self._grammar_masks(items, rows, logits.shape[1]))
         handle.token_ids = out.token_ids
         handle.row_of = {id(items[i].seq): r for r, i in enumerate(rows)}
@@ -145,7 +146,7 @@ class ModelRunner:
                   if items[i].seq.grammar is not None and items[i].seq.grammar.active]
         if not active:
             return None
-        with torch.profiler.record_function("grammar_mask"):
+        with label("grammar_mask"):
             bits = np.empty((len(active), (max(vocab, GRAMMAR_VOCAB) + 31) // 32), dtype=np.int32)  # [Rc, W]
             fill_masks([g for _, g in active], bits)
             return GrammarMasks(_dev(torch.tensor([r for r, _ in active], dtype=torch.int64), self.device),
@@ -174,7 +175,7 @@ class ModelRunner:
         if h.host is None:
             return tokens, lps
         if h.event is not None:
-            with torch.profiler.record_function("wait_tokens"):
+            with label("wait_tokens"):
                 h.event.synchronize()
             if h.started is not None:
                 h.gpu_ms = h.started.elapsed_time(h.event)
@@ -252,7 +253,7 @@ class ModelRunner:
         parts, t0 = self.launch_parts, time.perf_counter()
         self._copy_ring_hits(steps)
         if self.graphs is not None and on_layer_done is None and len(rows) == len(steps):
-            with torch.profiler.record_function("decode_graph"):
+            with label("decode_graph"):
                 b = self.graphs.prepare(input_ids, steps)
                 self._mark_inputs()
                 if b is not None:
@@ -270,10 +271,10 @@ class ModelRunner:
         self._mark_inputs()
         t1 = time.perf_counter()
         if piecewise:
-            with torch.profiler.record_function("forward_piecewise"):
+            with label("forward_piecewise"):
                 hidden = self.piecewise.run(input_ids, meta, self.pool, on_layer_done)  # [T, H]
         else:
-            with torch.profiler.record_function("forward"):
+            with label("forward"):
                 hidden = self.model(input_ids, meta, self.pool, on_layer_done)  # [T, H]
         if parts is not None:
             parts["meta"], parts["forward"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3

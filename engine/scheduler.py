@@ -137,10 +137,11 @@ class Scheduler:
             if decode_only and not _decoding(seq):
                 continue
             q = min(seq.num_uncached, budget)
-            if not self.kv.can_grow(seq.pages, seq.num_cached + q) and not preempt_ok:
-                return None  # pages grown so far stay with their sequences: they need them next time anyway
-            if not self._make_room(seq, seq.num_cached + q):
-                break  # seq itself was preempted (it was the newest)
+            if self.kv.pages_needed(seq.pages, seq.num_cached + q) != (0, 0):  # most decode rows fit their pages
+                if not self.kv.can_grow(seq.pages, seq.num_cached + q) and not preempt_ok:
+                    return None  # pages grown so far stay with their sequences: they need them next time anyway
+                if not self._make_room(seq, seq.num_cached + q):
+                    break  # seq itself was preempted (it was the newest)
             items.append(ScheduledSeq(seq, seq.num_cached, q, q == seq.num_uncached))
             budget -= q
         if admit and not decode_only:

@@ -26,6 +26,7 @@ from kernels.interface import ExpertWeights, StepMeta
 from kernels.registry import Backends
 from model.config import GptOssConfig
 from model.kv_cache import KVPool, PageGroup
+from model.labels import label
 from model.parallel import MoEMode, ParallelConfig
 from model.rope import Rotary
 
@@ -222,7 +223,7 @@ class GptOss(nn.Module):
         self.backends.attention.plan(step)
         pending = None  # the last MoE output, not yet added to x (fused norms only)
         for i, block in enumerate(self.layers):
-            with torch.profiler.record_function(f"layer{i}"):
+            with label(f"layer{i}"):
                 x, pending = block(x, cos, sin, self.backends, kv.layer_kv(i) if kv is not None else None, pending,
                                    kv.layer_scales(i) if kv is not None else None)
             if on_layer_done is not None:

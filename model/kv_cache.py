@@ -303,13 +303,15 @@ class KVManager:
         self.spec = spec
         self.alloc = [PageAllocator(spec.num_pages[g]) for g in PageGroup]
         self.cache = PrefixCache(spec, self.alloc, cache_identity) if cache_identity is not None else None
+        # pages_needed runs for every running sequence every step: the spec's derived values read once
+        self._ring = spec.ring_pages if spec.sliding_layers else 0
+        self._has_full = bool(spec.full_layers)
 
     def pages_needed(self, pages: SeqPages, total_len: int) -> tuple[int, int]:
         """Extra (full, sliding) pages for a sequence to hold `total_len` tokens."""
-        p = self.spec.page_size
-        full = max(0, math.ceil(total_len / p) - len(pages.full)) if self.spec.full_layers else 0
-        ring = min(self.spec.ring_pages, math.ceil(total_len / p)) if self.spec.sliding_layers else 0
-        return full, max(0, ring - len(pages.ring))
+        n = -(-total_len // self.spec.page_size)
+        full = max(0, n - len(pages.full)) if self._has_full else 0
+        return full, max(0, min(self._ring, n) - len(pages.ring))
 
     def can_grow(self, pages: SeqPages, total_len: int) -> bool:
         f, s = self.pages_needed(pages, total_len)
@@ -320,7 +322,10 @@ class KVManager:
 
     def grow(self, pages: SeqPages, total_len: int) -> None:
         f, s = self.pages_needed(pages, total_len)
-        if not self.can_grow(pages, total_len):
+        if not (f or s):
+            return
+        free_full, free_sliding = self.num_free()
+        if f > free_full or s > free_sliding:
             raise OutOfPages(f"need {f} full + {s} sliding pages")
         pages.full += self._allocate(PageGroup.FULL, f)
         pages.ring += self._allocate(PageGroup.SLIDING, s)
