@@ -328,6 +328,22 @@ ISSUE_SUITES: dict[str, Suite] = {
         steps=(step("mixed-step", MIXED_STEP + "--turns 3 --forwards piecewise --orders ready --mixed-roles decode "
                                                "--host-profile 8 --out {out}/mixed_step.json", 240,
                     summary=r"^decode steps|^mixed|Error|Traceback"),)),
+    # launch-hold-bubble-ab-1 (a host-bound H100 lease): attention inside the graphs launched a cached turn's mixed step
+    # in 7.6 ms against 18.2 (cached TTFT p50 46.1 vs 53.9 ms) but a 4,096-token step in 51.9 against 31.9 (the
+    # cache-off side 35 ms worse). --piecewise-graphed-max-tokens keeps the graphs' attention to the small buckets.
+    "graphed-small-ab": Suite(
+        "issue 25: multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker, step trace) with the "
+        "defaults, with attention inside the graphs for steps of <= 768 tokens only, and that with --launch-hold "
+        "--launch-hold-bubble 0.3; each with and without prefix caching",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(colocated_pw_step("colocated-1-pw", 150),
+               colocated_pw_step("colocated-1-graphed768", 150,
+                                 "--piecewise-graphed-attention all --piecewise-graphed-max-tokens 768 "),
+               colocated_pw_step("colocated-1-graphed768-hold", 150,
+                                 "--piecewise-graphed-attention all --piecewise-graphed-max-tokens 768 --launch-hold "
+                                 "--launch-hold-bubble 0.3 ")),
+        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
+                    "colocated-buckets-ab-1 (2026-12-06, H100): 2.88x with the defaults")),
     # prefill-profile-1 (H100): of an 8k prefill's ~84 ms, the 12 full layers' attention took 16.4 ms on fa3's paged
     # mainloop although a prompt with no cached prefix has every key in its own k/v, and the 12 sliding layers
     # 3.5 ms (287 us each for 1/32 of a full layer's work); the MoE's SwiGLU pass 5.9 ms at ~1.9 TB/s.

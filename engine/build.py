@@ -66,6 +66,8 @@ class EngineConfig:
     # Buckets stop here: above ~2k tokens a 20b step is GPU-bound and padding to the next bucket costs
     # more than the launches saved (3.3-3.6k-token chunks 7-13 % slower in the 4,096 bucket, piecewise-ab-1)
     piecewise_max_tokens: int = 2048
+    # with piecewise_graphed: attention inside the graphs only for buckets up to this many tokens (0: all)
+    piecewise_graphed_max_tokens: int = 0
     piecewise_buckets: str = "fine"  # engine.piecewise.BUCKET_SETS: "fine" (1.5x apart) or "pow2" (2x)
     # attention inside the piecewise graphs too (kernels/triton_graph_attention.py): "none", "sliding" (the
     # sliding-window layers') or "all" (a step is one graph); opt-in, not yet measured on the GPU
@@ -185,8 +187,16 @@ def make_piecewise(cfg: EngineConfig, model: GptOss, pool: KVPool, *, buckets: s
         groups = frozenset()
     sizes = buckets_for(min(cfg.scheduler.max_num_batched_tokens, cfg.piecewise_max_tokens),
                         BUCKET_SETS[buckets or cfg.piecewise_buckets])
-    return PiecewiseGraphs(model, sizes, pool=pool, graphed=groups, max_seqs=cfg.scheduler.max_num_seqs,
-                           max_model_len=cfg.scheduler.max_model_len)
+    limit = cfg.piecewise_graphed_max_tokens
+    small = tuple(b for b in sizes if b <= limit) if groups and limit > 0 else sizes
+    pw = PiecewiseGraphs(model, small or sizes, pool=pool, graphed=groups, max_seqs=cfg.scheduler.max_num_seqs,
+                         max_model_len=cfg.scheduler.max_model_len)
+    if len(small) in (0, len(sizes)):
+        return pw
+    # attention in the graphs up to the limit, as islands above it (engine.piecewise.PiecewiseSplit)
+    from engine.piecewise import PiecewiseSplit
+
+    return PiecewiseSplit(pw, PiecewiseGraphs(model, sizes[len(small):], pool=pool))
 
 
 def plan_and_log_kv(model_cfg: GptOssConfig, budget: int, dtype: torch.dtype, *, page_size: int, max_num_seqs: int,

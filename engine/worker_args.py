@@ -79,6 +79,9 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                         "the sliding-window layers' (only full-attention layers stay eager), or all (a step up to the "
                         "largest bucket is one graph). Meant for a decode worker's mixed steps: on a prefill worker a "
                         "graphed layer's KV streams out only after its piece, and long chunks run slower on the kernel")
+    p.add_argument("--piecewise-graphed-max-tokens", type=int, default=0, metavar="N",
+                   help="with --piecewise-graphed-attention: only steps of at most N tokens (a cached turn's mixed "
+                        "step) run their attention inside the graphs; larger ones keep it as eager islands (0: all)")
     p.add_argument("--piecewise-buckets", choices=["pow2", "fine"], default="fine",
                    help="piecewise bucket spacing: fine (1.5x apart: 16, 24, 32, 48, ...; less padding, whose rows the "
                         "MoE computes like real ones, for about twice the graphs in the same pool) or pow2 (16, 32, 64, ...)")
@@ -149,7 +152,7 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         seed=a.seed, progress=tp_rank == 0, async_decode=a.async_decode == "on",
         enable_prefix_caching=a.enable_prefix_caching, piecewise_graphs=a.piecewise_graphs,
         piecewise_max_tokens=a.piecewise_max_tokens, piecewise_buckets=a.piecewise_buckets,
-        piecewise_graphed=a.piecewise_graphed_attention,
+        piecewise_graphed=a.piecewise_graphed_attention, piecewise_graphed_max_tokens=a.piecewise_graphed_max_tokens,
         parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group,
                                 max(0, a.fast_allreduce_kib) << 10 if gpu else 0, a.fast_allreduce_impl, a.vocab_parallel))
 

@@ -17,7 +17,7 @@ import torch
 
 from engine.build import EngineConfig
 from engine.llm import LLM
-from engine.piecewise import DEFAULT_BUCKETS, PiecewiseGraphs, buckets_for
+from engine.piecewise import DEFAULT_BUCKETS, PiecewiseGraphs, PiecewiseSplit, buckets_for
 from engine.sampling import SamplingParams
 from kernels.registry import make_backends
 from engine.scheduler import SchedulerConfig
@@ -190,17 +190,29 @@ def test_piecewise_engine_flag_same_tokens(ckpt_factory):
     outs = {}
     # "all": every layer's attention inside the pieces too (the Triton kernel, interpreted; "sliding" is the
     # same code on one group: test_piecewise_attention_inside_the_graphs)
-    for flag in (False, True, "all"):
+    # "all<=24": attention inside the graphs for steps of up to 24 tokens only, islands above (PiecewiseSplit)
+    for flag in (False, True, "all", "all<=24"):
         llm = LLM(EngineConfig(checkpoint=path, kv_cache_bytes=1 << 20, piecewise_graphs=bool(flag),
-                               piecewise_graphed=flag if isinstance(flag, str) else "none",
+                               piecewise_graphed=flag[:3] if isinstance(flag, str) else "none",
+                               piecewise_graphed_max_tokens=24 if flag == "all<=24" else 0,
                                scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
                                                          max_model_len=256)))
         pw = llm.engine.runner.piecewise
         assert (pw is not None) == bool(flag)
-        assert pw is None or len(pw.islands) == {True: 4, "all": 0}[flag]
+        if flag == "all<=24":
+            assert isinstance(pw, PiecewiseSplit) and pw.small.buckets == (16, 24) and not pw.small.islands
+            assert pw.large.buckets == (32, 48, 64) and len(pw.large.islands) == 4
+            sizes = {"small": [], "large": []}
+            for name in sizes:
+                part = getattr(pw, name)
+                real = part.run
+                part.run = lambda *a, _r=real, _n=name, **k: sizes[_n].append(a[0].shape[0]) or _r(*a, **k)
+        else:
+            assert pw is None or len(pw.islands) == {True: 4, "all": 0}[flag]
         outs[flag] = [o.output_ids for o in llm.generate(prompts, params)]
         llm.kv.assert_all_free()
-    assert outs[True] == outs[False] == outs["all"]
+    assert outs[True] == outs[False] == outs["all"] == outs["all<=24"]
+    assert sizes["small"] and max(sizes["small"]) <= 24 and sizes["large"] and min(sizes["large"]) > 24, sizes
 
 
 def _run_graphed_steps(model: GptOss, buckets: tuple[int, ...], steps: list[list[tuple[int, int]]],
