@@ -162,7 +162,8 @@ ISSUE_SUITES: dict[str, Suite] = {
                                                "--out {out}/mixed_step.json", 130,
                     summary=r"^decode steps|^mixed|Error|Traceback"),
                colocated_pw_step("colocated-1-graphed-fine", 150,
-                                 "--piecewise-graphed-attention all --piecewise-buckets fine "),
+                                 "--piecewise-graphed-attention all --piecewise-buckets fine "
+                                 "--piecewise-graphed-max-tokens 0 "),
                colocated_pw_step("colocated-1-pw", 150)),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
                     "multi-turn-colocated-pw-10/11 (2026-12-03): 2.82x and 2.83x with the defaults")),
@@ -194,7 +195,8 @@ ISSUE_SUITES: dict[str, Suite] = {
         carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
         steps=(colocated_pw_step("colocated-1-pw", 150),
                colocated_pw_step("colocated-1-hold-graphed-fine", 150,
-                                 "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine "),
+                                 "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine "
+                                 "--piecewise-graphed-max-tokens 0 "),
                colocated_pw_step("colocated-1-hold-bubble50", 150, "--launch-hold --launch-hold-bubble 0.5 ")),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
                     "launch-hold-ab-2 (2026-12-06, H100, ran as launch-hold-ab --only these three): no prompt "
@@ -211,7 +213,8 @@ ISSUE_SUITES: dict[str, Suite] = {
         steps=(colocated_pw_step("colocated-1-pw", 150),
                colocated_pw_step("colocated-1-pw-clients4", 150, bench="--client-procs 4 "),
                colocated_pw_step("colocated-1-hold-graphed-bubble30", 150,
-                                 "--launch-hold --launch-hold-bubble 0.3 --piecewise-graphed-attention all ")),
+                                 "--launch-hold --launch-hold-bubble 0.3 --piecewise-graphed-attention all "
+                                 "--piecewise-graphed-max-tokens 0 ")),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
                     "colocated-buckets-ab-1 (2026-12-06, H100): 2.88x with fine buckets (now the default)")),
     # kernel-defaults-check-1 (H100): a cached turn's mixed step (~300 tokens + ~63 decode rows) spans 16.6 ms on
@@ -228,7 +231,8 @@ ISSUE_SUITES: dict[str, Suite] = {
                colocated_pw_step("colocated-1-pw", 150, "--piecewise-buckets pow2 "),  # the default until this A/B
                colocated_pw_step("colocated-1-fine", 150, "--piecewise-buckets fine "),
                colocated_pw_step("colocated-1-hold-graphed-fine", 150,
-                                 "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine ")),
+                                 "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine "
+                                 "--piecewise-graphed-max-tokens 0 ")),
         reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
                     "kernel-defaults-check-1 (2026-12-06, H100): 2.56x with the defaults")),
     # colocated-buckets-ab-1: with fine buckets a cached turn's mixed step (~245 new tokens beside ~63 decode rows at

@@ -66,8 +66,10 @@ class EngineConfig:
     # Buckets stop here: above ~2k tokens a 20b step is GPU-bound and padding to the next bucket costs
     # more than the launches saved (3.3-3.6k-token chunks 7-13 % slower in the 4,096 bucket, piecewise-ab-1)
     piecewise_max_tokens: int = 2048
-    # with piecewise_graphed: attention inside the graphs only for buckets up to this many tokens (0: all)
-    piecewise_graphed_max_tokens: int = 0
+    # with piecewise_graphed: attention inside the graphs only for buckets up to this many tokens (0: all);
+    # graphed-small-ab-1 / launch-hold-bubble-ab-1 (H100): a ~300-token mixed step launches in 3.7 vs 13.1 ms with
+    # it, a ~4k-token chunk in 51.9 vs 31.9 ms: long chunks keep their attention as islands
+    piecewise_graphed_max_tokens: int = 768
     piecewise_buckets: str = "fine"  # engine.piecewise.BUCKET_SETS: "fine" (1.5x apart) or "pow2" (2x)
     # attention inside the piecewise graphs too (kernels/triton_graph_attention.py): "none", "sliding" (the
     # sliding-window layers') or "all" (a step is one graph); opt-in, not yet measured on the GPU

@@ -79,7 +79,7 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                         "the sliding-window layers' (only full-attention layers stay eager), or all (a step up to the "
                         "largest bucket is one graph). Meant for a decode worker's mixed steps: on a prefill worker a "
                         "graphed layer's KV streams out only after its piece, and long chunks run slower on the kernel")
-    p.add_argument("--piecewise-graphed-max-tokens", type=int, default=0, metavar="N",
+    p.add_argument("--piecewise-graphed-max-tokens", type=int, default=768, metavar="N",
                    help="with --piecewise-graphed-attention: only steps of at most N tokens (a cached turn's mixed "
                         "step) run their attention inside the graphs; larger ones keep it as eager islands (0: all)")
     p.add_argument("--piecewise-buckets", choices=["pow2", "fine"], default="fine",
