@@ -101,6 +101,11 @@ SUITES: dict[str, Suite] = {
         carry=(".whl-nixl", ".cache/dgcarry"),
         steps=(smoke_step("default"), smoke_step("fp8attn", "--fp8-attention on --linear-backend deepgemm")),
         reproduces=("2026-12-01/dg15/disagg_smoke_default.json", "2026-12-01/dg15/disagg_smoke_fp8attn.json")),
+    "disagg-smoke-fi": Suite(
+        "disaggregated == colocated greedy tokens on one GPU with FlashInfer attention (the GPU default; disagg-smoke "
+        "runs Triton's): prefill and decode workers on cuda:0, KV over the IPC data path; every page back",
+        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        steps=(smoke_step("flashinfer", "--attention-backend flashinfer", timeout_s=170),)),
     "kv-transfer": Suite(
         "KV transfer of a 120b-shaped KV between two processes on one H200: copy_, NIXL and the IPC data path into "
         "contiguous / 16-page-run / scattered decode pages, alone and overlapped with a stand-in prefill",
