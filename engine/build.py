@@ -191,9 +191,11 @@ def make_piecewise(cfg: EngineConfig, model: GptOss, pool: KVPool, *, buckets: s
                         BUCKET_SETS[buckets or cfg.piecewise_buckets])
     limit = cfg.piecewise_graphed_max_tokens
     small = tuple(b for b in sizes if b <= limit) if groups and limit > 0 else sizes
-    pw = PiecewiseGraphs(model, small or sizes, pool=pool, graphed=groups, max_seqs=cfg.scheduler.max_num_seqs,
+    if not small:  # the limit is below every bucket: no step has its attention in the graphs
+        return PiecewiseGraphs(model, sizes, pool=pool)
+    pw = PiecewiseGraphs(model, small, pool=pool, graphed=groups, max_seqs=cfg.scheduler.max_num_seqs,
                          max_model_len=cfg.scheduler.max_model_len)
-    if len(small) in (0, len(sizes)):
+    if len(small) == len(sizes):
         return pw
     # attention in the graphs up to the limit, as islands above it (engine.piecewise.PiecewiseSplit)
     from engine.piecewise import PiecewiseSplit

@@ -8,7 +8,7 @@ Each step spends a token budget (max_num_batched_tokens):
      keeping one page of headroom per running sequence so admissions do not immediately force
      preemptions.
   With prefill_steps="separate" a step with prompt work (1's chunks, 2's admissions) runs it without the
-  decode rows, and the step after it is the usual one (SchedulerConfig).
+  decode rows, and the decode rows run alone in the step after it (SchedulerConfig).
 `postprocess` applies the sampled tokens: appends, checks stop conditions, frees finished pages.
 
 Overlapped steps (engine.core): step N+1 is scheduled and launched before step N's tokens reach the

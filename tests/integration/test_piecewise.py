@@ -15,7 +15,7 @@ The GPU twin (captured graphs, bf16, 20b widths) is tests/integration/test_piece
 import pytest
 import torch
 
-from engine.build import EngineConfig
+from engine.build import EngineConfig, make_piecewise
 from engine.llm import LLM
 from engine.piecewise import DEFAULT_BUCKETS, PiecewiseGraphs, PiecewiseSplit, buckets_for
 from engine.sampling import SamplingParams
@@ -212,6 +212,12 @@ def test_piecewise_engine_flag_same_tokens(ckpt_factory):
         outs[flag] = [o.output_ids for o in llm.generate(prompts, params)]
         llm.kv.assert_all_free()
     assert outs[True] == outs[False] == outs["all"] == outs["all<=24"]
+    # a limit below every bucket: islands throughout (no graphed set at all)
+    low = make_piecewise(EngineConfig(checkpoint=path, piecewise_graphs=True, piecewise_graphed="all",
+                                      piecewise_graphed_max_tokens=8,
+                                      scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)),
+                         llm.engine.model, llm.engine.runner.pool)
+    assert isinstance(low, PiecewiseGraphs) and len(low.islands) == 4 and not low.tables
     assert sizes["small"] and max(sizes["small"]) <= 24 and sizes["large"] and min(sizes["large"]) > 24, sizes
 
 
