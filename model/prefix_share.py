@@ -16,7 +16,8 @@ any later step writes it, and any hit's own ring copies come after them on the s
 
 from __future__ import annotations
 
-from model.kv_cache import KVManager, OutOfPages, PageGroup, SeqPages
+from model.kv_cache import KVManager, PageGroup, SeqPages
+from model.page_allocator import OutOfPages
 
 
 def snapshot_prompt(kv: KVManager, pages: SeqPages, hashes: list[int], num_valid: int, ring_valid_from: int

@@ -39,7 +39,8 @@ from engine.sequence import Sequence, attach_grammar
 from kv_transfer.interface import KVSender, TransferStatus
 from kv_transfer.messages import FailureReason, TransferRequest
 from kv_transfer.messages import decode as decode_kv
-from model.kv_cache import OutOfPages, SeqPages
+from model.kv_cache import SeqPages
+from model.page_allocator import OutOfPages
 from prefill_worker.compute_split import SplitClock
 from wire.protocol import PrefillRequest, PrefillResult, TopLogprob
 

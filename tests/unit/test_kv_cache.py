@@ -4,7 +4,8 @@ import torch
 from common.errors import ConfigError
 from model.config import preset
 from model.context import SeqStep, build_step_meta
-from model.kv_cache import KVManager, OutOfPages, PageAllocator, PageGroup, SeqPages, plan_kv_cache
+from model.kv_cache import KVManager, PageGroup, SeqPages, plan_kv_cache
+from model.page_allocator import OutOfPages, PageAllocator
 
 
 def test_allocator_refcounts_and_leak_check():
