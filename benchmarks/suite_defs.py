@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 SUITE_BUDGET_S = 560  # of the device tool's 600 s per call: set-up, the version probe and the tarball
 PYTEST = r"\d+ (passed|failed|error)|no tests ran"
+# what a suite running the served stack on the GPU machine carries: the site-packages, DeepGEMM's launchers, FlashInfer's
+# prebuilt sink modules (benchmarks/suites.py's docstring says how each is made)
+STACK_CARRY = (".whl-site", ".cache/dgcarry", ".cache/fi")
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import shlex
 
 from benchmarks.suite_defs import (FUSION_AB, MT_SERVE_ARGS, PYTEST, SERVED_ARGS, SERVED_MODEL_JSON,  # noqa: F401
-                                   SUITE_BUDGET_S, TP, Step, Suite, model_step, multi_turn_step, smoke_step, step,
+                                   STACK_CARRY, SUITE_BUDGET_S, TP, Step, Suite, model_step, multi_turn_step, smoke_step, step,
                                    sweep_step)  # Step, Suite, SUITE_BUDGET_S: re-exported for suite_run and tests
 from benchmarks.suites_issues import ISSUE_SUITES
 from benchmarks.suites_served import SERVED_SUITES
@@ -105,7 +105,7 @@ SUITES: dict[str, Suite] = {
     "disagg-smoke-fi": Suite(
         "disaggregated == colocated greedy tokens on one GPU with FlashInfer attention (the GPU default; disagg-smoke "
         "runs Triton's): prefill and decode workers on cuda:0, KV over the IPC data path; every page back",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(smoke_step("flashinfer", "--attention-backend flashinfer", timeout_s=170),)),
     "kv-transfer": Suite(
         "KV transfer of a 120b-shaped KV between two processes on one H200: copy_, NIXL and the IPC data path into "
@@ -132,7 +132,7 @@ SUITES: dict[str, Suite] = {
         "the overlapped decode loop on the H200: its GPU tests (greedy == synchronous loop, no host sync at launch, "
         "seeded sampling) and bench_model's engine loop next to graph replay (20b, contexts 2k/8k, batch 1/64/128); "
         "saves FlashInfer's built modules to $OUT/fi for the next call",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("async-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider "
                                        "tests/integration/test_async_decode_gpu.py", 200, summary=PYTEST),
                model_step("model-20b", "gpt-oss-20b", "8192", "2048,8192", "1,64,128", 280),
@@ -142,7 +142,7 @@ SUITES: dict[str, Suite] = {
         "the whole stack served on ONE H200 (router + workers as real processes, 20b random weights): colocated "
         "and disaggregated (two processes sharing the GPU, KV over the IPC data path); single stream, a Poisson "
         "sweep (1k-8k in, 256-1k out), saturation at batch 64; against bench_model of served-engine",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("serve", "{py} -m benchmarks.serve_gpu --model-json " + SERVED_MODEL_JSON + " --out {out}/serve_gpu.json "
                              "--rates 1,2,4,8,16 --num-requests 24 --serve-args " + shlex.quote(SERVED_ARGS),
                     540, summary=r"single|sat|@|Error|Traceback"),)),
@@ -150,7 +150,7 @@ SUITES: dict[str, Suite] = {
         "issue 23 in one call: the overlapped loop's GPU tests, bench_model's engine loop against graph replay "
         "(20b, 2k/8k x 1/64/128), and the whole stack served on this GPU against those figures (colocated and "
         "disaggregated: single stream, Poisson sweep 1-16 req/s, steady-state saturation at batch 64)",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("async-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider "
                                        "tests/integration/test_async_decode_gpu.py", 110, summary=PYTEST),
                model_step("model-20b", "gpt-oss-20b", "8192", "2048,8192", "1,64,128", 150),

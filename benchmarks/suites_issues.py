@@ -4,7 +4,7 @@ benchmarks/suites_served.py."""
 
 from __future__ import annotations
 
-from benchmarks.suite_defs import FUSION_AB, PYTEST, Suite, step
+from benchmarks.suite_defs import FUSION_AB, PYTEST, STACK_CARRY, Suite, step
 from benchmarks.suites_served import colocated_pw_step
 
 
@@ -25,7 +25,7 @@ ISSUE_SUITES: dict[str, Suite] = {
         "FP8 KV against bf16 KV on one loaded 20b (workers' defaults): prefill 8k A/B (target <= 3 % slower), decode "
         "with e4m3 pages at 8k x 1/32/128/192/256 (target >= 12,000 tok/s per GPU at >= 60 tok/s per user) and "
         "32k x 128, bf16 pages at 8k and 32k x 128",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("ab-20b", "{py} -m benchmarks.kv_fp8_ab --preset gpt-oss-20b", 540,
                     summary=r"^decode ctx|^prefill|summary|FAILED"),)),
     # The 12k goal between measured batches (fp8-kv-model-2: 11,159 tok/s at 87 per user at 128, 13,700 at
@@ -33,7 +33,7 @@ ISSUE_SUITES: dict[str, Suite] = {
     "fp8-kv-goal": Suite(
         "issue 26's decode goal alone: FP8 KV decode of 20b at 8k x 128/160/192/224 (>= 12,000 tok/s per GPU at "
         ">= 60 tok/s per user), bf16 pages at 8k x 128 and the 8k prefill A/B in the same process",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("ab-20b-8k", "{py} -m benchmarks.kv_fp8_ab --preset gpt-oss-20b --contexts 8192 "
                                  "--batches 128,160,192,224 --bf16-contexts 8192 --bf16-batches 128", 330,
                     summary=r"^decode ctx|^prefill|summary|FAILED"),)),
@@ -58,7 +58,7 @@ ISSUE_SUITES: dict[str, Suite] = {
     "decode-profile": Suite(
         "where a 20b decode step's time goes at 8k context (eager step under torch.profiler, workers' defaults): "
         "batch 1 and 64 on bf16 pages, batch 1 on e4m3 pages; then decode replay (CUDA graphs) at 8k x 1 for both",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("profile-bf16", "{py} -m benchmarks.profile_decode --preset gpt-oss-20b --batches 1,64", 150,
                     summary=r"CUDA kernels per step|Error"),
                step("profile-fp8", "{py} -m benchmarks.profile_decode --preset gpt-oss-20b --batches 1 "
@@ -72,7 +72,7 @@ ISSUE_SUITES: dict[str, Suite] = {
     "prefill-profile": Suite(
         "where a 20b prefill of 8k tokens spends its time (eager, torch.profiler, 3 prefills, workers' defaults): "
         "FP8 QKV/O (the faster prefill) and bf16 QKV/O",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=tuple(step(f"profile-prefill-{tag}", "{py} -m benchmarks.profile_decode --preset gpt-oss-20b "
                                                    f"--batches '' --prefill-lens 8192 {flag}", 120,
                          summary=r"CUDA kernels per step|Error")
@@ -85,7 +85,7 @@ ISSUE_SUITES: dict[str, Suite] = {
         "batch-1 decode over e4m3 pages after the store and merge changes: the FP8-KV GPU tests (bits of the "
         "quantising store, the decode kernel with splits against the reference), the fused RoPE + store micro "
         "(tokens per K program 1/2/4/16), decode replay at 8k x 1 on e4m3 and bf16 pages, the e4m3 profile",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("fp8-kv-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8_kv_gpu.py",
                     200, summary=PYTEST),
                step("fusion-micro", "{py} -m benchmarks.fusion --tokens 1,64,8192", 100, summary=r"wrote|Error"),
@@ -113,7 +113,7 @@ ISSUE_SUITES: dict[str, Suite] = {
         "the paged read, self-tests, real dims), the MoE SwiGLU pass per row vs per tile (SWIGLU_TILE_EXPERT) at 8k, "
         "then gpt-oss-20b prefill 2k and 8k (FP8 QKV/O on DeepGEMM) A/B in one process: full layers read paged vs "
         "ragged, sliding reads on fa3 vs fa2; then the 8k profile with ragged full layers and fa2 sliding reads",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("attention-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_gpu.py "
                                            "-k 'fresh_prefill or flashinfer_self_test or flashinfer_real_dims'", 150,
                     summary=PYTEST),
@@ -138,7 +138,7 @@ ISSUE_SUITES: dict[str, Suite] = {
         "(paged/fa3) and the new (ragged/fa2) in one process plus decode replay at 8k x 1 and 64, "
         "multi-turn-colocated-pw's served run (issue 25: 64 x 8 turns, ONE decode worker), and the piecewise GPU "
         "tests (attention in the graphs judged against the eager forward on the same kernels)",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("kernel-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_gpu.py "
                                         "tests/kernels/test_fusion_gpu.py tests/kernels/test_gemm_moe_gpu.py "
                                         "-k 'flashinfer or swiglu or fp8_moe_real_dims'", 120, summary=PYTEST),
@@ -157,7 +157,7 @@ ISSUE_SUITES: dict[str, Suite] = {
     "tdecode-ab": Suite(
         "bf16 pages' pure-decode steps on the Triton decode kernel against FlashInfer's: the backend's GPU test "
         "(reference, graph replay, self-test at real dims), then 20b decode replay at 8k x 1/64/128 with each",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("tdecode-gpu-test", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8_kv_gpu.py "
                                         "-k triton_decode_backend", 90, summary=PYTEST),
                *(step(f"replay-{name}", "{py} -m benchmarks.kv_fp8_ab --preset gpt-oss-20b --prefill-lens '' "
@@ -170,7 +170,7 @@ ISSUE_SUITES: dict[str, Suite] = {
         "self-tests, 20b layers, graph-decoded tokens), then each fused kernel against the launches it replaces "
         "(CUDA-graph us, GB/s vs HBM; norm warps and the DeepGEMM SwiGLU pass too), then gpt-oss-20b with the "
         "workers' defaults A/B in one process (" + FUSION_AB + "): prefill 8k, decode replay at 8k x 1 and 64",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("fusion-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fusion_gpu.py",
                     170, summary=PYTEST),
                step("fusion-micro", "{py} -m benchmarks.fusion", 100, summary=r"wrote|Error"),
@@ -189,7 +189,7 @@ ISSUE_SUITES: dict[str, Suite] = {
         "with W streamed from HBM (CUDA-graph us, GB/s vs HBM and copy; default config and a small sweep), then "
         "gpt-oss-20b with bf16 attention A/B in one process (rope_store vs rope_store+gemv): prefill 8k, decode "
         "replay at 8k x 1 and 64",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("gemv-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemv_gpu.py",
                     100, summary=PYTEST),
                step("gemv-micro", "{py} -m benchmarks.fusion --tokens 1,4,16 --rows gemv", 120,
@@ -209,7 +209,7 @@ ISSUE_SUITES: dict[str, Suite] = {
         "1, 4, 16 tokens: reference parity, bits run to run, CUDA-graph replay, routing) and the one-launch "
         "rope_qk's, then QKV / O against bf16 addmm with W streamed from HBM (CUDA-graph us; a config sweep), then gpt-oss-20b prefill 8k and decode replay at 8k x 1: bf16 QKV/O (the "
         "workers' default), and FP8 QKV/O on DeepGEMM A/B in one process (rope_store vs rope_store+fp8_gemv)",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("fp8-gemv-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_dense_small_gpu.py "
                                           "tests/kernels/test_fusion_gpu.py -k 'dense or rope_qk_store_kv_exact'",
                     90, summary=PYTEST),

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import shlex
 
-from benchmarks.suite_defs import MT_SERVE_ARGS, PYTEST, SERVED_ARGS, Step, Suite, multi_turn_step, step
+from benchmarks.suite_defs import (MT_SERVE_ARGS, PYTEST, SERVED_ARGS, STACK_CARRY, Step, Suite, multi_turn_step,
+                                   step)
 
 PREFILL_PREFIX = ("{py} -m benchmarks.prefill_prefix --device cuda --fp8 --random-weights gpt-oss-20b "
                   "--kv-cache-gib 12 --max-model-len 16384 ")
@@ -14,6 +15,9 @@ PREFILL_PREFIX = ("{py} -m benchmarks.prefill_prefix --device cuda --fp8 --rando
 MIXED_STEP = ("{py} -m benchmarks.mixed_step --device cuda --fp8 --random-weights gpt-oss-20b --kv-cache-gib 28 "
               "--max-num-seqs 128 --cuda-graphs --piecewise-graphs --max-model-len 16384 "
               "--max-num-batched-tokens 4096 ")
+
+MIXED_STEP_SUMMARY = r"^decode steps|^mixed|Error|Traceback"  # its table's lines, or why it has none
+COLOCATED_GOAL = "issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching"
 
 # the piecewise GPU tests' eager comparison on 2 random layers: rounding halves with depth, a wiring fault does not
 PW_2LAYERS = step("piecewise-2layers", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
@@ -35,7 +39,7 @@ SERVED_SUITES: dict[str, Suite] = {
         "stack on one H200, colocated (two decode workers: cache-aware routing) and disaggregated, each with and "
         "without prefix caching: TTFT of turns 2+, prefill tokens computed, KV bytes shipped per turn, hit rate, "
         "leaked pages",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(multi_turn_step("colocated", 240), multi_turn_step("disaggregated", 310)),
         reproduces=("issue 25 goals: TTFT p50 of turns 2+ >= 3x lower than without caching; KV bytes per turn <= "
                     "the new tokens' KV; zero leaked pages",)),
@@ -44,7 +48,7 @@ SERVED_SUITES: dict[str, Suite] = {
         "tokens after a cached 3,296-token prefix against 352 and 3,648 uncached, compute time split into host "
         "before launch / launch / hooks / wait and the GPU span, with the sender's run-ahead bound 2 and none; one "
         "cached prefill profiled (kernels, their device time; cProfile of the host launch)",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("prefill-prefix", PREFILL_PREFIX + "--reps 10 --layers-ahead 2,-1 --profile --host-profile "
                                                        "--out {out}/prefill_prefix.json", 300,
                     summary=r"^P=|^cached|^uncached|profile|Error"),),
@@ -57,7 +61,7 @@ SERVED_SUITES: dict[str, Suite] = {
         "vs eager forward at T = 1, 17, 352, 1000, a chunk after a prefix, a mixed step; hooks, fallback, pages), "
         "then the prefill worker's engine (gpt-oss-20b, the prefill-prefix suite's settings, run-ahead bound 2) "
         "without and with the flag",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("piecewise-gpu-test", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
                                           "tests/integration/test_piecewise_gpu.py", 100, summary=PYTEST),
                *(step(f"prefill-prefix-{tag}", PREFILL_PREFIX + f"--reps 5 --layers-ahead 2 {flag} "
@@ -71,7 +75,7 @@ SERVED_SUITES: dict[str, Suite] = {
         "the served stack on one H200 (20b random weights, disaggregated: one prefill and one decode worker with "
         "CUDA graphs sharing the GPU), 64 streams of 1024 in / 512 out at once, greedy then temperature 1: what "
         "sampling costs per decode step",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=tuple(step(f"serve-t{t}", "{py} -m launcher.cli bench serve --launch disaggregated "
                                         "--num-requests 64 --max-concurrency 64 --input-len 1024 --output-len 512 "
                                         f"--warmup 8 --temperature {t} --save-requests --request-timeout-s 300 "
@@ -84,9 +88,9 @@ SERVED_SUITES: dict[str, Suite] = {
     "multi-turn-colocated-1": Suite(
         "issue 25: multi-turn's colocated conversations (64 x 8 turns, 2k shared system prompt) with ONE decode "
         "worker alone on the H200, with and without prefix caching",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(multi_turn_step("colocated", 240, name="colocated-1", extra="--colocated-decode 1 "),),
-        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
+        reproduces=(COLOCATED_GOAL,)),
     # Issue 25's colocated goal with the two start-up changes of 2026-12-03: piecewise CUDA graphs for the
     # mixed steps a local prefill runs in (buckets up to 2,048 tokens), and the workers' warm-up (compiles at
     # start-up, not in the first turns: multi-turn-colocated-1-1's two 2.3-2.5 s stalls). Both launches (cache
@@ -98,13 +102,13 @@ SERVED_SUITES: dict[str, Suite] = {
         "--first-token-wait-ms 3 (the A/B of the bounded wait for steps that sampled first tokens, engine/core.py, "
         "off by default since run 10; this order reverses run 10's); first the overlapped loop's GPU tests (both "
         "orders and the bounded wait against the synchronous loop)",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("loop-gpu-tests", "{py} -m pytest -q -rP -m gpu -p no:cacheprovider "
                                       "tests/integration/test_async_decode_gpu.py", 120,
                     summary=PYTEST + r"|collected first|first-token steps"),
                colocated_pw_step("colocated-1-pw", 200),
                colocated_pw_step("colocated-1-pw-wait", 200, "--first-token-wait-ms 3 ")),
-        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",)),
+        reproduces=(COLOCATED_GOAL,)),
     # Issue 25's colocated goal: a served mixed step was host-bound (multi-turn-colocated-pw-11's step trace: launch
     # 18.2 ms of CPU against 12.5 ms of GPU, p50; 8.0 s of the loop's 22.8 s went to launching mixed steps), about
     # half of it the 24 attention islands (cProfile in mixed-step-6). Candidates, each opt-in until this suite
@@ -121,18 +125,18 @@ SERVED_SUITES: dict[str, Suite] = {
         "multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker) with --piecewise-graphed-attention "
         "all --piecewise-buckets fine, "
         "then with the defaults",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("piecewise-gpu-tests", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
                                            "tests/integration/test_piecewise_gpu.py", 130, summary=PYTEST),
                step("mixed-step", MIXED_STEP + "--turns 5 --forwards piecewise-pow2,piecewise-fine,piecewise-sliding,"
                                                "piecewise-all --orders ready --mixed-roles decode "
                                                "--out {out}/mixed_step.json", 130,
-                    summary=r"^decode steps|^mixed|Error|Traceback"),
+                    summary=MIXED_STEP_SUMMARY),
                colocated_pw_step("colocated-1-graphed-fine", 150,
                                  "--piecewise-graphed-attention all --piecewise-buckets fine "
                                  "--piecewise-graphed-max-tokens 0 "),
                colocated_pw_step("colocated-1-pw", 150)),
-        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
+        reproduces=(COLOCATED_GOAL,
                     "multi-turn-colocated-pw-10/11 (2026-12-03): 2.82x and 2.83x with the defaults")),
     # multi-turn-colocated-ab-1 (H100): a cached turn's TTFT p50 was 40.8 ms with either graph set, ~3 decode
     # periods (steps of ~63 sequences took ~11-13 ms): the overlapped loop queues step N+1 before an arrival
@@ -144,12 +148,12 @@ SERVED_SUITES: dict[str, Suite] = {
         "by 0.086 on 4: rounding amplified, or a fault?), then multi-turn-colocated-pw's served run (64 x 8 turns, "
         "ONE decode worker, step trace) with the defaults, with --launch-hold and with --launch-hold "
         "--launch-hold-bubble 0.25; each with and without prefix caching",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(PW_2LAYERS,
                colocated_pw_step("colocated-1-pw", 150),
                colocated_pw_step("colocated-1-hold", 150, "--launch-hold "),
                colocated_pw_step("colocated-1-hold-bubble", 150, "--launch-hold --launch-hold-bubble 0.25 ")),
-        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
+        reproduces=(COLOCATED_GOAL,
                     "multi-turn-colocated-ab-1 (2026-12-06, H100): 2.62x with the defaults")),
     # launch-hold-ab-1/2: no prompt was admitted from a hold; they reach the worker ~4-5 ms into a ~11 ms step, so
     # admission needs a mixed launch of a few ms: attention in the graphs (3.7 ms on a fast host). The same
@@ -159,13 +163,13 @@ SERVED_SUITES: dict[str, Suite] = {
         "issue 25: multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker, step trace) with the "
         "defaults, with --launch-hold --piecewise-graphed-attention all --piecewise-buckets fine, and with "
         "--launch-hold --launch-hold-bubble 0.5; each with and without prefix caching",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(colocated_pw_step("colocated-1-pw", 150),
                colocated_pw_step("colocated-1-hold-graphed-fine", 150,
                                  "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine "
                                  "--piecewise-graphed-max-tokens 0 "),
                colocated_pw_step("colocated-1-hold-bubble50", 150, "--launch-hold --launch-hold-bubble 0.5 ")),
-        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
+        reproduces=(COLOCATED_GOAL,
                     "launch-hold-ab-2 (2026-12-06, H100, ran as launch-hold-ab --only these three): no prompt "
                     "admitted from a hold")),
     # colocated-buckets-ab-1: with attention in the graphs a mixed launch takes ~4.4 ms, yet the hold launched 4 of 398
@@ -176,13 +180,13 @@ SERVED_SUITES: dict[str, Suite] = {
         "defaults, the same load from 4 client processes (--client-procs 4: the client's own loop is in every TTFT), "
         "and with --launch-hold --launch-hold-bubble 0.3 --piecewise-graphed-attention all; each with and without "
         "prefix caching",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(colocated_pw_step("colocated-1-pw", 150),
                colocated_pw_step("colocated-1-pw-clients4", 150, bench="--client-procs 4 "),
                colocated_pw_step("colocated-1-hold-graphed-bubble30", 150,
                                  "--launch-hold --launch-hold-bubble 0.3 --piecewise-graphed-attention all "
                                  "--piecewise-graphed-max-tokens 0 ")),
-        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
+        reproduces=(COLOCATED_GOAL,
                     "colocated-buckets-ab-1 (2026-12-06, H100): 2.88x with fine buckets (now the default)")),
     # kernel-defaults-check-1 (H100): a cached turn's mixed step (~300 tokens + ~63 decode rows) spans 16.6 ms on
     # the GPU against a decode step's 10.3; in the 512 bucket its ~190 padded rows route through the MoE like real
@@ -193,14 +197,14 @@ SERVED_SUITES: dict[str, Suite] = {
         "then multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker, step trace) with the "
         "defaults (pow2 buckets), with --piecewise-buckets fine, and with --launch-hold "
         "--piecewise-graphed-attention all --piecewise-buckets fine; each with and without prefix caching",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(PW_2LAYERS,
                colocated_pw_step("colocated-1-pw", 150, "--piecewise-buckets pow2 "),  # the default until this A/B
                colocated_pw_step("colocated-1-fine", 150, "--piecewise-buckets fine "),
                colocated_pw_step("colocated-1-hold-graphed-fine", 150,
                                  "--launch-hold --piecewise-graphed-attention all --piecewise-buckets fine "
                                  "--piecewise-graphed-max-tokens 0 ")),
-        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
+        reproduces=(COLOCATED_GOAL,
                     "kernel-defaults-check-1 (2026-12-06, H100): 2.56x with the defaults")),
     # colocated-buckets-ab-1: with fine buckets a cached turn's mixed step (~245 new tokens beside ~63 decode rows at
     # ~3.6k context) still spans 15.1 ms on the GPU against a decode step's 9.9; where do the 5 ms go?
@@ -208,10 +212,10 @@ SERVED_SUITES: dict[str, Suite] = {
         "issue 25: the decode worker's engine (20b, the multi-turn suite's decode settings, CUDA graphs + piecewise "
         "graphs with the default buckets) with 60 sequences decoding at 3.5k context while a new turn (3,296 cached + "
         "280 new tokens) joins: torch.profiler of the mixed step, then of a decode step of the same batch",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("mixed-step", MIXED_STEP + "--turns 3 --forwards piecewise --orders ready --mixed-roles decode "
                                                "--profile --out {out}/mixed_step.json", 200,
-                    summary=r"^decode steps|^mixed|Error|Traceback"),)),
+                    summary=MIXED_STEP_SUMMARY),)),
     # launch-hold-bubble-ab-1 / colocated-buckets-ab-1 (H100): a cached turn's first token waits for the step in
     # flight, the step queued behind it and its own mixed step (~300 tokens beside ~63 decode rows: 15.1 ms on the
     # GPU against a decode step's 9.9). With --prefill-steps separate its own step is prompt-only (~250 tokens) and
@@ -220,12 +224,12 @@ SERVED_SUITES: dict[str, Suite] = {
         "issue 25: multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker, step trace) with mixed "
         "steps (the default) and with --prefill-steps separate (one client process each), then separate with 4 "
         "client processes; each with and without prefix caching",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(colocated_pw_step("colocated-1-pw", 150),
                colocated_pw_step("colocated-1-separate", 150, "--prefill-steps separate "),
                colocated_pw_step("colocated-1-separate-clients4", 150, "--prefill-steps separate ",
                                  bench="--client-procs 4 ")),
-        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
+        reproduces=(COLOCATED_GOAL,
                     "colocated-buckets-ab-1 (2026-12-06, H100): 2.88x with the defaults")),
     # prefill-steps-ab-1 and launch-hold-bubble-ab-1 (H100 leases whose host was the limit): a cached turn's mixed
     # step launched in 16-18 ms of host time for ~14-18 ms of GPU work, decode steps in 3-5.7 ms (metadata 2.5-4.2).
@@ -234,10 +238,10 @@ SERVED_SUITES: dict[str, Suite] = {
         "issue 25: the decode worker's engine (20b, the multi-turn suite's decode settings, CUDA graphs + piecewise "
         "graphs) with 60 sequences decoding at 3.5k context while new turns (3,296 cached + 280 new tokens) join: "
         "cProfile of 8 mixed steps' iterations and 32 decode steps', us per step by function",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("mixed-step", MIXED_STEP + "--turns 3 --forwards piecewise --orders ready --mixed-roles decode "
                                                "--host-profile 8 --out {out}/mixed_step.json", 240,
-                    summary=r"^decode steps|^mixed|Error|Traceback"),)),
+                    summary=MIXED_STEP_SUMMARY),)),
     # launch-hold-bubble-ab-1 (a host-bound H100 lease): attention inside the graphs launched a cached turn's mixed step
     # in 7.6 ms against 18.2 (cached TTFT p50 46.1 vs 53.9 ms) but a 4,096-token step in 51.9 against 31.9 (the
     # cache-off side 35 ms worse). --piecewise-graphed-max-tokens keeps the graphs' attention to the small buckets.
@@ -245,14 +249,14 @@ SERVED_SUITES: dict[str, Suite] = {
         "issue 25: multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker, step trace) with the "
         "defaults, with attention inside the graphs for steps of <= 768 tokens only, and that with --launch-hold "
         "--launch-hold-bubble 0.3; each with and without prefix caching",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(colocated_pw_step("colocated-1-pw", 150),
                colocated_pw_step("colocated-1-graphed768", 150,
                                  "--piecewise-graphed-attention all --piecewise-graphed-max-tokens 768 "),
                colocated_pw_step("colocated-1-graphed768-hold", 150,
                                  "--piecewise-graphed-attention all --piecewise-graphed-max-tokens 768 --launch-hold "
                                  "--launch-hold-bubble 0.3 ")),
-        reproduces=("issue 25 goal, colocated: TTFT p50 of turns 2+ >= 3x lower than without caching",
+        reproduces=(COLOCATED_GOAL,
                     "colocated-buckets-ab-1 (2026-12-06, H100): 2.88x with the defaults")),
     # multi-turn-colocated-pw-2's step trace: a cached turn's mixed step (~340 tokens, ~60 decodes) took 30 ms of
     # host time to launch. This reproduces that step alone; run 4 showed the step after it waiting ~27 ms on the
@@ -265,7 +269,7 @@ SERVED_SUITES: dict[str, Suite] = {
         "packed) vs fa3, the turn's first-token time; cProfile and torch.profiler of one mixed step, and the GPU "
         "timeline of a mixed step with the step that collects it; first the overlapped loop's GPU tests (both loop "
         "orders) and FlashInfer's attention GPU tests (the self-test's mixed step now on fa2)",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("loop-flashinfer-gpu-tests", "{py} -m pytest -q -rP -m gpu -p no:cacheprovider "
                                                  "tests/integration/test_async_decode_gpu.py tests/kernels/test_attention_gpu.py "
                                                  "-k 'async_decode or flashinfer'", 150,
@@ -279,7 +283,7 @@ SERVED_SUITES: dict[str, Suite] = {
     "prefix-gpu-tests": Suite(
         "issue 25: prefix caching on the GPU (FlashInfer, CUDA graphs, overlapped loop): later turns hit, "
         "tokens agree with the uncached engine, no leaks; and the overlapped loop's GPU tests with the cache on",
-        carry=(".whl-site", ".cache/dgcarry", ".cache/fi"),
+        carry=STACK_CARRY,
         steps=(step("prefix-gpu", "{py} -m pytest -q -rP -m gpu -p no:cacheprovider tests/integration/test_prefix_cache_gpu.py "
                                   "tests/integration/test_async_decode_gpu.py", 300, summary=PYTEST),)),
 }
