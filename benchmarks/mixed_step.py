@@ -193,14 +193,14 @@ def main() -> None:
                 core.abort(turn[-1])
                 for _ in range(3):
                     core.step()
+
+            def next_turn() -> None:
+                settle()
                 add_turn()
 
             add_turn()
-            host_profile(core.step, path.with_suffix(".host_mixed.txt"), a.host_profile, settle)  # mixed launches
-            settle()
-            core.abort(turn[-1])
-            for _ in range(3):
-                core.step()
+            host_profile(core.step, path.with_suffix(".host_mixed.txt"), a.host_profile, next_turn)  # mixed launches
+            settle()  # the turn added after the last profiled call
             host_profile(core.step, path.with_suffix(".host_decode.txt"), 4 * a.host_profile)  # decode steps
         if a.profile:
             sched.add(Sequence("prof", prompt + rand(a.new), greedy(a.prefix + a.new)))
