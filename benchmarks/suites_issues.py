@@ -4,7 +4,7 @@ benchmarks/suites_served.py."""
 
 from __future__ import annotations
 
-from benchmarks.suite_defs import FUSION_AB, PYTEST, STACK_CARRY, Suite, step
+from benchmarks.suite_defs import FUSION_AB, PYTEST, STACK_CARRY, Suite, smoke_step, step
 from benchmarks.suites_served import colocated_pw_step
 
 
@@ -165,6 +165,27 @@ ISSUE_SUITES: dict[str, Suite] = {
                                         "--bf16-batches 1,64,128", 90, summary=r"^decode ctx|FAILED")
                  for name, att in (("flashinfer", "flashinfer"), ("tdecode", "flashinfer-triton-decode")))),
         reproduces=("decode-profile-1 (2026-12-03): bf16 pages at 8k x 1 replay in 2.42 ms; attention 14 us per layer",)),
+    # Issue 27's batch-1 decode: the pieces measured apart on the H200 (tdecode-ab-1: bf16 pages on the Triton decode
+    # kernel 2.336 vs FlashInfer 2.415 ms at 8k x 1, 1 % slower at 64; decode-b1-1: e4m3 pages 2.16; fp8-gemv-ab-2:
+    # the few-token FP8 QKV/O kernel's 128-row tiles, never timed in the model) in one lease, the batches between 1
+    # and 64 for a crossover, and the disaggregated smoke on FlashInfer (disagg-smoke-fi, never run) first.
+    "b1-ab": Suite(
+        "disaggregated == colocated greedy tokens with FlashInfer attention (disagg-smoke-fi's step), then 20b decode "
+        "replay at 8k: bf16 QKV/O on bf16 pages with FlashInfer's decode vs the Triton decode kernel at batch 1, 4, "
+        "16, 32, and FP8 QKV/O (DeepGEMM linear) on e4m3 pages with and without the few-token FP8 kernel at batch 1",
+        carry=STACK_CARRY,
+        steps=(smoke_step("flashinfer", "--attention-backend flashinfer", timeout_s=170),
+               *(step(f"replay-{name}", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention "
+                                        f"--attention {att} --prefill-lens '' --contexts 8192 --batches 1,4,16,32 "
+                                        f"--tag gpt-oss-20b-tp1-b1-{name}", 100, summary=r"^decode ctx|FAILED|Error",
+                      publish={f"model_gpt-oss-20b-tp1-b1-{name}.json": f"model_gpt-oss-20b-tp1-b1-{name}.json"})
+                 for name, att in (("flashinfer", "flashinfer"), ("tdecode", "flashinfer-triton-decode"))),
+               step("replay-fp8", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --linear deepgemm "
+                                  "--kv-cache-dtype fp8 --prefill-lens '' --contexts 8192 --batches 1 "
+                                  "--fusions rope_store,rope_store+fp8_gemv --tag gpt-oss-20b-tp1-b1-fp8", 120,
+                    summary=r"^decode ctx|FAILED|Error",
+                    publish={"model_gpt-oss-20b-tp1-b1-fp8.json": "model_gpt-oss-20b-tp1-b1-fp8.json"})),
+        reproduces=("tdecode-ab-1 (2026-12-03, H200): 8k x 1 replay 2.415 (FlashInfer) / 2.336 ms (Triton decode)",)),
     "fusion-ab": Suite(
         "issue 27's launch-bound fusions (--fusions): their GPU parity tests first (bits of the unfused kernels, "
         "self-tests, 20b layers, graph-decoded tokens), then each fused kernel against the launches it replaces "
