@@ -25,12 +25,12 @@ PW_2LAYERS = step("piecewise-2layers", "{py} -m pytest -q -s -m gpu -p no:cachep
                   env={"TANDEM_PW_LAYERS": "2"})
 
 
-def colocated_pw_step(name: str, timeout_s: int, flags: str = "", bench: str = "") -> Step:
+def colocated_pw_step(name: str, timeout_s: int, flags: str = "", bench: str = "", serve: str = "") -> Step:
     """multi_turn_step's colocated run with ONE decode worker, piecewise graphs (+ `flags` to the decode worker,
-    `bench` to the load) and its step trace."""
+    `bench` to the load, `serve` to `tandem serve`: both roles) and its step trace."""
     return multi_turn_step("colocated", timeout_s, name=name, extra="--colocated-decode 1 --ready-timeout-s 300 " + bench,
-                           serve_args=MT_SERVE_ARGS.replace("--cuda-graphs", f"--cuda-graphs --piecewise-graphs {flags}"
-                                                            "--step-trace {out}/decode-steps-%p.jsonl"))
+                           serve_args=serve + MT_SERVE_ARGS.replace("--cuda-graphs", f"--cuda-graphs --piecewise-graphs {flags}"
+                                                                    "--step-trace {out}/decode-steps-%p.jsonl"))
 
 
 SERVED_SUITES: dict[str, Suite] = {
@@ -258,6 +258,21 @@ SERVED_SUITES: dict[str, Suite] = {
                                  "--launch-hold-bubble 0.3 ")),
         reproduces=(COLOCATED_GOAL,
                     "colocated-buckets-ab-1 (2026-12-06, H100): 2.88x with the defaults")),
+    # b1-ab-1 (H100): the best batch-1 decode is FP8 QKV/O with the few-token FP8 kernel on e4m3 pages (2.540 ms at
+    # 8k against the workers' defaults' 2.805); where its time goes. And issue 25's served run on e4m3 pages: a decode
+    # step of ~63 sequences at ~3.6k context reads ~5.6 GB of bf16 K/V (fp8-kv-model: 8k x 64 10.95 -> 8.98 ms on
+    # the H200), and a cached turn waits ~3 step periods.
+    "b1-profile-fp8kv-served": Suite(
+        "where a 20b batch-1 decode step at 8k goes with FP8 QKV/O, the few-token FP8 kernel and e4m3 pages (eager, "
+        "torch.profiler); then multi-turn-colocated-pw's served run (64 x 8 turns, ONE decode worker, step trace) with "
+        "the defaults and with e4m3 KV pages (--kv-cache-dtype fp8, both roles), each with and without prefix caching",
+        carry=STACK_CARRY,
+        steps=(step("profile-b1-fp8", "{py} -m benchmarks.profile_decode --preset gpt-oss-20b --batches 1 --fp8-attention "
+                                      "--linear deepgemm --kv-cache-dtype fp8 --fusions rope_store+fp8_gemv", 100,
+                    summary=r"CUDA kernels per step|Error"),
+               colocated_pw_step("colocated-1-pw", 150),
+               colocated_pw_step("colocated-1-kvfp8", 150, serve="--kv-cache-dtype fp8 ")),
+        reproduces=(COLOCATED_GOAL, "b1-ab-1 (2026-12-06, H100): 8k x 1 replay 2.540 ms (FP8 QKV/O + fp8_gemv, e4m3)")),
     # multi-turn-colocated-pw-2's step trace: a cached turn's mixed step (~340 tokens, ~60 decodes) took 30 ms of
     # host time to launch. This reproduces that step alone; run 4 showed the step after it waiting ~27 ms on the
     # GPU, which the GPU spans and the timeline (busy time, idle gaps) now measure directly.
