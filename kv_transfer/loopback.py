@@ -295,6 +295,8 @@ class LoopbackSender(KVSender):
         r = t.run
         src = self.pool.pools[g][li]  # [2, NP, Hkv, P, D]
         dst = rx.pool.pools[g][li]
+        if src.element_size() == 1:  # e4m3 pages move as bytes (CUDA indexes no float8 type in index_put_)
+            src, dst = src.view(torch.uint8), dst.view(torch.uint8)
         block = src[:, sp, r.src_head:r.src_head + r.num_heads]  # [2, N, h, P, D]
         dst[:, dp, r.dst_head:r.dst_head + r.num_heads] = block.to(dst.device)
         nbytes = block.numel() * block.element_size()
