@@ -7,7 +7,7 @@ from __future__ import annotations
 import shlex
 
 from benchmarks.suite_defs import (MT_SERVE_ARGS, PYTEST, SERVED_ARGS, STACK_CARRY, Step, Suite, multi_turn_step,
-                                   step)
+                                   smoke_step, step)
 
 PREFILL_PREFIX = ("{py} -m benchmarks.prefill_prefix --device cuda --fp8 --random-weights gpt-oss-20b "
                   "--kv-cache-gib 12 --max-model-len 16384 ")
@@ -273,6 +273,25 @@ SERVED_SUITES: dict[str, Suite] = {
                colocated_pw_step("colocated-1-pw", 150),
                colocated_pw_step("colocated-1-kvfp8", 150, serve="--kv-cache-dtype fp8 ")),
         reproduces=(COLOCATED_GOAL, "b1-ab-1 (2026-12-06, H100): 8k x 1 replay 2.540 ms (FP8 QKV/O + fp8_gemv, e4m3)")),
+    # b1-profile-fp8kv-served-1: the e4m3 served arm died in its worker's warm-up (index_copy_ on float8, fixed in
+    # 786fb97). With it: the batch-1 changes (fa2 -> Triton decode for one sequence; the router inside the norm) and
+    # the FlashInfer backend's split (kernels/flashinfer_plans.py) on the GPU.
+    "b1-defaults-ab": Suite(
+        "GPU tests (e4m3 and bf16 prefix page copies, the Triton decode backend, FlashInfer's attention tests after "
+        "its split, the fused norm + router), gpt-oss-20b prefill 8k and decode replay at 8k x 1/4/64 with "
+        "rope_store vs rope_store+norm_router (workers' defaults, bf16 QKV/O), disaggregated == colocated greedy tokens "
+        "on FlashInfer, then multi-turn-colocated-pw's served run on e4m3 KV pages with and without prefix caching",
+        carry=STACK_CARRY,
+        steps=(step("gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8_kv_gpu.py "
+                                 "tests/kernels/test_attention_gpu.py tests/kernels/test_fusion_gpu.py "
+                                 "-k 'copy_pages or triton_decode_backend or flashinfer or router'", 150, summary=PYTEST),
+               step("model-20b", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention --prefill-lens 8192 "
+                                 "--contexts 8192 --batches 1,4,64 --fusions rope_store,rope_store+norm_router "
+                                 "--tag gpt-oss-20b-tp1-b1-defaults", 120, summary=r"^prefill|^decode ctx|FAILED|Error",
+                    publish={"model_gpt-oss-20b-tp1-b1-defaults.json": "model_gpt-oss-20b-tp1-b1-defaults.json"}),
+               smoke_step("flashinfer", "--attention-backend flashinfer", timeout_s=120),
+               colocated_pw_step("colocated-1-kvfp8", 150, serve="--kv-cache-dtype fp8 ")),
+        reproduces=("b1-ab-1 (2026-12-06, H100): 20b 8k x 1 replay 2.805 ms (FlashInfer) / 2.737 (Triton decode)",)),
     # multi-turn-colocated-pw-2's step trace: a cached turn's mixed step (~340 tokens, ~60 decodes) took 30 ms of
     # host time to launch. This reproduces that step alone; run 4 showed the step after it waiting ~27 ms on the
     # GPU, which the GPU spans and the timeline (busy time, idle gaps) now measure directly.

@@ -64,6 +64,10 @@ WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partials),
 # window's share of work there). The 8k prefill 87.3 -> 85.1 ms; at 2k within noise.
 FRESH_PREFILL = "ragged"
 SLIDING_PREFILL: str | None = "fa2"
+# Pure-decode steps over 16-bit pages of at most this many sequences read on the Triton decode kernel (BF16_DECODE)
+# instead of fa2. 20b at 8k: batch 1 replays 2.805 -> 2.737 ms (b1-ab-1, H100) and 2.415 -> 2.336 (tdecode-ab-1, H200);
+# batch 4 is 1 % slower (b1-ab-1), 64 and 128 1 % (tdecode-ab-1). decode_kernel="triton" takes every batch.
+TRITON_DECODE_MAX_SEQS = 1
 
 
 class FlashInferAttention(FlashInferPlans):
@@ -81,6 +85,7 @@ class FlashInferAttention(FlashInferPlans):
             raise ConfigError(f"unknown 16-bit decode kernel {decode_kernel!r} (triton, flashinfer)")
         self._fp8_decode_kind = fp8_decode
         self._all_decode_triton = decode_kernel == "triton"  # 16-bit pages' pure-decode steps too
+        self.triton_decode_max_seqs = TRITON_DECODE_MAX_SEQS  # ... of small batches only otherwise (0: none)
         if self._all_decode_triton:
             self.name = "flashinfer-triton-decode"
         # TritonAttention for pure-decode steps over e4m3 pages (fp8_decode="triton"), and over 16-bit
@@ -127,7 +132,8 @@ class FlashInferAttention(FlashInferPlans):
             for wl in set(self._windows.values()):
                 # FP8: prefill reads pages densely (ragged); decode may run on the Triton decode kernel
                 # (a decode role whose pure-decode steps all run the Triton decode kernel needs none)
-                if (role == "decode" and self._triton_decode is None) or (role == "prefill" and not self._dims.fp8_kv):
+                if (role == "decode" and not self._every_decode_triton(self._dims.fp8_kv)) or (
+                        role == "prefill" and not self._dims.fp8_kv):
                     self._wrapper(role, "paged", wl)
                 if role == "prefill":
                     self._wrapper(role, "ragged", wl)
@@ -167,9 +173,15 @@ class FlashInferAttention(FlashInferPlans):
             return
         self._fp8_checked.add(key)
 
-    def _triton_decodes(self, fp8_pages: bool) -> bool:
-        """Whether a pure-decode step over these pages runs the Triton decode kernel."""
-        return fp8_pages or self._all_decode_triton
+    def _every_decode_triton(self, fp8_pages: bool) -> bool:
+        """Whether every pure-decode step over these pages runs the Triton decode kernel."""
+        return self._triton_decode is not None and (fp8_pages or self._all_decode_triton)
+
+    def _triton_decodes(self, fp8_pages: bool, step: StepMeta) -> bool:
+        """Whether this step runs the Triton decode kernel: a pure-decode step over e4m3 pages, or over 16-bit
+        pages with decode_kernel="triton" or at most triton_decode_max_seqs sequences."""
+        return step.is_decode and self._triton_decode is not None and (
+            self._every_decode_triton(fp8_pages) or step.num_seqs <= self.triton_decode_max_seqs)
 
     def _triton(self, decode_all: bool = False):
         """A TritonAttention planned and graphed like this backend (it takes over FP8 layers, or every
@@ -204,7 +216,8 @@ class FlashInferAttention(FlashInferPlans):
             self._plans = {}
             self._triton_decode = None  # rebuilt below for the new pages (e4m3 or 16-bit config)
         self._dims = dims
-        if (dims.fp8_kv and self._fp8_decode_kind == "triton") or (self._all_decode_triton and not dims.fp8_kv):
+        if (dims.fp8_kv and self._fp8_decode_kind == "triton") or not dims.fp8_kv and (
+                self._all_decode_triton or self.triton_decode_max_seqs > 0):
             self._triton_decode = self._triton_decode or self._triton(decode_all=not dims.fp8_kv)
         elif dims.fp8_kv:
             self._check_fp8_kv(dims)
@@ -226,7 +239,7 @@ class FlashInferAttention(FlashInferPlans):
             return
         if self._dims is None:
             return  # shapes unknown until the first forward: planned lazily there
-        if self._triton_decode is not None and self._triton_decodes(self._dims.fp8_kv) and step.is_decode:
+        if self._triton_decodes(self._dims.fp8_kv, step):
             self._triton_decode.plan(step)  # every paged read of this step is the decode kernel's
             return
         for gi, g in enumerate(step.groups):
@@ -245,7 +258,7 @@ class FlashInferAttention(FlashInferPlans):
         self._set_dims(AttentionDims(q.shape[1], k.shape[1], q.shape[2], page, q.dtype, q.device, kv_dtype))
         if self._fp8_fallback is not None:
             return self._fp8_fallback.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale, rope=rope)
-        if self._triton_decode is not None and self._triton_decodes(kv_dtype == FP8_KV) and step.is_decode:
+        if self._triton_decodes(kv_dtype == FP8_KV, step):
             self._triton_decode.plan(step)  # a no-op when plan() saw this step (always under graph capture)
             return self._triton_decode.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale, rope=rope)
         if self._windows.get(group) != window_left:  # learned from the first layer of the group

@@ -59,8 +59,10 @@ class Fusion(str, Enum):
 # logits' last bit and norm_quant was slower: both stay off. "off" was the default before 2026-12-03.
 DEFAULT_FUSIONS = "rope_store"
 
-# Tokens up to which the router runs inside the norm launch (larger steps: one cuBLAS GEMM).
-ROUTER_FUSION_MAX_TOKENS = 64
+# The router runs inside the norm launch while tokens x experts stays within this (larger steps: one cuBLAS GEMM): the
+# fused launch runs T x E/4 programs, each re-deriving its row's norm. fusion-ab-1 (H200): 20b (E 32) 7.5 -> 3.7 us at
+# 1 token and 8.2 -> 5.3 at 64; 120b (E 128) 7.6 -> 3.7 at 1 but 8.4 -> 15.6 at 64 (2,048 programs per token set).
+ROUTER_FUSION_MAX_WORK = 64 * 32
 
 # Tokens up to which Fusion.FEW_TOKEN_LINEAR takes the attention projections (kernels.gemv's BLOCK_M).
 FEW_TOKEN_LINEAR_MAX_TOKENS = 16
@@ -102,9 +104,10 @@ class Backends:
     def fused_rope_store(self) -> bool:
         return Fusion.ROPE_STORE in self.fusions
 
-    def norm_router(self, num_tokens: int) -> bool:
+    def norm_router(self, num_tokens: int, num_experts: int) -> bool:
         """Whether this step's router runs inside the norm launch."""
-        return self.fused_norm and Fusion.NORM_ROUTER in self.fusions and num_tokens <= ROUTER_FUSION_MAX_TOKENS
+        return (self.fused_norm and Fusion.NORM_ROUTER in self.fusions
+                and num_tokens * num_experts <= ROUTER_FUSION_MAX_WORK)
 
     @property
     def norm_quant(self) -> bool:

@@ -397,6 +397,38 @@ def test_flashinfer_triton_decode_takes_16bit_pages_too(fake_flashinfer, monkeyp
     assert make_attention("flashinfer-triton-decode").name == "flashinfer-triton-decode"
 
 
+def test_flashinfer_batch1_decode_on_the_triton_decode_kernel(fake_flashinfer, monkeypatch):
+    """The default backend reads pure-decode steps of one sequence over 16-bit pages on the Triton decode kernel
+    (BF16_DECODE; TRITON_DECODE_MAX_SEQS, b1-ab-1), larger decode batches and prefills on FlashInfer; both match
+    the reference. triton_decode_max_seqs = 0 keeps every decode step on fa2."""
+    import dataclasses
+
+    import kernels.triton_attention_backend as tab
+    from kernels.triton_decode import BF16_DECODE
+
+    @dataclasses.dataclass(frozen=True)
+    class OneSeq(SelfTestShape):
+        def schedule(self):
+            return [[(0, 2 * self.window + self.page_size + 5)], [(0, 1)], [(0, 1)]]
+
+    calls = []
+    real = tab.paged_decode
+    monkeypatch.setattr(tab, "paged_decode", lambda q, kv, *a, **kw: calls.append((q.shape[0], kw.get("config")))
+                        or real(q, kv, *a, **kw))
+    one = OneSeq(**{f.name: getattr(SMALL, f.name) for f in dataclasses.fields(SelfTestShape)})
+    impl = fake_flashinfer.FlashInferAttention()
+    self_test_attention(impl, "cpu", torch.float32, shape=one)
+    assert calls and set(calls) == {(1, BF16_DECODE)}  # both decode steps, both layers
+    _FakeWrapper.log, calls[:] = [], []
+    self_test_attention(impl, "cpu", torch.float32, shape=SMALL)  # its decode steps hold 3 sequences
+    assert not calls and ("fa2", "paged", False, False) in _FakeWrapper.log
+    off = fake_flashinfer.FlashInferAttention()
+    off.triton_decode_max_seqs = 0
+    _FakeWrapper.log = []
+    self_test_attention(off, "cpu", torch.float32, shape=one)
+    assert not calls and ("fa2", "paged", False, False) in _FakeWrapper.log
+
+
 def test_flashinfer_fp8_kv_falls_back_to_triton_when_the_variant_does_not_build(fake_flashinfer, caplog):
     sys.modules["flashinfer.prefill"].fail = True
     impl = fake_flashinfer.FlashInferAttention(fp8_decode="flashinfer")
