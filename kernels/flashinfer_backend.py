@@ -112,6 +112,10 @@ class FlashInferAttention(FlashInferPlans):
         self._plans: dict[int, GroupPlan] = {}
         self._fp8_checked: set[tuple] = set()  # (dtype, head_dim) whose FP8-KV variants were built
         self._fp8_fallback = None  # TritonAttention when FlashInfer cannot read e4m3 pages here
+        # FlashInfer's e4m3 paged variants (fa2) built: steps mixing one-token rows with chunks read e4m3 pages in
+        # place (flashinfer_plans says why) even where pure-decode steps run the Triton decode kernel
+        self.fp8_mixed_paged = True
+        self._fp8_paged = False
         self._unit: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     @property
@@ -156,22 +160,24 @@ class FlashInferAttention(FlashInferPlans):
             if t is not None:
                 t.enable_cuda_graphs(batch_sizes, max_pages_per_seq)
 
-    def _check_fp8_kv(self, dims: AttentionDims) -> None:
-        """Build the FP8-KV decode variants (both window kinds) once per (dtype, head_dim); when they
-        do not build, every layer from now on runs on TritonAttention (which reads e4m3 pages), and
-        the log says why."""
+    def _check_fp8_kv(self, dims: AttentionDims, fallback: bool = True) -> bool:
+        """Build the FP8-KV paged variants (fa2, both window kinds) once per (dtype, head_dim): whether they
+        built. When they do not, the log says why, and with `fallback` every layer from now on runs on
+        TritonAttention (which reads e4m3 pages); without it prefill and mixed steps read back dequantised."""
         key = (dims.dtype, dims.head_dim)
         if key in self._fp8_checked or self._fp8_fallback is not None:
-            return
+            return key in self._fp8_checked
         try:
             for sliding in (False, True):
                 build_variant("fa2", dims.dtype, dims.head_dim, sliding, FP8_KV)
         except Exception as e:  # a JIT build error, or FlashInfer's template text changed (ConfigError)
-            log.warning("FlashInfer cannot read e4m3 KV pages here (%s: %s); FP8-KV attention runs on Triton",
-                        type(e).__name__, str(e)[-300:])
-            self._fp8_fallback = self._triton()
-            return
+            log.warning("FlashInfer cannot read e4m3 KV pages here (%s: %s); %s", type(e).__name__, str(e)[-300:],
+                        "FP8-KV attention runs on Triton" if fallback else "mixed steps read them back dequantised")
+            if fallback:
+                self._fp8_fallback = self._triton()
+            return False
         self._fp8_checked.add(key)
+        return True
 
     def _every_decode_triton(self, fp8_pages: bool) -> bool:
         """Whether every pure-decode step over these pages runs the Triton decode kernel."""
@@ -219,8 +225,8 @@ class FlashInferAttention(FlashInferPlans):
         if (dims.fp8_kv and self._fp8_decode_kind == "triton") or not dims.fp8_kv and (
                 self._all_decode_triton or self.triton_decode_max_seqs > 0):
             self._triton_decode = self._triton_decode or self._triton(decode_all=not dims.fp8_kv)
-        elif dims.fp8_kv:
-            self._check_fp8_kv(dims)
+        if dims.fp8_kv and (self._triton_decode is None or self.fp8_mixed_paged):
+            self._fp8_paged = self._check_fp8_kv(dims, fallback=self._triton_decode is None)
         if self._workspace is None:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dims.device)
             from flashinfer.utils import is_sm90a_supported

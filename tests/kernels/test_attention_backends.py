@@ -347,8 +347,9 @@ def test_flashinfer_fp8_kv_planning_matches_torch(fake_flashinfer):
 
 def test_flashinfer_fp8_kv_decode_runs_on_the_triton_decode_kernel(fake_flashinfer, monkeypatch):
     """The default (fp8_decode="triton"): pure-decode steps over e4m3 pages go to the Triton decode
-    kernel through a TritonAttention graphed like the backend (its static tables for batch 3), no
-    FlashInfer paged wrapper or e4m3 variant is ever built, prefill keeps the ragged fa3 path."""
+    kernel through a TritonAttention graphed like the backend (its static tables for batch 3), prefill keeps the
+    ragged fa3 path, and the step mixing a one-token row with chunks reads the e4m3 pages in place on fa2's e4m3
+    variant (fp8_mixed_paged; off: read back dequantised, and no e4m3 variant built)."""
     import kernels.triton_attention_backend as tab
     calls = []
     real = tab.paged_decode
@@ -359,7 +360,16 @@ def test_flashinfer_fp8_kv_decode_runs_on_the_triton_decode_kernel(fake_flashinf
     assert calls and set(calls) == {torch.float8_e4m3fn}
     assert sorted(impl._triton_decode._graph) == [(3, PageGroup.FULL, 64), (3, PageGroup.SLIDING, 64)]
     kinds = set(_FakeWrapper.log)
-    assert not any(kind == "paged" for _, kind, _, _ in kinds) and ("fa3", "ragged", False, False) in kinds
+    assert ("fa3", "ragged", False, False) in kinds  # the first step: prompts only, read back into fa3
+    assert {(b, kind, graph) for b, kind, _, graph in kinds if kind == "paged"} == {("fa2", "paged", False)}  # mixed
+    assert {(b, sl) for b, uri, sl in sys.modules["flashinfer.prefill"].built if "e4m3" in uri} == {("fa2", False),
+                                                                                                   ("fa2", True)}
+    off = fake_flashinfer.FlashInferAttention()
+    off.fp8_mixed_paged = False
+    _FakeWrapper.log = []
+    sys.modules["flashinfer.prefill"].built.clear()
+    self_test_attention(off, "cpu", torch.float32, shape=SMALL, kv_dtype=torch.float8_e4m3fn)
+    assert not any(kind == "paged" for _, kind, _, _ in _FakeWrapper.log)
     assert not any("e4m3" in uri for _, uri, _ in sys.modules["flashinfer.prefill"].built)
     calls.clear()
     self_test_attention(impl, "cpu", torch.float32, shape=SMALL)  # fp32 pages: FlashInfer decodes again
