@@ -55,9 +55,12 @@ class Fusion(str, Enum):
 # The workers' default (EngineConfig, --fusions), measured by suite fusion-ab (2026-12-03/fusion-ab-1, 20b on
 # one H200): rope_store keeps the bits of the three launches it replaces and was faster everywhere (prefill 8k
 # 90.5 -> 89.7 ms, decode replay at 8k x 1 2.48 -> 2.41 ms, x 64 10.85 -> 10.75 ms), and a short prefill is
-# launch-bound (2026-12-03/prefill-prefix-2: two launches fewer per layer). norm_router changes the router
-# logits' last bit and norm_quant was slower: both stay off. "off" was the default before 2026-12-03.
-DEFAULT_FUSIONS = "rope_store"
+# launch-bound (2026-12-03/prefill-prefix-2: two launches fewer per layer). norm_router (on since 2026-12-06) saves
+# cuBLAS's router GEMM + split-K reduce (~6 us a layer at batch 1 on the H100) in decode-sized steps: 8k x 1 2.807
+# -> 2.739 ms, x 4 5.606 -> 5.515, x 64 13.46 -> 13.38 (b1-defaults-ab-1, H100; fusion-ab-1, H200: 2.48 -> 2.44 at
+# 1); its logits may differ from cuBLAS's in the last bit (another summation order). norm_quant was slower: off.
+# "off" was the default before 2026-12-03, "rope_store" until 2026-12-06.
+DEFAULT_FUSIONS = "norm_router+rope_store"
 
 # The router runs inside the norm launch while tokens x experts stays within this (larger steps: one cuBLAS GEMM): the
 # fused launch runs T x E/4 programs, each re-deriving its row's norm. fusion-ab-1 (H200): 20b (E 32) 7.5 -> 3.7 us at
