@@ -292,6 +292,23 @@ SERVED_SUITES: dict[str, Suite] = {
                smoke_step("flashinfer", "--attention-backend flashinfer", timeout_s=120),
                colocated_pw_step("colocated-1-kvfp8", 150, serve="--kv-cache-dtype fp8 ")),
         reproduces=("b1-ab-1 (2026-12-06, H100): 20b 8k x 1 replay 2.805 ms (FlashInfer) / 2.737 (Triton decode)",)),
+    # b1-defaults-ab-1: served on e4m3 pages, mixed steps spanned 35.9 ms on the GPU (bf16 pages 20.5, another lease):
+    # each decode row's whole context read back dequantised. Now such steps read the pages in place (fa2's e4m3 variant).
+    "fp8kv-mixed-ab": Suite(
+        "e4m3 pages' mixed steps read in place: the FP8-KV GPU tests (self-tests and real dims, whose mixed steps now "
+        "take fa2's e4m3 variant under the default backend), 20b prefill 8k and decode replay at 8k x 1/64 with the "
+        "2026-12-06 defaults (norm_router, one-sequence steps on the Triton decode kernel), then "
+        "multi-turn-colocated-pw's served run on bf16 and on e4m3 pages, each with and without prefix caching",
+        carry=STACK_CARRY,
+        steps=(step("fp8-kv-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8_kv_gpu.py "
+                                        "-k 'self_test or real_dims or copy_pages'", 120, summary=PYTEST),
+               step("model-20b", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention --prefill-lens 8192 "
+                                 "--contexts 8192 --batches 1,64 --tag gpt-oss-20b-tp1-defaults-1206", 80,
+                    summary=r"^prefill|^decode ctx|FAILED|Error",
+                    publish={"model_gpt-oss-20b-tp1-defaults-1206.json": "model_gpt-oss-20b-tp1-defaults-1206.json"}),
+               colocated_pw_step("colocated-1-pw", 150),
+               colocated_pw_step("colocated-1-kvfp8", 150, serve="--kv-cache-dtype fp8 ")),
+        reproduces=(COLOCATED_GOAL, "b1-defaults-ab-1 (2026-12-06, H100): e4m3 served mixed steps 35.9 ms on the GPU")),
     # multi-turn-colocated-pw-2's step trace: a cached turn's mixed step (~340 tokens, ~60 decodes) took 30 ms of
     # host time to launch. This reproduces that step alone; run 4 showed the step after it waiting ~27 ms on the
     # GPU, which the GPU spans and the timeline (busy time, idle gaps) now measure directly.
