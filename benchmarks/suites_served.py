@@ -309,6 +309,16 @@ SERVED_SUITES: dict[str, Suite] = {
                colocated_pw_step("colocated-1-pw", 150),
                colocated_pw_step("colocated-1-kvfp8", 150, serve="--kv-cache-dtype fp8 ")),
         reproduces=(COLOCATED_GOAL, "b1-defaults-ab-1 (2026-12-06, H100): e4m3 served mixed steps 35.9 ms on the GPU")),
+    # The e4m3 served path had never run disaggregated (b1-profile-fp8kv-served-1 found the colocated one crashing).
+    "fp8kv-disagg": Suite(
+        "e4m3 KV pages across the disaggregated stack: disaggregated == colocated greedy tokens with FlashInfer and "
+        "--kv-cache-dtype fp8 on both workers, then issue 25's disaggregated multi-turn run on e4m3 pages (cache on, "
+        "every prefill remote, cache off: bytes shipped, leaks)",
+        carry=STACK_CARRY,
+        steps=(smoke_step("fp8kv-fi", "--attention-backend flashinfer --kv-cache-dtype fp8", timeout_s=120),
+               multi_turn_step("disaggregated", 230, name="disaggregated-kvfp8",
+                               serve_args="--kv-cache-dtype fp8 " + MT_SERVE_ARGS)),
+        reproduces=("multi-turn-1 (2026-12-03, H200): disaggregated cached turns 2+ 1700 -> 100 ms (17x), bf16 pages",)),
     # multi-turn-colocated-pw-2's step trace: a cached turn's mixed step (~340 tokens, ~60 decodes) took 30 ms of
     # host time to launch. This reproduces that step alone; run 4 showed the step after it waiting ~27 ms on the
     # GPU, which the GPU spans and the timeline (busy time, idle gaps) now measure directly.
