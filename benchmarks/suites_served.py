@@ -316,8 +316,11 @@ SERVED_SUITES: dict[str, Suite] = {
         "every prefill remote, cache off: bytes shipped, leaks)",
         carry=STACK_CARRY,
         steps=(smoke_step("fp8kv-fi", "--attention-backend flashinfer --kv-cache-dtype fp8", timeout_s=120),
+               # half the KV GiB of the bf16 runs = the same tokens; the bf16 budgets (28 + 12 GiB and two 20b models)
+               # do not fit an H100 beside each other (fp8kv-disagg-1: the prefill worker ran out of memory loading)
                multi_turn_step("disaggregated", 230, name="disaggregated-kvfp8",
-                               serve_args="--kv-cache-dtype fp8 " + MT_SERVE_ARGS)),
+                               serve_args="--kv-cache-dtype fp8 " + MT_SERVE_ARGS.replace(
+                                   "--kv-cache-gib 28 --prefill-kv-cache-gib 12", "--kv-cache-gib 14 --prefill-kv-cache-gib 6"))),
         reproduces=("multi-turn-1 (2026-12-03, H200): disaggregated cached turns 2+ 1700 -> 100 ms (17x), bf16 pages",)),
     # multi-turn-colocated-pw-2's step trace: a cached turn's mixed step (~340 tokens, ~60 decodes) took 30 ms of
     # host time to launch. This reproduces that step alone; run 4 showed the step after it waiting ~27 ms on the
