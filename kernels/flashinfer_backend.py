@@ -14,7 +14,8 @@ Lifecycle:
     kind); sliding layers use window_left = W - 1 = 127, full layers -1. Prefill uses fa3 on sm90a
     (fa2 if fa3 fails to build), decode fa2 (fa3 does not pack GQA heads into a q tile, so q_len 1
     would fill one 192-row tile per head).
-  * `plan(step)` plans each page group once; every layer of the group reuses that plan.
+  * `plan(step)` plans each page group once; every layer of the group reuses that plan. Pure-decode
+    steps of up to TRITON_DECODE_MAX_SEQS sequences over 16-bit pages run the Triton decode kernel.
   * `forward`: no cache, or a prefill step with no cached prefix (`fresh_prefill`) -> ragged causal over the
     step's own tokens, then store; pages_hold_all -> store, then paged; otherwise -> gather [prefix from
     pages ; new K/V] densely, ragged, then store. Prefill steps' sliding ragged reads run on fa2
@@ -30,7 +31,8 @@ Lifecycle:
     variant of the sink template with per-KV-head K/V scales, and measured 0.568 of copy bandwidth
     at 128 x 8k (benchmarks/results/2026-12-02/fp8-kv-2): not bandwidth-bound either.
     Prefill steps store, then read their keys back dequantised (`gather_kv`) into the bf16 ragged
-    kernel (fa3), so prefill keeps fa3's speed. If the FP8 variant cannot be built (flashinfer
+    kernel (fa3), so prefill keeps fa3's speed; steps that also hold one-token rows read the pages in
+    place on the fa2 variant (`fp8_mixed_paged`; flashinfer_plans says why). If the FP8 variant cannot be built (flashinfer
     mode), FP8 layers run on TritonAttention and the log says why.
   * decode CUDA graphs: `enable_cuda_graphs(batch_sizes, max_pages_per_seq)`; a pure-decode step
     of one of those batch sizes then runs on wrappers with static index buffers (page indices,
