@@ -186,6 +186,29 @@ ISSUE_SUITES: dict[str, Suite] = {
                     summary=r"^decode ctx|FAILED|Error",
                     publish={"model_gpt-oss-20b-tp1-b1-fp8.json": "model_gpt-oss-20b-tp1-b1-fp8.json"})),
         reproduces=("tdecode-ab-1 (2026-12-03, H200): 8k x 1 replay 2.415 (FlashInfer) / 2.336 ms (Triton decode)",)),
+    # Issue 27's "must show" in one call, for the first H200 that comes (120b needs its memory: pass needs_h200).
+    "issue27-h200": Suite(
+        "issue 27's figures on one H200: gpt-oss-20b prefill 8k and decode replay at 8k x 1 (and 64) with the workers' "
+        "defaults and with the best batch-1 configuration measured on H100s (FP8 QKV/O + the few-token FP8 kernel on "
+        "e4m3 pages, b1-ab-1), gpt-oss-120b's prefill 8k and 8k x 1 with the defaults, and the 20b decode profile table "
+        "(batch 1 and 64) regenerated. Needs an H200 (120b does not fit an H100): run with needs_h200",
+        carry=STACK_CARRY,
+        steps=(step("model-20b", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention --prefill-lens 8192 "
+                                 "--contexts 8192 --batches 1,64 --tag gpt-oss-20b-tp1-issue27", 80,
+                    summary=r"^prefill|^decode ctx|FAILED|Error",
+                    publish={"model_gpt-oss-20b-tp1-issue27.json": "model_gpt-oss-20b-tp1-issue27.json"}),
+               step("model-20b-b1best", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --linear deepgemm "
+                                        "--kv-cache-dtype fp8 --prefill-lens 8192 --contexts 8192 --batches 1 "
+                                        "--fusions norm_router+rope_store+fp8_gemv --tag gpt-oss-20b-tp1-issue27-b1best",
+                    80, summary=r"^prefill|^decode ctx|FAILED|Error",
+                    publish={"model_gpt-oss-20b-tp1-issue27-b1best.json": "model_gpt-oss-20b-tp1-issue27-b1best.json"}),
+               step("model-120b", "{py} -m benchmarks.bench_model --preset gpt-oss-120b --bf16-attention --prefill-lens 8192 "
+                                  "--contexts 8192 --batches 1 --tag gpt-oss-120b-tp1-issue27", 200,
+                    summary=r"^prefill|^decode ctx|FAILED|Error",
+                    publish={"model_gpt-oss-120b-tp1-issue27.json": "model_gpt-oss-120b-tp1-issue27.json"}),
+               step("profile-20b", "{py} -m benchmarks.profile_decode --preset gpt-oss-20b --batches 1,64", 150,
+                    summary=r"CUDA kernels per step|Error")),
+        reproduces=("issue 27 (2026-12-02, H200): 20b prefill 8k 89.8 ms, 8k x 1 replay 2.44 ms; 120b 162 ms, 3.53 ms",)),
     "fusion-ab": Suite(
         "issue 27's launch-bound fusions (--fusions): their GPU parity tests first (bits of the unfused kernels, "
         "self-tests, 20b layers, graph-decoded tokens), then each fused kernel against the launches it replaces "
