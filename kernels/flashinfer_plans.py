@@ -1,9 +1,8 @@
 """The planning half of FlashInferAttention (kernels/flashinfer_backend.py): FlashInfer's wrappers, built once per
 (role, kind, window, backend, graph batch), and each page group's plan for a step (paged, ragged over a gathered
 [prefix ; new], the FP8 prefill's read-back, dense). A mixin: it reads the backend's state (_fi, _dims, _workspace,
-_backend, _wrappers, _graph_*, _fp8_paged, fresh_prefill, sliding_prefill, mixed_role,
-fp8_mixed_paged), which FlashInferAttention.__init__ sets.
-GPU only, like the backend."""
+_backend, _wrappers, _graph_*, _fp8_paged, fresh_prefill, sliding_prefill, mixed_role, fp8_mixed_paged), which
+FlashInferAttention.__init__ sets. GPU only, like the backend."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from kernels.flashinfer_variants import jit_args
 from kernels.interface import GroupMeta, StepMeta
 
 log = logging.getLogger("kernels.flashinfer_backend")
+
 
 @dataclass(slots=True)
 class GroupPlan:
