@@ -293,11 +293,10 @@ class LoopbackSender(KVSender):
         g, li = self.spec.group_of(layer)
         sp, dp = t.pairs[g]
         r = t.run
-        src = self.pool.pools[g][li]  # [2, NP, Hkv, P, D]
-        dst = rx.pool.pools[g][li]
-        if src.element_size() == 1:  # e4m3 pages move as bytes (CUDA indexes no float8 type in index_put_)
-            src, dst = src.view(torch.uint8), dst.view(torch.uint8)
-        block = src[:, sp, r.src_head:r.src_head + r.num_heads]  # [2, N, h, P, D]
+        # pages move as bytes (CUDA's index_put_ takes no float8 type): [2, NP, Hkv, P, D * element size]
+        src = self.pool.pools[g][li].view(torch.uint8)
+        dst = rx.pool.pools[g][li].view(torch.uint8)
+        block = src[:, sp, r.src_head:r.src_head + r.num_heads]  # [2, N, h, P, D * element size] bytes
         dst[:, dp, r.dst_head:r.dst_head + r.num_heads] = block.to(dst.device)
         nbytes = block.numel() * block.element_size()
         t.written.add(layer)

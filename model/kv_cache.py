@@ -173,9 +173,8 @@ class KVPool:
         idx = torch.tensor([src, dst], dtype=torch.long)  # [2, N]
         if pool.device.type == "cuda":  # pinned: no stream sync in the overlapped loop
             idx = idx.pin_memory().to(pool.device, non_blocking=True)
-        if pool.element_size() == 1:  # e4m3 pages: CUDA has no index_copy_ for float8 types; bytes are bytes
-            pool = pool.view(torch.uint8)
-        pool.index_copy_(2, idx[1], pool.index_select(2, idx[0]))
+        raw = pool.view(torch.uint8)  # pages are bytes (and CUDA has no index_copy_ for float8 types)
+        raw.index_copy_(2, idx[1], raw.index_select(2, idx[0]))
 
 
 @dataclass(slots=True)
