@@ -117,7 +117,6 @@ class FlashInferAttention(FlashInferPlans):
         # FlashInfer's e4m3 paged variants (fa2) built: steps mixing one-token rows with chunks read e4m3 pages in
         # place (flashinfer_plans says why) even where pure-decode steps run the Triton decode kernel
         self.fp8_mixed_paged = True
-        self._fp8_paged = False
         self._unit: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     @property
@@ -181,6 +180,10 @@ class FlashInferAttention(FlashInferPlans):
         self._fp8_checked.add(key)
         return True
 
+    def _fp8_paged(self, dims: AttentionDims) -> bool:
+        """Whether FlashInfer's e4m3 paged variants were built for these shapes (_check_fp8_kv)."""
+        return (dims.dtype, dims.head_dim) in self._fp8_checked
+
     def _every_decode_triton(self, fp8_pages: bool) -> bool:
         """Whether every pure-decode step over these pages runs the Triton decode kernel."""
         return self._triton_decode is not None and (fp8_pages or self._all_decode_triton)
@@ -228,7 +231,7 @@ class FlashInferAttention(FlashInferPlans):
                 self._all_decode_triton or self.triton_decode_max_seqs > 0):
             self._triton_decode = self._triton_decode or self._triton(decode_all=not dims.fp8_kv)
         if dims.fp8_kv and (self._triton_decode is None or self.fp8_mixed_paged):
-            self._fp8_paged = self._check_fp8_kv(dims, fallback=self._triton_decode is None)
+            self._check_fp8_kv(dims, fallback=self._triton_decode is None)
         if self._workspace is None:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dims.device)
             from flashinfer.utils import is_sm90a_supported

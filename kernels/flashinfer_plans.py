@@ -1,8 +1,8 @@
 """The planning half of FlashInferAttention (kernels/flashinfer_backend.py): FlashInfer's wrappers, built once per
 (role, kind, window, backend, graph batch), and each page group's plan for a step (paged, ragged over a gathered
-[prefix ; new], the FP8 prefill's read-back, dense). A mixin: it reads the backend's state (_fi, _dims, _workspace,
-_backend, _wrappers, _graph_*, _fp8_paged, fresh_prefill, sliding_prefill, mixed_role, fp8_mixed_paged), which
-FlashInferAttention.__init__ sets. GPU only, like the backend."""
+[prefix ; new], the FP8 prefill's read-back, dense). A mixin: it reads the backend's state and helpers (_fi, _dims,
+_workspace, _backend, _wrappers, _graph_*, _fp8_paged(), fresh_prefill, sliding_prefill, mixed_role,
+fp8_mixed_paged), which FlashInferAttention sets up. GPU only, like the backend."""
 
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ class FlashInferPlans:
         # read back, each decode row would dequantise its whole context every layer (served multi-turn with e4m3
         # pages, b1-defaults-ab-1: mixed steps of ~310 tokens beside ~60 decodes spanned 35.9 ms on the GPU against
         # 20.5 on bf16 pages, while decode steps were faster: 9.0 vs 10.0 ms).
-        if d.fp8_kv and not step.is_decode and not (self._fp8_paged and self.fp8_mixed_paged and 1 in step.q_lens_host):
+        if d.fp8_kv and not step.is_decode and not (
+                self.fp8_mixed_paged and 1 in step.q_lens_host and self._fp8_paged(d)):
             return self._plan_fp8_prefill(g, window_left, cu_q)
         p, maxp = d.page_size, g.page_table.shape[1]
         num_pages = [-(-n // p) for n in g.kv_lens_host]
