@@ -297,20 +297,7 @@ def test_fp8_kv_prefix_copy_pages_on_gpu(dtype):
     """A prefix hit copies cached sliding pages into the new sequence's ring (KVPool.copy_pages). CUDA has no
     index_copy_ for float8 types: a served decode worker with e4m3 pages failed in its warm-up's first hit
     (b1-profile-fp8kv-served-1). The copy moves every byte, both groups, K and V, other pages untouched."""
-    from model.kv_cache import KVCacheSpec, KVPool, PageGroup
+    from model.kv_cache import KVCacheSpec
+    from tests.support.kv_pages import check_copy_pages
 
-    spec = KVCacheSpec(P, HKV, D, dtype, W, (1, 3), (0, 2), (12, 10))
-    pool = KVPool(spec, DEV)
-    g = torch.Generator(device=DEV).manual_seed(0)
-    for t in pool.pools:
-        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=g, device=DEV,
-                                                dtype=torch.uint8))
-    before = [t.view(torch.uint8).clone() for t in pool.pools]
-    src, dst = [1, 4, 7], [9, 2, 5]
-    for group in PageGroup:
-        pool.copy_pages(group, src, dst)
-    torch.cuda.synchronize()
-    for t, b in zip(pool.pools, before):
-        want = b.clone()
-        want[:, :, dst] = b[:, :, src]
-        assert torch.equal(t.view(torch.uint8), want)
+    check_copy_pages(KVCacheSpec(P, HKV, D, dtype, W, (1, 3), (0, 2), (12, 10)), DEV)

@@ -150,22 +150,10 @@ def test_flat_page_ids_are_each_rows_view_pages():
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32])
 def test_prefix_copy_pages_moves_every_byte(dtype):
-    """KVPool.copy_pages (a prefix hit's sliding pages into the new sequence's ring) copies bytes: every e4m3 code,
-    NaN codes included, both groups, K and V; other pages untouched. On the GPU e4m3 pools go through a uint8 view
-    (CUDA has no index_copy_ for float8: tests/kernels/test_fp8_kv_gpu.py::test_fp8_kv_prefix_copy_pages_on_gpu)."""
-    from model.kv_cache import KVCacheSpec, KVPool
+    """KVPool.copy_pages copies bytes: every e4m3 code, NaN codes included, both groups, K and V; other pages
+    untouched (it works on a uint8 view: CUDA has no index_copy_ for float8, tests/kernels/test_fp8_kv_gpu.py::
+    test_fp8_kv_prefix_copy_pages_on_gpu)."""
+    from model.kv_cache import KVCacheSpec
+    from tests.support.kv_pages import check_copy_pages
 
-    spec = KVCacheSpec(16, 2, 8, dtype, 128, (1, 3), (0, 2), (12, 10))
-    pool = KVPool(spec, "cpu")
-    g = torch.Generator().manual_seed(0)
-    for t in pool.pools:
-        raw = t.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
-    before = [t.view(torch.uint8).clone() for t in pool.pools]
-    src, dst = [1, 4, 7], [9, 2, 5]
-    for group in PageGroup:
-        pool.copy_pages(group, src, dst)
-    for t, b in zip(pool.pools, before):
-        want = b.clone()
-        want[:, :, dst] = b[:, :, src]
-        assert torch.equal(t.view(torch.uint8), want)
+    check_copy_pages(KVCacheSpec(16, 2, 8, dtype, 128, (1, 3), (0, 2), (12, 10)), "cpu")
