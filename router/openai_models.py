@@ -183,6 +183,10 @@ class CompletionRequest(_SamplingFields):
     def check_unsupported(self) -> None:
         super().check_unsupported()
         _refuse(self.best_of not in (None, 1, self.n), "best_of", "best_of other than n (or 1) is not supported")
+        # echo + logprobs asks for the prompt tokens' log probabilities too (lm-eval's loglikelihood requests): the
+        # workers return logprobs of sampled tokens only, so a response would silently leave the prompt's out
+        _refuse(self.echo and self.logprobs is not None, "logprobs",
+                "logprobs with echo (the prompt tokens' log probabilities) are not supported: sampled tokens only")
 
 
 # ---- conversion ---------------------------------------------------------------------------------
