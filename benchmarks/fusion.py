@@ -242,8 +242,7 @@ def _fp8_sweep():
 
     return (DenseSmallConfig(), DenseSmallConfig(block_n=128), DenseSmallConfig(ctas_per_sm=2),
             DenseSmallConfig(ctas_per_sm=4), DenseSmallConfig(num_stages=4), DenseSmallConfig(num_stages=2),
-            DenseSmallConfig(pdl=True), DenseSmallConfig(pdl=True, prefetch=True), DenseSmallConfig(tma=False),
-            DenseSmallConfig(block_n=128, ctas_per_sm=2))
+            DenseSmallConfig(pdl=True), DenseSmallConfig(tma=False), DenseSmallConfig(block_n=128, ctas_per_sm=2))
 
 
 def fp8gemv_rows(t: int, reps: int, copy: float) -> list[dict]:
@@ -275,7 +274,7 @@ def fp8gemv_rows(t: int, reps: int, copy: float) -> list[dict]:
             s = choose_split(t * -(-n // cfg.block_n), k, _num_sms(x.device), cfg.ctas_per_sm, cfg.split_k)
             us = graph_us(cycling(wq, lambda w, lin=lin: lin(x, w[0], w[1], b)), reps)
             name = (f"dense_small {cfg.block_n}{' tma' if cfg.tma else ''} c{cfg.ctas_per_sm} st{cfg.num_stages}"
-                    f"{' pdl' if cfg.pdl else ''}{' prefetch' if cfg.prefetch else ''} S{s}{'' if ok else ' WRONG'}")
+                    f"{' pdl' if cfg.pdl else ''} S{s}{'' if ok else ' WRONG'}")
             rows.append(_row(f"fp8gemv {what}", t, name, us, n * k + io, copy, base))
         del wq, wb
     return rows

@@ -186,30 +186,6 @@ ISSUE_SUITES: dict[str, Suite] = {
                     summary=r"^decode ctx|FAILED|Error",
                     publish={"model_gpt-oss-20b-tp1-b1-fp8.json": "model_gpt-oss-20b-tp1-b1-fp8.json"})),
         reproduces=("tdecode-ab-1 (2026-12-03, H200): 8k x 1 replay 2.415 (FlashInfer) / 2.336 ms (Triton decode)",)),
-    # b1-profile-fp8kv-served-1: the best batch-1 step's QKV/O streamed 1.4 TB/s in 10-33 us kernels (each one's
-    # ramp-up and tail leave HBM idle). Fusion.WEIGHT_PREFETCH: the norm and the decode read let the projection after
-    # them launch at once (PDL), and it pulls its weight rows into L2 before waiting for its input.
-    "prefetch-ab": Suite(
-        "issue 27's early launch (--fusions ...+prefetch): the GPU tests of the few-token FP8 projection (parity, bits, "
-        "graph replay; prefetch variant bits behind a norm and behind the 8k decode read + merge, in CUDA graphs) and "
-        "the page-copy GPU test, then 20b decode replay at 8k x 1 with FP8 QKV/O on the few-token kernel, e4m3 and bf16 "
-        "pages, A/B in one process (norm_router+rope_store+fp8_gemv with and without prefetch), then the projection "
-        "alone by config (back-to-back calls: each launch prefetching while the one before runs)",
-        carry=STACK_CARRY,
-        steps=(step("gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_dense_small_gpu.py "
-                                 "tests/kernels/test_fp8_kv_gpu.py -k 'dense or early or copy_pages'", 150,
-                    summary=PYTEST),
-               *(step(f"replay-{name}", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --linear deepgemm "
-                                        f"{flag}--prefill-lens '' --contexts 8192 --batches 1 --fusions "
-                                        "norm_router+rope_store+fp8_gemv,norm_router+rope_store+fp8_gemv+prefetch "
-                                        f"--tag gpt-oss-20b-tp1-prefetch-{name}", 130,
-                      summary=r"^decode ctx|FAILED|Error",
-                      publish={f"model_gpt-oss-20b-tp1-prefetch-{name}.json":
-                               f"model_gpt-oss-20b-tp1-prefetch-{name}.json"})
-                 for name, flag in (("fp8kv", "--kv-cache-dtype fp8 "), ("bf16kv", ""))),
-               step("fp8gemv-micro", "{py} -m benchmarks.fusion --tokens 1 --rows fp8gemv", 90,
-                    summary=r"^fp8gemv|wrote|Error")),
-        reproduces=("b1-ab-1 (2026-12-06, H100): FP8 QKV/O + fp8_gemv on e4m3 pages 2.540 ms at 8k x 1",)),
     # Issue 27's "must show" in one call, for the first H200 that comes (120b needs its memory: pass needs_h200).
     "issue27-h200": Suite(
         "issue 27's figures on one H200: gpt-oss-20b prefill 8k and decode replay at 8k x 1 (and 64) with the workers' "

@@ -54,12 +54,12 @@ class _AmaxRecorder:
         self.calls = 0
         self.inner.plan(step)
 
-    def forward(self, group, q, k, v, kv, sinks, sm_scale, window, kv_scale=None, **launch):
+    def forward(self, group, q, k, v, kv, sinks, sm_scale, window, kv_scale=None):
         i = self.calls
         self.calls += 1
         self.k_amax[i] = torch.maximum(self.k_amax[i], k.detach().float().abs().amax(dim=(0, 2)).cpu())
         self.v_amax[i] = torch.maximum(self.v_amax[i], v.detach().float().abs().amax(dim=(0, 2)).cpu())
-        return self.inner.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale=kv_scale, **launch)
+        return self.inner.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale=kv_scale)
 
 
 @torch.inference_mode()

@@ -12,6 +12,11 @@ split order (deterministic) and adding the bias in fp32 before the one rounding.
 range of its token's x first (`quantize_tile`, the bits of `fp8_quant.quantize_act_1x128`; CTAs of one token
 and split write identical bytes), so no separate quantisation launch.
 
+At one token a call is bound by its chain of dependent steps (x quantised and stored, read back, 2-3 K blocks,
+partials stored, the arrival atomic, the last CTA's sum), not by streaming W: launched early (PDL) behind the norm
+and the decode read with its W rows prefetched into L2 before griddepcontrol.wait, it took as long (e4m3 pages)
+or 1.6 % longer (bf16) in the 20b step (benchmarks/results/2026-12-06/prefetch-ab-1, at b7db2e3).
+
 Grid: one CTA per (token, N tile, K split). Shapes: T tokens (<= MAX_TOKENS), K in, N out.
 """
 
@@ -28,7 +33,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from kernels.fp8_quant import FP8_DTYPE
 from kernels.moe import _ROUND_CODE, round_as, split_range, weight_desc
 from kernels.moe_small import _Counters, _num_sms, choose_split
-from kernels.moe_small_tiles import arrive, prefetch_rows_l2, quantise_row_range, tile_gemm
+from kernels.moe_small_tiles import arrive, quantise_row_range, tile_gemm
 from kernels.reference import BLOCK, FP8_MAX
 
 MAX_TOKENS = 16  # the swapped MMA's narrow side; more tokens take the linear backend
@@ -45,24 +50,21 @@ def _dense_small_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, b_ptr, par
                         stride_ot, HAS_BIAS: tl.constexpr, OUT_ROUND: tl.constexpr, BLOCK_GX: tl.constexpr,
                         SWAP_AB: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALE_K: tl.constexpr,
-                        FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-                        PREFETCH: tl.constexpr = False):
+                        FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched early (programmatic dependent launch): x is the kernel ahead's output
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     ks = pid % SPLIT_K
     num_n = tl.cdiv(N, BLOCK_N)
     nt = (pid // SPLIT_K) % num_n
     t = pid // SPLIT_K // num_n
     k_lo, k_hi = split_range(ks, K, 1, SPLIT_K, BLOCK_K)
+    quantise_row_range(x_ptr, xq_ptr, xs_ptr, t, k_lo, k_hi, stride_xt, stride_xqt, stride_xsk, BLOCK_GX, FP8_MAX_C,
+                       HW_CVT)  # x[t, k_lo:k_hi] in e4m3 1x128 groups, which the K loop below reads back
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = offs_n % N  # wrapped columns read valid rows and are never stored
     nmask = offs_n < N
-    if PREFETCH:  # W does not depend on the kernel ahead: its rows stream into L2 while that one finishes
-        prefetch_rows_l2(w_ptr, rn, stride_wn, k_lo, k_hi)
-    if PDL:  # launched early (programmatic dependent launch): x is the kernel ahead's output
-        gdc_wait()
-        gdc_launch_dependents()
-    quantise_row_range(x_ptr, xq_ptr, xs_ptr, t, k_lo, k_hi, stride_xt, stride_xqt, stride_xsk, BLOCK_GX, FP8_MAX_C,
-                       HW_CVT)  # x[t, k_lo:k_hi] in e4m3 1x128 groups, which the K loop below reads back
     part = tile_gemm(xq_ptr + t * stride_xqt, xs_ptr + t, stride_xsk, w_ptr, w_desc, 0, nt * BLOCK_N, ws_ptr, rn,
                      k_lo, k_hi, stride_wn, stride_wsn, stride_wsk, SWAP_AB, TMA, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K,
                      DOT_F32)  # [BN] fp32
@@ -99,9 +101,6 @@ class DenseSmallConfig:
     num_warps: int = 4
     num_stages: int = 3
     pdl: bool = False
-    # With pdl: each CTA prefetches its W rows into L2 before waiting for x (Fusion.WEIGHT_PREFETCH), so the
-    # weights stream while the kernel ahead (the attention norm, the attention) still runs.
-    prefetch: bool = False
 
 
 class FewTokenFp8Linear:
@@ -145,8 +144,6 @@ class FewTokenFp8Linear:
         launch = dict(SWAP_AB=c.swap_ab, TMA=desc is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=BLOCK,
                       SPLIT_K=s, SCALE_K=BLOCK, FP8_MAX_C=FP8_MAX, HW_CVT=hw, DOT_F32=not hw, PDL=c.pdl and hw,
                       num_warps=c.num_warps, num_stages=c.num_stages)
-        # cp.async.bulk.prefetch (PTX: GPU only) wants 16-byte aligned rows
-        launch["PREFETCH"] = c.pdl and c.prefetch and hw and w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0
         if c.pdl and hw:
             launch["launch_pdl"] = True
         _dense_small_kernel[(t * nt * s,)](
@@ -158,15 +155,14 @@ class FewTokenFp8Linear:
         return out
 
 
-_SHARED: dict[bool, FewTokenFp8Linear] = {}
+_DEFAULT: FewTokenFp8Linear | None = None
 
 
-def few_token_fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                         prefetch: bool = False) -> torch.Tensor:
-    """The model's entry (kernels/registry.py Backends.attn_linear, Fusion.FEW_TOKEN_FP8): shared instances,
-    so split-K counters and TMA descriptors are made once. prefetch (Fusion.WEIGHT_PREFETCH): launched early
-    (PDL), each CTA pulling its W rows into L2 before it waits for x."""
-    lin = _SHARED.get(prefetch)
-    if lin is None:
-        lin = _SHARED[prefetch] = FewTokenFp8Linear(DenseSmallConfig(pdl=True, prefetch=True) if prefetch else None)
-    return lin(x, w, w_scale, bias)
+def few_token_fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+                         ) -> torch.Tensor:
+    """The model's entry (kernels/registry.py Backends.attn_linear, Fusion.FEW_TOKEN_FP8): one shared instance,
+    so its split-K counters and TMA descriptors are made once."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = FewTokenFp8Linear()
+    return _DEFAULT(x, w, w_scale, bias)

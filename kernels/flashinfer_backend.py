@@ -260,7 +260,7 @@ class FlashInferAttention(FlashInferPlans):
     def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
                 window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None, launch_dependents: bool = False) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         step = self._step
         assert step is not None, "plan() must run before forward()"
         window_left = -1 if window is None else window - 1
@@ -271,8 +271,7 @@ class FlashInferAttention(FlashInferPlans):
             return self._fp8_fallback.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale, rope=rope)
         if self._triton_decodes(kv_dtype == FP8_KV, step):
             self._triton_decode.plan(step)  # a no-op when plan() saw this step (always under graph capture)
-            return self._triton_decode.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale, rope=rope,
-                                               launch_dependents=launch_dependents)
+            return self._triton_decode.forward(group, q, k, v, kv, sinks, sm_scale, window, kv_scale, rope=rope)
         if self._windows.get(group) != window_left:  # learned from the first layer of the group
             self._windows[group] = window_left
             self._plans.pop(group, None)

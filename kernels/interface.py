@@ -56,15 +56,14 @@ class AttentionImpl(Protocol):
     def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
                 window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None, launch_dependents: bool = False) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q [T,Hq,D], k/v [T,Hkv,D] (RoPE applied); kv = (k_cache, v_cache) [NP,Hkv,P,D] of this
         layer or None (no cache: attend over the step's own tokens). Stores the new K/V per the
         group's slot_mapping. Returns [T,Hq,D]. FP8 (e4m3) caches: kv_scale = (k_scale, v_scale)
         [Hkv] fp32 of this layer (None = 1.0); stores quantise, reads dequantise (model/kv_scales.py).
         rope = (cos, sin) [T, D/2]: q and k come unrotated and the backend rotates them, in the
         store's launch where it stores before reading (Fusion.ROPE_STORE; the model passes it only
-        with a cache, and only then). launch_dependents (Fusion.WEIGHT_PREFETCH, few-token steps): a
-        backend whose last kernel can let the next one launch early (PDL) does so; others ignore it."""
+        with a cache, and only then)."""
 
 
 @dataclass(slots=True)

@@ -1,7 +1,6 @@
 """Building blocks of the few-token MoE kernels (kernels/moe_small.py) and the few-token dense linear
 (kernels/dense_small.py): a token's K range quantised in the CTA, one activation row times an expert's
-[BN, K-range] weight tile in either MMA orientation, the split-K arrival counter, and an L2 prefetch of
-a CTA's weight rows for kernels launched early (programmatic dependent launch)."""
+[BN, K-range] weight tile in either MMA orientation, and the split-K arrival counter."""
 
 from __future__ import annotations
 
@@ -95,19 +94,3 @@ def arrive(sem_ptr, expected):
     if last:
         tl.atomic_xchg(sem_ptr, 0)
     return last
-
-
-@triton.jit
-def prefetch_rows_l2(w_ptr, rn, stride_wn, k_lo, k_hi):
-    """Pull W[rn, k_lo:k_hi) (1-byte weights) into L2: one bulk prefetch per row (cp.async.bulk.prefetch.L2,
-    sm_90). A kernel launched early (PDL) issues it before griddepcontrol.wait, so its weights stream while
-    the kernel ahead finishes and its K loop then reads them from L2. Weights do not depend on the kernel
-    ahead, so reading them early is safe; nothing is written. GPU only (inline PTX). Rows must start
-    16-byte aligned (the caller checks W's pointer and row stride); sizes are whole 16-byte units, so a
-    row's last <16 bytes come from HBM in the K loop; an empty split issues nothing."""
-    nbytes = ((k_hi - k_lo) // 16) * 16
-    ptrs = w_ptr + rn.to(tl.int64) * stride_wn + k_lo
-    sizes = tl.zeros_like(rn) + nbytes
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r", [ptrs, sizes], dtype=tl.int32, is_pure=False, pack=1)

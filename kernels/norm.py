@@ -30,7 +30,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels.fp8_quant import FP8_DTYPE, quantize_tile
 from kernels.reference import BLOCK, FP8_MAX
@@ -70,12 +69,9 @@ def _norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, q_ptr, s_ptr, rw_ptr, rb_pt
                  stride_x, stride_d, stride_xo, stride_y, stride_q, stride_sk, stride_rw, stride_l,
                  HAS_DELTA: tl.constexpr, QUANT_OUT: tl.constexpr, ROUTER: tl.constexpr, HAS_RB: tl.constexpr,
                  NG: tl.constexpr, G: tl.constexpr, EPP: tl.constexpr, FP8_MAX_C: tl.constexpr,
-                 HW_CVT: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False):
+                 HW_CVT: tl.constexpr):
     """Grid (T, programs per row): program (t, 0) writes row t's outputs; with ROUTER program (t, j)
-    also writes logits [t, j*EPP : (j+1)*EPP]. LAUNCH_DEPENDENTS: a kernel launched after this one with
-    programmatic dependent launch may start now (it still waits for this one's output before reading it)."""
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    also writes logits [t, j*EPP : (j+1)*EPP]."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     cols, mask, x, y = _norm_row(x_ptr, d_ptr, w_ptr, row, H, eps, stride_x, stride_d, HAS_DELTA, NG, G)
@@ -104,10 +100,9 @@ def _norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, q_ptr, s_ptr, rw_ptr, rb_pt
 
 def fused_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
                quant: bool = False, router: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-               num_warps: int | None = None, launch_dependents: bool = False) -> NormOut:
+               num_warps: int | None = None) -> NormOut:
     """x, delta [T, H] (delta None: no residual add) -> NormOut. quant: also y in e4m3 1x128 groups;
-    router = (W_r [E, H], b_r [E] or None): also the router logits [T, E] in x.dtype. launch_dependents
-    (GPU, Fusion.WEIGHT_PREFETCH): lets the next kernel, if launched with PDL, start at once."""
+    router = (W_r [E, H], b_r [E] or None): also the router logits [T, E] in x.dtype."""
     t, h = x.shape
     assert x.stride(1) == 1 and (delta is None or (delta.shape == x.shape and delta.stride(1) == 1))
     xo = torch.empty_like(x) if delta is not None else x
@@ -132,17 +127,17 @@ def fused_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
             s_buf.stride(0) if quant else 0, rw.stride(0), logits.stride(0) if logits is not None else 0,
             HAS_DELTA=delta is not None, QUANT_OUT=quant, ROUTER=router is not None, HAS_RB=rb is not None,
             NG=triton.next_power_of_2(kb), G=BLOCK, EPP=ROUTER_EXPERTS_PER_PROGRAM, FP8_MAX_C=FP8_MAX,
-            HW_CVT=x.is_cuda, LAUNCH_DEPENDENTS=launch_dependents and x.is_cuda, num_warps=num_warps or NUM_WARPS)
+            HW_CVT=x.is_cuda, num_warps=num_warps or NUM_WARPS)
     return NormOut(xo, y, yq, s_buf.t() if quant else None, logits)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, launch_dependents: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H] -> [T, H] in x.dtype."""
-    return fused_norm(x, None, weight, eps, launch_dependents=launch_dependents).y
+    return fused_norm(x, None, weight, eps).y
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                 launch_dependents: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)) in one pass; x, delta [T, H]."""
-    out = fused_norm(x, delta, weight, eps, launch_dependents=launch_dependents)
+    out = fused_norm(x, delta, weight, eps)
     return out.x, out.y

@@ -50,10 +50,6 @@ class Fusion(str, Enum):
     # swapped TMA tiles, x quantised in the launch: one launch) instead of the linear backend's two or three.
     # fp8-gemv-ab-1/2: 20b batch-1 replay 2.351 ms (with 64-row tiles) vs 2.394 on DeepGEMM, 2.322 with bf16 QKV/O
     FEW_TOKEN_FP8 = "fp8_gemv"
-    # Few-token steps: the norms let the kernel after them launch at once (griddepcontrol.launch_dependents)
-    # and fp8_gemv's projections launch early (PDL) and pull their weight rows into L2 before they wait for
-    # x: the weights stream while the norm / attention ahead finishes. Needs fp8_gemv to matter. Unmeasured
-    WEIGHT_PREFETCH = "prefetch"
 
 
 # The workers' default (EngineConfig, --fusions), measured by suite fusion-ab (2026-12-03/fusion-ab-1, 20b on
@@ -116,10 +112,6 @@ class Backends:
         return (self.fused_norm and Fusion.NORM_ROUTER in self.fusions
                 and num_tokens * num_experts <= ROUTER_FUSION_MAX_WORK)
 
-    def early_launch(self, num_tokens: int) -> bool:
-        """Fusion.WEIGHT_PREFETCH for this step: few tokens (the few-token kernels' steps)."""
-        return Fusion.WEIGHT_PREFETCH in self.fusions and num_tokens <= FEW_TOKEN_LINEAR_MAX_TOKENS
-
     @property
     def norm_quant(self) -> bool:
         return self.fused_norm and Fusion.NORM_QUANT in self.fusions
@@ -138,7 +130,7 @@ class Backends:
             from kernels import dense_small  # Triton imported only when the switch is on
 
             if x.is_cuda or dense_small.INTERPRETED:
-                return dense_small.few_token_fp8_linear(x, w, w_scale, bias, self.early_launch(x.shape[0]))
+                return dense_small.few_token_fp8_linear(x, w, w_scale, bias)
         if Fusion.FEW_TOKEN_LINEAR in self.fusions:  # Triton imported only when the switch is on
             from kernels import gemv
 

@@ -22,7 +22,7 @@ class TorchAttention:
     def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
                 window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None, launch_dependents: bool = False) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         step = self._step
         assert step is not None, "plan() must run before forward()"
         if rope is not None:

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = 1.4426950408889634
 
@@ -206,15 +205,10 @@ def _attn_fwd(Q, K, V, KC, VC, PT, Sinks, Out, PartAcc, PartM, PartL, SeqInfo, T
 
 @triton.jit
 def _merge_splits(PartAcc, PartM, PartL, Out, num_tokens, num_q_heads, num_splits, stride_ot, stride_oh,
-                  BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr = False):
+                  BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
     """One program per (token, q head): BLOCK_S splits per iteration, combined by a running max, so a
     batch-1 decode with 64 splits merges in one vector step per head (a loop over splits per program
-    was latency-bound: 33 us per full layer at batch 1 on the H200, decode-profile-1).
-    PDL (launched early behind the split kernel): the kernel after this one may launch at once; the
-    partials are read only once the split kernel is done."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    was latency-bound: 33 us per full layer at batch 1 on the H200, decode-profile-1)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -353,15 +347,11 @@ def split_partials(splits: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.
     return torch.empty(splits, t, hq, d, dtype=torch.float32, device=out.device), part_m, torch.empty_like(part_m)
 
 
-def merge_splits(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor,
-                 pdl: bool = False) -> None:
-    """out [T, Hq, D] <- the split-KV partials of `split_partials`. pdl (GPU): launched early behind the
-    split kernel, letting the kernel after it launch early too (Fusion.WEIGHT_PREFETCH)."""
+def merge_splits(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, Hq, D] <- the split-KV partials of `split_partials`."""
     splits, t, hq, d = part_acc.shape
-    pdl = pdl and out.is_cuda
     _merge_splits[(t, hq)](part_acc, part_m, part_l, out, t, hq, splits, out.stride(0), out.stride(1),
-                           BLOCK_S=min(64, triton.next_power_of_2(splits)), HEAD_DIM=d, PDL=pdl, num_warps=2,
-                           **({"launch_pdl": True} if pdl else {}))
+                           BLOCK_S=min(64, triton.next_power_of_2(splits)), HEAD_DIM=d, num_warps=2)
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -137,7 +137,7 @@ class TritonAttention:
     def forward(self, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor, sm_scale: float,
                 window: int | None, kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None, launch_dependents: bool = False) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         step = self._step
         assert step is not None, "plan() must run before forward()"
         g = step.groups[group]
@@ -161,8 +161,7 @@ class TritonAttention:
                 store_kv(k, v, k_cache, v_cache, slots, kv_scale)
             if self._decodes(batch, q, kv):
                 return paged_decode(q, kv, batch, sinks, sm_scale, window, kv_scale=kv_scale,
-                                    config=self._decode_config, num_splits=splits, num_sms=self._num_sms or 0,
-                                    launch_dependents=launch_dependents)
+                                    config=self._decode_config, num_splits=splits, num_sms=self._num_sms or 0)
             return sink_attention(q, k, v, kv, batch, sinks, sm_scale, window, config=cfg, num_splits=splits,
                                   target_programs=target, kv_scale=kv_scale)
         out = sink_attention(q, k, v, kv, batch, sinks, sm_scale, window, config=cfg, num_splits=splits,

@@ -43,8 +43,6 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents
-
 from kernels.triton_attention import LOG2E, AttnBatch, merge_splits, page_scales, split_partials
 
 FP8 = torch.float8_e4m3fn
@@ -133,12 +131,9 @@ def _decode_fwd(Q, KC, VC, PT, Sinks, Out, PartAcc, PartM, PartL, KVLens, KScale
                 stride_qt, stride_qh, stride_cp, stride_ch, stride_pt, stride_ot, stride_oh,
                 GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                 PAGE: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, FP8_PAGES: tl.constexpr,
-                DOT_F16: tl.constexpr, DOT_PREC: tl.constexpr, Q_SCALE: tl.constexpr, HW_CVT: tl.constexpr,
-                LAUNCH_DEPENDENTS: tl.constexpr = False):
+                DOT_F16: tl.constexpr, DOT_PREC: tl.constexpr, Q_SCALE: tl.constexpr, HW_CVT: tl.constexpr):
     """Grid (B, Hkv, S). Cache strides are in elements of KC (e4m3: bytes); FP8 pages are addressed
-    as int16 words below. LAUNCH_DEPENDENTS: the kernel after this one may launch now (PDL)."""
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    as int16 words below."""
     HALF: tl.constexpr = HEAD_DIM // 2
     KPR: tl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # keys per contiguous row of a block
     ROWS: tl.constexpr = BLOCK_N // KPR
@@ -296,13 +291,11 @@ def decode_supported(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor
 def paged_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], batch: AttnBatch,
                  sinks: torch.Tensor, sm_scale: float, window: int | None, *,
                  kv_scale: tuple[torch.Tensor, torch.Tensor] | None = None, config: DecodeConfig | None = None,
-                 num_splits: int | None = None, num_sms: int = 0, out: torch.Tensor | None = None,
-                 launch_dependents: bool = False) -> torch.Tensor:
+                 num_splits: int | None = None, num_sms: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] (one token per sequence, every key already in the pages); kv_cache (k_cache,
     v_cache) [NP, Hkv, P, D] read through batch.page_table [B, maxp] up to batch's kv_len; sinks [Hq]
     fp32 raw logits; e4m3 caches carry kv_scale = (k_scale, v_scale) [Hkv] fp32 (None = 1.0).
-    num_sms 0: never split unless num_splits says so (the CPU interpreter). launch_dependents (GPU,
-    Fusion.WEIGHT_PREFETCH): the merge and the projection after it launch early. Returns [B, Hq, D]."""
+    num_sms 0: never split unless num_splits says so (the CPU interpreter). Returns [B, Hq, D]."""
     cfg = config or DEFAULT_DECODE
     kc, vc = kv_cache
     b, hq, d = q.shape
@@ -332,8 +325,7 @@ def paged_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], b
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=cfg.block_n, HEAD_DIM=d, PAGE=page,
         SPLIT=splits > 1, HAS_WINDOW=window is not None, FP8_PAGES=fp8, DOT_F16=dot_f16,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", Q_SCALE=dot_f16 and q.dtype == torch.bfloat16,
-        HW_CVT=q.is_cuda, LAUNCH_DEPENDENTS=launch_dependents and q.is_cuda, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        HW_CVT=q.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        merge_splits(part_acc, part_m, part_l, out, pdl=launch_dependents)
+        merge_splits(part_acc, part_m, part_l, out)
     return out

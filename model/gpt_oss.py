@@ -77,12 +77,9 @@ class Attention(nn.Module):
         t = qkv.shape[0]
         q_sz = self.num_heads * self.head_dim
         q, k, v = self.split_qkv(qkv)
-        # Fusion.WEIGHT_PREFETCH: O may start streaming its weights during the attention read (passed only
-        # when on, like rope: wrappers that predate it keep their signature)
-        early = {"launch_dependents": True} if be.early_launch(t) else {}
         if be.fused_rope_store and kv is not None:  # the backend rotates q and k in its store's launch
             o = be.attention.forward(self.group, q, k, v, kv, self.sinks, self.sm_scale, self.window,
-                                     kv_scale=kv_scale, rope=(cos, sin), **early)
+                                     kv_scale=kv_scale, rope=(cos, sin))
         else:
             if qkv.is_cuda:  # one Triton launch each instead of ~9 elementwise kernels; the same bits
                 from kernels.triton_store_kv import rope_qk
@@ -91,7 +88,7 @@ class Attention(nn.Module):
             else:
                 q, k = ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
             o = be.attention.forward(self.group, q, k, v, kv, self.sinks, self.sm_scale, self.window,
-                                     kv_scale=kv_scale, **early)
+                                     kv_scale=kv_scale)
         return o.reshape(t, q_sz)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,10 +171,9 @@ class Block(nn.Module):
             return x, ref.rms_norm(x, self.attn_norm, self.eps)
         from kernels.norm import add_rms_norm, rms_norm
 
-        early = be.early_launch(x.shape[0])  # QKV may start streaming its weights during this norm
         if pending is None:
-            return x, rms_norm(x, self.attn_norm, self.eps, early)
-        return add_rms_norm(x, pending, self.attn_norm, self.eps, early)
+            return x, rms_norm(x, self.attn_norm, self.eps)
+        return add_rms_norm(x, pending, self.attn_norm, self.eps)
 
     def mlp_residual(self, x: torch.Tensor, a: torch.Tensor, be: Backends) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x + the attention output a, then the MoE half -> (residual stream, pending) [T, H]."""
@@ -190,7 +186,7 @@ class Block(nn.Module):
         router = (self.mlp.router_w, self.mlp.router_b) if be.norm_router(t, self.mlp.router_w.shape[0]) else None
         # residual add and the next norm in one pass (+ the router, + the MoE's FP8 input)
         n = fused_norm(x, a, self.mlp_norm, self.eps, quant=be.norm_quant and self.mlp.takes_fp8_input(t, be),
-                       router=router, launch_dependents=be.early_launch(t))
+                       router=router)
         return n.x, self.mlp(n.y, be, n.logits, (n.yq, n.ys) if n.yq is not None else None)
 
 

@@ -5,9 +5,7 @@ kernel fails before it is timed.
   * parity with the reference FP8 linear (activations quantised 1x128; fp32 sums in another order, one bf16
     rounding), default config and a sweep's;
   * the same bits on every call, and under CUDA-graph capture and replay (the decode worker's graphs);
-  * the routing: Fusion.FEW_TOKEN_FP8 takes FP8 projections of 1 token, not bf16 ones nor 2 tokens;
-  * Fusion.WEIGHT_PREFETCH (launched early, W's rows pulled into L2 before the wait): the bits of the plain
-    launch, eagerly and in a CUDA graph behind a norm that lets it launch at once, with x changed between replays.
+  * the routing: Fusion.FEW_TOKEN_FP8 takes FP8 projections of 1 token, not bf16 ones nor 2 tokens.
 
 Run alone (CPU kernel tests set TRITON_INTERPRET=1 at import):
     python -m pytest -q -m gpu tests/kernels/test_dense_small_gpu.py
@@ -41,8 +39,7 @@ def configs():
     from kernels.dense_small import DenseSmallConfig
 
     return [DenseSmallConfig(), DenseSmallConfig(block_n=128), DenseSmallConfig(tma=False),
-            DenseSmallConfig(split_k=1), DenseSmallConfig(pdl=True), DenseSmallConfig(ctas_per_sm=2, num_stages=4),
-            DenseSmallConfig(pdl=True, prefetch=True)]
+            DenseSmallConfig(split_k=1), DenseSmallConfig(pdl=True), DenseSmallConfig(ctas_per_sm=2, num_stages=4)]
 
 
 @pytest.mark.parametrize("what", ["qkv", "o"])
@@ -103,71 +100,3 @@ def test_routing():
     be.attn_linear(x, w, ws, b)  # 2 tokens: the linear backend (registry.FEW_TOKEN_FP8_MAX_TOKENS)
     be.attn_linear(x[:1], torch.randn(w.shape, device=DEV).to(torch.bfloat16), None, b)  # bf16 weight
     assert calls == [("linear", 2), ("linear", 1)]
-
-
-@pytest.mark.parametrize("what", ["qkv", "o"])
-def test_early_launch_same_bits_behind_a_norm_in_a_graph(what):
-    """norm (launch_dependents) -> projection (PDL + L2 prefetch) in one graph, as a decode layer replays it: the
-    projection waits for the norm's y (a changed x between replays gives the new y's product), same bits as the
-    plain launch."""
-    from kernels.dense_small import DenseSmallConfig, FewTokenFp8Linear
-    from kernels.norm import add_rms_norm
-
-    _, w, ws, b = _case(what, 1, seed=5)
-    k = w.shape[1]
-    x, d = (torch.randn(1, k, device=DEV).to(torch.bfloat16) for _ in range(2))
-    nw = torch.rand(k, device=DEV) + 0.5
-    plain, early = FewTokenFp8Linear(), FewTokenFp8Linear(DenseSmallConfig(pdl=True, prefetch=True))
-
-    def chain(lin, dependents):
-        return lin(add_rms_norm(x, d, nw, 1e-5, launch_dependents=dependents)[1], w, ws, b)
-
-    want = chain(plain, False)
-    assert torch.equal(chain(early, True), want)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain(early, True)  # warm-up on the capture stream (its own counters)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = chain(early, True)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, chain(plain, False))
-
-
-@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16])
-def test_early_launch_behind_the_decode_read_same_bits_in_a_graph(kv_dtype):
-    """decode read of one 8k sequence (launch_dependents) -> split merge (PDL) -> O (PDL + L2 prefetch), captured as a
-    decode step replays it: the bits of the plain chain, with q changed between replays (the merge waits for the
-    split kernel, O for the merge)."""
-    from kernels.dense_small import DenseSmallConfig, FewTokenFp8Linear
-    from kernels.triton_decode import paged_decode
-    from tests.kernels.test_fp8_kv_gpu import _decode_case
-
-    q, kv, sc, sinks, batch, _ = _decode_case(1, [8192], kv_dtype, seed=7)
-    _, w, ws, b = _case("o", 1, seed=8)
-    plain, early = FewTokenFp8Linear(), FewTokenFp8Linear(DenseSmallConfig(pdl=True, prefetch=True))
-
-    def chain(lin, dependents):
-        o = paged_decode(q, kv, batch, sinks, 0.125, None, kv_scale=sc, num_splits=64, launch_dependents=dependents)
-        return lin(o.reshape(1, -1), w, ws, b)
-
-    want = chain(plain, False)
-    assert torch.equal(chain(early, True), want)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain(early, True)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = chain(early, True)
-    for _ in range(3):
-        q.copy_(torch.randn_like(q))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, chain(plain, False))

@@ -180,7 +180,7 @@ def test_model_with_fusions_matches_without(ckpt_factory, one_torch_thread):
     src = SafetensorsSource(ckpt_factory("tiny-a"))
     model = GptOss(src.config, make_backends("triton", "triton", "triton"), dtype=torch.float32, fp8=True)
     load_weights(model, src, progress=False)
-    settings = ["off", "rope_store", "norm_quant", "norm_router", "fp8_gemv", "fp8_gemv+prefetch", "on"]
+    settings = ["off", "rope_store", "norm_quant", "norm_router", "fp8_gemv", "on"]
     spec = plan_kv_cache(model.cfg, 1 << 20, page_size=4, max_num_seqs=2, dtype=torch.float32)
     mgr = KVManager(spec)
     pools = {s: KVPool(spec) for s in settings}
@@ -199,7 +199,6 @@ def test_model_with_fusions_matches_without(ckpt_factory, one_torch_thread):
             assert all(torch.equal(a, b) for a, b in zip(pools[s].pools, pools["off"].pools)), (n, s)
         for s in ("norm_router", "fp8_gemv", "on"):
             torch.testing.assert_close(out[s], out["off"], rtol=1e-4, atol=1e-4)
-        assert torch.equal(out["fp8_gemv+prefetch"], out["fp8_gemv"]), n  # launch order only (a no-op on CPU)
         pos += n
 
 
