@@ -9,6 +9,8 @@ experts) score one random `--tokens`-token prompt in a single forward (no KV cac
   fp8-experts   the workers' default numerics: bf16 activations and attention projections, experts FP8 128x128
   fp8-qkvo      the same with the QKV / O projections FP8 128x128 too, their inputs quantised 1x128 to e4m3 as the
                 GPU kernels do (kernels.fp8_gemm.TritonFp8Linear; the interpreter on a CPU)
+  fp8w-qkvo     FP8 128x128 projection weights with bf16 inputs (weights dequantised: kernels.torch_backend's
+                linear), the numerics a weight-only (W8A16) few-token kernel would have
 
 The experts run on the torch MoE in both FP8 rows (weights dequantised, activations not quantised) so that the rows
 differ only in the projections. Per row against fp32: logits relative error (Frobenius, all positions), the median of
@@ -34,6 +36,7 @@ ROWS = (  # name, dtype, fp8, fp8_attention, linear backend
     ("fp32", "float32", False, False, "torch"),
     ("fp8-experts", "bfloat16", True, False, "torch"),
     ("fp8-qkvo", "bfloat16", True, True, "triton"),
+    ("fp8w-qkvo", "bfloat16", True, True, "torch"),
 )
 
 
@@ -75,7 +78,8 @@ def main() -> None:
         outs[name] = logits(a, dtype, fp8, fp8_attention, linear, ids)
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     with res.section("qkvo") as sec:
-        for name, ref in (("fp8-experts", "fp32"), ("fp8-qkvo", "fp32"), ("fp8-qkvo", "fp8-experts")):
+        for name, ref in (("fp8-experts", "fp32"), ("fp8-qkvo", "fp32"), ("fp8w-qkvo", "fp32"),
+                          ("fp8-qkvo", "fp8-experts"), ("fp8w-qkvo", "fp8-experts")):
             sec["rows"].append({"model": name, "against": ref, "layers": a.layers, "positions": a.tokens,
                                 **compare(outs[name], outs[ref])})
         print(markdown_table(sec["rows"], ["model", "against", "rel_err", "median_pos_rel_err", "max_abs_dlogit",
