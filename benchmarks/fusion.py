@@ -202,7 +202,11 @@ def _gemv_sweep():
 
     return (GemvConfig(), GemvConfig(waves=8), GemvConfig(waves=2), GemvConfig(block_n=128, num_warps=8),
             GemvConfig(block_n=32), GemvConfig(block_k=256, num_stages=3), GemvConfig(block_k=64, num_stages=6),
-            GemvConfig(num_stages=6), GemvConfig(num_warps=8))
+            GemvConfig(num_stages=6), GemvConfig(num_warps=8),
+            # one token on whole rows (rows_t1; 0 = the MMA path): rows per program, K step, warps, stages
+            GemvConfig(rows_t1=0), GemvConfig(rows_t1=4), GemvConfig(rows_t1=16), GemvConfig(rows_t1=32, num_warps=8),
+            GemvConfig(block_k_t1=256), GemvConfig(block_k_t1=1024), GemvConfig(rows_t1=16, block_k_t1=256),
+            GemvConfig(num_stages=2))
 
 
 def gemv_rows(t: int, reps: int, copy: float) -> list[dict]:
@@ -230,8 +234,10 @@ def gemv_rows(t: int, reps: int, copy: float) -> list[dict]:
             s, _ = split_k(n, k, cfg, num_sms(x.device))
             ok = torch.allclose(few_token_linear(x, ws[0], b, cfg).float(), ref, rtol=2 ** -8, atol=1e-4)
             us = graph_us(cycling(lambda w, cfg=cfg: few_token_linear(x, w, b, cfg)), reps)
-            name = (f"{'default ' if cfg == DEFAULT_CONFIG else ''}{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
-                    f"st{cfg.num_stages} S{s}{'' if ok else ' WRONG'}")
+            tiles = (f"rows{cfg.rows_t1}x{cfg.block_k_t1}" if t == 1 and cfg.rows_t1 else
+                     f"{cfg.block_n}x{cfg.block_k}")
+            name = (f"{'default ' if cfg == DEFAULT_CONFIG else ''}{tiles} w{cfg.num_warps} "
+                    f"st{cfg.num_stages}{'' if t == 1 and cfg.rows_t1 else f' S{s}'}{'' if ok else ' WRONG'}")
             rows.append(_row(f"gemv {what}", t, name, us, nb, copy, base))
         del ws
     return rows

@@ -201,6 +201,23 @@ ISSUE_SUITES: dict[str, Suite] = {
                     for name, flags in (("bf16", "--bf16-attention "),
                                         ("fp8", "--linear deepgemm --fusions norm_router+rope_store+fp8_gemv "))),
         reproduces=("fp8kv-mixed-ab-1 (2026-12-06, H100): defaults prefill 8k 86.97 ms, 8k x 1 2.692, x 64 13.388",)),
+    # prefetch-ab-1: a one-token projection is bound by its chain of dependent steps (split-K partials, arrival, the
+    # last CTA's sum), not by streaming W. kernels/gemv.py's one-token path has none: whole rows per program, FMAs.
+    "gemv-rows-ab": Suite(
+        "issue 27's bf16 attention projections at one token on whole W rows per program (kernels/gemv.py rows_t1: one "
+        "launch, no split, CUDA-core FMAs): the gemv GPU tests (parity with fp32 and addmm, bits, graph replay; the "
+        "MMA path at one token too), the kernel against addmm by config (W streamed from HBM), then gpt-oss-20b with "
+        "the workers' defaults (bf16 QKV/O, bf16 pages) at 8k x 1, norm_router+rope_store vs +gemv in one process",
+        carry=STACK_CARRY,
+        steps=(step("gemv-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemv_gpu.py",
+                    120, summary=PYTEST),
+               step("gemv-micro", "{py} -m benchmarks.fusion --tokens 1 --rows gemv", 90, summary=r"^gemv|wrote|Error"),
+               step("replay-b1", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention --prefill-lens '' "
+                                 "--contexts 8192 --batches 1 --fusions norm_router+rope_store,norm_router+rope_store+gemv "
+                                 "--tag gpt-oss-20b-tp1-gemv-rows", 120, summary=r"^decode ctx|FAILED|Error",
+                    publish={"model_gpt-oss-20b-tp1-gemv-rows.json": "model_gpt-oss-20b-tp1-gemv-rows.json"})),
+        reproduces=("fp8-qkvo-ab-1 (2026-12-06, H100): defaults 8k x 1 replay 2.746 ms; gemv-ab-1 (H200): the MMA gemv "
+                    "13.15 us for QKV at one token against addmm's 10.28",)),
     # Issue 27's "must show" in one call, for the first H200 that comes (120b needs its memory: pass needs_h200).
     "issue27-h200": Suite(
         "issue 27's figures on one H200: gpt-oss-20b prefill 8k and decode replay at 8k x 1 (and 64) with the workers' "

@@ -21,6 +21,11 @@ tolerance against an fp32 reference and check our bits are the same on every cal
 
 The split is a host heuristic (`split_k`): enough programs to fill the SMs `waves` times over, each
 with at least one K tile. Tunables sit in `GemvConfig` (benchmarks/fusion.py sweeps a few).
+
+One token (`GemvConfig.rows_t1` > 0): `_gemv_rows_kernel`, each program owns `rows_t1` whole rows of W and
+sums them on the CUDA cores (fp32 FMAs of bf16 products, no MMA padding to 16 tokens, no split, no partials):
+a single launch whose only dependent steps are the loads and one reduction. At one token the few-token
+kernels measured here are bound by such chains, not by bytes (benchmarks/results/2026-12-06/prefetch-ab-1).
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class GemvConfig:
     waves: int = 4  # programs per SM the split aims for
     split: int | None = None  # K splits; None: split_k's choice (explicit for sweeps and tests)
     reduce_block: int = 1024  # outputs per program of the reduce kernel
+    rows_t1: int = 8  # one token: whole W rows per program on _gemv_rows_kernel (0: the MMA path above)
+    block_k_t1: int = 512  # ... and the columns per K step there (1 KB of each row)
 
 
 DEFAULT_CONFIG = GemvConfig()
@@ -142,6 +149,28 @@ def _gemv_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, S, stride_om, BLOCK: tl.
     tl.store(out_ptr + m * stride_om + offs, _round_out(acc, out_ptr, HW_CVT), mask=mask)
 
 
+@triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, HW_CVT: tl.constexpr):
+    """One token: out[n] = round(sum_k x[k] W[n, k] + bias[n]) for this program's BLOCK_N whole rows, fp32 FMAs
+    per (row, column) lane, then one sum over the lanes: the same order on every call."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, BK]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]  # bf16 x bf16 is exact in fp32
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)  # [BN]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, _round_out(y, out_ptr, HW_CVT), mask=n_mask)
+
+
 # TRITON_INTERPRET was set when the kernels were decorated: they run on CPU tensors (the tests), else on a GPU only.
 INTERPRETED = isinstance(_gemv_partial_kernel, InterpretedFunction)
 
@@ -161,10 +190,15 @@ def few_token_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
         return out
     if k == 0:
         return out.copy_((bias if bias is not None else out.new_zeros(n)).expand(m, n))
+    b = bias if bias is not None else out  # not read without HAS_BIAS
+    if m == 1 and cfg.rows_t1 > 0:
+        _gemv_rows_kernel[(triton.cdiv(n, cfg.rows_t1),)](
+            x, w, b, out, n, k, w.stride(0), BLOCK_N=cfg.rows_t1, BLOCK_K=cfg.block_k_t1, HAS_BIAS=bias is not None,
+            HW_CVT=x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out
     s, per = split_k(n, k, cfg, num_sms(x.device))
     direct = s == 1
     part = out if direct else torch.empty(s, m, n, device=x.device, dtype=torch.float32)  # [S, M, N]
-    b = bias if bias is not None else out  # not read without HAS_BIAS
     _gemv_partial_kernel[(triton.cdiv(n, cfg.block_n), s)](
         x, w, b, part, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), per, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DIRECT=direct, HAS_BIAS=bias is not None,

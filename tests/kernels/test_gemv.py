@@ -48,6 +48,21 @@ def test_parity_with_fp32_reference(m, bias, split):
     assert torch.equal(y, few_token_linear(x, w, b, cfg))  # deterministic: the same bits on every call
 
 
+@pytest.mark.parametrize("rows,block_k", [(1, 16), (4, 32), (16, 64), (0, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_token_whole_rows(rows, block_k, bias):
+    """One token on _gemv_rows_kernel (rows_t1 whole rows per program; 0: the MMA path): fp32 reference parity with a
+    partial last K step and N tile, the same bits on every call, a strided x row."""
+    x, w, b, ref = _case(1, 72, 200, bias, seed=rows + 1)  # K = 200: 12.5 x 16, 6.25 x 32, 3.125 x 64
+    cfg = GemvConfig(block_n=32, block_k=32, rows_t1=rows, block_k_t1=block_k)
+    y = few_token_linear(x, w, b, cfg)
+    _close(y, ref)
+    assert torch.equal(y, few_token_linear(x, w, b, cfg))
+    wide = torch.zeros(2, 230, dtype=torch.bfloat16)
+    wide[1, 17:217] = x[0]
+    assert torch.equal(few_token_linear(wide[1:, 17:217], w, b, cfg), y)
+
+
 def test_splits_and_strided_x_agree():
     """Every split count (1 = the one-launch path, up to one K tile per split) and a strided x row."""
     x, w, b, ref = _case(5, 40, 112, True, seed=7)

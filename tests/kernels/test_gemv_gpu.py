@@ -38,7 +38,8 @@ def _configs():
     from kernels.gemv import DEFAULT_CONFIG, GemvConfig
 
     return [DEFAULT_CONFIG, GemvConfig(split=1), GemvConfig(block_n=128, num_warps=8),
-            GemvConfig(block_k=256, num_stages=3), GemvConfig(block_n=32, waves=8)]
+            GemvConfig(block_k=256, num_stages=3), GemvConfig(block_n=32, waves=8),
+            GemvConfig(rows_t1=0), GemvConfig(rows_t1=16, block_k_t1=256), GemvConfig(rows_t1=4, block_k_t1=1024)]
 
 
 @pytest.mark.parametrize("what", ["qkv", "o"])

@@ -136,6 +136,7 @@ def _launch_every_kernel() -> None:
     xg, wg = torch.randn(3, 300).to(torch.bfloat16), torch.randn(80, 300).to(torch.bfloat16)
     few_token_linear(xg, wg, torch.randn(80).to(torch.bfloat16), GemvConfig(split=3))
     few_token_linear(xg, wg, None, GemvConfig(block_n=32, block_k=64, split=1))
+    few_token_linear(xg[:1], wg, torch.randn(80).to(torch.bfloat16))  # one token: whole rows per program
     # the few-token FP8 projection (Fusion.FEW_TOKEN_FP8)
     from kernels.dense_small import FewTokenFp8Linear
     FewTokenFp8Linear()(x.to(torch.bfloat16)[:1], w, ws, None)
