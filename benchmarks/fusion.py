@@ -33,6 +33,7 @@ kernels/dense_small.py (Fusion.FEW_TOKEN_FP8) by config:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -196,17 +197,21 @@ def swiglu_rows(t: int, reps: int, copy: float) -> list[dict]:
     return out
 
 
-# A small sweep around kernels.gemv.DEFAULT_CONFIG (the first): split target, tile shape, pipeline depth.
-def _gemv_sweep():
+# A small sweep around kernels.gemv.DEFAULT_CONFIG (the first): split target, tile shape, pipeline depth of the MMA
+# path (rows_t1 = 0: at one token these would otherwise all run the whole-rows kernel), and at one token the
+# whole-rows kernel's own knobs: rows per program, K step, warps, stages.
+def _gemv_sweep(t: int):
     from kernels.gemv import GemvConfig
 
-    return (GemvConfig(), GemvConfig(waves=8), GemvConfig(waves=2), GemvConfig(block_n=128, num_warps=8),
-            GemvConfig(block_n=32), GemvConfig(block_k=256, num_stages=3), GemvConfig(block_k=64, num_stages=6),
-            GemvConfig(num_stages=6), GemvConfig(num_warps=8),
-            # one token on whole rows (rows_t1; 0 = the MMA path): rows per program, K step, warps, stages
-            GemvConfig(rows_t1=0), GemvConfig(rows_t1=4), GemvConfig(rows_t1=16), GemvConfig(rows_t1=32, num_warps=8),
+    mma = (GemvConfig(waves=8), GemvConfig(waves=2), GemvConfig(block_n=128, num_warps=8), GemvConfig(block_n=32),
+           GemvConfig(block_k=256, num_stages=3), GemvConfig(block_k=64, num_stages=6), GemvConfig(num_stages=6),
+           GemvConfig(num_warps=8))
+    if t != 1:
+        return (GemvConfig(), *mma)
+    rows = (GemvConfig(rows_t1=4), GemvConfig(rows_t1=16), GemvConfig(rows_t1=32, num_warps=8),
             GemvConfig(block_k_t1=256), GemvConfig(block_k_t1=1024), GemvConfig(rows_t1=16, block_k_t1=256),
-            GemvConfig(num_stages=2))
+            GemvConfig(num_stages=2), GemvConfig(num_warps=8))
+    return (GemvConfig(), GemvConfig(rows_t1=0), *(dataclasses.replace(c, rows_t1=0) for c in mma), *rows)
 
 
 def gemv_rows(t: int, reps: int, copy: float) -> list[dict]:
@@ -230,14 +235,14 @@ def gemv_rows(t: int, reps: int, copy: float) -> list[dict]:
 
         base = graph_us(cycling(lambda w: torch.nn.functional.linear(x, w, b)), reps)
         rows.append(_row(f"gemv {what}", t, "addmm", base, nb, copy, None))
-        for cfg in _gemv_sweep():
+        for cfg in _gemv_sweep(t):
             s, _ = split_k(n, k, cfg, num_sms(x.device))
             ok = torch.allclose(few_token_linear(x, ws[0], b, cfg).float(), ref, rtol=2 ** -8, atol=1e-4)
             us = graph_us(cycling(lambda w, cfg=cfg: few_token_linear(x, w, b, cfg)), reps)
-            tiles = (f"rows{cfg.rows_t1}x{cfg.block_k_t1}" if t == 1 and cfg.rows_t1 else
-                     f"{cfg.block_n}x{cfg.block_k}")
-            name = (f"{'default ' if cfg == DEFAULT_CONFIG else ''}{tiles} w{cfg.num_warps} "
-                    f"st{cfg.num_stages}{'' if t == 1 and cfg.rows_t1 else f' S{s}'}{'' if ok else ' WRONG'}")
+            rows_kernel = t == 1 and cfg.rows_t1 > 0
+            tiles = f"rows{cfg.rows_t1}x{cfg.block_k_t1}" if rows_kernel else f"{cfg.block_n}x{cfg.block_k}"
+            name = (f"{'default ' if cfg == DEFAULT_CONFIG else ''}{tiles} w{cfg.num_warps} st{cfg.num_stages}"
+                    f"{'' if rows_kernel else f' S{s}'}{'' if ok else ' WRONG'}")
             rows.append(_row(f"gemv {what}", t, name, us, nb, copy, base))
         del ws
     return rows
