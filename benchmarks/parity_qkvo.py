@@ -29,8 +29,8 @@ import time
 import torch
 
 from benchmarks.common import Results, environment, markdown_table, out_dir
+from benchmarks.parity_real import logits_of
 from engine.build import EngineConfig, load_model
-from model.context import SeqStep, build_step_meta
 
 ROWS = (  # name, dtype, fp8, fp8_attention, linear backend
     ("fp32", "float32", False, False, "torch"),
@@ -46,9 +46,7 @@ def logits(a: argparse.Namespace, dtype: str, fp8: bool, fp8_attention: bool, li
     model = load_model(EngineConfig(random_preset=a.preset, random_layers=a.layers, device=a.device, dtype=dtype,
                                     fp8=fp8, fp8_attention=fp8_attention, linear_backend=linear,
                                     attention_backend="torch", moe_backend="torch"))
-    meta = build_step_meta([SeqStep(None, 0, ids.numel())], None, model.device)
-    with torch.inference_mode():
-        out = model.compute_logits(model(ids, meta, None)).float().cpu()
+    out = logits_of(model, ids).cpu()
     del model
     gc.collect()
     return out
