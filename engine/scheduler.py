@@ -28,6 +28,8 @@ in flight: every reader of a cached page is a later step (or a copy queued befor
 stream, so it runs after those writes, and the next turn of a conversation, which arrives right
 after the last token, must find them. The sequence's references are still released under the
 fence, so none of those pages is evictable (or reusable by a KV transfer) before that step completed.
+A prompt that extends a recently seen prefix past its usable hit keeps the sliding KV at that branch
+point (engine/prefix_branch.py): its chunk may end there, and the launch that writes it snapshots it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 
 from common.errors import InvalidRequest
 from common.prefix_hash import extend_hashes, sliding_first_block
+from engine.prefix_branch import BranchPoints
 from engine.sequence import FinishReason, Sequence, SeqStatus, TokenLogprob
 from model.context import ring_keep_from
 from model.kv_cache import KVManager, PageGroup, SeqPages
@@ -83,6 +86,9 @@ class Scheduler:
         self.share_prompts = True  # the runner can copy pages (engine/core.py); a TP group's cannot
         self.pending_copies: list[tuple[list[int], list[int]]] = []  # sliding (src, dst), before the next launch
         self.prompt_only_steps = 0  # prefill_steps="separate": steps scheduled with prompt work alone
+        spec = kv.spec
+        self.branches = (BranchPoints(spec.page_size, spec.sliding_window, spec.ring_pages)
+                         if kv.cache is not None and spec.sliding_layers else None)
         self._last_prompt_only = False
 
     # ---- admission ------------------------------------------------------------------------------
@@ -136,7 +142,7 @@ class Scheduler:
                 continue  # its pending token is its last: nothing more to compute
             if decode_only and not _decoding(seq):
                 continue
-            q = min(seq.num_uncached, budget)
+            q = self.chunk_len(seq, seq.num_cached, min(seq.num_uncached, budget))
             if self.kv.pages_needed(seq.pages, seq.num_cached + q) != (0, 0):  # most decode rows fit their pages
                 if not self.kv.can_grow(seq.pages, seq.num_cached + q) and not preempt_ok:
                     return None  # pages grown so far stay with their sequences: they need them next time anyway
@@ -154,12 +160,15 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             hit = self.lookup(seq)
+            at = self.branch_of(seq, hit)
             q = min(seq.total_len - hit.num_tokens, budget)
+            if at:
+                q = self.branches.chunk(at, hit.num_tokens, q)  # type: ignore[union-attr]
             if not self._fits_with_headroom(seq, hit.num_tokens + q, hit):
                 break
             self.waiting.popleft()
             self.waiting_tokens -= seq.num_uncached
-            self.admit_pages(seq, hit, hit.num_tokens + q)
+            self.admit_pages(seq, hit, hit.num_tokens + q, at)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             items.append(ScheduledSeq(seq, seq.num_cached, q, q == seq.num_uncached))
@@ -175,7 +184,7 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         items: list[ScheduledSeq] = []
         for seq in prompts:
-            q = min(seq.num_uncached, budget)
+            q = self.chunk_len(seq, seq.num_cached, min(seq.num_uncached, budget))
             if budget <= 0 or not self.kv.can_grow(seq.pages, seq.num_cached + q):
                 continue
             self.kv.grow(seq.pages, seq.num_cached + q)
@@ -200,6 +209,11 @@ class Scheduler:
             note_ring_write(seq, it.start, end, spec.page_size, spec.sliding_window)
             if seq.pages.copy_src:  # the step copied its hit's sliding blocks: drop the sources after it
                 self._fenced.append((step, self.kv.release_copy_sources(seq.pages)))
+            if seq.snapshot_at and it.start < seq.snapshot_at <= end:
+                src, dst, held = self.snapshot_branch(seq, end)
+                if src:  # copied before the next launch; the copies' pages held until a step after it completed
+                    self.pending_copies.append((src, dst))
+                    self._fenced.append((step + 1, held))
             if it.sample:
                 if seq.params.share_prompt and not seq.output_ids and not seq.num_pending:
                     self.share_prompt(seq)  # its prompt's KV exists once this step ran
@@ -224,6 +238,7 @@ class Scheduler:
             self.kv.release(self._fenced.popleft()[1])
 
     def _release(self, seq: Sequence) -> None:
+        self.forget_branch(seq)
         self.kv.register(seq.pages, self.registration(seq))  # cached now, evictable once released (module doc)
         if self.launched == self.completed:
             self.kv.release(seq.pages)
@@ -248,8 +263,9 @@ class Scheduler:
         n = seq.num_tokens
         return self.kv.cache.match(self.hashes(seq, n), n)
 
-    def admit_pages(self, seq: Sequence, hit: Hit, total: int) -> None:
-        """Pages for an admitted sequence's first `total` tokens, the hit's mapped in."""
+    def admit_pages(self, seq: Sequence, hit: Hit, total: int, at: int | None = None) -> None:
+        """Pages for an admitted sequence's first `total` tokens, the hit's mapped in; `at`: its branch point
+        (branch_of; None: found here)."""
         spec = self.kv.spec
         if hit.num_tokens:
             self.kv.map_hit(seq.pages, hit, total)
@@ -262,6 +278,36 @@ class Scheduler:
         seq.num_cached_prefix = hit.num_tokens
         if self.kv.cache is not None:
             self.kv.cache.count(seq.num_tokens, hit.num_tokens)
+        if self.branches is not None and self.share_prompts and not seq.output_ids:
+            seq.snapshot_at = self.branch_of(seq, hit) if at is None else at
+            self.branches.admitted(self.hashes(seq, len(seq.prompt_ids)), seq.snapshot_at)
+
+    # ---- branch points (engine/prefix_branch.py) ----------------------------------------------------
+    def branch_of(self, seq: Sequence, hit: Hit) -> int:
+        """Where an admitted prompt would keep its KV for others (tokens), 0 for nowhere. A preempted
+        sequence's recompute (it has output) is not a new prompt; a TP group's runner cannot copy pages."""
+        if self.branches is None or not self.share_prompts or seq.output_ids:
+            return 0
+        n = len(seq.prompt_ids)
+        return self.branches.find(self.hashes(seq, n), n, hit.num_tokens)
+
+    def chunk_len(self, seq: Sequence, start: int, q: int) -> int:
+        """A prompt chunk of q tokens from start, ended at the sequence's branch point when it must."""
+        return self.branches.chunk(seq.snapshot_at, start, q) if seq.snapshot_at and self.branches else q
+
+    def snapshot_branch(self, seq: Sequence, written_end: int) -> tuple[list[int], list[int], SeqPages]:
+        """The launch writing [.., written_end) reaches seq's branch point: index its blocks now (sliding
+        copies to make, pages to hold until they ran: model/prefix_share.snapshot_prompt)."""
+        at = seq.snapshot_at
+        got = snapshot_prompt(self.kv, seq.pages, self.hashes(seq, at), at, seq.ring_valid_from, written_end)
+        self.forget_branch(seq)
+        self.branches.num_snapshots += 1  # type: ignore[union-attr]
+        return got
+
+    def forget_branch(self, seq: Sequence) -> None:
+        if seq.snapshot_at and self.branches is not None:
+            self.branches.done(seq.block_hashes[seq.snapshot_at // self.kv.spec.page_size - 1])
+        seq.snapshot_at = 0
 
     def registration(self, seq: Sequence) -> tuple[list[int], int, int] | None:
         """What a releasing sequence adds to the prefix cache: its blocks with computed KV."""

@@ -60,6 +60,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     ring_valid_from: int = 0
     num_cached_prefix: int = 0
+    snapshot_at: int = 0  # a branch point: keep the prefix cache's KV of [0, snapshot_at) (engine/prefix_branch.py)
     grammar: GrammarState | None = None  # structured outputs: attach_grammar(), advanced by every output token
     first_launch: float | None = None  # monotonic time its first step was scheduled and launched (TTFT breakdown)
 

@@ -20,9 +20,11 @@ from model.kv_cache import KVManager, PageGroup, SeqPages
 from model.page_allocator import OutOfPages
 
 
-def snapshot_prompt(kv: KVManager, pages: SeqPages, hashes: list[int], num_valid: int, ring_valid_from: int
-                    ) -> tuple[list[int], list[int], SeqPages]:
-    """Index the prompt's blocks now. Returns (sliding copy sources, destinations, held pages)."""
+def snapshot_prompt(kv: KVManager, pages: SeqPages, hashes: list[int], num_valid: int, ring_valid_from: int,
+                    written_end: int | None = None) -> tuple[list[int], list[int], SeqPages]:
+    """Index the blocks of the first num_valid tokens now; the ring was written up to written_end (default
+    num_valid; later for a branch point inside the step's chunk, engine/prefix_branch.py). Returns (sliding
+    copy sources, destinations, held pages)."""
     c, spec = kv.cache, kv.spec
     held = SeqPages()
     if c is None:
@@ -34,7 +36,7 @@ def snapshot_prompt(kv: KVManager, pages: SeqPages, hashes: list[int], num_valid
             c.full.insert(hashes[j], pages.full[j])
     if c.sliding is None or not pages.ring or pages.copy_src or n_blocks == 0:
         return [], [], held  # a ring still waiting for its hit's copies holds nothing valid yet
-    last = (num_valid - 1) // p
+    last = ((num_valid if written_end is None else written_end) - 1) // p  # the ring's newest block
     first = max(-(-ring_valid_from // p), last - r + 1, 0)
     blocks = [j for j in range(first, n_blocks) if hashes[j] not in c.sliding and j % r < len(pages.ring)]
     if not blocks or kv.num_free()[PageGroup.SLIDING] < len(blocks):

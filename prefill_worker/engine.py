@@ -80,6 +80,8 @@ class PrefillEngine:
         self.chunk = parts.scheduler.cfg.max_num_batched_tokens
         self.vocab_size = parts.model.cfg.vocab_size
         self.copy_sources = SeqPages()  # the running request's prefix-hit copy sources (held to its end)
+        self.snapshot_pages = SeqPages()  # the running request's branch-point copies (held to its end)
+        parts.scheduler.share_prompts = getattr(self.runner, "supports_page_copies", False)
         self.forward_complete = False  # the running request's forward ran to its end (its blocks may be cached)
 
     def run(self, m: PrefillRequest, cancelled: Callable[[], str] = _never) -> PrefillResult:
@@ -104,14 +106,16 @@ class PrefillEngine:
             return _failed(m.request_id, "prompt does not fit this prefill worker's KV cache", t0)
         except InvalidRequest as e:
             return _failed(m.request_id, e.message, t0)
-        self.copy_sources = SeqPages()
+        self.copy_sources, self.snapshot_pages = SeqPages(), SeqPages()
         self.forward_complete = False
         try:
             return self._run(m, req, seq, cancelled, t0)
         finally:  # computed blocks are cached (valid whatever the transfer did); a forward that failed or
-            # was left early caches nothing
+            # was left early caches nothing (a branch point it reached is: its chunk completed)
+            sched.forget_branch(seq)
             self.kv.release(seq.pages, sched.registration(seq) if self.forward_complete else None)
             self.kv.release(self.copy_sources)
+            self.kv.release(self.snapshot_pages)
             self.parts.sampler.forget(m.request_id)
 
     def _run(self, m: PrefillRequest, req: TransferRequest, seq: Sequence, cancelled: Callable[[], str],
@@ -141,7 +145,7 @@ class PrefillEngine:
                 why = stop_reason()
                 if why:
                     raise Cancelled(why)
-                q = min(self.chunk, n - pos)
+                q = self.parts.scheduler.chunk_len(seq, pos, min(self.chunk, n - pos))  # ends at a branch point
                 last = pos + q == n
                 if last:
                     req = transfer_deadline(req, m.deadline_s)
@@ -156,6 +160,10 @@ class PrefillEngine:
                 note_ring_write(seq, pos, pos + q, spec.page_size, spec.sliding_window)
                 if seq.pages.copy_src:  # the hit's sliding blocks were copied: the sources go at the end
                     self.copy_sources = self.kv.release_copy_sources(seq.pages)
+                if seq.snapshot_at and pos < seq.snapshot_at <= pos + q:  # engine/prefix_branch.py
+                    src, dst, self.snapshot_pages = self.parts.scheduler.snapshot_branch(seq, pos + q)
+                    if src:  # queued before the next chunk writes the ring (one stream)
+                        self.runner.copy_sliding_pages(src, dst)
                 seq.num_cached = pos = pos + q
             self.forward_complete = True
         except ProtocolError as e:

@@ -119,3 +119,22 @@ def test_prefix_failed_transfer_returns_pages_and_keeps_cache(stack):
     assert dec.kv.num_free() == before
     assert all(dec.kv.alloc[PageGroup.FULL].ref(p) == 1 for p in held)  # back to the cache alone
     dec.kv.assert_all_free()
+
+
+def test_prefix_branch_prefill_worker_keeps_a_shared_system_prompt(stack):
+    """Three new conversations with one system prompt through the prefill worker (engine/prefix_branch.py):
+    the second keeps the system prompt's KV (its chunk ends there), the third computes only its own part;
+    tokens equal the single-process engine's without a cache."""
+    dec, pre, path = stack
+    g = torch.Generator().manual_seed(33)
+    system = torch.randint(0, 201088, (200,), generator=g).tolist()  # 12 complete blocks + 8 tokens
+    prompts = [system + torch.randint(0, 201088, (30,), generator=g).tolist() for _ in range(3)]
+    snaps = pre.parts.scheduler.branches.num_snapshots
+    got = [serve_turn(dec, pre, f"branch{i}", p) for i, p in enumerate(prompts)]
+    assert [res.cached_tokens for _, res, _ in got] == [0, 0, 192]
+    assert pre.parts.scheduler.branches.num_snapshots == snaps + 1
+    ref = LLM(EngineConfig(checkpoint=path, scheduler=SCHED, kv_cache_bytes=16 << 20, enable_prefix_caching=False))
+    assert [toks for _, _, toks in got] == [o.output_ids for o in ref.generate(prompts, SamplingParams(
+        max_tokens=10, temperature=0, ignore_eos=True))]
+    dec.kv.assert_all_free()
+    pre.kv.assert_all_free()
