@@ -305,13 +305,13 @@ def ttft_breakdown(base_url: str) -> dict[str, tuple[float, int]]:
 
 
 def format_runs(runs: list[dict]) -> str:
-    cols = ("TTFT p50 t1", "TTFT p50 t2+", "TTFT p99 t2+", "TPOT p50 t2+", "computed/turn t2+", "KV bytes/turn t2+",
-            "/new tokens' KV", "hit rate t2+", "local t2+", "leaks")
+    cols = ("TTFT p50 t1", "hit rate t1", "TTFT p50 t2+", "TTFT p99 t2+", "TPOT p50 t2+", "computed/turn t2+",
+            "KV bytes/turn t2+", "/new tokens' KV", "hit rate t2+", "local t2+", "leaks")
     lines = [f"{'':28}" + "".join(f"{c:>18}" for c in cols)]
     for r in runs:
         s = r["summary"]
         t1, t2 = s["turn1"], s["turns2plus"]
-        vals = [t1["ttft_ms"]["p50"], t2["ttft_ms"]["p50"], t2["ttft_ms"]["p99"], t2["tpot_ms"]["p50"],
+        vals = [t1["ttft_ms"]["p50"], t1["hit_rate"], t2["ttft_ms"]["p50"], t2["ttft_ms"]["p99"], t2["tpot_ms"]["p50"],
                 t2["computed_tokens_per_turn"], t2["kv_bytes_per_turn"], s["turns2plus_bytes_over_new_token_kv"], t2["hit_rate"], t2["prefilled_locally"],
                 (r.get("leaks") or {}).get("leaked")]
         cells = [f"{v:18.3f}" if isinstance(v, float) else f"{str(v):>18}" for v in vals]

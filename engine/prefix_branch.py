@@ -52,7 +52,6 @@ class BranchPoints:
         self.page_size, self.window, self.ring_pages, self.capacity = page_size, window, ring_pages, capacity
         self.seen: OrderedDict[int, None] = OrderedDict()
         self.pending: set[int] = set()  # hash of block B - 1 of every branch a running sequence will snapshot
-        self.num_snapshots = 0
 
     def find(self, prompt_hashes: list[int], num_prompt_tokens: int, hit_tokens: int) -> int:
         """The branch point (tokens) of a prompt whose usable hit is hit_tokens, or 0. Reads only."""

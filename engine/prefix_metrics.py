@@ -4,6 +4,7 @@
     tandem_prefix_cache_hit_tokens_total{role}           of those, taken from the cache (hit rate = hit / queried)
     tandem_prefix_cache_evicted_pages_total{role,group}  pages the LRU freed
     tandem_prefix_cache_pages{role,group}                pages indexed now (referenced or evictable)
+    tandem_prefix_cache_branch_snapshots_total{role}     shared prefixes kept at a branch point (engine/prefix_branch.py)
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from wire.protocol import StatusRequest, WorkerStatus
 QUERIED = Counter("tandem_prefix_cache_queried_tokens", "prompt tokens looked up in the prefix cache", ["role"])
 HIT = Counter("tandem_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", ["role"])
 EVICTED = Counter("tandem_prefix_cache_evicted_pages", "cached pages evicted (LRU)", ["role", "group"])
+BRANCHES = Counter("tandem_prefix_cache_branch_snapshots", "shared prefixes whose KV was kept at a branch point",
+                   ["role"])
 PAGES = Gauge("tandem_prefix_cache_pages", "pages indexed by the prefix cache", ["role", "group"])
 
 
@@ -26,20 +29,21 @@ class PrefixMetrics:
 
     def __init__(self, kv: KVManager, role: str) -> None:
         self.kv, self.role = kv, role
-        self._seen = (0, 0, 0, 0)
+        self._seen = (0, 0, 0, 0, 0)
 
     def update(self) -> None:
         c = self.kv.cache
         if c is None:
             return
         ev = c.num_evicted()
-        now = (c.stats.queried_tokens, c.stats.hit_tokens, ev[0], ev[1])
+        now = (c.stats.queried_tokens, c.stats.hit_tokens, ev[0], ev[1], c.stats.branch_snapshots)
         d = [a - b for a, b in zip(now, self._seen)]
         if any(d):
             QUERIED.labels(self.role).inc(d[0])
             HIT.labels(self.role).inc(d[1])
             EVICTED.labels(self.role, "full").inc(d[2])
             EVICTED.labels(self.role, "sliding").inc(d[3])
+            BRANCHES.labels(self.role).inc(d[4])
             self._seen = now
         cached = self.kv.num_cached()
         PAGES.labels(self.role, "full").set(cached[PageGroup.FULL])

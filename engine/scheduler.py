@@ -301,7 +301,7 @@ class Scheduler:
         at = seq.snapshot_at
         got = snapshot_prompt(self.kv, seq.pages, self.hashes(seq, at), at, seq.ring_valid_from, written_end)
         self.forget_branch(seq)
-        self.branches.num_snapshots += 1  # type: ignore[union-attr]
+        self.kv.cache.stats.branch_snapshots += 1  # type: ignore[union-attr]
         return got
 
     def forget_branch(self, seq: Sequence) -> None:

@@ -17,12 +17,13 @@ them from eviction, go only once the last step that wrote them completed: engine
 Tail blocks are evicted first: a sequence's pages enter the LRU last block first, so eviction does
 not orphan the blocks below a chain's remaining prefix.
 
-Not cached: sliding blocks in the middle of a sequence. The ring keeps only its last R blocks, and
+Not cached by release: sliding blocks in the middle of a sequence. The ring keeps only its last R blocks, and
 a prefill chunk longer than the ring never stores most of its sliding KV at all. A hit is therefore
 possible where a cached sequence ended (the next turn of a conversation, a repeated prompt), but two
 conversations that share only a system prompt do not share its KV: the hit at its boundary lacks
-those sliding blocks. (Keeping them means storing the sliding KV of chosen boundaries, e.g. chunk
-ends or boundaries the router marks, into pages of their own: a follow-up.)
+those sliding blocks, unless a sequence kept them at that boundary: a prompt that extends a prefix
+seen recently past its usable hit copies its ring's window there into pages of their own
+(engine/prefix_branch.py, with model/prefix_share.py's snapshot).
 
 Events (stored / evicted hashes per group) go into a bounded log the router reads through
 WorkerStatus (wire.protocol) to keep its own per-worker index (router/prefix_index.py).
@@ -150,6 +151,7 @@ class CacheStats:
     queried_tokens: int = 0  # prompt tokens looked up
     hit_tokens: int = 0  # of those, served from the cache
     stored_blocks: int = 0
+    branch_snapshots: int = 0  # prefixes kept at a branch point (engine/prefix_branch.py)
 
 
 class PrefixCache:

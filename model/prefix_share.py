@@ -8,6 +8,8 @@ the same request hit it while it decodes:
     sequence never writes them again, it writes from its last partial block on);
   * SLIDING: the ring's valid complete blocks are *copied* into fresh pages that the cache owns:
     the ring itself is overwritten as the sequence decodes (block j + R lands in slot j % R).
+The same snapshot keeps a shared prefix's KV at a branch point (engine/prefix_branch.py), where the
+ring was written past the point within the same step (`written_end`).
 `snapshot_prompt` indexes them and returns the page copies to make (sliding group) and the fresh
 pages' own references, which the caller drops once a step that follows the copies completed.
 The copies are queued before the next step launches (engine/core.py), so they read the ring before

@@ -46,7 +46,7 @@ def test_prefix_branch_new_conversations_hit_the_shared_system_prompt(ckpt_facto
     assert [s.num_cached_prefix for s, _ in seqs] == [0, 0, 192, 192]
     assert seqs[1][1] == seqs[0][1] + 1 and seqs[2][1] == seqs[0][1]
     assert [s.output_ids for s, _ in seqs] == ref
-    assert llm.engine.scheduler.branches.num_snapshots == 1
+    assert llm.kv.cache.stats.branch_snapshots == 1
     llm.kv.assert_all_free()
 
 
@@ -63,7 +63,7 @@ def test_prefix_branch_concurrent_arrivals_and_a_repeated_prompt(ckpt_factory):
     out1 = llm.generate(first, GREEDY)
     out2 = llm.generate(second, GREEDY)
     assert [o.output_ids for o in out1 + out2] == ref
-    assert llm.engine.scheduler.branches.num_snapshots == 1
+    assert llm.kv.cache.stats.branch_snapshots == 1
     assert llm.kv.cache.stats.hit_tokens == 3 * 288  # the second round: the system prompt's 18 complete blocks
     # a prompt sent again after its first run decoded past the window (its ring kept only the answer's
     # tail): the second run keeps the prompt's last complete block, in its last chunk (no split), the third
@@ -77,7 +77,7 @@ def test_prefix_branch_concurrent_arrivals_and_a_repeated_prompt(ckpt_factory):
         while llm.engine.has_unfinished():
             llm.engine.step()
     assert [r.num_cached_prefix for r in runs] == [288, 288, 336]
-    assert llm.engine.scheduler.branches.num_snapshots == 2
+    assert llm.kv.cache.stats.branch_snapshots == 2
     assert runs[0].output_ids == runs[1].output_ids == runs[2].output_ids
     assert runs[0].output_ids == make(path, cache=False).generate([again], long)[0].output_ids
     llm.kv.assert_all_free()

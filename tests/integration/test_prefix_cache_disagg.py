@@ -129,10 +129,10 @@ def test_prefix_branch_prefill_worker_keeps_a_shared_system_prompt(stack):
     g = torch.Generator().manual_seed(33)
     system = torch.randint(0, 201088, (200,), generator=g).tolist()  # 12 complete blocks + 8 tokens
     prompts = [system + torch.randint(0, 201088, (30,), generator=g).tolist() for _ in range(3)]
-    snaps = pre.parts.scheduler.branches.num_snapshots
+    snaps = pre.kv.cache.stats.branch_snapshots
     got = [serve_turn(dec, pre, f"branch{i}", p) for i, p in enumerate(prompts)]
     assert [res.cached_tokens for _, res, _ in got] == [0, 0, 192]
-    assert pre.parts.scheduler.branches.num_snapshots == snaps + 1
+    assert pre.kv.cache.stats.branch_snapshots == snaps + 1
     ref = LLM(EngineConfig(checkpoint=path, scheduler=SCHED, kv_cache_bytes=16 << 20, enable_prefix_caching=False))
     assert [toks for _, _, toks in got] == [o.output_ids for o in ref.generate(prompts, SamplingParams(
         max_tokens=10, temperature=0, ignore_eos=True))]

@@ -67,6 +67,6 @@ def test_prefix_gpu_turns_hit_and_agree(engines):
     assert on.agree >= 0.5 * ctl.agree, (on.agree, ctl.agree, on.total)
     # turn 1's conversations share the system prompt: one kept its KV at the branch point (engine/prefix_branch.py),
     # so the KV comparison above covers the snapshot's copied sliding pages wherever a later one hit them
-    assert engines["on"].engine.scheduler.branches.num_snapshots >= 1, res["hits"][0]
+    assert engines["on"].kv.cache.stats.branch_snapshots >= 1, res["hits"][0]
     for llm in engines.values():
         assert llm.kv.num_free() == tuple(n - 1 for n in llm.kv.spec.num_pages)  # only the graphs' padding page
