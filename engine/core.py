@@ -105,9 +105,6 @@ class EngineCore:
                 parts["hold"] = self.held_s * 1e3
             if hasattr(self.runner, "launch_parts"):
                 self.runner.launch_parts = parts
-        for src, dst in self.scheduler.pending_copies:  # prompts shared early: copied before anything writes their ring
-            self.runner.copy_sliding_pages(src, dst)
-        self.scheduler.pending_copies.clear()
         items = self.scheduler.schedule(preempt_ok=prev is None, admit=self.admit)
         if items is None:  # a preemption is due: complete the step in flight, then preempt
             assert prev is not None
@@ -128,6 +125,7 @@ class EngineCore:
                     it.seq.first_launch = now
             handle = self.runner.launch(items, prev, self.num_steps)
             self.scheduler.on_launch(items, self.num_steps)
+            self._queue_copies()
             t2, c2 = time.perf_counter(), cpu()
         hold = self.launch_hold
         if hold is not None and handle is not None:
@@ -156,11 +154,22 @@ class EngineCore:
         self.held_s, self.admit = 0.0, True
         if handle is not None and not self.overlap:
             done += self._collect(handle)
+        if self.inflight is None and self.scheduler.has_fenced and hasattr(self.runner, "sync_copies"):
+            # nothing in flight, yet pages fenced behind page copies no step followed: settle them now
+            self.runner.sync_copies()
+            self.scheduler.release_fenced()
         if (dt := time.perf_counter() - t0) > SLOW_STEP_S:
             log.warning("slow step %d: %.2f s; launched %d seqs, %d tokens (largest chunk %d)", self.num_steps, dt,
                         len(items or ()), sum(it.q_len for it in items or ()), max((it.q_len for it in items or ()),
                                                                                  default=0))
         return done
+
+    def _queue_copies(self) -> None:
+        """Prompts indexed at this launch (n > 1 choices, branch points): their ring blocks are copied into the
+        cache's pages right behind the step that wrote them, before any later step writes the ring."""
+        for src, dst in self.scheduler.pending_copies:
+            self.runner.copy_sliding_pages(src, dst)
+        self.scheduler.pending_copies.clear()
 
     def flush(self) -> list[Sequence]:
         """Complete the step in flight (drain, shutdown)."""

@@ -289,6 +289,11 @@ class ModelRunner:
         """Queue sliding-group page copies (a shared prompt's ring blocks into the cache's pages)."""
         self.pool.copy_pages(PageGroup.SLIDING, src, dst)
 
+    def sync_copies(self) -> None:
+        """Wait for the page copies queued so far (the loop goes idle with pages fenced behind them)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
     def _copy_ring_hits(self, steps: list[SeqStep]) -> None:
         """Prefix hits: cached sliding blocks into their ring slots, before this step reads them
         (model/kv_cache.py). The owner drops the source references once the step completed."""

@@ -16,11 +16,14 @@ host. `on_launch` books a launched step (KV cached, a token pending); a sequence
 is its last by length (max_tokens, context) is not scheduled again; a stop token is seen one step
 late and the token sampled meanwhile is dropped. Pages released while a step is in flight may
 still be written by it, so they return to the free lists only once that step completed
-(`release_completed`): a KV transfer must never land in a page a running step still writes.
+(`release_completed`): a KV transfer must never land in a page a running step still writes. Pages
+that page copies queued behind the last launch read (`_copy_behind`) wait for the step after it, or,
+when none follows, for engine/core.py to settle them (`release_fenced`).
 Preemption frees pages at once, so `schedule(preempt_ok=False)` returns None instead of preempting
 while a step is in flight; the caller completes that step first.
 
-Prefix cache (when the KVManager has one): a WAITING sequence is looked up as it is admitted; a hit
+Prefix cache (when the KVManager has one; the lookup, hit mapping and indexing are engine/scheduler_prefix.py):
+a WAITING sequence is looked up as it is admitted; a hit
 maps the cached blocks (model/kv_cache.py: full pages shared, sliding blocks copied into a fresh
 ring by its first step) and only the rest is computed. Released sequences (finished, aborted,
 preempted) register their complete blocks at once, even while the step that writes their last KV is
@@ -39,13 +42,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from common.errors import InvalidRequest
-from common.prefix_hash import extend_hashes, sliding_first_block
 from engine.prefix_branch import BranchPoints
+from engine.scheduler_prefix import PrefixScheduling
 from engine.sequence import FinishReason, Sequence, SeqStatus, TokenLogprob
 from model.context import ring_keep_from
 from model.kv_cache import KVManager, PageGroup, SeqPages
 from model.prefix_cache import Hit
-from model.prefix_share import snapshot_prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +75,7 @@ class ScheduledSeq:
         return self.q_len > 1 or self.start < len(self.seq.prompt_ids)
 
 
-class Scheduler:
+class Scheduler(PrefixScheduling):
     def __init__(self, cfg: SchedulerConfig, kv: KVManager, eos_ids: tuple[int, ...]) -> None:
         self.cfg, self.kv, self.eos_ids = cfg, kv, frozenset(eos_ids)
         self.waiting: deque[Sequence] = deque()
@@ -84,7 +86,8 @@ class Scheduler:
         self.completed = 0  # number of the latest step whose tokens reached the host
         self._fenced: deque[tuple[int, SeqPages]] = deque()  # (step that may still use them, pages)
         self.share_prompts = True  # the runner can copy pages (engine/core.py); a TP group's cannot
-        self.pending_copies: list[tuple[list[int], list[int]]] = []  # sliding (src, dst), before the next launch
+        self.pending_copies: list[tuple[list[int], list[int]]] = []  # sliding (src, dst), queued after on_launch
+        self._copies_behind = -1  # the launch whose on_launch queued page copies last
         self.prompt_only_steps = 0  # prefill_steps="separate": steps scheduled with prompt work alone
         spec = kv.spec
         self.branches = (BranchPoints(spec.page_size, spec.sliding_window, spec.ring_pages)
@@ -210,25 +213,21 @@ class Scheduler:
             if seq.pages.copy_src:  # the step copied its hit's sliding blocks: drop the sources after it
                 self._fenced.append((step, self.kv.release_copy_sources(seq.pages)))
             if seq.snapshot_at and it.start < seq.snapshot_at <= end:
-                src, dst, held = self.snapshot_branch(seq, end)
-                if src:  # copied before the next launch; the copies' pages held until a step after it completed
-                    self.pending_copies.append((src, dst))
-                    self._fenced.append((step + 1, held))
+                self._copy_behind(*self.snapshot_branch(seq, end))
             if it.sample:
                 if seq.params.share_prompt and not seq.output_ids and not seq.num_pending:
                     self.share_prompt(seq)  # its prompt's KV exists once this step ran
                 seq.num_pending += 1
 
-    def share_prompt(self, seq: Sequence) -> None:
-        """Index a running sequence's prompt in the prefix cache now (model/prefix_share.py): the
-        sliding copies run before the next launch, the copies' pages are held until a step after it."""
-        if self.kv.cache is None or not self.share_prompts:
-            return
-        n = len(seq.prompt_ids)
-        src, dst, held = snapshot_prompt(self.kv, seq.pages, self.hashes(seq, n), n, seq.ring_valid_from)
-        if src:
-            self.pending_copies.append((src, dst))
-            self._fenced.append((self.launched + 1, held))
+    def release_fenced(self) -> None:
+        """Nothing is in flight and the copies queued before it ran: every fenced page is free (or evictable).
+        Pages fenced behind copies wait for the step after them; the loop calls this when none follows."""
+        while self._fenced:
+            self.kv.release(self._fenced.popleft()[1])
+
+    @property
+    def has_fenced(self) -> bool:
+        return bool(self._fenced)
 
     def release_completed(self, step: int) -> None:
         """Step `step` completed: pages released while it (or an earlier step) was in flight are free
@@ -240,81 +239,13 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.forget_branch(seq)
         self.kv.register(seq.pages, self.registration(seq))  # cached now, evictable once released (module doc)
-        if self.launched == self.completed:
+        copies = self._copies_behind == self.launched  # page copies queued behind the last launch may read them
+        if self.launched == self.completed and not copies:
             self.kv.release(seq.pages)
-        else:  # a launched step may still write these pages: hand them back when it completed
-            self._fenced.append((self.launched, seq.pages))
+        else:  # a launched step may still write these pages (or the copies behind it read them): hand them back
+            # when it (or the step after the copies) completed; engine/core.py settles them when none follows
+            self._fenced.append((self.launched + copies, seq.pages))
             seq.pages = SeqPages()
-
-    # ---- prefix cache -----------------------------------------------------------------------------
-    def hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """Block hashes of seq's first num_tokens tokens (complete blocks), extended as needed."""
-        c = self.kv.cache
-        assert c is not None
-        p = self.kv.spec.page_size
-        if len(seq.block_hashes) < num_tokens // p:
-            extend_hashes(seq.block_hashes, seq.token_slice(0, num_tokens // p * p), p, c.root)
-        return seq.block_hashes[:num_tokens // p]
-
-    def lookup(self, seq: Sequence) -> Hit:
-        """The cached prefix a WAITING sequence (nothing cached yet) would get now."""
-        if self.kv.cache is None or seq.num_cached or seq.pages.full or seq.pages.ring:
-            return Hit()
-        n = seq.num_tokens
-        return self.kv.cache.match(self.hashes(seq, n), n)
-
-    def admit_pages(self, seq: Sequence, hit: Hit, total: int, at: int | None = None) -> None:
-        """Pages for an admitted sequence's first `total` tokens, the hit's mapped in; `at`: its branch point
-        (branch_of; None: found here)."""
-        spec = self.kv.spec
-        if hit.num_tokens:
-            self.kv.map_hit(seq.pages, hit, total)
-            seq.num_cached = hit.num_tokens
-            seq.ring_valid_from = sliding_first_block(hit.num_tokens // spec.page_size, spec.page_size,
-                                                      spec.sliding_window) * spec.page_size
-        else:
-            self.kv.grow(seq.pages, total)
-            seq.ring_valid_from = 0
-        seq.num_cached_prefix = hit.num_tokens
-        if self.kv.cache is not None:
-            self.kv.cache.count(seq.num_tokens, hit.num_tokens)
-        if self.branches is not None and self.share_prompts and not seq.output_ids:
-            seq.snapshot_at = self.branch_of(seq, hit) if at is None else at
-            self.branches.admitted(self.hashes(seq, len(seq.prompt_ids)), seq.snapshot_at)
-
-    # ---- branch points (engine/prefix_branch.py) ----------------------------------------------------
-    def branch_of(self, seq: Sequence, hit: Hit) -> int:
-        """Where an admitted prompt would keep its KV for others (tokens), 0 for nowhere. A preempted
-        sequence's recompute (it has output) is not a new prompt; a TP group's runner cannot copy pages."""
-        if self.branches is None or not self.share_prompts or seq.output_ids:
-            return 0
-        n = len(seq.prompt_ids)
-        return self.branches.find(self.hashes(seq, n), n, hit.num_tokens)
-
-    def chunk_len(self, seq: Sequence, start: int, q: int) -> int:
-        """A prompt chunk of q tokens from start, ended at the sequence's branch point when it must."""
-        return self.branches.chunk(seq.snapshot_at, start, q) if seq.snapshot_at and self.branches else q
-
-    def snapshot_branch(self, seq: Sequence, written_end: int) -> tuple[list[int], list[int], SeqPages]:
-        """The launch writing [.., written_end) reaches seq's branch point: index its blocks now (sliding
-        copies to make, pages to hold until they ran: model/prefix_share.snapshot_prompt)."""
-        at = seq.snapshot_at
-        got = snapshot_prompt(self.kv, seq.pages, self.hashes(seq, at), at, seq.ring_valid_from, written_end)
-        self.forget_branch(seq)
-        self.kv.cache.stats.branch_snapshots += 1  # type: ignore[union-attr]
-        return got
-
-    def forget_branch(self, seq: Sequence) -> None:
-        if seq.snapshot_at and self.branches is not None:
-            self.branches.done(seq.block_hashes[seq.snapshot_at // self.kv.spec.page_size - 1])
-        seq.snapshot_at = 0
-
-    def registration(self, seq: Sequence) -> tuple[list[int], int, int] | None:
-        """What a releasing sequence adds to the prefix cache: its blocks with computed KV."""
-        if self.kv.cache is None:
-            return None
-        n = min(seq.num_cached, seq.num_tokens)
-        return self.hashes(seq, n), n, seq.ring_valid_from
 
     def _fits_with_headroom(self, seq: Sequence, total: int, hit: Hit | None = None) -> bool:
         if hit is not None and hit.num_tokens:

@@ -12,7 +12,7 @@ The same snapshot keeps a shared prefix's KV at a branch point (engine/prefix_br
 ring was written past the point within the same step (`written_end`).
 `snapshot_prompt` indexes them and returns the page copies to make (sliding group) and the fresh
 pages' own references, which the caller drops once a step that follows the copies completed.
-The copies are queued before the next step launches (engine/core.py), so they read the ring before
+The copies are queued right behind the step that wrote the ring (engine/core.py), so they read it before
 any later step writes it, and any hit's own ring copies come after them on the same stream.
 """
 

@@ -81,3 +81,25 @@ def test_prefix_branch_concurrent_arrivals_and_a_repeated_prompt(ckpt_factory):
     assert runs[0].output_ids == runs[1].output_ids == runs[2].output_ids
     assert runs[0].output_ids == make(path, cache=False).generate([again], long)[0].output_ids
     llm.kv.assert_all_free()
+
+
+def test_prefix_branch_sequence_aborted_right_after_its_snapshot_returns_every_page(ckpt_factory):
+    """The snapshot's copies are queued behind the launch that wrote the ring; the sequence ends before any
+    step follows them: the loop settles the fenced pages instead of holding them until the next request."""
+    path = ckpt_factory("tiny")
+    g = torch.Generator().manual_seed(8)
+    system = rand_ids(200, g)
+    llm = make(path)
+    run_one(llm, system + rand_ids(30, g))
+    rid = llm.engine.add_request(system + rand_ids(30, g), GREEDY)
+    while llm.kv.cache.stats.branch_snapshots == 0:
+        llm.engine.step()
+    llm.engine.abort(rid)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    llm.engine.step()  # the loop's iteration after the abort: nothing left to launch
+    assert not llm.engine.scheduler.has_fenced
+    llm.kv.assert_all_free()
+    seq, _ = run_one(llm, system + rand_ids(30, g))
+    assert seq.num_cached_prefix == 192  # the snapshot's copies ran: the next conversation hits
+    llm.kv.assert_all_free()
