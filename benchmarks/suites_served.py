@@ -356,8 +356,10 @@ SERVED_SUITES: dict[str, Suite] = {
         "issue 25's served figures on one H200 (20b random weights, bf16 pages, the workers' defaults): colocated with ONE "
         "decode worker (multi-turn-colocated-pw's run, step trace) and disaggregated (one prefill, one decode worker, "
         "every launch also with prefix caching off), 64 x 8 turns, 2k shared system prompt. Needs an H200 (the "
-        "disaggregated KV budgets of two models on one GPU do not fit an H100): run with needs_h200",
+        "disaggregated KV budgets of two models on one GPU do not fit an H100): run with needs_h200. The colocated "
+        "load runs in 4 client processes (one process parsing ~60 SSE events per decode step added ~4 ms to every "
+        "TTFT it measured: launch-hold-bubble-ab-1)",
         carry=STACK_CARRY,
-        steps=(colocated_pw_step("colocated-1-pw", 150), multi_turn_step("disaggregated", 310)),
+        steps=(colocated_pw_step("colocated-1-pw", 150, bench="--client-procs 4 "), multi_turn_step("disaggregated", 310)),
         reproduces=(COLOCATED_GOAL, "fp8kv-mixed-ab-1 (2026-12-06, H100): colocated 44.3 vs 113.3 ms (2.56x)")),
 }
