@@ -67,3 +67,19 @@ def test_prefix_second_turn_is_cached_local_and_exact(svc, tiny):
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     assert [o.output_ids for o in ref.generate([p1, p2], sp)] == [out1, out2]
     svc.assert_no_leaks()
+
+
+def test_prefix_branch_new_conversations_share_the_system_prompt(svc, tiny):
+    """Three new conversations with one system prompt (engine/prefix_branch.py): the second keeps its KV on the
+    prefill worker, the third's first turn reports it cached; tokens equal the uncached engine's."""
+    g = torch.Generator().manual_seed(14)
+    system = torch.randint(1000, 100000, (300,), generator=g).tolist()  # 18 complete blocks + 12 tokens
+    prompts = [system + torch.randint(1000, 100000, (40,), generator=g).tolist() for _ in range(3)]
+    with httpx.Client(base_url=svc.url, timeout=120) as client:
+        got = [complete(client, p, 8) for p in prompts]
+    assert [u["prompt_tokens_details"]["cached_tokens"] for _, u in got] == [0, 0, 288]
+    assert got[2][1]["tandem"]["prefill"] == "remote" and got[2][1]["tandem"]["computed_tokens"] == 340 - 288
+    ref = LLM(EngineConfig(checkpoint=tiny, enable_prefix_caching=False))
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert [o.output_ids for o in ref.generate(prompts, sp)] == [out for out, _ in got]
+    svc.assert_no_leaks()
