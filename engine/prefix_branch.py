@@ -67,11 +67,12 @@ class BranchPoints:
             return 0  # too little to gain, or another sequence is about to keep it
         return b * p
 
-    def admitted(self, prompt_hashes: list[int], at: int) -> None:
-        """A prompt was admitted with branch point `at` (0: none): remember its blocks."""
+    def admitted(self, prompt_hashes: list[int], at: int, hit_tokens: int) -> None:
+        """A prompt was admitted with branch point `at` (0: none): remember its blocks past its hit (a later prompt
+        sharing blocks below it will hit them too; a multi-turn turn adds only its new blocks, ~20 a turn)."""
         if at:
             self.pending.add(prompt_hashes[at // self.page_size - 1])
-        self.observe(prompt_hashes)
+        self.observe(prompt_hashes[hit_tokens // self.page_size:])
 
     def observe(self, hashes: list[int]) -> None:
         seen = self.seen

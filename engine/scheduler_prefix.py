@@ -58,7 +58,7 @@ class PrefixScheduling:
             self.kv.cache.count(seq.num_tokens, hit.num_tokens)
         if self.branches is not None and self.share_prompts and not seq.output_ids:
             seq.snapshot_at = self.branch_of(seq, hit) if at is None else at
-            self.branches.admitted(self.hashes(seq, len(seq.prompt_ids)), seq.snapshot_at)
+            self.branches.admitted(self.hashes(seq, len(seq.prompt_ids)), seq.snapshot_at, hit.num_tokens)
 
     # ---- branch points (engine/prefix_branch.py) ----------------------------------------------------
     def branch_of(self, seq: Sequence, hit: Hit) -> int:

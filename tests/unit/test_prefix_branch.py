@@ -25,10 +25,10 @@ def test_prefix_branch_found_where_a_seen_prompt_diverged():
     a, b, c = (hashes(system + list(range(5000 + 100 * i, 5030 + 100 * i))) for i in range(3))
     bp = BranchPoints(P, W, R)
     assert bp.find(a, 230, 0) == 0  # nothing seen yet
-    bp.admitted(a, 0)
+    bp.admitted(a, 0, 0)
     assert bp.find(b, 230, 0) == 192  # a went on differently after block 11
     assert bp.find(b, 230, 64) == 192 and bp.find(b, 230, 128) == 0  # at least a window (8 blocks) past the hit
-    bp.admitted(b, 192)
+    bp.admitted(b, 192, 0)
     assert bp.find(c, 230, 0) == 0  # b is about to keep it
     bp.done(b[11])
     assert bp.find(c, 230, 0) == 192
@@ -46,6 +46,13 @@ def test_prefix_branch_chunk_ends_at_the_branch_only_when_it_must():
 def test_prefix_branch_seen_set_is_bounded_lru():
     bp = BranchPoints(P, W, R, capacity=15)  # 10 blocks each
     old, new = hashes(list(range(160))), hashes(list(range(9000, 9160)))
-    bp.admitted(old, 0)
-    bp.admitted(new, 0)
+    bp.admitted(old, 0, 0)
+    bp.admitted(new, 0, 0)
     assert len(bp.seen) == 15 and all(h in bp.seen for h in new) and old[4] not in bp.seen and old[5] in bp.seen
+
+
+def test_prefix_branch_remembers_only_blocks_past_the_hit():
+    bp = BranchPoints(P, W, R)
+    a = hashes(list(range(320)))
+    bp.admitted(a, 0, 128)
+    assert all(h not in bp.seen for h in a[:8]) and all(h in bp.seen for h in a[8:])
