@@ -223,7 +223,8 @@ ISSUE_SUITES: dict[str, Suite] = {
         "issue 27's figures on one H200: gpt-oss-20b prefill 8k and decode replay at 8k x 1 (and 64) with the workers' "
         "defaults and with the best batch-1 configuration measured on H100s (FP8 QKV/O + the few-token FP8 kernel on "
         "e4m3 pages, b1-ab-1), gpt-oss-120b's prefill 8k and 8k x 1 with the defaults, and the 20b decode profile table "
-        "(batch 1 and 64) regenerated. Needs an H200 (120b does not fit an H100): run with needs_h200",
+        "(batch 1 and 64) regenerated; and the one-token gemv default (gemv-rows-ab-1, H100) against the old default at 8k "
+        "x 1. Needs an H200 (120b does not fit an H100): run with needs_h200",
         carry=STACK_CARRY,
         steps=(step("model-20b", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention --prefill-lens 8192 "
                                  "--contexts 8192 --batches 1,64 --tag gpt-oss-20b-tp1-issue27", 80,
@@ -234,6 +235,10 @@ ISSUE_SUITES: dict[str, Suite] = {
                                         "--fusions norm_router+rope_store+fp8_gemv --tag gpt-oss-20b-tp1-issue27-b1best",
                     80, summary=r"^prefill|^decode ctx|FAILED|Error",
                     publish={"model_gpt-oss-20b-tp1-issue27-b1best.json": "model_gpt-oss-20b-tp1-issue27-b1best.json"}),
+               step("gemv-ab-b1", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention --prefill-lens '' "
+                                  "--contexts 8192 --batches 1 --fusions norm_router+rope_store,gemv+norm_router+rope_store "
+                                  "--tag gpt-oss-20b-tp1-issue27-gemv", 40, summary=r"^decode ctx|FAILED|Error",
+                    publish={"model_gpt-oss-20b-tp1-issue27-gemv.json": "model_gpt-oss-20b-tp1-issue27-gemv.json"}),
                step("model-120b", "{py} -m benchmarks.bench_model --preset gpt-oss-120b --bf16-attention --prefill-lens 8192 "
                                   "--contexts 8192 --batches 1 --tag gpt-oss-120b-tp1-issue27", 200,
                     summary=r"^prefill|^decode ctx|FAILED|Error",

@@ -43,8 +43,9 @@ class Fusion(str, Enum):
     ROPE_STORE = "rope_store"  # q and k RoPE + the K/V page store in one launch (triton_store_kv.rope_qk_store_kv)
     NORM_ROUTER = "norm_router"  # the MoE router GEMV inside the add + RMSNorm launch, few tokens (kernels/norm.py)
     NORM_QUANT = "norm_quant"  # the FP8 MoE's 1x128 input quantisation inside the add + RMSNorm launch
-    # bf16 QKV / O projections of few-token steps on kernels/gemv.py (split-K GEMV, deterministic) instead of
-    # cuBLASLt's addmm. Not bit-identical to addmm (another summation order); unmeasured, so not a default
+    # bf16 QKV / O projections of one-token steps on kernels/gemv.py (whole W rows per program, one launch,
+    # deterministic) instead of cuBLASLt's addmm. Not bit-identical to addmm (another summation order).
+    # gemv-rows-ab-1 (H100): QKV 12.01 vs 12.96 us, O 10.49 vs 13.72; 20b 8k x 1 replay 2.750 -> 2.632 ms
     FEW_TOKEN_LINEAR = "gemv"
     # FP8 QKV / O projections (--fp8-attention on) of batch-1 steps on kernels/dense_small.py (the few-token MoE's
     # swapped TMA tiles, x quantised in the launch: one launch) instead of the linear backend's two or three.
@@ -59,16 +60,21 @@ class Fusion(str, Enum):
 # cuBLAS's router GEMM + split-K reduce (~6 us a layer at batch 1 on the H100) in decode-sized steps: 8k x 1 2.807
 # -> 2.739 ms, x 4 5.606 -> 5.515, x 64 13.46 -> 13.38 (b1-defaults-ab-1, H100; fusion-ab-1, H200: 2.48 -> 2.44 at
 # 1); its logits may differ from cuBLAS's in the last bit (another summation order). norm_quant was slower: off.
-# "off" was the default before 2026-12-03, "rope_store" until 2026-12-06.
-DEFAULT_FUSIONS = "norm_router+rope_store"
+# gemv (since 2026-12-06, one-token steps only: FEW_TOKEN_LINEAR_ROUTE_MAX_TOKENS) takes the bf16 attention
+# projections off cuBLASLt: 20b 8k x 1 replay 2.750 -> 2.632 ms in one process (gemv-rows-ab-1, H100).
+# "off" was the default before 2026-12-03, "rope_store" until 2026-12-06, then "norm_router+rope_store".
+DEFAULT_FUSIONS = "gemv+norm_router+rope_store"
 
 # The router runs inside the norm launch while tokens x experts stays within this (larger steps: one cuBLAS GEMM): the
 # fused launch runs T x E/4 programs, each re-deriving its row's norm. fusion-ab-1 (H200): 20b (E 32) 7.5 -> 3.7 us at
 # 1 token and 8.2 -> 5.3 at 64; 120b (E 128) 7.6 -> 3.7 at 1 but 8.4 -> 15.6 at 64 (2,048 programs per token set).
 ROUTER_FUSION_MAX_WORK = 64 * 32
 
-# Tokens up to which Fusion.FEW_TOKEN_LINEAR takes the attention projections (kernels.gemv's BLOCK_M).
+# Tokens up to which kernels.gemv takes a projection (its BLOCK_M) ...
 FEW_TOKEN_LINEAR_MAX_TOKENS = 16
+# ... and up to which Fusion.FEW_TOKEN_LINEAR routes the model's there: one token, where the whole-rows kernel beats
+# addmm (gemv-rows-ab-1); its MMA split-K path for 2-16 tokens lost to addmm (gemv-ab-1: 13.15 vs 10.28 us at 1)
+FEW_TOKEN_LINEAR_ROUTE_MAX_TOKENS = 1
 # ... and Fusion.FEW_TOKEN_FP8 the FP8 ones (kernels.dense_small.ROUTE_MAX_TOKENS: it reads W once per token).
 FEW_TOKEN_FP8_MAX_TOKENS = 1
 
@@ -119,8 +125,8 @@ class Backends:
     def few_token_linear(self, num_tokens: int, bf16_weight: bool, triton_runs: bool) -> bool:
         """Whether an attention projection runs on kernels.gemv: few tokens and a bf16 weight (FP8 ones keep
         the linear backend), where Triton runs (a GPU tensor, or the interpreter: the CPU tests)."""
-        return (Fusion.FEW_TOKEN_LINEAR in self.fusions and bf16_weight and num_tokens <= FEW_TOKEN_LINEAR_MAX_TOKENS
-                and triton_runs)
+        return (Fusion.FEW_TOKEN_LINEAR in self.fusions and bf16_weight
+                and num_tokens <= FEW_TOKEN_LINEAR_ROUTE_MAX_TOKENS and triton_runs)
 
     def attn_linear(self, x, w, w_scale, bias):
         """The attention's QKV / O projection, x [T, K] -> [T, N]: `linear`, or a few-token kernel (bf16:

@@ -153,8 +153,9 @@ def test_routing_decision():
     be = Backends(None, None, None, fusions=parse_fusions("gemv"))
     assert Fusion.FEW_TOKEN_LINEAR in parse_fusions("rope_store+gemv")
     assert Fusion.FEW_TOKEN_LINEAR in parse_fusions("on")
-    assert be.few_token_linear(1, True, True) and be.few_token_linear(16, True, True)
-    assert not be.few_token_linear(17, True, True)  # larger steps: the linear backend's GEMM
+    assert be.few_token_linear(1, True, True)
+    assert not be.few_token_linear(2, True, True)  # larger steps: the linear backend's GEMM (the MMA path lost)
+    assert not be.few_token_linear(17, True, True)
     assert not be.few_token_linear(1, False, True)  # FP8 (or fp32) weights: the linear backend
     assert not be.few_token_linear(1, True, False)  # CPU tensors without the interpreter
     be.fusions = parse_fusions("rope_store")
