@@ -105,6 +105,7 @@ class EngineCore:
                 parts["hold"] = self.held_s * 1e3
             if hasattr(self.runner, "launch_parts"):
                 self.runner.launch_parts = parts
+        self._queue_copies()  # indexed between steps (a decode worker's landed prompt, n > 1): before this launch
         items = self.scheduler.schedule(preempt_ok=prev is None, admit=self.admit)
         if items is None:  # a preemption is due: complete the step in flight, then preempt
             assert prev is not None
@@ -165,8 +166,9 @@ class EngineCore:
         return done
 
     def _queue_copies(self) -> None:
-        """Prompts indexed at this launch (n > 1 choices, branch points): their ring blocks are copied into the
-        cache's pages right behind the step that wrote them, before any later step writes the ring."""
+        """Prompts indexed in the prefix cache while their sequences run (n > 1 choices, branch points): their ring
+        blocks are copied into the cache's pages right behind the step that wrote them (or, indexed between steps,
+        before the next launch), so before any later step writes the ring."""
         for src, dst in self.scheduler.pending_copies:
             self.runner.copy_sliding_pages(src, dst)
         self.scheduler.pending_copies.clear()

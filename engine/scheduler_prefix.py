@@ -3,7 +3,8 @@ admission, mapping a hit's pages, what a releasing sequence registers, and index
 still runs: n > 1 choices (share_prompt, model/prefix_share.py) and branch points (engine/prefix_branch.py).
 
 Indexing a running sequence copies its ring's blocks into cache-owned pages right behind the launch that wrote
-them (engine/core.py queues `pending_copies` after `on_launch`): before any later step writes the ring.
+them (engine/core.py queues `pending_copies` after `on_launch`, and those indexed between steps before the next
+launch): before any later step writes the ring.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from kv_transfer.interface import TransferConfig
 from kv_transfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
 from model.kv_cache import PageGroup
 from prefill_worker.engine import PrefillEngine
-from wire.protocol import AdmitRequest, Admitted, Abort, PrefillRequest, SamplingSpec, StartDecode
+from wire.protocol import AdmitRequest, Admitted, Abort, GenerateRequest, PrefillRequest, SamplingSpec, StartDecode
 
 SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=4096)
 SPEC = SamplingSpec(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -35,13 +35,13 @@ def stack(ckpt_factory):
     return DecodeEngine(dparts, rx), PrefillEngine(pparts, tx), path
 
 
-def serve_turn(dec, pre, rid, prompt):
+def serve_turn(dec, pre, rid, prompt, spec=SPEC):
     """Admit -> prefill -> start -> decode until finished. Returns (admitted, prefill result, tokens)."""
-    adm = dec.admit(b"r", AdmitRequest(rid, len(prompt), SPEC.max_tokens, 1, 30.0, list(prompt)))
+    adm = dec.admit(b"r", AdmitRequest(rid, len(prompt), spec.max_tokens, 1, 30.0, list(prompt)))
     assert isinstance(adm, Admitted), adm
-    res = pre.run(PrefillRequest(rid, list(prompt), SPEC, adm.kv_target, 30.0))
+    res = pre.run(PrefillRequest(rid, list(prompt), spec, adm.kv_target, 30.0))
     assert res.ok, res.error
-    assert dec.start(b"r", StartDecode(rid, list(prompt), SPEC, res.first_token, None, [])) is None
+    assert dec.start(b"r", StartDecode(rid, list(prompt), spec, res.first_token, None, [])) is None
     out = [res.first_token]
     t_end = time.monotonic() + 120
     while time.monotonic() < t_end:
@@ -136,5 +136,30 @@ def test_prefix_branch_prefill_worker_keeps_a_shared_system_prompt(stack):
     ref = LLM(EngineConfig(checkpoint=path, scheduler=SCHED, kv_cache_bytes=16 << 20, enable_prefix_caching=False))
     assert [toks for _, _, toks in got] == [o.output_ids for o in ref.generate(prompts, SamplingParams(
         max_tokens=10, temperature=0, ignore_eos=True))]
+    dec.kv.assert_all_free()
+    pre.kv.assert_all_free()
+
+
+def test_prefix_landed_shared_prompt_is_hit_by_a_later_choice(stack):
+    """n > 1 on a decode worker: a prompt whose KV landed from the prefill worker, flagged share_prompt, is indexed
+    between steps (its ring's blocks copied before the next launch); a later choice prefilled on the decode worker
+    hits it and decodes the same greedy tokens."""
+    import dataclasses
+
+    dec, pre, _ = stack
+    g = torch.Generator().manual_seed(44)
+    prompt = torch.randint(0, 201088, (330,), generator=g).tolist()  # 20 complete blocks + 10 tokens
+    _, _, first = serve_turn(dec, pre, "share0", prompt, dataclasses.replace(SPEC, share_prompt=True))
+    assert dec.generate(b"r", GenerateRequest("share1", list(prompt), SPEC)) is None
+    out, cached, done = [], None, False
+    t_end = time.monotonic() + 120
+    while time.monotonic() < t_end and not done:
+        for _, batch in dec.step():
+            for c in batch.chunks:
+                if c.request_id == "share1":
+                    cached = c.cached_tokens if cached is None else cached
+                    out += c.token_ids
+                    done = done or c.finished
+    assert cached == 320 and out == first  # every complete block
     dec.kv.assert_all_free()
     pre.kv.assert_all_free()
