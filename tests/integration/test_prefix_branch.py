@@ -103,3 +103,91 @@ def test_prefix_branch_sequence_aborted_right_after_its_snapshot_returns_every_p
     seq, _ = run_one(llm, system + rand_ids(30, g))
     assert seq.num_cached_prefix == 192  # the snapshot's copies ran: the next conversation hits
     llm.kv.assert_all_free()
+
+
+class CopyingTokenRunner:
+    """test_prefix_cache_engine.TokenRunner with page copies (recorded, not performed): the scheduler's branch
+    points, snapshots, fences and the loop's settling run for real."""
+
+    supports_overlap = True
+    supports_page_copies = True
+
+    def __init__(self):
+        self.copies = 0
+
+    def launch(self, items, prev, no):
+        from engine.runner import StepHandle
+
+        rows = [i for i, it in enumerate(items) if it.sample]
+        toks = [(items[i].start + items[i].q_len) * 7919 % 500 for i in rows]
+        return StepHandle(no, items, rows, {}, None, toks, None)
+
+    def collect(self, h):
+        out = [None] * len(h.items)
+        for j, i in enumerate(h.rows):
+            out[i] = h.host[j]
+        return out, [None] * len(h.items)
+
+    def copy_sliding_pages(self, src, dst):
+        assert len(src) == len(dst) and src
+        self.copies += 1
+
+    def sync_copies(self):
+        pass
+
+
+def test_prefix_branch_no_leaks_over_thousands_of_turns_with_aborts_and_eviction():
+    """2,400 turns of conversations that restart on one of two shared 200-token openings through a small cache,
+    a tenth of them aborted after a random number of steps (some right after their snapshot): nothing leaks after
+    any round, branch points keep being taken (the LRU evicts them), new conversations hit their opening."""
+    import dataclasses
+
+    from engine.core import EngineCore
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+    from model.config import preset
+    from model.kv_cache import KVManager, plan_kv_cache
+
+    spec = plan_kv_cache(preset("tiny"), 1 << 30, page_size=16, max_num_seqs=8, dtype=torch.float32)
+    kv = KVManager(dataclasses.replace(spec, num_pages=(220, 8 * 9 + 60)), "test-identity")
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048), kv, ())
+    for overlap in (True, False):
+        runner = CopyingTokenRunner()
+        core = EngineCore(sched, runner, overlap)
+        g = torch.Generator().manual_seed(12 + overlap)
+        openings = [rand_ids(200, g) for _ in range(2)]
+        convs = [list(openings[c % 2]) for c in range(8)]
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        opening_hits = 0
+        for rnd in range(150):
+            seqs = []
+            for c in range(8):
+                if len(convs[c]) > 400:
+                    convs[c] = list(openings[(c + rnd) % 2])  # a new conversation
+                convs[c] = convs[c] + rand_ids(int(torch.randint(5, 40, (1,), generator=g)), g)
+                seq = Sequence(f"r{rnd}c{c}", list(convs[c]), params)
+                sched.add(seq)
+                seqs.append((c, seq))
+            doomed = {c: int(torch.randint(1, 6, (1,), generator=g)) for c in range(8) if torch.rand(1, generator=g) < 0.1}
+            steps = 0
+            while core.has_work:
+                core.step()
+                steps += 1
+                for c, s in seqs:
+                    if doomed.get(c) == steps and not s.finished:
+                        core.abort(s)
+            for c, s in seqs:
+                assert s.finished
+                if s.finish_reason.value == "length":
+                    convs[c] = convs[c] + s.output_ids
+                else:  # aborted: the conversation starts over
+                    convs[c] = list(openings[c % 2])
+                opening_hits += len(s.prompt_ids) < 260 and s.num_cached_prefix >= 192
+            assert not sched.has_fenced
+            kv.assert_all_free()
+        assert opening_hits > 50, opening_hits
+    assert kv.cache.stats.branch_snapshots > 10 and runner.copies > 0
+    assert kv.cache.num_evicted()[1] > 0  # the small sliding group cycled
+    kv.clear_cache()
+    for a in kv.alloc:
+        a.assert_all_free()
