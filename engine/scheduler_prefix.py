@@ -80,7 +80,8 @@ class PrefixScheduling:
         at = seq.snapshot_at
         got = snapshot_prompt(self.kv, seq.pages, self.hashes(seq, at), at, seq.ring_valid_from, written_end)
         self.forget_branch(seq)
-        self.kv.cache.stats.branch_snapshots += 1  # type: ignore[union-attr]
+        if got[0]:  # its window copied (none when no sliding page was free; the next such prompt tries again)
+            self.kv.cache.stats.branch_snapshots += 1  # type: ignore[union-attr]
         return got
 
     def forget_branch(self, seq: Sequence) -> None:
