@@ -9,6 +9,7 @@ from engine.build import EngineConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerConfig
+from tests.integration.test_prefix_cache_engine import TokenRunner
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 VOCAB = 201088
@@ -105,28 +106,14 @@ def test_prefix_branch_sequence_aborted_right_after_its_snapshot_returns_every_p
     llm.kv.assert_all_free()
 
 
-class CopyingTokenRunner:
-    """test_prefix_cache_engine.TokenRunner with page copies (recorded, not performed): the scheduler's branch
+class CopyingTokenRunner(TokenRunner):
+    """test_prefix_cache_engine's TokenRunner with page copies (recorded, not performed): the scheduler's branch
     points, snapshots, fences and the loop's settling run for real."""
 
-    supports_overlap = True
     supports_page_copies = True
 
     def __init__(self):
         self.copies = 0
-
-    def launch(self, items, prev, no):
-        from engine.runner import StepHandle
-
-        rows = [i for i, it in enumerate(items) if it.sample]
-        toks = [(items[i].start + items[i].q_len) * 7919 % 500 for i in rows]
-        return StepHandle(no, items, rows, {}, None, toks, None)
-
-    def collect(self, h):
-        out = [None] * len(h.items)
-        for j, i in enumerate(h.rows):
-            out[i] = h.host[j]
-        return out, [None] * len(h.items)
 
     def copy_sliding_pages(self, src, dst):
         assert len(src) == len(dst) and src
