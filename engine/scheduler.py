@@ -212,7 +212,7 @@ class Scheduler(PrefixScheduling):
             note_ring_write(seq, it.start, end, spec.page_size, spec.sliding_window)
             if seq.pages.copy_src:  # the step copied its hit's sliding blocks: drop the sources after it
                 self._fenced.append((step, self.kv.release_copy_sources(seq.pages)))
-            if seq.snapshot_at and it.start < seq.snapshot_at <= end:
+            if self.branch_due(seq, it.start, end):
                 self._copy_behind(*self.snapshot_branch(seq, end))
             if it.sample:
                 if seq.params.share_prompt and not seq.output_ids and not seq.num_pending:

@@ -57,18 +57,29 @@ class PrefixScheduling:
         seq.num_cached_prefix = hit.num_tokens
         if self.kv.cache is not None:
             self.kv.cache.count(seq.num_tokens, hit.num_tokens)
-        if self.branches is not None and self.share_prompts and not seq.output_ids:
+        if self._takes_branches(seq):
             seq.snapshot_at = self.branch_of(seq, hit) if at is None else at
-            self.branches.admitted(self.hashes(seq, len(seq.prompt_ids)), seq.snapshot_at, hit.num_tokens)
+            branches = self.branches
+            assert branches is not None
+            branches.admitted(self.hashes(seq, len(seq.prompt_ids)), seq.snapshot_at, hit.num_tokens)
 
     # ---- branch points (engine/prefix_branch.py) ----------------------------------------------------
+    def _takes_branches(self, seq: Sequence) -> bool:
+        """A preempted sequence's recompute (it has output) is not a new prompt; a TP group's runner cannot copy
+        pages; a model without sliding layers (or a worker without a cache) needs none."""
+        return self.branches is not None and self.share_prompts and not seq.output_ids
+
     def branch_of(self, seq: Sequence, hit: Hit) -> int:
-        """Where an admitted prompt would keep its KV for others (tokens), 0 for nowhere. A preempted
-        sequence's recompute (it has output) is not a new prompt; a TP group's runner cannot copy pages."""
-        if self.branches is None or not self.share_prompts or seq.output_ids:
+        """Where an admitted prompt would keep its KV for others (tokens), 0 for nowhere."""
+        if not self._takes_branches(seq):
             return 0
         n = len(seq.prompt_ids)
-        return self.branches.find(self.hashes(seq, n), n, hit.num_tokens)
+        return self.branches.find(self.hashes(seq, n), n, hit.num_tokens)  # type: ignore[union-attr]
+
+    @staticmethod
+    def branch_due(seq: Sequence, start: int, end: int) -> bool:
+        """The chunk [start, end) writes the last position before seq's branch point: snapshot after it."""
+        return bool(seq.snapshot_at) and start < seq.snapshot_at <= end
 
     def chunk_len(self, seq: Sequence, start: int, q: int) -> int:
         """A prompt chunk of q tokens from start, ended at the sequence's branch point when it must."""

@@ -160,7 +160,7 @@ class PrefillEngine:
                 note_ring_write(seq, pos, pos + q, spec.page_size, spec.sliding_window)
                 if seq.pages.copy_src:  # the hit's sliding blocks were copied: the sources go at the end
                     self.copy_sources = self.kv.release_copy_sources(seq.pages)
-                if seq.snapshot_at and pos < seq.snapshot_at <= pos + q:  # engine/prefix_branch.py
+                if self.parts.scheduler.branch_due(seq, pos, pos + q):  # engine/prefix_branch.py
                     src, dst, self.snapshot_pages = self.parts.scheduler.snapshot_branch(seq, pos + q)
                     if src:  # queued before the next chunk writes the ring (one stream)
                         self.runner.copy_sliding_pages(src, dst)
