@@ -33,6 +33,7 @@ class ModelSeries:
     # (context, batch) -> (row, source): the newest run that measured that one point, for the README's summary
     # cells (a newer run of fewer batch sizes must not blank a cell an older run measured)
     points: dict[tuple[int, int], tuple[dict, str]] = field(default_factory=dict)
+    card: str = ""  # the GPU when not an H200 (report_series.card_of; also the label's last part)
 
     def legend(self, key: str | int) -> str:
         gpus = f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}"

@@ -43,10 +43,19 @@ def fusion_settings(d: dict) -> list[str | None]:
     return sorted({setting_of(r) for r in rows})
 
 
+def card_of(d: dict) -> str:
+    """The GPU a run measured on, where it was not an H200 ("H100 80GB HBM3"), else "". Runs that did not
+    record their GPU ran on the H200s of 2026-11/12 (report.sec_runs says "H200 (not recorded)")."""
+    env = d.get("env") or {}
+    gpu = str(env.get("gpu") or env.get("device") or "")
+    return "" if not gpu or "H200" in gpu else gpu.removeprefix("NVIDIA ")
+
+
 def label_of(d: dict, fusions: str | None = None) -> tuple[str, int]:
     """The configuration's label. An A/B run of fusion settings is labelled by `fusions` (one of its
     settings) or, without it, by its whole list: never the label of a plain run, which it must not
-    replace when results folders are merged."""
+    replace when results folders are merged. A run on another GPU than an H200 says which (card_of): its
+    figures must never stand in an H200's series."""
     if _plain(d):
         fusions = None  # a plain run: the defaults of its day (its rows say which)
     elif fusions is None:
@@ -56,7 +65,8 @@ def label_of(d: dict, fusions: str | None = None) -> tuple[str, int]:
     backend = d["args"].get("moe")  # the Triton MoE was the only one before DeepGEMM's: unlabelled
     kernels = f" · MoE {backend}" if backend not in (None, "triton") else ""
     kernels += f" · fusions {fusions}" if fusions else ""
-    return f"{d['args']['preset']} TP{tp}{moe} · {d['args'].get('attention', '?')}{kernels}", tp
+    card = f" · {card_of(d)}" if card_of(d) else ""
+    return f"{d['args']['preset']} TP{tp}{moe} · {d['args'].get('attention', '?')}{kernels}{card}", tp
 
 
 def run_date(d: dict) -> str:
@@ -77,7 +87,7 @@ def build_series(docs: dict[str, dict], runs: dict[str, Run] | None = None) -> l
     for n, d in newest_first:
         for fz in fusion_settings(d):
             label, tp = label_of(d, fz)
-            s = out.setdefault(label, ModelSeries(label, tp))
+            s = out.setdefault(label, ModelSeries(label, tp, card=card_of(d)))
             src = source(n, d, runs or {})
             mine = (lambda r: True) if fz is None else (lambda r, fz=fz: setting_of(r) == fz)
             prefill = [r for r in d.get("prefill", {}).get("rows", []) if mine(r)]

@@ -67,9 +67,19 @@ def _peer_cells(peer: tuple[str, dict] | None) -> list[str]:
     return [cell("prefill 8192 tokens"), cell("decode batch 1 (ms/token)")] + [NOT] * (len(BATCHES) - 1)
 
 
+def _model_row(preset: str, s: ModelSeries | None, older: bool) -> str:
+    cells = [_decode_row(s, b)[1] for b in BATCHES]
+    pre = {s.sources["prefill"]} if s and "prefill" in s.sources else set()
+    runs = sorted(pre | {c for c in cells if c})
+    where = f" on one {s.card}" if s and s.card else ""
+    name = f"{preset}{where}{', Triton MoE' if older else ''} ({'; '.join(runs)})" if runs else preset + where
+    return "| " + " | ".join([name, _prefill_cell(s), *(_decode_cell(s, b) for b in BATCHES)]) + " |"
+
+
 def perf_summary(series: list[ModelSeries], peers: dict[str, tuple[str, dict]]) -> list[str]:
     """series: newest run per configuration (report.build_series); peers: preset -> (source, doc with
-    hf_peer), the newest such run of each model."""
+    hf_peer), the newest such run of each model. The H200 rows read H200 runs only; the defaults measured
+    on another card (an H100 lent when no H200 was) get rows of their own that name it."""
     head = ["one H200, workers' defaults", "prefill 8k tokens", *(f"decode batch {b}, 8k context" for b in BATCHES)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for preset in PRESETS:
@@ -77,18 +87,18 @@ def perf_summary(series: list[ModelSeries], peers: dict[str, tuple[str, dict]]) 
         older = None
         if s is None:  # before 2026-12-02 the default MoE was Triton's (an unlabelled backend)
             s = older = next((s for s in series if s.label == f"{preset} TP1 · flashinfer"), None)
-        cells = [_decode_row(s, b)[1] for b in BATCHES]
-        pre = {s.sources["prefill"]} if s and "prefill" in s.sources else set()
-        runs = sorted(pre | {c for c in cells if c})
-        name = f"{preset}{', Triton MoE' if older else ''} ({'; '.join(runs)})" if runs else preset
-        lines.append("| " + " | ".join([name, _prefill_cell(s), *(_decode_cell(s, b) for b in BATCHES)]) + " |")
+        lines.append(_model_row(preset, s, older is not None))
+    for preset in PRESETS:
+        lines += [_model_row(preset, s, False) for s in series
+                  if s.card and s.label == f"{default_label(preset)} · {s.card}"]
     for preset in PRESETS:
         lines.append("| " + " | ".join([f"{preset} vs HF transformers (bf16, eager)",
                                         *_peer_cells(peers.get(preset))]) + " |")
     lines.append("| " + " | ".join(["vs vLLM / SGLang", *[NOT] * (1 + len(BATCHES))]) + " |")
     return lines + ["", "Decode runs CUDA graphs; \"% of HBM floor\" is the time the step's bytes need at the copy "
                     "bandwidth measured in the same run over the measured step time; \"% of FP8 peak\" is against "
-                    "the run's own FP8 matmul ceiling; $ at $3.00 per H200-hour."]
+                    "the run's own FP8 matmul ceiling; $ at $3.00 per GPU-hour (the H200's price, on every row). A row "
+                    "\"on one H100\" was measured on an H100 lent when no H200 was: its floors are that card's."]
 
 
 def replace_block(text: str, block: list[str]) -> str:

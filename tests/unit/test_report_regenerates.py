@@ -87,6 +87,30 @@ def test_summary_cell_falls_back_to_an_older_run_that_measured_it():
     assert "old.json, 2026-12-01" in cells[0] and "new.json, 2026-12-04" in cells[0]
 
 
+def test_summary_h200_row_never_reads_another_cards_run():
+    """The summary promises one H200: a newer run on an H100 (lent when no H200 was) must not fill the
+    H200 row; it gets a row of its own that names the card, and its plot line is labelled with it."""
+    from benchmarks.report_summary import perf_summary
+
+    def doc(date: str, gpu: str | None, ms: float) -> dict:
+        rows = [{"context": 8192, "batch": 1, "tok_s_per_user": 1e3 / ms, "tok_s_per_gpu": 1e3 / ms,
+                 "usd_per_M_output": 1.0, "ratio_to_floor": 0.5}]
+        env = {"date": date} | ({"gpu": gpu} if gpu else {})
+        return {"args": {"preset": "gpt-oss-20b", "moe": "deepgemm", "attention": "flashinfer"},
+                "env": env, "decode": {"rows": rows}}
+
+    docs = {"h200.json": doc("2026-12-02", "NVIDIA H200", 2.5),
+            "h100.json": doc("2026-12-06", "NVIDIA H100 80GB HBM3", 2.0),
+            "unrecorded.json": doc("2026-12-01", None, 4.0)}
+    series = report.build_series(docs)
+    assert sorted(s.card for s in series) == ["", "H100 80GB HBM3"]
+    lines = perf_summary(series, {})
+    h200 = next(line for line in lines if line.startswith("| gpt-oss-20b ("))
+    h100 = next(line for line in lines if line.startswith("| gpt-oss-20b on one H100 80GB HBM3 ("))
+    assert "400 tok/s" in h200 and "h200.json" in h200 and "h100.json" not in h200
+    assert "500 tok/s" in h100 and "h100.json" in h100
+
+
 def test_prefill_reads_ab_is_one_series_per_setting_never_the_defaults():
     """A run that A/Bs FlashInfer's prefill reads (bench_model --prefill-reads) with one fusion setting
     draws one line per reads setting, none of them labelled as the day's defaults."""
