@@ -246,6 +246,14 @@ ISSUE_SUITES: dict[str, Suite] = {
                step("profile-20b", "{py} -m benchmarks.profile_decode --preset gpt-oss-20b --batches 1,64", 150,
                     summary=r"CUDA kernels per step|Error")),
         reproduces=("issue 27 (2026-12-02, H200): 20b prefill 8k 89.8 ms, 8k x 1 replay 2.44 ms; 120b 162 ms, 3.53 ms",)),
+    # issue27-h100-1's batch-1 profile: `_decode_fwd` 226 us + merge 30 us a step, ~15 us per full layer at 8k (2.6x
+    # its K/V read at copy bandwidth), in the config tuned on 64-128 sequences (64 splits of 2 blocks at one sequence)
+    "decode-b1-attn": Suite(
+        "issue 27's batch-1 decode attention: the Triton decode kernel at ONE sequence over its splits, keys per block "
+        "and stages (CUDA-graph replays of read + split merge, bf16 and e4m3 pages, 8k, 32k and a sliding layer), "
+        "fastest first per case against the configs the workers use",
+        carry=STACK_CARRY,
+        steps=(step("decode-b1", "{py} -m benchmarks.decode_b1", 170, summary=r"^b1 |rule|done|Error"),)),
     "fusion-ab": Suite(
         "issue 27's launch-bound fusions (--fusions): their GPU parity tests first (bits of the unfused kernels, "
         "self-tests, 20b layers, graph-decoded tokens), then each fused kernel against the launches it replaces "

@@ -194,8 +194,8 @@ def test_a_suite_run_unpacked_into_a_dated_folder_feeds_the_report(tmp_path, mon
     """The workflow: run a suite, put its folder under benchmarks/results/DATE/, `tandem bench report`:
     the published JSON appears on the page with its run, suite and command, and in the summary table."""
     from benchmarks import report
-    monkeypatch.setattr(gpu_env, "versions", lambda env, repo: {"gpu": "fake"})
-    doc = {"env": {"date": "2026-12-09 10:00:00 UTC", "gpu": "fake"}, "world": 1,
+    monkeypatch.setattr(gpu_env, "versions", lambda env, repo: {"gpu": "NVIDIA H200"})
+    doc = {"env": {"date": "2026-12-09 10:00:00 UTC", "gpu": "NVIDIA H200"}, "world": 1,
            "args": {"preset": "gpt-oss-20b", "attention": "flashinfer", "moe": "deepgemm"},
            "prefill": {"rows": [{"tokens": 8192, "ms": 90.0, "TFLOPs": 600.0, "ratio_fp8_peak": 0.42,
                                  "tokens_per_s_per_gpu": 91000.0, "usd_per_M_input": 0.0092}]},
