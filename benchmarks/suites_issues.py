@@ -248,12 +248,15 @@ ISSUE_SUITES: dict[str, Suite] = {
         reproduces=("issue 27 (2026-12-02, H200): 20b prefill 8k 89.8 ms, 8k x 1 replay 2.44 ms; 120b 162 ms, 3.53 ms",)),
     # issue27-h100-1's batch-1 profile: `_decode_fwd` 226 us + merge 30 us a step, ~15 us per full layer at 8k (2.6x
     # its K/V read at copy bandwidth), in the config tuned on 64-128 sequences (64 splits of 2 blocks at one sequence)
-    "decode-b1-attn": Suite(
-        "issue 27's batch-1 decode attention: the Triton decode kernel at ONE sequence over its splits, keys per block "
-        "and stages (CUDA-graph replays of read + split merge, bf16 and e4m3 pages, 8k, 32k and a sliding layer), "
-        "fastest first per case against the configs the workers use",
+    "b1-probes": Suite(
+        "issue 27's batch-1 step, two probes: the Triton decode kernel at ONE sequence over its splits, keys per block "
+        "and stages (CUDA-graph replays of read + split merge, bf16 and e4m3 pages, 8k, 32k and a sliding layer, "
+        "fastest first per case against the configs the workers use); and the few-token MoE's two kernels against "
+        "bare streams of the same weight boxes (same grid and TMA boxes, the K loop alone) and of a tiled copy of "
+        "the weights (every box contiguous), GB/s against the copy bandwidth of the same run",
         carry=STACK_CARRY,
-        steps=(step("decode-b1", "{py} -m benchmarks.decode_b1", 170, summary=r"^b1 |rule|done|Error"),)),
+        steps=(step("decode-b1", "{py} -m benchmarks.decode_b1", 170, summary=r"^b1 |rule|done|Error"),
+               step("moe-small-probe", "{py} -m benchmarks.moe_small_probe", 120, summary=r"^probe|done|Error"))),
     "fusion-ab": Suite(
         "issue 27's launch-bound fusions (--fusions): their GPU parity tests first (bits of the unfused kernels, "
         "self-tests, 20b layers, graph-decoded tokens), then each fused kernel against the launches it replaces "
