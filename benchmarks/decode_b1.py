@@ -28,7 +28,8 @@ if SMOKE:
 import torch  # noqa: E402
 
 from kernels.triton_attention import AttnBatch  # noqa: E402
-from kernels.triton_decode import BF16_DECODE, DEFAULT_DECODE, FP8, DecodeConfig, decode_splits, paged_decode  # noqa: E402
+from kernels.triton_decode import (  # noqa: E402
+    BF16_DECODE, DEFAULT_DECODE, FP8, DecodeConfig, decode_splits, paged_decode)
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
 HQ, HKV, D, P = (8, 2, 32, 16) if SMOKE else (64, 8, 64, 16)
@@ -127,7 +128,7 @@ def main() -> None:
             rows.append({"case": case, "block_n": cfg.block_n, "warps": cfg.num_warps, "stages": cfg.num_stages,
                          "splits": s, "rule": splits is None, "us": us, "GBps": kv_bytes / us / 1e3 if us else 0.0,
                          "rel_vs_first": rel})
-        del caches
+        caches.clear()  # the next case's pages
     with open(os.path.join(out_dir, "decode_b1.json"), "w") as f:
         json.dump({"device": "cpu" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
                    "rows": rows}, f, indent=1)
