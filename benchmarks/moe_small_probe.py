@@ -12,6 +12,8 @@ a copy: a tiled weight layout would help. Timed here, CUDA graphs over 8 disjoin
                 ones column (no routing, no quantisation, no scales, no epilogue): the K loop alone
   stream-tiled  the same loop over a copy of the weights laid out tile by tile ([E, N/BN, K/BK, BN, BK]: every box
                 one contiguous 32 KB / 16 KB run)
+  loop          gate_up's own K loop (row_gemm_swapped: the x tile and both scales per box), no preamble, no epilogue;
+                `+ preamble` adds the kernel's start (route the token, quantise x over the CTA's K range)
 
 and each row's GB/s against the copy bandwidth measured in the same run. stream ~ kernel points at (b), stream ~
 copy and kernel slower at (a); stream-tiled says what a tiled layout would buy. Writes $OUT/moe_small_probe.json.
@@ -38,7 +40,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 from benchmarks.gemm import bench, measure_ceilings  # noqa: E402
 from kernels.interface import ExpertWeights  # noqa: E402
 from kernels.moe import split_range  # noqa: E402
-from kernels.moe_small import SmallBatchMoE  # noqa: E402
+from kernels.moe_small import SmallBatchMoE, route_and_quantise_row  # noqa: E402
+from kernels.moe_small_tiles import row_gemm_swapped  # noqa: E402
 
 E, H, I, TOP_K = 32, 2880, 2880, 4  # gpt-oss-20b's experts
 BK = 128
@@ -67,6 +70,73 @@ def _stream_kernel(desc, ids_ptr, out_ptr, N, K, TILED: tl.constexpr, KB: tl.con
     offs = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, 16)
     tl.store(out_ptr + p * N + offs, tl.sum(tl.where((cols == 0)[None, :], acc, 0.0), axis=1), mask=offs < N)
+
+
+@triton.jit
+def _loop_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, w_ptr, w_desc, ws_ptr, out_ptr, N, K, E,
+                 stride_lt, stride_xt, stride_xqt, stride_xsk, stride_we, stride_wn, stride_wse, stride_wsn,
+                 stride_wsk, PREAMBLE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_TK: tl.constexpr, BLOCK_GX: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
+    """The gate_up kernel's K loop (row_gemm_swapped: TMA boxes, the x row's e4m3 tile, both scales per block) on
+    one token, without its epilogue (the partial goes out as is). PREAMBLE: with the kernel's own start (route the
+    token, quantise x over the CTA's K range, barrier); else ids and x's e4m3 copy were written beforehand."""
+    pid = tl.program_id(0)
+    ks = pid % SPLIT_K
+    num_n = tl.cdiv(N, BLOCK_N)
+    nt = (pid // SPLIT_K) % num_n
+    p = pid // SPLIT_K // num_n
+    k_lo, k_hi = split_range(ks, K, 1, SPLIT_K, BLOCK_K)
+    if PREAMBLE:
+        e = route_and_quantise_row(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, 0, p, 0, k_lo, k_hi, E,
+                                   stride_lt, stride_xt, stride_xqt, stride_xsk, TOP_K, BLOCK_E, BLOCK_TK, BLOCK_GX,
+                                   FP8_MAX_C, HW_CVT)
+    else:
+        e = tl.load(ids_ptr + p)
+    offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = offs_n % N
+    part = row_gemm_swapped(xq_ptr, xs_ptr, stride_xsk, w_ptr + e.to(tl.int64) * stride_we, w_desc, e, nt * BLOCK_N,
+                            ws_ptr + e.to(tl.int64) * stride_wse, rn, k_lo, k_hi, stride_wn, stride_wsn, stride_wsk,
+                            16, BLOCK_N, BLOCK_K, BLOCK_K, True)
+    tl.store(out_ptr + p * N + offs_n, part, mask=offs_n < N)
+
+
+def loop_calls(experts: ExpertWeights, x: torch.Tensor, logit_sets: list[torch.Tensor], id_sets: list[torch.Tensor],
+               split: int, stages: int, preamble: bool) -> list:
+    """gate_up's K loop on one token per expert set (see _loop_kernel); x's e4m3 copy is made once beforehand."""
+    from kernels.fp8_quant import FP8_DTYPE, quantize_act_1x128
+    from kernels.reference import FP8_MAX
+    w, ws = experts.w1, experts.w1_scale
+    n, k, e = w.shape[1], w.shape[2], w.shape[0]
+    xq, xs = quantize_act_1x128(x)  # [1, K] e4m3, [1, K/128]: one token, so xs's K stride is 1 as in the kernel
+    xs_buf = xs.reshape(-1).contiguous()  # [K/128]
+    xq_buf = torch.empty(1, k, dtype=FP8_DTYPE, device=x.device).copy_(xq)
+    desc = TensorDescriptor.from_tensor(w, [1, cfg_bn(), BK])
+    out = torch.empty(TOP_K, n, dtype=torch.float32, device=x.device)
+    rw = torch.empty(1, TOP_K, dtype=x.dtype, device=x.device)
+    per_split = triton.cdiv(triton.cdiv(k, BK), split)
+    grid = (TOP_K * triton.cdiv(n, cfg_bn()) * split,)
+
+    def call(lg: torch.Tensor, ids: torch.Tensor) -> None:
+        _loop_kernel[grid](lg, rw, ids, x, xq_buf, xs_buf, w, desc, ws, out, n, k, e, lg.stride(0), x.stride(0),
+                           xq_buf.stride(0), 1, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
+                           ws.stride(2), PREAMBLE=preamble, TOP_K=TOP_K, BLOCK_E=triton.next_power_of_2(e),
+                           BLOCK_TK=triton.next_power_of_2(TOP_K), BLOCK_GX=triton.next_power_of_2(per_split),
+                           SPLIT_K=split, BLOCK_N=cfg_bn(), BLOCK_K=BK, FP8_MAX_C=FP8_MAX, HW_CVT=x.is_cuda,
+                           num_warps=4, num_stages=stages)
+    calls = _Calls(lambda lg=lg, ids=ids: call(lg, ids) for lg, ids in zip(logit_sets, id_sets))
+    calls.out = out
+    return calls
+
+
+class _Calls(list):
+    """The calls of one variant, and the buffer they write (tests read it)."""
+
+    out: torch.Tensor
+
+
+def cfg_bn() -> int:
+    return SmallBatchMoE.config_for(TOP_K).block_n1
 
 
 def tiled(w: torch.Tensor, bn: int) -> torch.Tensor:
@@ -107,6 +177,27 @@ def smoke() -> None:
         err = float((out - want).abs().max())
         print(f"smoke stream{'-tiled' if tiled_w else ''}: max abs err {err:.3g}")
         assert err <= 1e-3 * float(want.abs().max()), "stream kernel sums differ"
+    # gate_up's K loop, with and without the kernel's preamble: the 1x128-scaled product of the routed experts
+    from kernels.fp8_quant import quantize_act_1x128
+    e, n, k = 8, 2 * cfg_bn(), 256
+    w1 = torch.randint(0, 0x40, (e, n, k), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s1 = torch.rand(e, n // BK, k // BK) + 0.5
+    experts = ExpertWeights(w1, s1, torch.zeros(e, n), w1[:, :k], s1[:, :k // BK], None, 0, e, 1.702, 7.0)
+    x = torch.randn(1, k)
+    ids = torch.tensor([5, 1, 6, 2], dtype=torch.int32)
+    lg = torch.full((1, e), -5.0)
+    lg[0, ids.long()] = torch.tensor([4.0, 3.0, 2.0, 1.0])  # slot j routes to ids[j]
+    xq, xs = quantize_act_1x128(x)
+    xf = (xq.float().view(1, k // BK, BK) * xs.view(1, -1, 1)).view(1, k)
+    wf = w1.float() * s1.repeat_interleave(BK, 1).repeat_interleave(BK, 2)
+    want = torch.stack([wf[i] @ xf[0] for i in ids.long()])  # [TOP_K, n]
+    for preamble in (False, True):
+        calls = loop_calls(experts, x, [lg], [ids], 1, 2, preamble)
+        calls[0]()
+        got = calls.out
+        err = float((got - want).norm() / want.norm())
+        print(f"smoke loop{' + preamble' if preamble else ''}: rel err {err:.2e}")
+        assert err < 1e-5, "the K loop's product differs"
     print("done")
 
 
@@ -157,6 +248,12 @@ def main() -> None:
         f"split {cfg.split_k2}")
     row("kernel (both launches)", "layer", gate_bytes + down_bytes,
         bench([lambda lg=lg: moe(x, lg, TOP_K, experts) for lg in logit_sets]))
+    # gate_up decomposed: the K loop alone (scales, x tile), then with the kernel's preamble (routing, x quantised)
+    for split in (2,):
+        for stages in (3, 4):
+            for preamble in (False, True):
+                row(f"loop{' + preamble' if preamble else ''} split {split} stages {stages}", "gate_up", gate_bytes,
+                    bench(loop_calls(experts, x, logit_sets, id_sets, split, stages, preamble)))
     w1t, w2t = tiled(w1, cfg.block_n1), tiled(w2, cfg.block_n2)
     for part, w, wt, bn, nbytes, splits in (("gate_up", w1, w1t, cfg.block_n1, gate_bytes, (1, 2, 4)),
                                             ("down", w2, w2t, cfg.block_n2, down_bytes, (2, 4, 8))):

@@ -66,8 +66,8 @@ WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partials),
 # window's share of work there). The 8k prefill 87.3 -> 85.1 ms; at 2k within noise.
 FRESH_PREFILL = "ragged"
 SLIDING_PREFILL: str | None = "fa2"
-# Pure-decode steps over 16-bit pages of at most this many sequences read on the Triton decode kernel (BF16_DECODE)
-# instead of fa2. 20b at 8k: batch 1 replays 2.805 -> 2.737 ms (b1-ab-1, H100) and 2.415 -> 2.336 (tdecode-ab-1, H200);
+# Pure-decode steps over 16-bit pages of at most this many sequences read on the Triton decode kernel
+# (ONE_SEQ_BF16_DECODE while this is 1, else BF16_DECODE) instead of fa2. 20b at 8k: batch 1 replays 2.805 -> 2.737 ms (b1-ab-1, H100) and 2.415 -> 2.336 (tdecode-ab-1, H200);
 # batch 4 is 1 % slower (b1-ab-1), 64 and 128 1 % (tdecode-ab-1). decode_kernel="triton" takes every batch.
 TRITON_DECODE_MAX_SEQS = 1
 
@@ -196,10 +196,13 @@ class FlashInferAttention(FlashInferPlans):
 
     def _triton(self, decode_all: bool = False):
         """A TritonAttention planned and graphed like this backend (it takes over FP8 layers, or every
-        pure-decode step with decode_all: 16-bit pages on the decode kernel, in BF16_DECODE's config)."""
+        pure-decode step with decode_all: 16-bit pages on the decode kernel, in BF16_DECODE's config, or
+        ONE_SEQ_BF16_DECODE's where it only reads one-sequence steps)."""
         from kernels.triton_attention_backend import DecodeKernel, TritonAttention
-        from kernels.triton_decode import BF16_DECODE
-        t = TritonAttention(decode=DecodeKernel.ALL, decode_config=BF16_DECODE) if decode_all else TritonAttention()
+        from kernels.triton_decode import BF16_DECODE, ONE_SEQ_BF16_DECODE
+        one_seq = not self._all_decode_triton and self.triton_decode_max_seqs == 1
+        cfg = ONE_SEQ_BF16_DECODE if one_seq else BF16_DECODE
+        t = TritonAttention(decode=DecodeKernel.ALL, decode_config=cfg) if decode_all else TritonAttention()
         if self._graph_sizes:
             t.enable_cuda_graphs(sorted(self._graph_sizes), self._graph_max_pages)
         if self._step is not None:

@@ -259,6 +259,10 @@ DEFAULT_DECODE = DecodeConfig()
 # bf16 pages (fp8-kv-2's sweep at 128 x 8k): 2 stages read 3,778 GB/s, 3 stages with 32 keys 3,615, the
 # generic kernel 3,526 (a 16-bit block is twice the bytes of an e4m3 one: fewer in flight suffice)
 BF16_DECODE = DecodeConfig(num_stages=2)
+# ... and at ONE sequence (8 KV heads x 64 splits of one-warp programs, latency-bound): 32 keys, 3 stages. b1-probes-1
+# (H100, graph replays of read + merge): 8k full layer 13.09 -> 11.98 us, 32k 32.37 -> 29.79; the sliding layers
+# (window 128) read 4.77 us with 2 stages, 4.13 with 3 (64 keys).
+ONE_SEQ_BF16_DECODE = DecodeConfig(block_n=32, num_stages=3)
 
 
 def decode_splits(batch: AttnBatch, num_kv_heads: int, window: int | None, cfg: DecodeConfig,

@@ -409,12 +409,12 @@ def test_flashinfer_triton_decode_takes_16bit_pages_too(fake_flashinfer, monkeyp
 
 def test_flashinfer_batch1_decode_on_the_triton_decode_kernel(fake_flashinfer, monkeypatch):
     """The default backend reads pure-decode steps of one sequence over 16-bit pages on the Triton decode kernel
-    (BF16_DECODE; TRITON_DECODE_MAX_SEQS, b1-ab-1), larger decode batches and prefills on FlashInfer; both match
-    the reference. triton_decode_max_seqs = 0 keeps every decode step on fa2."""
+    (ONE_SEQ_BF16_DECODE: b1-probes-1; TRITON_DECODE_MAX_SEQS, b1-ab-1), larger decode batches and prefills on
+    FlashInfer; both match the reference. triton_decode_max_seqs = 0 keeps every decode step on fa2."""
     import dataclasses
 
     import kernels.triton_attention_backend as tab
-    from kernels.triton_decode import BF16_DECODE
+    from kernels.triton_decode import ONE_SEQ_BF16_DECODE
 
     @dataclasses.dataclass(frozen=True)
     class OneSeq(SelfTestShape):
@@ -428,7 +428,7 @@ def test_flashinfer_batch1_decode_on_the_triton_decode_kernel(fake_flashinfer, m
     one = OneSeq(**{f.name: getattr(SMALL, f.name) for f in dataclasses.fields(SelfTestShape)})
     impl = fake_flashinfer.FlashInferAttention()
     self_test_attention(impl, "cpu", torch.float32, shape=one)
-    assert calls and set(calls) == {(1, BF16_DECODE)}  # both decode steps, both layers
+    assert calls and set(calls) == {(1, ONE_SEQ_BF16_DECODE)}  # both decode steps, both layers
     _FakeWrapper.log, calls[:] = [], []
     self_test_attention(impl, "cpu", torch.float32, shape=SMALL)  # its decode steps hold 3 sequences
     assert not calls and ("fa2", "paged", False, False) in _FakeWrapper.log

@@ -1,13 +1,15 @@
 """benchmarks/moe_small_probe.py's bare weight stream (the few-token MoE's grid and TMA boxes without its routing and
 epilogue) sums every weight of its boxes, in the experts' own layout and in the tiled copy (tiled()), on the CPU
-interpreter: the probe times what it claims to read."""
+interpreter, and its copy of gate_up's K loop computes the routed experts' product: the probe times what it claims
+to read."""
 
 import torch
 
 from benchmarks import moe_small_probe as probe
 
 
-def test_stream_sums_both_layouts():
+def test_stream_sums_both_layouts_and_the_loop_products():
+    """The stream's sums in both layouts; gate_up's K loop with and without the kernel's preamble against fp32."""
     probe.smoke()
 
 
