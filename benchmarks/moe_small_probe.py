@@ -24,6 +24,7 @@ copy and kernel slower at (a); stream-tiled says what a tiled layout would buy. 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -248,6 +249,16 @@ def main() -> None:
         f"split {cfg.split_k2}")
     row("kernel (both launches)", "layer", gate_bytes + down_bytes,
         bench([lambda lg=lg: moe(x, lg, TOP_K, experts) for lg in logit_sets]))
+    # Other tiles for the same kernels: split 1 drops gate_up's split-K fix-up (the stream at split 1 read as fast),
+    # 4 stages read faster as a bare stream (one CTA per SM then: 96 KB more shared memory each)
+    for s1, s2, st in ((1, 4, 3), (1, 4, 4), (2, 4, 4), (2, 2, 3), (2, 8, 3), (1, 8, 4)):
+        alt = dataclasses.replace(cfg, split_k1=s1, split_k2=s2, num_stages=st)
+        other = SmallBatchMoE(alt)
+        try:
+            row(f"kernel (both) split {s1}/{s2} stages {st}", "layer", gate_bytes + down_bytes,
+                bench([lambda lg=lg: other(x, lg, TOP_K, experts) for lg in logit_sets]))
+        except Exception as err:  # noqa: BLE001 - e.g. shared memory: report, go on
+            print(f"probe layer split {s1}/{s2} stages {st}: {type(err).__name__}: {str(err)[:100]}", flush=True)
     # gate_up decomposed: the K loop alone (scales, x tile), then with the kernel's preamble (routing, x quantised)
     for split in (2,):
         for stages in (3, 4):
