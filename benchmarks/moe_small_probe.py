@@ -13,7 +13,8 @@ a copy: a tiled weight layout would help. Timed here, CUDA graphs over 8 disjoin
   stream-tiled  the same loop over a copy of the weights laid out tile by tile ([E, N/BN, K/BK, BN, BK]: every box
                 one contiguous 32 KB / 16 KB run)
   loop          gate_up's own K loop (row_gemm_swapped: the x tile and both scales per box), no preamble, no epilogue;
-                `+ preamble` adds the kernel's start (route the token, quantise x over the CTA's K range)
+                `+ route` routes the token first, `+ route + quantise` also quantises x over the CTA's K range (the
+                kernel's whole start)
 
 and each row's GB/s against the copy bandwidth measured in the same run. stream ~ kernel points at (b), stream ~
 copy and kernel slower at (a); stream-tiled says what a tiled layout would buy. Writes $OUT/moe_small_probe.json.
@@ -41,10 +42,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 from benchmarks.gemm import bench, measure_ceilings  # noqa: E402
 from kernels.interface import ExpertWeights  # noqa: E402
 from kernels.moe import split_range  # noqa: E402
+from kernels.moe_align import topk_softmax_rows  # noqa: E402
 from kernels.moe_small import SmallBatchMoE, route_and_quantise_row  # noqa: E402
 from kernels.moe_small_tiles import row_gemm_swapped  # noqa: E402
 
 E, H, I, TOP_K = 32, 2880, 2880, 4  # gpt-oss-20b's experts
+PREAMBLES = ("", " + route", " + route + quantise")  # _loop_kernel's PREAMBLE
 BK = 128
 
 
@@ -80,18 +83,23 @@ def _loop_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, w_ptr, w_de
                  BLOCK_TK: tl.constexpr, BLOCK_GX: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
     """The gate_up kernel's K loop (row_gemm_swapped: TMA boxes, the x row's e4m3 tile, both scales per block) on
-    one token, without its epilogue (the partial goes out as is). PREAMBLE: with the kernel's own start (route the
-    token, quantise x over the CTA's K range, barrier); else ids and x's e4m3 copy were written beforehand."""
+    one token, without its epilogue (the partial goes out as is). PREAMBLE 2: with the kernel's own start (route the
+    token, quantise x over the CTA's K range, barrier); 1: routing only; 0: ids and x's e4m3 copy were written
+    beforehand."""
     pid = tl.program_id(0)
     ks = pid % SPLIT_K
     num_n = tl.cdiv(N, BLOCK_N)
     nt = (pid // SPLIT_K) % num_n
     p = pid // SPLIT_K // num_n
     k_lo, k_hi = split_range(ks, K, 1, SPLIT_K, BLOCK_K)
-    if PREAMBLE:
+    if PREAMBLE == 2:
         e = route_and_quantise_row(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, 0, p, 0, k_lo, k_hi, E,
                                    stride_lt, stride_xt, stride_xqt, stride_xsk, TOP_K, BLOCK_E, BLOCK_TK, BLOCK_GX,
                                    FP8_MAX_C, HW_CVT)
+    elif PREAMBLE == 1:  # routing only: x's e4m3 copy was written beforehand
+        rows = tl.arange(0, 1)
+        ids, _ = topk_softmax_rows(logits_ptr, rows, rows >= 0, E, stride_lt, TOP_K, BLOCK_E, BLOCK_TK)
+        e = tl.sum(tl.sum(tl.where((tl.arange(0, BLOCK_TK) == p)[None, :], ids, 0), axis=1), axis=0)
     else:
         e = tl.load(ids_ptr + p)
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -103,7 +111,7 @@ def _loop_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, w_ptr, w_de
 
 
 def loop_calls(experts: ExpertWeights, x: torch.Tensor, logit_sets: list[torch.Tensor], id_sets: list[torch.Tensor],
-               split: int, stages: int, preamble: bool) -> list:
+               split: int, stages: int, preamble: int) -> list:
     """gate_up's K loop on one token per expert set (see _loop_kernel); x's e4m3 copy is made once beforehand."""
     from kernels.fp8_quant import FP8_DTYPE, quantize_act_1x128
     from kernels.reference import FP8_MAX
@@ -192,12 +200,12 @@ def smoke() -> None:
     xf = (xq.float().view(1, k // BK, BK) * xs.view(1, -1, 1)).view(1, k)
     wf = w1.float() * s1.repeat_interleave(BK, 1).repeat_interleave(BK, 2)
     want = torch.stack([wf[i] @ xf[0] for i in ids.long()])  # [TOP_K, n]
-    for preamble in (False, True):
+    for preamble in (0, 1, 2):
         calls = loop_calls(experts, x, [lg], [ids], 1, 2, preamble)
         calls[0]()
         got = calls.out
         err = float((got - want).norm() / want.norm())
-        print(f"smoke loop{' + preamble' if preamble else ''}: rel err {err:.2e}")
+        print(f"smoke loop{PREAMBLES[preamble]}: rel err {err:.2e}")
         assert err < 1e-5, "the K loop's product differs"
     print("done")
 
@@ -262,19 +270,19 @@ def main() -> None:
     # gate_up decomposed: the K loop alone (scales, x tile), then with the kernel's preamble (routing, x quantised)
     for split in (2,):
         for stages in (3, 4):
-            for preamble in (False, True):
-                row(f"loop{' + preamble' if preamble else ''} split {split} stages {stages}", "gate_up", gate_bytes,
+            for preamble in (0, 1, 2):
+                row(f"loop{PREAMBLES[preamble]} split {split} stages {stages}", "gate_up", gate_bytes,
                     bench(loop_calls(experts, x, logit_sets, id_sets, split, stages, preamble)))
     w1t, w2t = tiled(w1, cfg.block_n1), tiled(w2, cfg.block_n2)
-    for part, w, wt, bn, nbytes, splits in (("gate_up", w1, w1t, cfg.block_n1, gate_bytes, (1, 2, 4)),
-                                            ("down", w2, w2t, cfg.block_n2, down_bytes, (2, 4, 8))):
+    # the bare streams at the kernel's splits (b1-probes-1 swept splits 1-8 and stages 3-4: within ~1 us)
+    for part, w, wt, bn, nbytes, split in (("gate_up", w1, w1t, cfg.block_n1, gate_bytes, cfg.split_k1),
+                                           ("down", w2, w2t, cfg.block_n2, down_bytes, cfg.split_k2)):
         n, k = w.shape[1], w.shape[2]
-        for split in splits:
-            for stages in (3, 4):
-                row(f"stream split {split} stages {stages}", part, nbytes,
-                    bench(stream_calls(w, n, k, id_sets, bn, split, stages, False)))
-                row(f"stream-tiled split {split} stages {stages}", part, nbytes,
-                    bench(stream_calls(wt, n, k, id_sets, bn, split, stages, True)))
+        for stages in (3, 4):
+            row(f"stream split {split} stages {stages}", part, nbytes,
+                bench(stream_calls(w, n, k, id_sets, bn, split, stages, False)))
+        row(f"stream-tiled split {split} stages 3", part, nbytes,
+            bench(stream_calls(wt, n, k, id_sets, bn, split, 3, True)))
     with open(os.path.join(out_dir, "moe_small_probe.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                    "ceilings": ceil, "rows": rows}, f, indent=1)
