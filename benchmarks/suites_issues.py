@@ -257,6 +257,19 @@ ISSUE_SUITES: dict[str, Suite] = {
         carry=STACK_CARRY,
         steps=(step("decode-b1", "{py} -m benchmarks.decode_b1", 170, summary=r"^b1 |rule|done|Error"),
                step("moe-small-probe", "{py} -m benchmarks.moe_small_probe", 120, summary=r"^probe|done|Error"))),
+    "norm-quant-b1-ab": Suite(
+        "issue 27's batch-1 MoE: x quantised by the fused norm before it (norm_quant), so the few-token gate_up's CTAs "
+        "only route and stream (b1-probes-2: their own quantisation cost ~2 us of 35 a layer): the GPU tests (the MoE "
+        "takes the norm's FP8 copy with the same bits, both paths; the model's fusions at real widths), then "
+        "gpt-oss-20b A/B in one process at 8k x 1 and x 64",
+        carry=STACK_CARRY,
+        steps=(step("norm-quant-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fusion_gpu.py "
+                                            "-k 'fp8_copy or model_fusions'", 120, summary=PYTEST),
+               step("model-20b-ab", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention --prefill-lens '' "
+                                    "--contexts 8192 --batches 1,64 --fusions gemv+norm_router+rope_store,"
+                                    "gemv+norm_router+rope_store+norm_quant --tag gpt-oss-20b-tp1-norm-quant-ab", 120,
+                    summary=r"^decode ctx|FAILED|Error",
+                    publish={"model_gpt-oss-20b-tp1-norm-quant-ab.json": "model_gpt-oss-20b-tp1-norm-quant-ab.json"}))),
     "fusion-ab": Suite(
         "issue 27's launch-bound fusions (--fusions): their GPU parity tests first (bits of the unfused kernels, "
         "self-tests, 20b layers, graph-decoded tokens), then each fused kernel against the launches it replaces "

@@ -334,9 +334,8 @@ class TritonMoE:
         return fp8 and self.config is None and num_tokens * top_k <= self.small_max_pairs
 
     def takes_fp8_input(self, num_tokens: int, top_k: int, w: ExpertWeights) -> bool:
-        """FP8 experts on the grouped path (the few-token path quantises x inside its GEMM)."""
-        fp8 = w.w1_scale is not None
-        return fp8 and num_tokens > 0 and not self._small(num_tokens, top_k, fp8)
+        """FP8 experts, on either path (the few-token path quantises x inside its gate_up CTAs otherwise)."""
+        return w.w1_scale is not None and num_tokens > 0
 
     def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights,
                  x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -347,7 +346,7 @@ class TritonMoE:
         fp8 = w.w1_scale is not None
         assert (w.w2_scale is not None) == fp8, "w1 and w2 must both be FP8 or both native"
         if self._small(t, top_k, fp8):
-            return self.small(x, router_logits, top_k, w)
+            return self.small(x, router_logits, top_k, w, x_fp8)
         cfg = self.config_for(t, top_k, w, fp8)
         weights, ids = route_topk_softmax(router_logits, top_k)  # [T, k] each
         g = align_by_expert(ids, w.expert_start, w.num_local, cfg.block_m)

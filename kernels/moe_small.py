@@ -50,15 +50,17 @@ from kernels.reference import BLOCK, FP8_MAX
 def route_and_quantise_row(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, t, j, writer, k_lo, k_hi, E,
                            stride_lt, stride_xt, stride_xqt, stride_xsk, TOP_K: tl.constexpr,
                            BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_GX: tl.constexpr,
-                           FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr):
-    """Token t's expert in slot j (the writer CTA also stores the token's ids and weights) and x[t,
-    k_lo:k_hi] in e4m3 1x128 groups to xq / xs, which this CTA's K loop then reads."""
+                           FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr, QUANT: tl.constexpr = True):
+    """Token t's expert in slot j (the writer CTA also stores the token's ids and weights) and, with QUANT,
+    x[t, k_lo:k_hi] in e4m3 1x128 groups to xq / xs, which this CTA's K loop then reads (without: the norm
+    before wrote them; b1-probes-2: quantising here cost gate_up ~2 us of its 35 at one token)."""
     rows = t + tl.arange(0, 1)  # [1]
     ids, w = topk_softmax_rows(logits_ptr, rows, rows >= 0, E, stride_lt, TOP_K, BLOCK_E, BLOCK_TK)
     store_routes(ids_ptr, rw_ptr, rows, ids, w, (rows * 0 + writer) > 0, TOP_K, BLOCK_TK)
     e = tl.sum(tl.sum(tl.where((tl.arange(0, BLOCK_TK) == j)[None, :], ids, 0), axis=1), axis=0)
-    quantise_row_range(x_ptr, xq_ptr, xs_ptr, t, k_lo, k_hi, stride_xt, stride_xqt, stride_xsk, BLOCK_GX, FP8_MAX_C,
-                       HW_CVT)
+    if QUANT:
+        quantise_row_range(x_ptr, xq_ptr, xs_ptr, t, k_lo, k_hi, stride_xt, stride_xqt, stride_xsk, BLOCK_GX,
+                           FP8_MAX_C, HW_CVT)
     return e
 
 
@@ -71,7 +73,7 @@ def _gate_up_small_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, w_
                           BLOCK_GX: tl.constexpr, SWAP_AB: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                           SCALE_K: tl.constexpr, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr,
-                          DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                          DOT_F32: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr):
     if PDL:  # launched early (programmatic dependent launch): the router's logits come first;
         gdc_wait()  # then the down kernel may launch, its CTAs taking SMs as these retire
         gdc_launch_dependents()
@@ -86,7 +88,7 @@ def _gate_up_small_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, w_
     writer = ((j == 0) & (nt == 0) & (ks == 0)).to(tl.int32)
     e = route_and_quantise_row(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, t, j, writer, k_lo, k_hi, E,
                                stride_lt, stride_xt, stride_xqt, stride_xsk, TOP_K, BLOCK_E, BLOCK_TK,
-                               BLOCK_GX, FP8_MAX_C, HW_CVT) - expert_start
+                               BLOCK_GX, FP8_MAX_C, HW_CVT, QUANT) - expert_start
     if (e < 0) | (e >= num_local):
         return  # another EP rank's expert: no act row; the down kernel skips this slot too
     e32 = e
@@ -278,8 +280,10 @@ class SmallBatchMoE:
                 return cfg
         return DEFAULT_SMALL_CONFIGS[-1][1]
 
-    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights
-                 ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: ExpertWeights,
+                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x_fp8: x already in e4m3 1x128 groups (quantize_act_1x128's bits and layout; the fused norm
+        makes it): gate_up's CTAs then only route their token before streaming."""
         assert w.w1_scale is not None and w.w2_scale is not None, "the few-token path is FP8 only"
         c = self.config or self.config_for(x.shape[0] * top_k)
         if x.stride(1) != 1:
@@ -288,7 +292,7 @@ class SmallBatchMoE:
             router_logits = router_logits.contiguous()
         sems = self._counters.get(x.shape[0] * top_k * triton.cdiv(w.w1.shape[1], c.block_n1)
                                   + x.shape[0] * triton.cdiv(w.w2.shape[1], c.block_n2), x.device)
-        g = self.gate_up(x, router_logits, top_k, w, c, sems)
+        g = self.gate_up(x, router_logits, top_k, w, c, sems, x_fp8)
         return self.down(g, x.dtype, top_k, w, c, sems)
 
     @staticmethod
@@ -304,8 +308,9 @@ class SmallBatchMoE:
         return launch
 
     def gate_up(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights, c: SmallConfig,
-                sems: torch.Tensor) -> GateUpOut:
-        """Launch 1: routing, x quantisation, gate_up + b1 + SwiGLU + act re-quantisation."""
+                sems: torch.Tensor, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> GateUpOut:
+        """Launch 1: routing, x quantisation (unless x_fp8 brings it), gate_up + b1 + SwiGLU + act
+        re-quantisation."""
         assert c.block_n1 == 2 * BLOCK, "gate_up tiles hold one 1x128 act group: block_n1 = 256"
         t, h = x.shape
         e = logits.shape[1]
@@ -313,10 +318,15 @@ class SmallBatchMoE:
         p, dev, hw = t * top_k, x.device, x.device.type == "cuda"
         nt1 = triton.cdiv(n1, c.block_n1)
         s1 = self._split(p * nt1, k1, dev, c, c.split_k1, w)
+        if x_fp8 is not None:
+            xq, xs = x_fp8
+            assert xq.shape == (t, h) and xq.stride(1) == 1 and xs.shape == (t, triton.cdiv(h, BLOCK)) and \
+                xs.stride(0) == 1, "x_fp8: quantize_act_1x128's layout (scales with strides (1, T))"
+        else:
+            xq = torch.empty(t, h, dtype=FP8_DTYPE, device=dev)
+            xs = torch.empty(triton.cdiv(h, BLOCK), t, dtype=torch.float32, device=dev).t()
         out = GateUpOut(weights=torch.empty(t, top_k, dtype=logits.dtype, device=dev),
-                        ids=torch.empty(t, top_k, dtype=torch.int32, device=dev),
-                        xq=torch.empty(t, h, dtype=FP8_DTYPE, device=dev),
-                        xs=torch.empty(triton.cdiv(h, BLOCK), t, dtype=torch.float32, device=dev).t(),
+                        ids=torch.empty(t, top_k, dtype=torch.int32, device=dev), xq=xq, xs=xs,
                         act=torch.empty(p, n1 // 2, dtype=FP8_DTYPE, device=dev),
                         acts=torch.empty(p, nt1, dtype=torch.float32, device=dev))  # one per 1x128 group
         part1 = torch.empty(s1, p, n1, dtype=torch.float32, device=dev)
@@ -330,7 +340,7 @@ class SmallBatchMoE:
             part1.stride(1), out.act.stride(0), out.acts.stride(0), TOP_K=top_k,
             BLOCK_E=triton.next_power_of_2(e), BLOCK_TK=triton.next_power_of_2(top_k),
             BLOCK_GX=triton.next_power_of_2(per_split), BLOCK_N=c.block_n1, SPLIT_K=s1, FP8_MAX_C=FP8_MAX,
-            HW_CVT=hw, **self._launch(c, hw, desc))
+            HW_CVT=hw, QUANT=x_fp8 is None, **self._launch(c, hw, desc))
         return out
 
     def down(self, g: GateUpOut, out_dtype: torch.dtype, top_k: int, w: ExpertWeights, c: SmallConfig,

@@ -125,7 +125,9 @@ def test_moe_takes_the_norms_fp8_copy(backend, t):
     logits = torch.randn(t, 32, device=DEV).to(torch.bfloat16)
     assert moe.takes_fp8_input(t, 4, w)
     assert torch.equal(moe(x, logits, 4, w, quantize_act_1x128(x)), moe(x, logits, 4, w))
-    assert not moe.takes_fp8_input(1, 4, w)  # the few-token path quantises inside its GEMM
+    x1, l1 = x[:1].contiguous(), logits[:1].contiguous()  # the few-token path takes it too (b1-probes-2)
+    assert moe.takes_fp8_input(1, 4, w)
+    assert torch.equal(moe(x1, l1, 4, w, quantize_act_1x128(x1)), moe(x1, l1, 4, w))
 
 
 @pytest.mark.parametrize("t", [8192, 1024])

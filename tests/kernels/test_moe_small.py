@@ -173,3 +173,25 @@ def test_ep_split_scale_splits_finer_and_stays_exact():
         parts.append(moe(x, logits, 4, part))
     assert _rel(sum(parts), total) < 1e-5
     assert _counters_zero(moe)
+
+
+@pytest.mark.parametrize("variant", ["mma16", "swap_ab_tma"])
+def test_x_quantised_by_the_norm_gives_the_same_bits(variant: str):
+    """x_fp8 (x in e4m3 1x128 groups, as the fused norm writes it): gate_up's CTAs skip their own quantisation
+    (b1-probes-2: ~2 us of 35 at one token) and the layer's output keeps its bits; TritonMoE passes it through."""
+    from kernels.fp8_quant import quantize_act_1x128
+    from kernels.norm import fused_norm
+
+    t, e, h, i = 2, 8, 160, 128
+    w = _experts(e, e, h, i, torch.float32, fp8=True, seed=7)
+    x = torch.randn(t, h)
+    logits = _logits(t, e, torch.float32, seed=7)
+    moe = SmallBatchMoE(SmallConfig(block_n2=64, split_k1=2, split_k2=2, **VARIANTS[variant]))
+    want = moe(x, logits, 4, w)
+    assert torch.equal(moe(x, logits, 4, w, quantize_act_1x128(x)), want)
+    n = fused_norm(x, None, torch.ones(h), 1e-5, quant=True)  # the norm's copy of its output y
+    assert torch.equal(moe(n.y, logits, 4, w, (n.yq, n.ys)), moe(n.y, logits, 4, w))
+    triton_moe = TritonMoE()
+    assert triton_moe.takes_fp8_input(t, 2, w)
+    assert torch.equal(triton_moe(n.y, logits, 2, w, (n.yq, n.ys)), triton_moe(n.y, logits, 2, w))
+    assert _counters_zero(moe)
