@@ -42,7 +42,9 @@ class Fusion(str, Enum):
 
     ROPE_STORE = "rope_store"  # q and k RoPE + the K/V page store in one launch (triton_store_kv.rope_qk_store_kv)
     NORM_ROUTER = "norm_router"  # the MoE router GEMV inside the add + RMSNorm launch, few tokens (kernels/norm.py)
-    NORM_QUANT = "norm_quant"  # the FP8 MoE's 1x128 input quantisation inside the add + RMSNorm launch
+    # the FP8 MoE's 1x128 input quantisation inside the add + RMSNorm launch (both MoE paths take it; the few-token
+    # path's gate_up CTAs then skip their own, ~2 us a layer at one token: b1-probes-2; A/B: suite norm-quant-b1-ab)
+    NORM_QUANT = "norm_quant"
     # bf16 QKV / O projections of one-token steps on kernels/gemv.py (whole W rows per program, one launch,
     # deterministic) instead of cuBLASLt's addmm. Not bit-identical to addmm (another summation order).
     # gemv-rows-ab-1 (H100): QKV 12.01 vs 12.96 us, O 10.49 vs 13.72; 20b 8k x 1 replay 2.750 -> 2.632 ms
