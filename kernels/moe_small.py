@@ -50,15 +50,15 @@ from kernels.reference import BLOCK, FP8_MAX
 def route_and_quantise_row(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, t, j, writer, k_lo, k_hi, E,
                            stride_lt, stride_xt, stride_xqt, stride_xsk, TOP_K: tl.constexpr,
                            BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_GX: tl.constexpr,
-                           FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr, QUANT: tl.constexpr = True):
-    """Token t's expert in slot j (the writer CTA also stores the token's ids and weights) and, with QUANT,
+                           FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr, QUANT_X: tl.constexpr = True):
+    """Token t's expert in slot j (the writer CTA also stores the token's ids and weights) and, with QUANT_X,
     x[t, k_lo:k_hi] in e4m3 1x128 groups to xq / xs, which this CTA's K loop then reads (without: the norm
     before wrote them; b1-probes-2: quantising here cost gate_up ~2 us of its 35 at one token)."""
     rows = t + tl.arange(0, 1)  # [1]
     ids, w = topk_softmax_rows(logits_ptr, rows, rows >= 0, E, stride_lt, TOP_K, BLOCK_E, BLOCK_TK)
     store_routes(ids_ptr, rw_ptr, rows, ids, w, (rows * 0 + writer) > 0, TOP_K, BLOCK_TK)
     e = tl.sum(tl.sum(tl.where((tl.arange(0, BLOCK_TK) == j)[None, :], ids, 0), axis=1), axis=0)
-    if QUANT:
+    if QUANT_X:
         quantise_row_range(x_ptr, xq_ptr, xs_ptr, t, k_lo, k_hi, stride_xt, stride_xqt, stride_xsk, BLOCK_GX,
                            FP8_MAX_C, HW_CVT)
     return e
@@ -73,7 +73,7 @@ def _gate_up_small_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, w_
                           BLOCK_GX: tl.constexpr, SWAP_AB: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                           SCALE_K: tl.constexpr, FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr,
-                          DOT_F32: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr):
+                          DOT_F32: tl.constexpr, PDL: tl.constexpr, QUANT_X: tl.constexpr):
     if PDL:  # launched early (programmatic dependent launch): the router's logits come first;
         gdc_wait()  # then the down kernel may launch, its CTAs taking SMs as these retire
         gdc_launch_dependents()
@@ -88,7 +88,7 @@ def _gate_up_small_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, w_
     writer = ((j == 0) & (nt == 0) & (ks == 0)).to(tl.int32)
     e = route_and_quantise_row(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, t, j, writer, k_lo, k_hi, E,
                                stride_lt, stride_xt, stride_xqt, stride_xsk, TOP_K, BLOCK_E, BLOCK_TK,
-                               BLOCK_GX, FP8_MAX_C, HW_CVT, QUANT) - expert_start
+                               BLOCK_GX, FP8_MAX_C, HW_CVT, QUANT_X) - expert_start
     if (e < 0) | (e >= num_local):
         return  # another EP rank's expert: no act row; the down kernel skips this slot too
     e32 = e
@@ -340,7 +340,7 @@ class SmallBatchMoE:
             part1.stride(1), out.act.stride(0), out.acts.stride(0), TOP_K=top_k,
             BLOCK_E=triton.next_power_of_2(e), BLOCK_TK=triton.next_power_of_2(top_k),
             BLOCK_GX=triton.next_power_of_2(per_split), BLOCK_N=c.block_n1, SPLIT_K=s1, FP8_MAX_C=FP8_MAX,
-            HW_CVT=hw, QUANT=x_fp8 is None, **self._launch(c, hw, desc))
+            HW_CVT=hw, QUANT_X=x_fp8 is None, **self._launch(c, hw, desc))
         return out
 
     def down(self, g: GateUpOut, out_dtype: torch.dtype, top_k: int, w: ExpertWeights, c: SmallConfig,

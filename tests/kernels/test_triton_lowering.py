@@ -117,6 +117,8 @@ def _launch_every_kernel() -> None:
     TritonMoE()(x8, _logits(12, e, torch.bfloat16), 2, experts)  # 24 pairs: the grouped FP8 kernels
     TritonMoE()(xb, logits, 2, _experts(e, e, h, i, torch.bfloat16, fp8=False))
     SmallBatchMoE()(xb, logits, 2, experts)
+    from kernels.fp8_quant import quantize_act_1x128
+    SmallBatchMoE()(xb, logits, 2, experts, quantize_act_1x128(xb))  # x quantised by the norm: gate_up routes only
     DeepGemmMoE(min_rows_per_expert=0)(xb, logits, 2, experts)  # its Triton kernels; GEMMs by reference on CPU
     from kernels import moe_dg
     tile, moe_dg.SWIGLU_TILE_EXPERT = moe_dg.SWIGLU_TILE_EXPERT, not moe_dg.SWIGLU_TILE_EXPERT
