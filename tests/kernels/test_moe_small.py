@@ -69,13 +69,19 @@ def test_bf16_hidden_2880():
     assert _rel(small, want) < 4e-2 and _rel(grouped, want) < 4e-2
 
 
+def _two_tokens(variant: str, seed: int) -> tuple[ExpertWeights, torch.Tensor, torch.Tensor, SmallBatchMoE]:
+    """2 tokens over 8 fp32-mastered FP8 experts (h 160, i 128), split K in both launches."""
+    t, e, h, i = 2, 8, 160, 128
+    w = _experts(e, e, h, i, torch.float32, fp8=True, seed=seed)
+    x = torch.randn(t, h)
+    logits = _logits(t, e, torch.float32, seed=seed)
+    return w, x, logits, SmallBatchMoE(SmallConfig(block_n2=64, split_k1=2, split_k2=2, **VARIANTS[variant]))
+
+
 @pytest.mark.parametrize("variant", ["mma16", "swap_ab_tma"])  # the two tile kinds' skip paths
 def test_expert_parallel_ranks_sum_to_full_and_b2_none(variant: str):
-    t, e, h, i = 2, 8, 160, 128
-    full = _experts(e, e, h, i, torch.float32, fp8=True, seed=3)
-    x = torch.randn(t, h)
-    logits = _logits(t, e, torch.float32, seed=3)
-    moe = SmallBatchMoE(SmallConfig(block_n2=64, split_k1=2, split_k2=2, **VARIANTS[variant]))
+    full, x, logits, moe = _two_tokens(variant, seed=3)
+    e = full.num_experts
     total = moe(x, logits, 4, full)
     parts = []
     for start in (0, 3, 6):  # uneven ranges; the last rank (experts 6, 7) may own no selected slot
@@ -182,11 +188,8 @@ def test_x_quantised_by_the_norm_gives_the_same_bits(variant: str):
     from kernels.fp8_quant import quantize_act_1x128
     from kernels.norm import fused_norm
 
-    t, e, h, i = 2, 8, 160, 128
-    w = _experts(e, e, h, i, torch.float32, fp8=True, seed=7)
-    x = torch.randn(t, h)
-    logits = _logits(t, e, torch.float32, seed=7)
-    moe = SmallBatchMoE(SmallConfig(block_n2=64, split_k1=2, split_k2=2, **VARIANTS[variant]))
+    w, x, logits, moe = _two_tokens(variant, seed=7)
+    t, h = x.shape
     want = moe(x, logits, 4, w)
     assert torch.equal(moe(x, logits, 4, w, quantize_act_1x128(x)), want)
     n = fused_norm(x, None, torch.ones(h), 1e-5, quant=True)  # the norm's copy of its output y
