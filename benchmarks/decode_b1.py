@@ -27,6 +27,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 
+from benchmarks.gemm import bench  # noqa: E402
 from kernels.triton_attention import AttnBatch  # noqa: E402
 from kernels.triton_decode import (  # noqa: E402
     BF16_DECODE, DEFAULT_DECODE, FP8, DecodeConfig, decode_splits, paged_decode)
@@ -59,28 +60,11 @@ def make(ctx: int, kv_dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, list
 
 
 def timed(fn, reps: int) -> float:
-    """us per call: a CUDA graph of `reps` calls, replayed; the median of 5 timings."""
+    """us per call: `reps` calls cycling over the page copies in one CUDA graph (benchmarks.gemm.bench)."""
     if SMOKE:
         fn(0)
         return 0.0
-    for i in range(COPIES):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i % COPIES)
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (5 * reps))
-    return sorted(times)[2]
+    return 1e3 * bench([lambda i=i: fn(i % COPIES) for i in range(reps)])
 
 
 def configs() -> list[tuple[DecodeConfig, int | None]]:

@@ -67,8 +67,9 @@ WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partials),
 FRESH_PREFILL = "ragged"
 SLIDING_PREFILL: str | None = "fa2"
 # Pure-decode steps over 16-bit pages of at most this many sequences read on the Triton decode kernel
-# (ONE_SEQ_BF16_DECODE while this is 1, else BF16_DECODE) instead of fa2. 20b at 8k: batch 1 replays 2.805 -> 2.737 ms (b1-ab-1, H100) and 2.415 -> 2.336 (tdecode-ab-1, H200);
-# batch 4 is 1 % slower (b1-ab-1), 64 and 128 1 % (tdecode-ab-1). decode_kernel="triton" takes every batch.
+# (ONE_SEQ_BF16_DECODE while this is 1, else BF16_DECODE) instead of fa2. 20b at 8k: batch 1 replays 2.805 -> 2.737
+# ms (b1-ab-1, H100) and 2.415 -> 2.336 (tdecode-ab-1, H200); batch 4 is 1 % slower (b1-ab-1), 64 and 128 1 %
+# (tdecode-ab-1). decode_kernel="triton" takes every batch.
 TRITON_DECODE_MAX_SEQS = 1
 
 
