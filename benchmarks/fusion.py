@@ -14,7 +14,9 @@ Variant names of the SwiGLU rows: ROWSxWARPS, `tile` = SWIGLU_TILE_EXPERT; every
 are checked against the first's bits ("BITS DIFFER" otherwise).
 
 Rows: `norm+router` (add + RMSNorm + router GEMV vs add + RMSNorm then F.linear), `norm+quant` (vs
-add + RMSNorm then quantize_act_1x128), `rope+store` (q and k RoPE + K/V store, bf16 and e4m3 pages,
+add + RMSNorm then quantize_act_1x128; up to 64 tokens the fused launch spreads a row's groups over programs,
+timed against one program per row too), `norm+router+quant` (up to 64 tokens: the 20b decode layer's MoE
+norm with both fusions vs the router fused and a separate quantisation), `rope+store` (q and k RoPE + K/V store, bf16 and e4m3 pages,
 vs apply_rope, apply_rope, store_kv), `norm-warps` (the add + RMSNorm kernel at 4/8/16 warps
 against the kernel before issue 27: kernels.norm.NUM_WARPS is unmeasured), `swiglu` (the DeepGEMM MoE's SwiGLU + requant pass at
 prefill sizes, item 3 of issue 27: its bandwidth today and with kernels.moe_dg.SWIGLU_TILE_EXPERT), `gemv`
@@ -92,7 +94,18 @@ def _main_add_norm(x: torch.Tensor, d: torch.Tensor, w: torch.Tensor) -> torch.T
     return y
 
 
+def _one_program(run):
+    """run() with the fused norm's quantisation in one program per row (kernels.norm's shape before spreading)."""
+    from kernels import norm
+    keep, norm.QUANT_SPREAD_MAX_TOKENS = norm.QUANT_SPREAD_MAX_TOKENS, 0
+    try:
+        return run()
+    finally:
+        norm.QUANT_SPREAD_MAX_TOKENS = keep
+
+
 def norm_rows(t: int, reps: int, copy: float) -> list[dict]:
+    from kernels import norm
     from kernels.fp8_quant import quantize_act_1x128
     from kernels.norm import fused_norm
 
@@ -114,7 +127,19 @@ def norm_rows(t: int, reps: int, copy: float) -> list[dict]:
     fu = graph_us(lambda: fused_norm(x, d, w, 1e-5, quant=True), reps)
     nb = base + t * H + t * kb * 4
     rows += [_row("norm+quant", t, "unfused", un, nb + t * H * 2, copy, None),
-             _row("norm+quant", t, "fused", fu, nb, copy, un)]
+             _row("norm+quant", t, "fused" + (" spread" if t <= norm.QUANT_SPREAD_MAX_TOKENS else ""), fu, nb, copy,
+                  un)]
+    if t <= norm.QUANT_SPREAD_MAX_TOKENS:  # the same launch with one program quantising each row (the old shape)
+        rows.append(_row("norm+quant", t, "fused one program", _one_program(lambda: graph_us(
+            lambda: fused_norm(x, d, w, 1e-5, quant=True), reps)), nb, copy, un))
+        rw = (torch.randn(E, H, device=DEV) * 0.02).to(torch.bfloat16)  # the 20b decode layer's norm: all three
+        rb = torch.randn(E, device=DEV).to(torch.bfloat16)
+        un = graph_us(lambda: quantize_act_1x128(fused_norm(x, d, w, 1e-5, router=(rw, rb)).y), reps)
+        nb += E * H * 2 + E * 2 + t * E * 2
+        rows.append(_row(f"norm+router+quant E{E}", t, "router fused, quant apart", un, nb + t * H * 2, copy, None))
+        for name, fn in (("fused spread", None), ("fused one program", _one_program)):
+            run = lambda: graph_us(lambda: fused_norm(x, d, w, 1e-5, quant=True, router=(rw, rb)), reps)  # noqa: E731
+            rows.append(_row(f"norm+router+quant E{E}", t, name, fn(run) if fn else run(), nb, copy, un))
     ref = graph_us(lambda: _main_add_norm(x, d, w), reps)
     rows.append(_row("norm-warps", t, "before (1-D)", ref, base, copy, None))
     for nw in (4, 8, 16):

@@ -10,7 +10,11 @@ sits next to a norm folded into the same launch:
     in L2) and computes `ROUTER_EXPERTS_PER_PROGRAM` logits; program 0 of the row writes x and y;
   * the MoE's FP8 input (`quant`): y quantised to e4m3 in 1x128 groups, the bits and layout of
     `kernels.fp8_quant.quantize_act_1x128(y)` (scales [T, ceil(H/128)] with strides (1, T)), so an FP8
-    MoE that would quantise its input first (DeepGEMM's, the grouped Triton one) reads these.
+    MoE that would quantise its input first (DeepGEMM's, the grouped Triton one, the few-token one) reads
+    these. For a few tokens the groups are spread over the row's programs (`QUANT_SPREAD`): one program
+    quantising a whole row ran ~2 us longer than norm + a separate quantisation launch at one token
+    (fusion-ab-1, H200: 5.2 vs 3.1 us), a chain of ~32 divisions per thread with one warp per scheduler;
+    each program re-derives y for its groups from the row's rsqrt (the same bits as the stored y).
 
 Same math as kernels.reference.rms_norm: fp32 statistics, fp32 weight, y cast to the activation
 dtype. Every variant runs the same row code (`_norm_row`) with the same launch shape per row; on the
@@ -36,6 +40,11 @@ from kernels.reference import BLOCK, FP8_MAX
 
 ROUTER_EXPERTS_PER_PROGRAM = 4  # 20b: 8 programs per token, 120b: 32; each reads 4 x H x 2 bytes of W_r
 NUM_WARPS = 4  # per row program (benchmarks/fusion.py sweeps it)
+# Up to this many tokens `quant` spreads a row's 1x128 groups over QUANT_PROGRAMS programs (or the router's, if
+# more): a few rows leave most SMs idle, so the quantisation's latency is the launch's. Not measured yet
+# (suite norm-quant-b1-ab); from 65 tokens on, rows fill the GPU and one program quantises its row.
+QUANT_SPREAD_MAX_TOKENS = 64
+QUANT_PROGRAMS = 8
 
 
 class NormOut(NamedTuple):
@@ -60,8 +69,29 @@ def _norm_row(x_ptr, d_ptr, w_ptr, row, H, eps, stride_x, stride_d, HAS_DELTA: t
         x = (x + d).to(x_ptr.dtype.element_ty)  # the residual stream lives in the activation dtype
     xf = x.to(tl.float32)
     var = tl.sum(tl.sum(xf * xf, axis=1), axis=0) / H
-    y = w * (xf * tl.rsqrt(var + eps))
-    return cols, mask, x, y
+    rstd = tl.rsqrt(var + eps)
+    y = w * (xf * rstd)
+    return cols, mask, x, y, rstd
+
+
+@triton.jit
+def _quant_groups(x_ptr, d_ptr, w_ptr, q_ptr, s_ptr, row, g0, rstd, H, stride_x, stride_d, stride_q, stride_sk,
+                  HAS_DELTA: tl.constexpr, GP: tl.constexpr, G: tl.constexpr, FP8_MAX_C: tl.constexpr,
+                  HW_CVT: tl.constexpr, y_dtype: tl.constexpr):
+    """Groups [g0, g0 + GP) of row `row`: y re-derived from x (+ delta) and the row's rstd with _norm_row's
+    per-element ops (so the same bits as the y it stores), then quantize_act_1x128's e4m3 and scales."""
+    g = g0 + tl.arange(0, GP)  # [GP]
+    cols = g[:, None] * G + tl.arange(0, G)[None, :]  # [GP, G]
+    mask = cols < H
+    r64 = row.to(tl.int64)
+    x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0)  # in L2: the row was just read
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    if HAS_DELTA:
+        x = (x + tl.load(d_ptr + r64 * stride_d + cols, mask=mask, other=0.0)).to(x_ptr.dtype.element_ty)
+    yb = (w * (x.to(tl.float32) * rstd)).to(y_dtype)
+    q, scale = quantize_tile(tl.where(mask, yb.to(tl.float32), 0.0), mask, FP8_MAX_C, HW_CVT)
+    tl.store(q_ptr + r64 * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + g * stride_sk + row, scale, mask=g * G < H)
 
 
 @triton.jit
@@ -69,24 +99,29 @@ def _norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, q_ptr, s_ptr, rw_ptr, rb_pt
                  stride_x, stride_d, stride_xo, stride_y, stride_q, stride_sk, stride_rw, stride_l,
                  HAS_DELTA: tl.constexpr, QUANT_OUT: tl.constexpr, ROUTER: tl.constexpr, HAS_RB: tl.constexpr,
                  NG: tl.constexpr, G: tl.constexpr, EPP: tl.constexpr, FP8_MAX_C: tl.constexpr,
-                 HW_CVT: tl.constexpr):
+                 HW_CVT: tl.constexpr, QUANT_GP: tl.constexpr):
     """Grid (T, programs per row): program (t, 0) writes row t's outputs; with ROUTER program (t, j)
-    also writes logits [t, j*EPP : (j+1)*EPP]."""
+    also writes logits [t, j*EPP : (j+1)*EPP]; with QUANT_GP > 0 program (t, j) quantises groups
+    [j*QUANT_GP, (j+1)*QUANT_GP) of y (0: program (t, 0) quantises the whole row)."""
     row = tl.program_id(0)
     part = tl.program_id(1)
-    cols, mask, x, y = _norm_row(x_ptr, d_ptr, w_ptr, row, H, eps, stride_x, stride_d, HAS_DELTA, NG, G)
+    cols, mask, x, y, rstd = _norm_row(x_ptr, d_ptr, w_ptr, row, H, eps, stride_x, stride_d, HAS_DELTA, NG, G)
     r64 = row.to(tl.int64)
     yb = y.to(y_ptr.dtype.element_ty)
     if part == 0:
         if HAS_DELTA:
             tl.store(xo_ptr + r64 * stride_xo + cols, x, mask=mask)
         tl.store(y_ptr + r64 * stride_y + cols, yb, mask=mask)
-        if QUANT_OUT:  # quantize_act_1x128 of the stored y: one 1x128 group per row of the [NG, G] block
+        if QUANT_OUT and QUANT_GP == 0:  # quantize_act_1x128 of the stored y: a 1x128 group per row of the block
             q, scale = quantize_tile(tl.where(mask, yb.to(tl.float32), 0.0), mask, FP8_MAX_C, HW_CVT)
             tl.store(q_ptr + r64 * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
             g = tl.arange(0, NG)
             tl.store(s_ptr + g * stride_sk + row, scale, mask=g * G < H)
-    if ROUTER:
+    if QUANT_OUT and QUANT_GP > 0:
+        if part * QUANT_GP * G < H:
+            _quant_groups(x_ptr, d_ptr, w_ptr, q_ptr, s_ptr, row, part * QUANT_GP, rstd, H, stride_x, stride_d,
+                          stride_q, stride_sk, HAS_DELTA, QUANT_GP, G, FP8_MAX_C, HW_CVT, y_ptr.dtype.element_ty)
+    if ROUTER and part * EPP < E:  # programs past the router's (quantising only) skip it
         yf = yb.to(tl.float32)  # the rounded y, as the unfused router reads it
         for j in tl.static_range(EPP):  # unrolled: the EPP weight-row loads are in flight together
             e = part * EPP + j
@@ -117,6 +152,11 @@ def fused_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
         assert rw.shape[1] == h and rw.stride(1) == 1 and (rb is None or rb.shape == (rw.shape[0],))
         logits = torch.empty(t, rw.shape[0], dtype=x.dtype, device=x.device)
         parts = triton.cdiv(rw.shape[0], ROUTER_EXPERTS_PER_PROGRAM)
+    quant_gp = 0  # 0: program (t, 0) quantises the whole row
+    if quant and t <= QUANT_SPREAD_MAX_TOKENS:
+        parts = max(parts, min(QUANT_PROGRAMS, kb))
+        quant_gp = triton.next_power_of_2(triton.cdiv(kb, parts))
+        parts = triton.cdiv(kb, quant_gp) if router is None else parts  # no program without groups or logits
     if t:
         d = delta if delta is not None else x
         rw, rb = router if router is not None else (x, None)
@@ -127,7 +167,7 @@ def fused_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
             s_buf.stride(0) if quant else 0, rw.stride(0), logits.stride(0) if logits is not None else 0,
             HAS_DELTA=delta is not None, QUANT_OUT=quant, ROUTER=router is not None, HAS_RB=rb is not None,
             NG=triton.next_power_of_2(kb), G=BLOCK, EPP=ROUTER_EXPERTS_PER_PROGRAM, FP8_MAX_C=FP8_MAX,
-            HW_CVT=x.is_cuda, num_warps=num_warps or NUM_WARPS)
+            HW_CVT=x.is_cuda, QUANT_GP=quant_gp, num_warps=num_warps or NUM_WARPS)
     return NormOut(xo, y, yq, s_buf.t() if quant else None, logits)
 
 

@@ -115,7 +115,8 @@ def test_flashinfer_backend_self_test_with_rope(fake_flashinfer, kv_dtype):  # n
 
 # ---- norms ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("t,h,e", [(1, 2880, 32), (3, 2880, 128), (5, 96, 5), (2, 300, 2)])  # E % 4 != 0 too
+# E % 4 != 0 too; 65 tokens: one program quantises each row (fewer: the row's groups spread over its programs)
+@pytest.mark.parametrize("t,h,e", [(1, 2880, 32), (3, 2880, 128), (5, 96, 5), (2, 300, 2), (65, 300, 3)])
 @pytest.mark.parametrize("delta", [True, False])
 def test_fused_norm_variants(dtype, t, h, e, delta):
     g = torch.Generator().manual_seed(t * 100 + h + e)
@@ -133,6 +134,8 @@ def test_fused_norm_variants(dtype, t, h, e, delta):
     torch.testing.assert_close(full.y, ref.rms_norm(xs, w, 1e-5), rtol=tol, atol=tol)
     yq, ys = quantize_act_1x128(full.y)
     assert torch.equal(_bits(full.yq), _bits(yq)) and torch.equal(full.ys, ys) and full.ys.stride() == ys.stride()
+    alone = fused_norm(x, d, w, 1e-5, quant=True)  # without the router: its own program count
+    assert torch.equal(alone.y, plain.y) and torch.equal(_bits(alone.yq), _bits(yq)) and torch.equal(alone.ys, ys)
     # logits: a sum over H in another order than F.linear's, rounded once to the logits dtype
     ltol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-3, atol=1e-2)
     want = torch.nn.functional.linear(full.y.float(), rw.float(), rb.float()).to(dtype)
@@ -231,3 +234,18 @@ def test_norm_router_takes_steps_by_tokens_times_experts():
     assert not be.norm_router(65, 32) and not be.norm_router(17, 128) and not be.norm_router(64, 128)
     assert not Backends(None, None, None, fused_norm=False, fusions=frozenset({Fusion.NORM_ROUTER})).norm_router(1, 32)
     assert not Backends(None, None, None, fused_norm=True).norm_router(1, 32)
+
+
+def test_fusion_benchmark_norm_rows_smoke(monkeypatch):
+    """benchmarks.fusion's norm rows run on CPU (interpreter, no timing): one token times the spread quantisation
+    against one program per row, and the knob it turns for that is restored."""
+    from benchmarks import fusion
+    from kernels import norm
+
+    monkeypatch.setattr(fusion, "DEV", "cpu")
+    monkeypatch.setattr(fusion, "graph_us", lambda fn, reps: (fn(), 1.0)[1])
+    rows = fusion.norm_rows(1, 1, 1.0)
+    names = {(r["what"], r["variant"]) for r in rows}
+    assert {("norm+quant", "fused spread"), ("norm+quant", "fused one program"),
+            ("norm+router+quant E32", "fused spread"), ("norm+router+quant E32", "fused one program")} <= names
+    assert norm.QUANT_SPREAD_MAX_TOKENS == 64

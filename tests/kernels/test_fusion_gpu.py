@@ -100,6 +100,9 @@ def test_fused_norm_real_dims(t, e):
     y = full.y  # the MoE's FP8 copy is of the y the fused launch wrote
     yq, ys = quantize_act_1x128(y)
     assert torch.equal(_bits(full.yq), _bits(yq)) and torch.equal(full.ys, ys)
+    alone = fused_norm(x, d, w, 1e-5, quant=True)  # no router: up to 64 tokens its own spread of the groups
+    yq, ys = quantize_act_1x128(alone.y)
+    assert torch.equal(_bits(alone.yq), _bits(yq)) and torch.equal(alone.ys, ys)
     want = torch.nn.functional.linear(y, rw, rb)
     torch.testing.assert_close(full.logits.float(), want.float(), rtol=8e-3, atol=8e-3)
     # mostly the same bits: the sum order differs (and where cuBLAS adds the bias, one more rounding)

@@ -108,6 +108,8 @@ def _launch_every_kernel() -> None:
     add_rms_norm(x, x, torch.ones(200), 1e-5)
     xb5 = x.to(torch.bfloat16)  # the fused norm's router GEMV and FP8 copy (Fusion.NORM_*), in bf16 as on the GPU
     fused_norm(xb5, xb5, torch.ones(200), 1e-5, quant=True, router=(torch.randn(6, 200).to(torch.bfloat16), xb5[0, :6]))
+    xb65 = torch.randn(65, 200).to(torch.bfloat16)  # past kernels.norm.QUANT_SPREAD_MAX_TOKENS: one program a row
+    fused_norm(xb65, xb65, torch.ones(200), 1e-5, quant=True)
     h, i, e = 128, 128, 4
     xb = torch.randn(3, h).to(torch.bfloat16)
     logits = _logits(3, e, torch.bfloat16)
