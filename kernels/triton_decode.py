@@ -37,7 +37,7 @@ NP pages, S splits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -251,6 +251,7 @@ class DecodeConfig:
     num_warps: int = 1  # one warp holds a whole (sequence, KV head): no cross-warp softmax
     num_stages: int = 3  # K/V copies in flight: num_stages - 1 blocks ahead
     programs_per_sm: int = 6  # split the KV range until about this many programs per SM
+    window_block_n: int = 0  # keys per inner step on sliding-window layers (0: block_n)
 
 
 # Measured (benchmarks/results/2026-12-03/fp8-kv-1, the decode sweep at 128 x 8k on the H200): one
@@ -261,8 +262,14 @@ DEFAULT_DECODE = DecodeConfig()
 BF16_DECODE = DecodeConfig(num_stages=2)
 # ... and at ONE sequence (8 KV heads x 64 splits of one-warp programs, latency-bound): 32 keys, 3 stages. b1-probes-1
 # (H100, graph replays of read + merge): 8k full layer 13.09 -> 11.98 us, 32k 32.37 -> 29.79; the sliding layers
-# (window 128) read 4.77 us with 2 stages, 4.13 with 3 (64 keys).
-ONE_SEQ_BF16_DECODE = DecodeConfig(block_n=32, num_stages=3)
+# (window 128) read 4.77 us with 2 stages, 4.13 with 3, in 64-key blocks and so one split. Their 32-key blocks would
+# split the window in two and add the merge launch (not measured): sliding layers keep 64 keys.
+ONE_SEQ_BF16_DECODE = DecodeConfig(block_n=32, num_stages=3, window_block_n=64)
+
+
+def layer_config(cfg: DecodeConfig, window: int | None) -> DecodeConfig:
+    """The config a layer reads with: sliding-window layers take window_block_n keys per step if set."""
+    return replace(cfg, block_n=cfg.window_block_n) if window is not None and cfg.window_block_n else cfg
 
 
 def decode_splits(batch: AttnBatch, num_kv_heads: int, window: int | None, cfg: DecodeConfig,
@@ -300,7 +307,7 @@ def paged_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], b
     v_cache) [NP, Hkv, P, D] read through batch.page_table [B, maxp] up to batch's kv_len; sinks [Hq]
     fp32 raw logits; e4m3 caches carry kv_scale = (k_scale, v_scale) [Hkv] fp32 (None = 1.0).
     num_sms 0: never split unless num_splits says so (the CPU interpreter). Returns [B, Hq, D]."""
-    cfg = config or DEFAULT_DECODE
+    cfg = layer_config(config or DEFAULT_DECODE, window)
     kc, vc = kv_cache
     b, hq, d = q.shape
     hkv, page = kc.shape[1], kc.shape[2]

@@ -17,7 +17,8 @@ from engine.selftest import SelfTestShape, self_test_attention  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.triton_attention import AttnBatch  # noqa: E402
 from kernels.triton_attention_backend import DecodeKernel, TritonAttention  # noqa: E402
-from kernels.triton_decode import DecodeConfig, decode_splits, paged_decode  # noqa: E402
+from kernels.triton_decode import (  # noqa: E402
+    ONE_SEQ_BF16_DECODE, DecodeConfig, decode_splits, layer_config, paged_decode)
 from model.kv_cache import PageGroup  # noqa: E402
 from tests.kernels.test_fp8_kv import Fp8Case  # noqa: E402
 from tests.kernels.test_triton_attention import Case  # noqa: E402
@@ -109,6 +110,13 @@ def test_fp8_kv_decode_splits_follow_the_grid():
     assert decode_splits(small, 8, None, cfg, 132) == 13  # 64 programs -> 13 splits
     assert decode_splits(small, 8, 128, cfg, 132) == 1  # a window of 2 blocks: one split
     assert decode_splits(AttnBatch([], None, [1] * 8, [300] * 8), 8, None, cfg, 132) == 2
+    # One sequence on bf16 pages: 32-key blocks split a full layer 64 ways; a sliding layer keeps its 64-key
+    # blocks (window_block_n), so its 128-key window is one split and no merge launch (b1-probes-1: 4.13 us)
+    one = AttnBatch([], None, [1], [8192])
+    assert decode_splits(one, 8, None, layer_config(ONE_SEQ_BF16_DECODE, None), 132) == 64
+    win = layer_config(ONE_SEQ_BF16_DECODE, 128)
+    assert win.block_n == 64 and win.num_stages == 3 and decode_splits(one, 8, 128, win, 132) == 1
+    assert layer_config(cfg, 128) is cfg  # no window_block_n: every layer alike
 
 
 def test_fp8_kv_decode_kernel_policy(monkeypatch):
