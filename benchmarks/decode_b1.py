@@ -6,11 +6,13 @@ was tuned on 64-128 sequences (benchmarks/attention.py's sweep); at one sequence
 S splits of one-warp programs, S from `programs_per_sm` (64 at 8k: two 64-key blocks per program). Here
 the splits, keys per block and pipeline stages are swept at one sequence, each config timed as CUDA-graph
 replays of `paged_decode` (read + split merge) over 6 copies of the layer's pages (no L2 hits between
-calls), for bf16 and e4m3 pages at 8k and 32k and a sliding layer (window 128); output checked against the
+calls), for bf16 and e4m3 pages at 8k and 32k and a sliding layer (window 128: also 32-key blocks in 1 or 2 splits,
+what ONE_SEQ_BF16_DECODE's full-layer blocks would do there); output checked against the
 default config's (same math, other split points: ~1e-3). Prints the fastest first per case and writes
 $OUT/decode_b1.json.
 
     python -m benchmarks.decode_b1            # on the GPU
+    python -m benchmarks.decode_b1 --cases 8k-sliding   # some cases only (8k, 32k, 8k-sliding)
     python -m benchmarks.decode_b1 --smoke    # tiny shapes on the CPU interpreter (script check)
 """
 
@@ -30,7 +32,7 @@ import torch  # noqa: E402
 from benchmarks.gemm import bench  # noqa: E402
 from kernels.triton_attention import AttnBatch  # noqa: E402
 from kernels.triton_decode import (  # noqa: E402
-    BF16_DECODE, DEFAULT_DECODE, FP8, DecodeConfig, decode_splits, paged_decode)
+    BF16_DECODE, DEFAULT_DECODE, FP8, ONE_SEQ_BF16_DECODE, DecodeConfig, decode_splits, layer_config, paged_decode)
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
 HQ, HKV, D, P = (8, 2, 32, 16) if SMOKE else (64, 8, 64, 16)
@@ -71,8 +73,9 @@ def configs() -> list[tuple[DecodeConfig, int | None]]:
     """(config, splits): None = the config's own rule (decode_splits); the defaults first."""
     if SMOKE:
         return [(DEFAULT_DECODE, None), (DecodeConfig(block_n=16, num_stages=2), 2)]
-    out: list[tuple[DecodeConfig, int | None]] = [(BF16_DECODE, None), (DEFAULT_DECODE, None)]
-    for bn, st, s in itertools.product((32, 64, 128), (2, 3, 4), (8, 16, 24, 32, 48, 64)):
+    out: list[tuple[DecodeConfig, int | None]] = [(BF16_DECODE, None), (DEFAULT_DECODE, None),
+                                                  (ONE_SEQ_BF16_DECODE, None)]
+    for bn, st, s in itertools.product((32, 64, 128), (2, 3, 4), (1, 2, 8, 16, 24, 32, 48, 64)):
         out.append((DecodeConfig(block_n=bn, num_stages=st), s))
     out += [(DecodeConfig(block_n=64, num_warps=2, num_stages=st), s) for st in (2, 3) for s in (16, 32)]
     return out
@@ -83,7 +86,9 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     sms = 4 if SMOKE else torch.cuda.get_device_properties(DEV).multi_processor_count
     rows = []
-    for (name, ctx, window), kv_dtype in itertools.product(CASES, (torch.bfloat16, FP8)):
+    only = sys.argv[sys.argv.index("--cases") + 1].split(",") if "--cases" in sys.argv else None
+    cases = [c for c in CASES if only is None or c[0] in only]
+    for (name, ctx, window), kv_dtype in itertools.product(cases, (torch.bfloat16, FP8)):
         if SMOKE:
             kv_dtype = torch.float32 if kv_dtype == torch.bfloat16 else kv_dtype
         q, caches, batch, sinks = make(ctx, kv_dtype, seed=ctx)
@@ -93,9 +98,11 @@ def main() -> None:
         want = None
         case = f"{name}-{str(kv_dtype).removeprefix('torch.')}"
         for cfg, splits in configs():
-            s = splits or decode_splits(batch, HKV, window, cfg, sms)
+            s = splits or decode_splits(batch, HKV, window, layer_config(cfg, window), sms)
             if window is not None and splits is not None and (splits > 2 or cfg.block_n > 64 or cfg.num_stages > 3):
                 continue  # a 128-key window has 1-4 blocks: the rule's split (1) and 2, short pipelines
+            if window is None and splits is not None and splits < 8:
+                continue  # 1-2 splits: the sliding layer's, far too few programs for 8k keys
 
             def fn(i: int, cfg=cfg, s=s) -> torch.Tensor:
                 return paged_decode(q, caches[i], batch, sinks, D ** -0.5, window, kv_scale=scales, config=cfg,
@@ -109,7 +116,8 @@ def main() -> None:
             if want is None:
                 want = got
             rel = float((got - want).norm() / want.norm())
-            rows.append({"case": case, "block_n": cfg.block_n, "warps": cfg.num_warps, "stages": cfg.num_stages,
+            rows.append({"case": case, "block_n": layer_config(cfg, window).block_n, "warps": cfg.num_warps,
+                         "stages": cfg.num_stages,
                          "splits": s, "rule": splits is None, "us": us, "GBps": kv_bytes / us / 1e3 if us else 0.0,
                          "rel_vs_first": rel})
         caches.clear()  # the next case's pages

@@ -263,12 +263,16 @@ ISSUE_SUITES: dict[str, Suite] = {
         "quantisation spread over the row's programs up to 64 tokens (one program a row cost 2 us at one token, "
         "fusion-ab-1): the GPU tests (the MoE takes the norm's FP8 copy with the same bits, both paths; the fused "
         "norm's outputs and the model's fusions at real widths), the norm rows of the fusion micro-benchmark (spread "
-        "vs one program, with and without the router), then gpt-oss-20b A/B in one process at 8k x 1 and x 64",
+        "vs one program, with and without the router), the decode kernel on a sliding layer at one sequence (64-key "
+        "blocks in one split, what the workers read since c8bacd0, vs 32-key blocks in two splits + merge), then "
+        "gpt-oss-20b A/B in one process at 8k x 1 and x 64",
         carry=STACK_CARRY,
         steps=(step("norm-quant-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fusion_gpu.py "
                                             "-k 'fp8_copy or model_fusions or fused_norm'", 120, summary=PYTEST),
                step("norm-micro", "{py} -m benchmarks.fusion --tokens 1,2,64,8192 --rows norm", 90,
                     summary=r"^norm\+(router\+)?quant|wrote|Error"),
+               step("decode-b1-sliding", "{py} -m benchmarks.decode_b1 --cases 8k-sliding", 60,
+                    summary=r"^b1 |done|Error"),
                step("model-20b-ab", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention --prefill-lens '' "
                                     "--contexts 8192 --batches 1,64 --fusions gemv+norm_router+rope_store,"
                                     "gemv+norm_router+rope_store+norm_quant --tag gpt-oss-20b-tp1-norm-quant-ab", 120,
