@@ -196,9 +196,15 @@ def main() -> None:
     ap.add_argument("--prefill-reads", default="",
                     help="FlashInfer prefill reads to A/B in the prefill section, separated by commas: paged, ragged, "
                          "ragged/fa2 (FlashInferAttention.set_prefill_reads); default: the backend's")
+    ap.add_argument("--norm-quant-max-tokens", type=int, default=None,
+                    help="kernels.registry.NORM_QUANT_MAX_TOKENS for this run (norm_quant's token range), e.g. to A/B "
+                         "norm_quant at prefill sizes")
     ap.add_argument("--tag", default="")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
     a = ap.parse_args()
+    if a.norm_quant_max_tokens is not None:
+        from kernels import registry
+        registry.NORM_QUANT_MAX_TOKENS = a.norm_quant_max_tokens
     if a.moe == "auto":  # recorded as the backend it resolved to
         from kernels.registry import auto_moe_backend
         a.moe = auto_moe_backend(a.device, fp8=True, whole_experts=True)

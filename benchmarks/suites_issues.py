@@ -278,6 +278,38 @@ ISSUE_SUITES: dict[str, Suite] = {
                                     "gemv+norm_router+rope_store+norm_quant --tag gpt-oss-20b-tp1-norm-quant-ab", 120,
                     summary=r"^decode ctx|FAILED|Error",
                     publish={"model_gpt-oss-20b-tp1-norm-quant-ab.json": "model_gpt-oss-20b-tp1-norm-quant-ab.json"}))),
+    # norm-quant-b1-ab-1 (H200) measured norm_quant at 1 and 64 tokens (a default since, up to 64 tokens); here the
+    # GPU tests after its quantisation moved to its own loads, and whether the gate may rise to prefill sizes.
+    "norm-quant-default-check": Suite(
+        "the norm_quant default (the MoE's FP8 input quantised in the norm launch, up to 64 tokens): every fused-norm "
+        "GPU test (its y equal to the plain norm's now that it quantises from its own loads; the model's fusions at "
+        "real widths), the norm rows of the fusion micro-benchmark at 1-8,192 tokens, gpt-oss-20b A/B in one process "
+        "at 8k x 1 and x 64, the same at prefill 2k and 8k with the token gate lifted (is norm_quant worth it there), "
+        "and gpt-oss-120b at 8k x 1 A/B",
+        carry=STACK_CARRY,
+        steps=(step("fusion-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fusion_gpu.py",
+                    120, summary=PYTEST),
+               step("norm-micro", "{py} -m benchmarks.fusion --tokens 1,64,300,2048,8192 --rows norm", 70,
+                    summary=r"^norm\+(router\+)?quant|wrote|Error"),
+               step("model-20b-ab", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention --prefill-lens '' "
+                                    "--contexts 8192 --batches 1,64 --fusions gemv+norm_router+rope_store,"
+                                    "gemv+norm_quant+norm_router+rope_store --tag gpt-oss-20b-tp1-norm-quant-default",
+                    90, summary=r"^decode ctx|FAILED|Error",
+                    publish={"model_gpt-oss-20b-tp1-norm-quant-default.json":
+                             "model_gpt-oss-20b-tp1-norm-quant-default.json"}),
+               step("prefill-20b-ungated", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --bf16-attention "
+                                           "--prefill-lens 2048,8192 --batches '' --norm-quant-max-tokens 1000000 "
+                                           "--fusions gemv+norm_router+rope_store,gemv+norm_quant+norm_router+rope_store "
+                                           "--tag gpt-oss-20b-tp1-norm-quant-prefill", 90,
+                    summary=r"^prefill|FAILED|Error",
+                    publish={"model_gpt-oss-20b-tp1-norm-quant-prefill.json":
+                             "model_gpt-oss-20b-tp1-norm-quant-prefill.json"}),
+               step("model-120b-ab", "{py} -m benchmarks.bench_model --preset gpt-oss-120b --bf16-attention "
+                                     "--prefill-lens '' --contexts 8192 --batches 1 --fusions gemv+norm_router+rope_store,"
+                                     "gemv+norm_quant+norm_router+rope_store --tag gpt-oss-120b-tp1-norm-quant-default",
+                    150, summary=r"^decode ctx|FAILED|Error",
+                    publish={"model_gpt-oss-120b-tp1-norm-quant-default.json":
+                             "model_gpt-oss-120b-tp1-norm-quant-default.json"}))),
     "fusion-ab": Suite(
         "issue 27's launch-bound fusions (--fusions): their GPU parity tests first (bits of the unfused kernels, "
         "self-tests, 20b layers, graph-decoded tokens), then each fused kernel against the launches it replaces "

@@ -14,7 +14,8 @@ sits next to a norm folded into the same launch:
     these. For a few tokens the groups are spread over the row's programs (`QUANT_SPREAD`): one program
     quantising a whole row ran ~2 us longer than norm + a separate quantisation launch at one token
     (fusion-ab-1, H200: 5.2 vs 3.1 us), a chain of ~32 divisions per thread with one warp per scheduler;
-    each program re-derives y for its groups from the row's rsqrt (the same bits as the stored y).
+    spread, 2.44 us (norm-quant-b1-ab-1). Each program re-derives y for its groups from the row's rsqrt
+    (the same bits as the stored y).
 
 Same math as kernels.reference.rms_norm: fp32 statistics, fp32 weight, y cast to the activation
 dtype. Every variant runs the same row code (`_norm_row`) with the same launch shape per row; on the
@@ -41,8 +42,9 @@ from kernels.reference import BLOCK, FP8_MAX
 ROUTER_EXPERTS_PER_PROGRAM = 4  # 20b: 8 programs per token, 120b: 32; each reads 4 x H x 2 bytes of W_r
 NUM_WARPS = 4  # per row program (benchmarks/fusion.py sweeps it)
 # Up to this many tokens `quant` spreads a row's 1x128 groups over QUANT_PROGRAMS programs (or the router's, if
-# more): a few rows leave most SMs idle, so the quantisation's latency is the launch's. Not measured yet
-# (suite norm-quant-b1-ab); from 65 tokens on, rows fill the GPU and one program quantises its row.
+# more): a few rows leave most SMs idle, so the quantisation's latency is the launch's. norm-quant-b1-ab-1 (H200):
+# norm + quant at 1 token 2.44 us spread vs 5.06 in one program (3.14 as two launches), at 64 tokens 3.25 vs 5.69;
+# from 65 tokens on, rows fill the GPU and one program quantises its row.
 QUANT_SPREAD_MAX_TOKENS = 64
 QUANT_PROGRAMS = 8
 
@@ -79,7 +81,9 @@ def _quant_groups(x_ptr, d_ptr, w_ptr, q_ptr, s_ptr, row, g0, rstd, H, stride_x,
                   HAS_DELTA: tl.constexpr, GP: tl.constexpr, G: tl.constexpr, FP8_MAX_C: tl.constexpr,
                   HW_CVT: tl.constexpr, y_dtype: tl.constexpr):
     """Groups [g0, g0 + GP) of row `row`: y re-derived from x (+ delta) and the row's rstd with _norm_row's
-    per-element ops (so the same bits as the y it stores), then quantize_act_1x128's e4m3 and scales."""
+    per-element ops (so the same bits as the y it stores), then quantize_act_1x128's e4m3 and scales. Own loads,
+    even where one program takes the whole row: the e4m3 store's layout then stays off the row's x^2 sum (H200,
+    norm-quant-b1-ab-1: quantising the row's own tensors gave a y other than the plain norm's in the last bit)."""
     g = g0 + tl.arange(0, GP)  # [GP]
     cols = g[:, None] * G + tl.arange(0, G)[None, :]  # [GP, G]
     mask = cols < H
@@ -101,8 +105,8 @@ def _norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, q_ptr, s_ptr, rw_ptr, rb_pt
                  NG: tl.constexpr, G: tl.constexpr, EPP: tl.constexpr, FP8_MAX_C: tl.constexpr,
                  HW_CVT: tl.constexpr, QUANT_GP: tl.constexpr):
     """Grid (T, programs per row): program (t, 0) writes row t's outputs; with ROUTER program (t, j)
-    also writes logits [t, j*EPP : (j+1)*EPP]; with QUANT_GP > 0 program (t, j) quantises groups
-    [j*QUANT_GP, (j+1)*QUANT_GP) of y (0: program (t, 0) quantises the whole row)."""
+    also writes logits [t, j*EPP : (j+1)*EPP]; with QUANT_OUT program (t, j) quantises groups
+    [j*QUANT_GP, (j+1)*QUANT_GP) of y, from its own loads (see _quant_groups)."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     cols, mask, x, y, rstd = _norm_row(x_ptr, d_ptr, w_ptr, row, H, eps, stride_x, stride_d, HAS_DELTA, NG, G)
@@ -112,12 +116,7 @@ def _norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, q_ptr, s_ptr, rw_ptr, rb_pt
         if HAS_DELTA:
             tl.store(xo_ptr + r64 * stride_xo + cols, x, mask=mask)
         tl.store(y_ptr + r64 * stride_y + cols, yb, mask=mask)
-        if QUANT_OUT and QUANT_GP == 0:  # quantize_act_1x128 of the stored y: a 1x128 group per row of the block
-            q, scale = quantize_tile(tl.where(mask, yb.to(tl.float32), 0.0), mask, FP8_MAX_C, HW_CVT)
-            tl.store(q_ptr + r64 * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-            g = tl.arange(0, NG)
-            tl.store(s_ptr + g * stride_sk + row, scale, mask=g * G < H)
-    if QUANT_OUT and QUANT_GP > 0:
+    if QUANT_OUT:
         if part * QUANT_GP * G < H:
             _quant_groups(x_ptr, d_ptr, w_ptr, q_ptr, s_ptr, row, part * QUANT_GP, rstd, H, stride_x, stride_d,
                           stride_q, stride_sk, HAS_DELTA, QUANT_GP, G, FP8_MAX_C, HW_CVT, y_ptr.dtype.element_ty)
@@ -152,7 +151,7 @@ def fused_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
         assert rw.shape[1] == h and rw.stride(1) == 1 and (rb is None or rb.shape == (rw.shape[0],))
         logits = torch.empty(t, rw.shape[0], dtype=x.dtype, device=x.device)
         parts = triton.cdiv(rw.shape[0], ROUTER_EXPERTS_PER_PROGRAM)
-    quant_gp = 0  # 0: program (t, 0) quantises the whole row
+    quant_gp = triton.next_power_of_2(kb)  # groups per program: one program per row takes them all
     if quant and t <= QUANT_SPREAD_MAX_TOKENS:
         parts = max(parts, min(QUANT_PROGRAMS, kb))
         quant_gp = triton.next_power_of_2(triton.cdiv(kb, parts))

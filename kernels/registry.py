@@ -43,7 +43,7 @@ class Fusion(str, Enum):
     ROPE_STORE = "rope_store"  # q and k RoPE + the K/V page store in one launch (triton_store_kv.rope_qk_store_kv)
     NORM_ROUTER = "norm_router"  # the MoE router GEMV inside the add + RMSNorm launch, few tokens (kernels/norm.py)
     # the FP8 MoE's 1x128 input quantisation inside the add + RMSNorm launch (both MoE paths take it; the few-token
-    # path's gate_up CTAs then skip their own, ~2 us a layer at one token: b1-probes-2; A/B: suite norm-quant-b1-ab)
+    # path's gate_up CTAs then skip their own, ~2 us a layer at one token: b1-probes-2), up to NORM_QUANT_MAX_TOKENS
     NORM_QUANT = "norm_quant"
     # bf16 QKV / O projections of one-token steps on kernels/gemv.py (whole W rows per program, one launch,
     # deterministic) instead of cuBLASLt's addmm. Not bit-identical to addmm (another summation order).
@@ -61,16 +61,27 @@ class Fusion(str, Enum):
 # launch-bound (2026-12-03/prefill-prefix-2: two launches fewer per layer). norm_router (on since 2026-12-06) saves
 # cuBLAS's router GEMM + split-K reduce (~6 us a layer at batch 1 on the H100) in decode-sized steps: 8k x 1 2.807
 # -> 2.739 ms, x 4 5.606 -> 5.515, x 64 13.46 -> 13.38 (b1-defaults-ab-1, H100; fusion-ab-1, H200: 2.48 -> 2.44 at
-# 1); its logits may differ from cuBLAS's in the last bit (another summation order). norm_quant was slower: off.
+# 1); its logits may differ from cuBLAS's in the last bit (another summation order). norm_quant was slower then
+# (fusion-ab-1: one program quantised the whole row, 5.2 vs 3.1 us at one token).
 # gemv (since 2026-12-06, one-token steps only: FEW_TOKEN_LINEAR_ROUTE_MAX_TOKENS) takes the bf16 attention
 # projections off cuBLASLt: 20b 8k x 1 replay 2.750 -> 2.632 ms in one process (gemv-rows-ab-1, H100).
-# "off" was the default before 2026-12-03, "rope_store" until 2026-12-06, then "norm_router+rope_store".
-DEFAULT_FUSIONS = "gemv+norm_router+rope_store"
+# norm_quant (since 2026-12-06 late, up to NORM_QUANT_MAX_TOKENS) once the norm spread its quantisation over the
+# row's programs: 20b 8k x 1 replay 2.148 -> 2.091 ms, x 64 10.255 -> 10.173 (norm-quant-b1-ab-1, H200, one process;
+# with it the few-token MoE's gate_up CTAs only route and stream).
+# "off" was the default before 2026-12-03, "rope_store" until 2026-12-06, then "norm_router+rope_store", then
+# "gemv+norm_router+rope_store".
+DEFAULT_FUSIONS = "gemv+norm_quant+norm_router+rope_store"
 
 # The router runs inside the norm launch while tokens x experts stays within this (larger steps: one cuBLAS GEMM): the
 # fused launch runs T x E/4 programs, each re-deriving its row's norm. fusion-ab-1 (H200): 20b (E 32) 7.5 -> 3.7 us at
 # 1 token and 8.2 -> 5.3 at 64; 120b (E 128) 7.6 -> 3.7 at 1 but 8.4 -> 15.6 at 64 (2,048 programs per token set).
 ROUTER_FUSION_MAX_WORK = 64 * 32
+
+# The norm quantises the MoE's input up to this many tokens (larger steps: the MoE's own quantisation pass), the
+# range where its groups spread over the row's programs and where it was measured (norm-quant-b1-ab-1, H200: at 1
+# and 64 tokens). At 8,192 rows the old one-program form lost (fusion-ab-1: 86.5 vs 71.4 us); the form since, which
+# quantises from its own loads, is timed at 300-8,192 rows by suite norm-quant-default-check before this rises.
+NORM_QUANT_MAX_TOKENS = 64
 
 # Tokens up to which kernels.gemv takes a projection (its BLOCK_M) ...
 FEW_TOKEN_LINEAR_MAX_TOKENS = 16
@@ -120,9 +131,10 @@ class Backends:
         return (self.fused_norm and Fusion.NORM_ROUTER in self.fusions
                 and num_tokens * num_experts <= ROUTER_FUSION_MAX_WORK)
 
-    @property
-    def norm_quant(self) -> bool:
-        return self.fused_norm and Fusion.NORM_QUANT in self.fusions
+    def norm_quant(self, num_tokens: int) -> bool:
+        """Whether this step's MoE input is quantised inside the norm launch."""
+        return (self.fused_norm and Fusion.NORM_QUANT in self.fusions
+                and num_tokens <= NORM_QUANT_MAX_TOKENS)
 
     def few_token_linear(self, num_tokens: int, bf16_weight: bool, triton_runs: bool) -> bool:
         """Whether an attention projection runs on kernels.gemv: few tokens and a bf16 weight (FP8 ones keep

@@ -185,7 +185,7 @@ class Block(nn.Module):
         t = x.shape[0]
         router = (self.mlp.router_w, self.mlp.router_b) if be.norm_router(t, self.mlp.router_w.shape[0]) else None
         # residual add and the next norm in one pass (+ the router, + the MoE's FP8 input)
-        n = fused_norm(x, a, self.mlp_norm, self.eps, quant=be.norm_quant and self.mlp.takes_fp8_input(t, be),
+        n = fused_norm(x, a, self.mlp_norm, self.eps, quant=be.norm_quant(t) and self.mlp.takes_fp8_input(t, be),
                        router=router)
         return n.x, self.mlp(n.y, be, n.logits, (n.yq, n.ys) if n.yq is not None else None)
 
