@@ -278,9 +278,10 @@ def summarised(docs: dict[str, dict]) -> set[str]:
 
 def render(folder: Path, docs: dict[str, dict], plots: list[Path], origin: dict[str, str] | None = None,
            runs: dict[str, Run] | None = None, peer: dict[str, tuple[str, dict]] | None = None,
-           page_dir: Path | None = None) -> tuple[str, list[str], list[Target]]:
+           page_dir: Path | None = None, summary_series: list | None = None) -> tuple[str, list[str], list[Target]]:
     """folder: the results folder (one-folder page), or benchmarks/results/ with `origin` (merged page);
-    runs: what produced each file (report_load.runs_of); page_dir: where the page goes (image links)."""
+    runs: what produced each file (report_load.runs_of); page_dir: where the page goes (image links);
+    summary_series: the series the summary table reads (the merged page: every folder's), else the page's."""
     runs = runs or {}
     series = build_series(docs, runs)
     ktargets = kernel_targets(docs)
@@ -308,7 +309,8 @@ def render(folder: Path, docs: dict[str, dict], plots: list[Path], origin: dict[
              "measured itself (FP8 matmul peak for prefill; the bytes decode must read over the measured copy "
              "bandwidth, the *HBM floor*, for decode).", "",
              "## Summary: one H200, the workers' defaults", "",
-             *perf_summary(series, peer if peer is not None else peers(list(docs.items()), runs)), "",
+             *perf_summary(summary_series or series, peer if peer is not None else peers(list(docs.items()), runs)),
+             "",
              "## Headline", "", *head,
              f"## Targets: {n_goals - len(missed)} of {n_goals} met", "",
              *(["Missed (the closest backend or case shown):", ""]
@@ -350,6 +352,7 @@ def generate(results: Path | None, out: Path | None = None, readme: Path | None 
         folder, docs, origin = results, load(results), None
         runs = runs_of(results, RESULTS)
         peer = peers(list(docs.items()), runs)
+        summary_series = None
     else:
         folder = RESULTS
         folders = dated_folders()
@@ -358,14 +361,19 @@ def generate(results: Path | None, out: Path | None = None, readme: Path | None 
         runs = {n: by_folder[origin[n]][n] for n in docs if n in by_folder[origin[n]]}
         every = [(n, d) for f in folders for n, d in load(f).items()]
         peer = peers(every, {n: r for f in folders for n, r in by_folder[f.name].items()})
+        # The summary's cells come from every folder: a newer run of a configuration that measured fewer cells
+        # (batch 1 only, say) replaces the older run on the page, but not the older run's other cells.
+        summary_series = build_series({f"{f.name}/{n}": d for f in folders for n, d in load(f).items()},
+                                      {f"{f.name}/{n}": r for f in folders for n, r in by_folder[f.name].items()})
     out = out or folder
     out.mkdir(parents=True, exist_ok=True)
     page = readme or out / "README.md"
     series = build_series(docs, runs)
     pngs = write_all(series, out, PRICE_PER_GPU_HOUR) if plots else sorted(out.glob("*.png"))
-    text, head, missed = render(folder, docs, pngs, origin, runs, peer, page_dir=page.parent)
+    text, head, missed = render(folder, docs, pngs, origin, runs, peer, page_dir=page.parent,
+                                summary_series=summary_series)
     page.write_text(text)
-    return page, text, pngs, perf_summary(series, peer), head, missed
+    return page, text, pngs, perf_summary(summary_series or series, peer), head, missed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,6 +51,15 @@ def card_of(d: dict) -> str:
     return "" if not gpu or "H200" in gpu else gpu.removeprefix("NVIDIA ")
 
 
+def opt_ins(d: dict) -> str:
+    """What a model run switched on that the workers do not by default, for its label: FP8 QKV/O projections
+    (bench_model runs them unless --bf16-attention; the workers' default is bf16) and e4m3 KV pages. Such a
+    run is a configuration of its own: its figures never stand in the defaults' series or summary row."""
+    a = d["args"]
+    out = " · FP8 QKV/O" if a.get("bf16_attention") is False else ""
+    return out + (f" · KV {a['kv_cache_dtype']}" if a.get("kv_cache_dtype") not in (None, "auto", "bf16") else "")
+
+
 def label_of(d: dict, fusions: str | None = None) -> tuple[str, int]:
     """The configuration's label. An A/B run of fusion settings is labelled by `fusions` (one of its
     settings) or, without it, by its whole list: never the label of a plain run, which it must not
@@ -65,6 +74,7 @@ def label_of(d: dict, fusions: str | None = None) -> tuple[str, int]:
     backend = d["args"].get("moe")  # the Triton MoE was the only one before DeepGEMM's: unlabelled
     kernels = f" · MoE {backend}" if backend not in (None, "triton") else ""
     kernels += f" · fusions {fusions}" if fusions else ""
+    kernels += opt_ins(d)
     card = f" · {card_of(d)}" if card_of(d) else ""
     return f"{d['args']['preset']} TP{tp}{moe} · {d['args'].get('attention', '?')}{kernels}{card}", tp
 

@@ -111,6 +111,27 @@ def test_summary_h200_row_never_reads_another_cards_run():
     assert "500 tok/s" in h100 and "h100.json" in h100
 
 
+def test_summary_defaults_row_never_reads_an_opt_in_run():
+    """A newer run of a configuration the workers do not default to (FP8 QKV/O projections, e4m3 KV pages)
+    must not fill the defaults' row, however few knobs it turned: it is a series of its own, labelled so."""
+    from benchmarks.report_summary import perf_summary
+
+    def doc(date: str, ms: float, **args) -> dict:
+        rows = [{"context": 8192, "batch": 1, "tok_s_per_user": 1e3 / ms, "tok_s_per_gpu": 1e3 / ms,
+                 "usd_per_M_output": 1.0, "ratio_to_floor": 0.5}]
+        return {"args": {"preset": "gpt-oss-20b", "moe": "deepgemm", "attention": "flashinfer"} | args,
+                "env": {"date": date, "gpu": "NVIDIA H200"}, "decode": {"rows": rows}}
+
+    docs = {"defaults.json": doc("2026-12-06", 2.5, bf16_attention=True, kv_cache_dtype="auto"),
+            "fp8-qkvo.json": doc("2026-12-07", 2.0, bf16_attention=False, kv_cache_dtype="auto"),
+            "fp8-kv.json": doc("2026-12-07", 2.2, bf16_attention=True, kv_cache_dtype="fp8")}
+    labels = sorted(s.label for s in report.build_series(docs))
+    base = "gpt-oss-20b TP1 · flashinfer · MoE deepgemm"
+    assert labels == [base, f"{base} · FP8 QKV/O", f"{base} · KV fp8"]
+    row = next(line for line in perf_summary(report.build_series(docs), {}) if line.startswith("| gpt-oss-20b ("))
+    assert "400 tok/s" in row and "defaults.json" in row and "fp8" not in row
+
+
 def test_prefill_reads_ab_is_one_series_per_setting_never_the_defaults():
     """A run that A/Bs FlashInfer's prefill reads (bench_model --prefill-reads) with one fusion setting
     draws one line per reads setting, none of them labelled as the day's defaults."""
