@@ -11,7 +11,7 @@ sits next to a norm folded into the same launch:
   * the MoE's FP8 input (`quant`): y quantised to e4m3 in 1x128 groups, the bits and layout of
     `kernels.fp8_quant.quantize_act_1x128(y)` (scales [T, ceil(H/128)] with strides (1, T)), so an FP8
     MoE that would quantise its input first (DeepGEMM's, the grouped Triton one, the few-token one) reads
-    these. For a few tokens the groups are spread over the row's programs (`QUANT_SPREAD`): one program
+    these. For a few tokens the groups are spread over the row's programs (`QUANT_SPREAD_MAX_TOKENS`): one program
     quantising a whole row ran ~2 us longer than norm + a separate quantisation launch at one token
     (fusion-ab-1, H200: 5.2 vs 3.1 us), a chain of ~32 divisions per thread with one warp per scheduler;
     spread, 2.44 us (norm-quant-b1-ab-1). Each program re-derives y for its groups from the row's rsqrt
@@ -82,8 +82,9 @@ def _quant_groups(x_ptr, d_ptr, w_ptr, q_ptr, s_ptr, row, g0, rstd, H, stride_x,
                   HW_CVT: tl.constexpr, y_dtype: tl.constexpr):
     """Groups [g0, g0 + GP) of row `row`: y re-derived from x (+ delta) and the row's rstd with _norm_row's
     per-element ops (so the same bits as the y it stores), then quantize_act_1x128's e4m3 and scales. Own loads,
-    even where one program takes the whole row: the e4m3 store's layout then stays off the row's x^2 sum (H200,
-    norm-quant-b1-ab-1: quantising the row's own tensors gave a y other than the plain norm's in the last bit)."""
+    even where one program takes the whole row, so the row's own tensors are the plain norm's: quantising them
+    gave a y other than the plain norm's in the last bit at 300 tokens (H200, norm-quant-b1-ab-1; read as the
+    e4m3 store's layout reaching the x^2 sum). That this form keeps the bits there is not yet checked on a GPU."""
     g = g0 + tl.arange(0, GP)  # [GP]
     cols = g[:, None] * G + tl.arange(0, G)[None, :]  # [GP, G]
     mask = cols < H
