@@ -124,22 +124,24 @@ def norm_rows(t: int, reps: int, copy: float) -> list[dict]:
         rows += [_row(f"norm+router E{e}", t, "unfused", un, nb + t * H * 2, copy, None),  # + y read by the GEMM
                  _row(f"norm+router E{e}", t, "fused", fu, nb, copy, un)]
     un = graph_us(lambda: quantize_act_1x128(fused_norm(x, d, w, 1e-5).y), reps)
-    fu = graph_us(lambda: fused_norm(x, d, w, 1e-5, quant=True), reps)
+    spread = t <= norm.QUANT_SPREAD_MAX_TOKENS
+
+    def fused(what: str, nbytes: float, base_us: float, **kw) -> list[dict]:
+        """The fused launch, and up to QUANT_SPREAD_MAX_TOKENS the same launch with one program quantising each
+        row (the shape before the spread) too."""
+        run = lambda: graph_us(lambda: fused_norm(x, d, w, 1e-5, quant=True, **kw), reps)  # noqa: E731
+        out = [_row(what, t, "fused spread" if spread else "fused", run(), nbytes, copy, base_us)]
+        return out + ([_row(what, t, "fused one program", _one_program(run), nbytes, copy, base_us)] if spread else [])
+
     nb = base + t * H + t * kb * 4
-    rows += [_row("norm+quant", t, "unfused", un, nb + t * H * 2, copy, None),
-             _row("norm+quant", t, "fused" + (" spread" if t <= norm.QUANT_SPREAD_MAX_TOKENS else ""), fu, nb, copy,
-                  un)]
-    if t <= norm.QUANT_SPREAD_MAX_TOKENS:  # the same launch with one program quantising each row (the old shape)
-        rows.append(_row("norm+quant", t, "fused one program", _one_program(lambda: graph_us(
-            lambda: fused_norm(x, d, w, 1e-5, quant=True), reps)), nb, copy, un))
+    rows += [_row("norm+quant", t, "unfused", un, nb + t * H * 2, copy, None), *fused("norm+quant", nb, un)]
+    if spread:
         rw = (torch.randn(E, H, device=DEV) * 0.02).to(torch.bfloat16)  # the 20b decode layer's norm: all three
         rb = torch.randn(E, device=DEV).to(torch.bfloat16)
         un = graph_us(lambda: quantize_act_1x128(fused_norm(x, d, w, 1e-5, router=(rw, rb)).y), reps)
         nb += E * H * 2 + E * 2 + t * E * 2
-        rows.append(_row(f"norm+router+quant E{E}", t, "router fused, quant apart", un, nb + t * H * 2, copy, None))
-        for name, fn in (("fused spread", None), ("fused one program", _one_program)):
-            run = lambda: graph_us(lambda: fused_norm(x, d, w, 1e-5, quant=True, router=(rw, rb)), reps)  # noqa: E731
-            rows.append(_row(f"norm+router+quant E{E}", t, name, fn(run) if fn else run(), nb, copy, un))
+        rows += [_row(f"norm+router+quant E{E}", t, "router fused, quant apart", un, nb + t * H * 2, copy, None),
+                 *fused(f"norm+router+quant E{E}", nb, un, router=(rw, rb))]
     ref = graph_us(lambda: _main_add_norm(x, d, w), reps)
     rows.append(_row("norm-warps", t, "before (1-D)", ref, base, copy, None))
     for nw in (4, 8, 16):

@@ -359,11 +359,12 @@ def generate(results: Path | None, out: Path | None = None, readme: Path | None 
         docs, origin = load_merged(folders)
         by_folder = {f.name: runs_of(f, RESULTS) for f in folders}
         runs = {n: by_folder[origin[n]][n] for n in docs if n in by_folder[origin[n]]}
-        every = [(n, d) for f in folders for n, d in load(f).items()]
-        peer = peers(every, {n: r for f in folders for n, r in by_folder[f.name].items()})
+        loaded = {f.name: load(f) for f in folders}
+        peer = peers([(n, d) for f in folders for n, d in loaded[f.name].items()],
+                     {n: r for f in folders for n, r in by_folder[f.name].items()})
         # The summary's cells come from every folder: a newer run of a configuration that measured fewer cells
         # (batch 1 only, say) replaces the older run on the page, but not the older run's other cells.
-        summary_series = build_series({f"{f.name}/{n}": d for f in folders for n, d in load(f).items()},
+        summary_series = build_series({f"{f.name}/{n}": d for f in folders for n, d in loaded[f.name].items()},
                                       {f"{f.name}/{n}": r for f in folders for n, r in by_folder[f.name].items()})
     out = out or folder
     out.mkdir(parents=True, exist_ok=True)
