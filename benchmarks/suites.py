@@ -146,6 +146,13 @@ SUITES: dict[str, Suite] = {
         steps=(step("serve", "{py} -m benchmarks.serve_gpu --model-json " + SERVED_MODEL_JSON + " --out {out}/serve_gpu.json "
                              "--rates 1,2,4,8,16 --num-requests 24 --serve-args " + shlex.quote(SERVED_ARGS),
                     540, summary=r"single|sat|@|Error|Traceback"),)),
+    "prompt-logprobs-gpu": Suite(
+        "prompt logprobs (completions' echo + logprobs) on the GPU: the decode worker's setting (256-token chunks, "
+        "piecewise and decode CUDA graphs, the overlapped loop, prefix caching) against an unchunked eager engine, "
+        "20b widths, 2 random layers; bound relative to the same comparison with targets shifted by one",
+        carry=STACK_CARRY,
+        steps=(step("prompt-logprobs-gpu", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
+                                           "tests/integration/test_prompt_logprobs_gpu.py", 150, summary=PYTEST),)),
     "served": Suite(
         "issue 23 in one call: the overlapped loop's GPU tests, bench_model's engine loop against graph replay "
         "(20b, 2k/8k x 1/64/128), and the whole stack served on this GPU against those figures (colocated and "

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from common.errors import InvalidRequest, TandemError
+from engine import prompt_logprobs
 from engine.build import EngineParts
 from engine.core import EngineCore
 from engine.sampling import SamplingParams, check_request, to_params
@@ -77,7 +78,8 @@ def chunk_of(seq: Sequence, n_new: int, cached_tokens: int = 0, first_local: boo
         queue_s, prefill_s = seq.first_launch - seq.arrival, time.monotonic() - seq.first_launch
     return TokenChunk(seq.request_id, new, [lp.logprob for lp in lps],
                       [[TopLogprob(t, v) for t, v in lp.top] for lp in lps], seq.finished,
-                      seq.finish_reason.value if seq.finish_reason else "", "", cached_tokens, queue_s, prefill_s)
+                      seq.finish_reason.value if seq.finish_reason else "", "", cached_tokens, queue_s, prefill_s,
+                      prompt_logprobs.to_wire(seq) if first_local else None)
 
 
 class DecodeEngine:

@@ -35,6 +35,7 @@ class Completion:
     output_ids: list[int]
     finish_reason: FinishReason
     logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob]  # prompt tokens 1.. when SamplingParams.prompt_logprobs asked
 
 
 class LLMEngine:
@@ -91,8 +92,8 @@ class LLM:
         seqs = {rid: self.engine.seqs[rid] for rid in rids}
         while self.engine.has_unfinished():
             self.engine.step()
-        return [Completion(rid, s.prompt_ids, s.output_ids, s.finish_reason or FinishReason.ABORT, s.logprobs)
-                for rid, s in seqs.items()]
+        return [Completion(rid, s.prompt_ids, s.output_ids, s.finish_reason or FinishReason.ABORT, s.logprobs,
+                           s.prompt_logprobs) for rid, s in seqs.items()]
 
     @property
     def kv(self):

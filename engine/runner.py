@@ -38,6 +38,8 @@ import numpy as np
 
 from common.grammar import VOCAB_SIZE as GRAMMAR_VOCAB
 from common.grammar import fill_masks
+from engine import prompt_logprobs
+from engine.prompt_logprobs import PromptRows
 from engine.sampling import GrammarMasks, Sampler, SampleRow, _dev
 from engine.scheduler import ScheduledSeq
 from engine.sequence import TokenLogprob
@@ -61,6 +63,7 @@ class StepHandle:
     deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # logits [R, V] + rows awaiting finish_sample
     started: torch.cuda.Event | None = None  # timing event at the launch's start (time_gpu)
     gpu_ms: float | None = None  # set by collect when timed: the GPU's span of the step (started -> event)
+    prompt_rows: list[PromptRows] | None = None  # prompt logprobs queued by this step (engine/prompt_logprobs.py)
 
 
 class ModelRunner:
@@ -101,9 +104,13 @@ class ModelRunner:
             self.share_inputs(input_ids)
         steps = [SeqStep(it.seq.pages, it.start, it.q_len) for it in items]
         rows = [i for i, it in enumerate(items) if it.sample]
-        logits = self.forward(input_ids, steps, rows, on_layer_done)
-        handle = StepHandle(no, items, rows, {}, None, None, None, started=started)
+        prompt_rows = prompt_logprobs.plan(items)
+        logits = self.forward(input_ids, steps, rows, on_layer_done, prompt_rows=prompt_rows)
+        handle = StepHandle(no, items, rows, {}, None, None, None, started=started, prompt_rows=prompt_rows or None)
         if logits is None:
+            if prompt_rows and self.cuda:  # a mid-prompt chunk: its prompt logprobs are what collect waits for
+                handle.event = torch.cuda.Event()
+                handle.event.record()
             return handle
         sample_rows: list[SampleRow] = []
         for i in rows:
@@ -172,13 +179,15 @@ class ModelRunner:
     def collect(self, h: StepHandle) -> tuple[list[int | None], list[TokenLogprob | None]]:
         tokens: list[int | None] = [None] * len(h.items)
         lps: list[TokenLogprob | None] = [None] * len(h.items)
-        if h.host is None:
-            return tokens, lps
         if h.event is not None:
             with label("wait_tokens"):
                 h.event.synchronize()
-            if h.started is not None:
+            if h.started is not None and h.host is not None:
                 h.gpu_ms = h.started.elapsed_time(h.event)
+        if h.prompt_rows:
+            prompt_logprobs.collect(h.items, h.prompt_rows)
+        if h.host is None:
+            return tokens, lps
         sampled = h.host[0].tolist()
         want_lp = len(h.host) > 1
         if want_lp:
@@ -244,10 +253,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor | list[int], steps: list[SeqStep], rows: list[int],
-                on_layer_done: Callable[[int], None] | None = None, want_logits: bool = True) -> torch.Tensor | None:
+                on_layer_done: Callable[[int], None] | None = None, want_logits: bool = True,
+                prompt_rows: list[PromptRows] | None = None) -> torch.Tensor | None:
         """The step's forward; logits [len(rows), V] of the sampled rows (None when none or not
-        wanted). Every TP rank runs this with the same arguments (followers without logits), so the
-        graph-or-eager choice and the all-reduces match on all ranks."""
+        wanted); `prompt_rows` get their prompt logprobs queued. Every TP rank runs this with the same
+        arguments (followers without logits: the prompt rows are rank 0's, computed after the forward
+        from its replicated lm_head), so the graph-or-eager choice and the all-reduces match on all ranks.
+        A step with prompt rows is never a decode graph's: a sampled one-token row lies past its prompt's
+        positions that have a next prompt token."""
         if not isinstance(input_ids, torch.Tensor):
             input_ids = _dev(torch.tensor(input_ids, dtype=torch.long), self.device)  # [T]
         parts, t0 = self.launch_parts, time.perf_counter()
@@ -278,6 +291,9 @@ class ModelRunner:
                 hidden = self.model(input_ids, meta, self.pool, on_layer_done)  # [T, H]
         if parts is not None:
             parts["meta"], parts["forward"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+        if prompt_rows:
+            with label("prompt_logprobs"):
+                prompt_logprobs.compute(prompt_rows, hidden, self.model.compute_logits)
         if not rows or not want_logits:
             return None
         last = meta.logits_indices  # [B] each sequence's last new token

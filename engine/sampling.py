@@ -56,6 +56,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit)
     grammars: tuple[JsonGrammar, ...] = ()  # structured outputs (common/grammar.py)
     share_prompt: bool = False  # the prompt's KV enters the prefix cache once computed (model/prefix_share.py)
+    prompt_logprobs: int | None = None  # None = off; n >= 0: prompt tokens' logprobs plus top-n (engine/prompt_logprobs.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -68,6 +69,8 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be in [0, 2^31), got {self.top_k}", param="top_k")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest("min_tokens must be in [0, max_tokens]", param="min_tokens")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -97,7 +100,7 @@ def to_params(s: SamplingSpec) -> SamplingParams:
                           frequency_penalty=s.frequency_penalty,
                           logit_bias=tuple((b.token_id, b.bias) for b in s.logit_bias),
                           grammars=tuple(JsonGrammar(g.target, g.schema) for g in s.grammars),
-                          share_prompt=s.share_prompt)
+                          share_prompt=s.share_prompt, prompt_logprobs=s.prompt_logprobs)
 
 
 @dataclass(slots=True)

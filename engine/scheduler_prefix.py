@@ -39,6 +39,8 @@ class PrefixScheduling:
         """The cached prefix a WAITING sequence (nothing cached yet) would get now."""
         if self.kv.cache is None or seq.num_cached or seq.pages.full or seq.pages.ring:
             return Hit()
+        if seq.params.prompt_logprobs is not None:  # every prompt position's logits are wanted: compute them all
+            return Hit()
         n = seq.num_tokens
         return self.kv.cache.match(self.hashes(seq, n), n)
 

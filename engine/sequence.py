@@ -47,6 +47,7 @@ class Sequence:
     arrival: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)
     pages: SeqPages = field(default_factory=SeqPages)
     num_cached: int = 0  # tokens whose K/V is in this engine's cache
     status: SeqStatus = SeqStatus.WAITING

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 
 from common.errors import InvalidRequest, ProtocolError
+from engine import prompt_logprobs
 from engine.build import EngineParts
 from engine.sampling import check_request, to_params
 from engine.scheduler import ScheduledSeq, note_ring_write
@@ -190,7 +191,7 @@ class PrefillEngine:
         return PrefillResult(m.request_id, True, int(tokens[0]), lp.logprob if lp else None,
                              [TopLogprob(t, v) for t, v in lp.top] if lp else [], "", compute_s,
                              outcome.num_bytes, outcome.seconds, 0.0, time.monotonic() - t0 - compute_s,
-                             seq.num_cached_prefix, split)
+                             seq.num_cached_prefix, split, prompt_logprobs.to_wire(seq))
 
     def _wait_terminal(self, rid: str, deadline: float, cancelled: Callable[[], str] = _never) -> TransferStatus:
         while True:

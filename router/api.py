@@ -164,7 +164,8 @@ def build_app(h: Handlers, serving: Serving) -> FastAPI:
         if req.stream and len(jobs) != req.n:
             raise InvalidRequest("streaming takes a single prompt", param="prompt")
         n = req.n
-        groups = [fan_out([h.completion_events(j, stops, req.skip_special_tokens) for j in jobs[k:k + n]])
+        prompt_only = req.max_tokens == 0  # echo's legacy scoring form: the sampled token is dropped
+        groups = [fan_out([h.completion_events(j, stops, req.skip_special_tokens, prompt_only) for j in jobs[k:k + n]])
                   for k in range(0, len(jobs), n)]
         scope = serving.inflight.open(rid)
         scope.track_first_out([j.trace for j in jobs], bool(req.stream))

@@ -127,8 +127,10 @@ async def chat_sse(events, base: dict, req: ChatCompletionRequest, jobs: list[Jo
 
 # ---- completions -----------------------------------------------------------------------------------
 def completion_logprobs(entries: list[dict]) -> dict:
+    """The legacy logprobs object; an echoed prompt's first token has null logprob and top_logprobs."""
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]}
+            "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries]}
 
 
 async def collect_completions(h, rid: str, groups: list, jobs: list[Job], req: CompletionRequest, created: int) -> dict:
@@ -138,14 +140,18 @@ async def collect_completions(h, rid: str, groups: list, jobs: list[Job], req: C
     n_out = 0
     for k, events in enumerate(groups):
         acc = {i: ("", [], [], "stop") for i in range(n)}
+        prompt_lps: dict[int, list[dict]] = {}
         async for i, ev in events:
             text, ids, lps, finish = acc[i]
             acc[i] = (text + ev.text, ids + ev.token_ids, lps + ev.logprobs, ev.finish_reason or finish)
+            if ev.prompt_logprobs is not None:
+                prompt_lps[i] = ev.prompt_logprobs
         for i in range(n):
             job = jobs[k * n + i]
             text, ids, lps, finish = acc[i]
             if req.echo:
                 text = h.tok.decode(job.prompt_ids, skip_special=req.skip_special_tokens) + text
+                lps = prompt_lps.get(i, []) + lps
             choice = {"index": k * n + i, "text": text, "finish_reason": finish,
                       "logprobs": completion_logprobs(lps) if req.logprobs is not None else None}
             if req.return_token_ids:
@@ -160,11 +166,15 @@ async def collect_completions(h, rid: str, groups: list, jobs: list[Job], req: C
 async def completion_sse(h, jobs: list[Job], events, base: dict, req: CompletionRequest) -> AsyncIterator[bytes]:
     n_out = 0
     try:
-        if req.echo:
+        if req.echo and req.logprobs is None:
             for i, job in enumerate(jobs):
                 yield sse({**base, "choices": [{"index": i, "text": h.tok.decode(job.prompt_ids), "finish_reason": None,
                                                 "logprobs": None}]})
         async for i, ev in events:
+            if ev.prompt_logprobs is not None:  # echo + logprobs: the prompt comes with its first token's event
+                echo = {"index": i, "text": h.tok.decode(jobs[i].prompt_ids), "finish_reason": None,
+                        "logprobs": completion_logprobs(ev.prompt_logprobs)}
+                yield sse({**base, "choices": [echo]})
             n_out += len(ev.token_ids)
             if ev.text or ev.token_ids or ev.finish_reason:
                 choice = {"index": i, "text": ev.text, "finish_reason": ev.finish_reason,

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from common.errors import InvalidRequest
+from common.errors import InvalidRequest, ProtocolError
 from router.chat_types import Delta, DeltaKind, ParsedCompletion
 from router.config import RouterConfig
 from router.harmony import HarmonyFormat
@@ -26,7 +26,7 @@ from router.openai_models import (ChatCompletionRequest, CompletionRequest, choi
 from router.orchestrator import Job, Orchestrator
 from router.prefix_index import PromptHashes
 from router.textguard import check_texts, guarded
-from wire.protocol import SamplingSpec, TokenChunk
+from wire.protocol import PromptLogprobs, SamplingSpec, TokenChunk
 from router.tokenizer import VOCAB_SIZE, Tokenizer
 
 
@@ -59,6 +59,7 @@ class Event:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[dict] | None = None  # completions with echo + logprobs: one entry per prompt token
 
 
 class Handlers:
@@ -104,6 +105,15 @@ class Handlers:
                 "bytes": list(self.tok.token_bytes([token_id])),
                 "top_logprobs": [{"token": self.tok.decode([t.token_id]), "logprob": t.logprob,
                                   "bytes": list(self.tok.token_bytes([t.token_id]))} for t in top]}
+
+    def _prompt_entries(self, prompt_ids: list[int], pl: PromptLogprobs) -> list[dict]:
+        """Echoed prompt tokens as logprob entries: the first has no context, so no logprob (OpenAI's null)."""
+        if len(pl.logprobs) != len(prompt_ids) - 1 or len(pl.top) != len(pl.logprobs):
+            raise ProtocolError(f"worker returned {len(pl.logprobs)} prompt logprobs for a {len(prompt_ids)}-token "
+                                    "prompt")
+        first = {"token": self.tok.decode(prompt_ids[:1]), "logprob": None,
+                 "bytes": list(self.tok.token_bytes(prompt_ids[:1])), "top_logprobs": None}
+        return [first] + [self._logprob_entry(t, lp, top) for t, lp, top in zip(prompt_ids[1:], pl.logprobs, pl.top)]
 
     async def _run(self, job: Job, stream_fn) -> AsyncIterator[Event]:
         """Drive the orchestrator; `stream_fn(chunk) -> (Event, stop_hit)` turns chunks into events."""
@@ -246,18 +256,32 @@ class Handlers:
             raise InvalidRequest("prompts x n must be at most 128", param="n")
         grammars = completion_grammars(req)
         rid, jobs = f"cmpl-{uuid.uuid4().hex}", []
+        prompt_lp = req.logprobs if req.echo else None  # echo + logprobs: the prompt tokens' too
         for k, ids in enumerate(prompts):
+            # max_tokens 0 (echo only): the worker samples one token, which completion_events drops
             max_tokens = self.max_tokens(req.max_tokens if req.max_tokens is not None else 16, len(ids), "prompt")
-            spec = sampling_spec(req, max_tokens, [], req.logprobs, grammars)
+            spec = dataclasses.replace(sampling_spec(req, max(max_tokens, 1), [], req.logprobs, grammars),
+                                       prompt_logprobs=prompt_lp)
             jobs += self.choices(rid if len(prompts) == 1 else f"{rid}-p{k}", ids, spec, req.n, req.priority)
         return rid, jobs, req.stop_strings()
 
-    async def completion_events(self, job: Job, stops: list[str], skip_special: bool) -> AsyncIterator[Event]:
+    async def completion_events(self, job: Job, stops: list[str], skip_special: bool,
+                                prompt_only: bool = False) -> AsyncIterator[Event]:
+        """`prompt_only` (max_tokens 0): the sampled token is dropped; the events carry the prompt's logprobs."""
         detok = self.tok.new_detokenizer(skip_special=skip_special)
         stop = StopStrings(stops)
         stop_hit = [False]
 
         def on_chunk(chunk: TokenChunk) -> tuple[Event, bool]:
+            if chunk.prompt is not None and job.sampling.prompt_logprobs is not None:
+                ev, hit = on_tokens(chunk)
+                ev.prompt_logprobs = self._prompt_entries(job.prompt_ids, chunk.prompt)
+                return ev, hit
+            return on_tokens(chunk)
+
+        def on_tokens(chunk: TokenChunk) -> tuple[Event, bool]:
+            if prompt_only:
+                return Event(), False
             text, hit = stop.feed(detok.feed(chunk.token_ids))
             stop_hit[0] = stop_hit[0] or hit
             ev = Event(text=text, token_ids=list(chunk.token_ids))
@@ -272,8 +296,8 @@ class Handlers:
             finish = ev.finish_reason or finish
             ev.finish_reason = None  # reported once, on the final event
             yield ev
-        tail = "" if stop_hit[0] else stop.feed(detok.flush())[0] + stop.flush()
-        yield Event(text=tail, finish_reason=finish)
+        tail = "" if stop_hit[0] or prompt_only else stop.feed(detok.flush())[0] + stop.flush()
+        yield Event(text=tail, finish_reason="length" if prompt_only else finish)
 
 
 def _chat_texts(req: ChatCompletionRequest):

@@ -173,6 +173,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[Annotated[int, Field(ge=0, le=INT32)]] | list[str] | list[list[Annotated[int, Field(ge=0, le=INT32)]]]
+    max_tokens: Annotated[int, Field(ge=0, le=INT32)] | None = None  # 0: with echo, score the prompt only
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     suffix: str | None = None
@@ -183,10 +184,9 @@ class CompletionRequest(_SamplingFields):
     def check_unsupported(self) -> None:
         super().check_unsupported()
         _refuse(self.best_of not in (None, 1, self.n), "best_of", "best_of other than n (or 1) is not supported")
-        # echo + logprobs asks for the prompt tokens' log probabilities too (lm-eval's loglikelihood requests): the
-        # workers return logprobs of sampled tokens only, so a response would silently leave the prompt's out
-        _refuse(self.echo and self.logprobs is not None, "logprobs",
-                "logprobs with echo (the prompt tokens' log probabilities) are not supported: sampled tokens only")
+        # max_tokens 0 is OpenAI's legacy form of scoring a prompt (with echo + logprobs): nothing to generate
+        _refuse(self.max_tokens == 0 and not self.echo, "max_tokens", "max_tokens 0 needs echo (it returns the "
+                "prompt only); otherwise max_tokens must be at least 1")
 
 
 # ---- conversion ---------------------------------------------------------------------------------

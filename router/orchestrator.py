@@ -108,7 +108,9 @@ class Orchestrator:
         exclude: set[str] = set()
         last: TandemError | None = None
         hashes = job.hashes or PromptHashes(job.prompt_ids)
-        ticket = Ticket(job.request_id, len(job.prompt_ids), job.sampling.max_tokens, job.priority, hashes=hashes)
+        # prompt logprobs: the computing worker skips its prefix cache, so placement must not count on a hit
+        ticket = Ticket(job.request_id, len(job.prompt_ids), job.sampling.max_tokens, job.priority,
+                        hashes=hashes if job.sampling.prompt_logprobs is None else None)
         attempt = requeues = 0
         while attempt < self.cfg.max_attempts:
             rid = job.request_id if attempt == 0 else f"{job.request_id}.r{attempt}"
@@ -167,7 +169,7 @@ class Orchestrator:
                 job.trace.worker_s = time.monotonic() - t_sent
                 yield TokenChunk(rid, [first.first_token], [first.first_logprob] if first.first_logprob is not None else [],
                                  [first.first_top] if job.sampling.logprobs is not None else [], False, "", "",
-                                 first.cached_tokens)
+                                 first.cached_tokens, prompt=first.prompt)
             while not finished:
                 item = await stream.get()  # the client's stall watchdog bounds the wait (stream_timeout_s)
                 if isinstance(item, Exception):

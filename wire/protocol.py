@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 from common.errors import ProtocolError
 from wire.codec import brief, build, pack, to_wire, unpack
 
-PROTOCOL_VERSION = 8  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache;
+PROTOCOL_VERSION = 9  # 2: sampling penalties and logit bias; TokenBatch (one frame per step); 3: prefix cache;
 # 4: structured outputs (SamplingSpec.grammars), n > 1 (SamplingSpec.share_prompt)
 # 5: TokenChunk carries a local prefill's queue and compute time (the TTFT breakdown of colocated requests)
 # 6: PrefillResult.split: where the prefill worker's compute time went (host before launch, launch, GPU)
 # 7: GrammarSpec target "call": a required tool call constrains the whole turn (tool_choice required / named)
 # 8: WorkerStatus.max_model_len: the router's default max_tokens is the room a worker's context and KV leave
+# 9: prompt log probabilities (SamplingSpec.prompt_logprobs; PromptLogprobs on PrefillResult, the first TokenChunk)
 MAX_RESERVATION_S = 3600.0  # longest AdmitRequest.deadline_s a decode worker accepts
 MAX_FRAME_BYTES = 64 << 20  # a 128k-token prompt is ~1 MB; anything near this is an error
 
@@ -73,12 +74,24 @@ class SamplingSpec:
     logit_bias: list[LogitBias] = field(default_factory=list)
     grammars: list[GrammarSpec] = field(default_factory=list)  # structured outputs; empty = unconstrained
     share_prompt: bool = False  # n > 1: index the prompt's KV in the prefix cache once computed (model/prefix_share.py)
+    # echo + logprobs (/v1/completions): every prompt token's log probability given the tokens before it, plus the
+    # top-n there (None = off). The worker computing the prompt then skips its prefix cache: a cached token has no logits.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class TopLogprob:
     token_id: int
     logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Log probabilities of prompt tokens 1..P-1 (token 0 has no context), each under the raw model distribution
+    (no temperature, penalties or bias) given the tokens before it; `top`: the n most likely tokens there."""
+
+    logprobs: list[float]  # [P - 1]
+    top: list[list[TopLogprob]]  # [P - 1][n]
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +193,7 @@ class PrefillResult:
     tail_seconds: float = 0.0  # compute done -> the KV transfer terminal (what the transfer added to TTFT)
     cached_tokens: int = 0  # prompt tokens the prefill worker took from its own prefix cache
     split: ComputeSplit | None = None  # prefill_seconds by part (None: a failed request)
+    prompt: PromptLogprobs | None = None  # SamplingSpec.prompt_logprobs asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +225,7 @@ class TokenChunk:
     cached_tokens: int = 0  # first chunk of a GenerateRequest: prompt tokens taken from the prefix cache
     queue_seconds: float = 0.0  # first chunk of a GenerateRequest: the worker received it -> its first step scheduled
     prefill_seconds: float = 0.0  # ... that step's launch -> its first token on the worker's host
+    prompt: PromptLogprobs | None = None  # first chunk, when SamplingSpec.prompt_logprobs asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +249,7 @@ class Ack:
 
 MESSAGES: tuple[type, ...] = (SamplingSpec, TopLogprob, StatusRequest, WorkerStatus, AdmitRequest, Admitted, Rejected,
                               PrefillRequest, PrefillResult, StartDecode, GenerateRequest, TokenChunk, Abort, Ack,
-                              LogitBias, TokenBatch, GrammarSpec, ComputeSplit)
+                              LogitBias, TokenBatch, GrammarSpec, ComputeSplit, PromptLogprobs)
 _TAGS = {cls: i for i, cls in enumerate(MESSAGES)}
 
 

@@ -67,6 +67,20 @@ def test_scalar_lists_take_the_one_pass_check_with_the_same_semantics():
         with pytest.raises(ProtocolError, match=r"AdmitRequest.prompt_ids\[\]: expected int"):
             decode(msgpack.packb(frame))
     chunk = decode(msgpack.packb([PROTOCOL_VERSION, protocol._TAGS[TokenChunk],
-                                  ["r", [1], [-1], [[]], False, "", "", 3, 0.25, 1]]))
+                                  ["r", [1], [-1], [[]], False, "", "", 3, 0.25, 1, None]]))
     assert chunk.logprobs == [-1.0] and type(chunk.logprobs[0]) is float and chunk.prefill_seconds == 1.0
     assert decode(encode(TokenChunk("r", [7], [], [], False, "", "", 0, 0.5, 0.75))).queue_seconds == 0.5
+
+
+def test_prompt_logprobs_cross_the_wire():
+    """PromptLogprobs nested in the first TokenChunk and in PrefillResult: floats stay floats, tops keep order."""
+    from wire.protocol import PrefillResult, PromptLogprobs, TopLogprob
+
+    pl = PromptLogprobs([-1.5, -2], [[TopLogprob(5, -0.5)], [TopLogprob(9, -0.25), TopLogprob(3, -1.0)]])
+    chunk = decode(encode(TokenChunk("r", [7], [], [], False, "", "", 0, 0.0, 0.0, pl)))
+    assert chunk.prompt == pl and type(chunk.prompt.logprobs[1]) is float
+    res = decode(encode(PrefillResult("r", True, 7, None, [], "", 0.1, 0, 0.0, prompt=pl)))
+    assert res.prompt == pl and decode(encode(PrefillResult("r", True, 7, None, [], "", 0.1, 0, 0.0))).prompt is None
+    frame = [PROTOCOL_VERSION, protocol._TAGS[TokenChunk], ["r", [1], [], [], False, "", "", 0, 0.0, 0.0, [["x"], []]]]
+    with pytest.raises(ProtocolError, match="TokenChunk.prompt"):
+        decode(msgpack.packb(frame))
