@@ -54,6 +54,15 @@ def plan(items: Seq[ScheduledSeq]) -> list[PromptRows]:
     return out
 
 
+def shares(flat: list[int], par) -> list[PromptRows]:
+    """A tensor-parallel follower's copy of rank 0's plans (engine/tp/messages.Step.prompt_rows): with a vocab-parallel
+    lm_head each slice's logits are an all-gather every rank must join; a replicated lm_head needs nothing (empty).
+    The targets are placeholders: a follower's results are dropped."""
+    if not (par.vocab_parallel and par.tp_size > 1):
+        return []
+    return [PromptRows(-1, flat[i], -1, [0] * flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
+
+
 def compute(plans: list[PromptRows], hidden: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Queue each plan's logprobs from the final-normed hidden states [T, H]; `logits_of`: [N, H] -> [N, V] fp32."""
     for p in plans:

@@ -294,11 +294,15 @@ class ModelRunner:
         if prompt_rows:
             with label("prompt_logprobs"):
                 prompt_logprobs.compute(prompt_rows, hidden, self.model.compute_logits)
-        if not rows or not want_logits:
+        if not rows:
             return None
         last = meta.logits_indices  # [B] each sequence's last new token
         if len(rows) != len(steps):  # mid-prompt chunks sample nothing (a device index: no pageable copy)
             last = last[_dev(torch.tensor(rows, dtype=torch.long), self.device)]
+        if not want_logits:
+            if self.model.par.vocab_parallel and self.model.par.tp_size > 1:
+                self.model.compute_logits(hidden[last])  # a follower's share of rank 0's lm_head all-gather
+            return None
         return self.model.compute_logits(hidden[last])  # [B', V]
 
     def copy_sliding_pages(self, src: list[int], dst: list[int]) -> None:

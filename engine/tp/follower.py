@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from common.gc_pauses import freeze_startup_heap
+from engine import prompt_logprobs
 from engine.tp import messages as m
 from engine.tp.group import RANK_LOST_EXIT, RankGroup
 from engine.tp.local_kv import LocalKV
@@ -70,7 +71,8 @@ class Follower:
                         self.group.broadcast_inputs(t)
                         ids = t
                     on_layer_done = self.kv.tx.layer_done if cmd.layer_done else None
-                    self.runner.forward(ids, steps, rows, on_layer_done, want_logits=False)
+                    self.runner.forward(ids, steps, rows, on_layer_done, want_logits=False,
+                                        prompt_rows=prompt_logprobs.shares(cmd.prompt_rows, self.runner.model.par))
                 case m.Shutdown():
                     self.group.reply(self.kv.bye())
                     return

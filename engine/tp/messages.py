@@ -32,7 +32,7 @@ there is no version field; the typing keeps dicts and pickles off the control pl
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import ClassVar
 
@@ -94,6 +94,9 @@ class Step:
     # not know them yet, their token_ids are placeholders, and the whole [T] id tensor arrives by a
     # device broadcast from rank 0 before the forward (RankGroup.broadcast_inputs)
     ids_on_device: bool = False
+    # Prompt logprobs rank 0 computes from the step's rows (engine/prompt_logprobs.py): flat [row0, count, top_n, ...].
+    # With a vocab-parallel lm_head every rank joins each slice's logits all-gather; a replicated one ignores them.
+    prompt_rows: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

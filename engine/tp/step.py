@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine import prompt_logprobs
 from engine.scheduler import ScheduledSeq
 from engine.tp import messages as m
 from model.context import SeqStep
@@ -50,7 +51,8 @@ class StepEncoder:
                                   list(seq.pages.copy_src), list(seq.pages.copy_dst)))
             sent[seq.request_id] = _Sent(full, len(full))
         self._sent = sent
-        return m.Step(seqs, layer_done, on_device)
+        shares = [x for p in prompt_logprobs.plan(items) for x in (p.row0, len(p.targets), p.top_n)]
+        return m.Step(seqs, layer_done, on_device, shares)
 
 
 class StepMirror:

@@ -7,6 +7,8 @@ Shown, greedy outputs always equal to the single-process engine:
   - the prefill/decode TP mixes (1,2), (2,1), (2,2) over the router's wire protocol (the test plays the
     router: Admit -> Prefill -> StartDecode), short and longer-than-the-window prompts (prefilled in
     two chunks by the TP-2 workers), plus a colocated request that prefills on the TP-2 decode worker;
+    the TP-2 decode worker's lm_head is vocab-parallel (an all-gather of the logits every rank joins);
+  - prompt logprobs from both TP-2 workers (vocab-parallel and replicated lm_head);
   - control-plane messages larger than the buffer (tests/unit/test_tp_control.py has the rest of
     the control plane in one process: STEP page deltas, combining the ranks' transfer answers);
   - afterwards every page is back (rank 0 owns allocation for all ranks) and, on a graceful stop,
@@ -18,6 +20,7 @@ Shown, greedy outputs always equal to the single-process engine:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import concurrent.futures as cf
 import os
 import re
@@ -192,7 +195,8 @@ def tiny(ckpt_factory):
 def cluster(tiny):
     chunked = ("--max-num-batched-tokens", "256")  # LONG prompts prefill in two chunks on the TP-2 workers
     workers = {"P1": _worker("P1", "prefill", 1, tiny), "P2": _worker("P2", "prefill", 2, tiny, extra=chunked),
-               "D1": _worker("D1", "decode", 1, tiny), "D2": _worker("D2", "decode", 2, tiny, extra=chunked)}
+               "D1": _worker("D1", "decode", 1, tiny),
+               "D2": _worker("D2", "decode", 2, tiny, extra=chunked + ("--vocab-parallel",))}
     port = _port()
     router = _spawn("router", ["router", "--host", "127.0.0.1", "--port", str(port), "--model-name", "m",
                                "--prefill", workers["P2"].addr, "--decode", workers["D2"].addr,
@@ -325,6 +329,32 @@ def test_failed_transfers_fail_on_every_rank(cluster):
     finally:
         p.close()
         d.close()
+
+
+def test_prompt_logprobs_on_tp2_workers(cluster, tiny):
+    """A colocated request on the TP-2 decode worker (vocab-parallel lm_head: its followers join every slice's
+    all-gather) and a prefill on the TP-2 prefill worker (replicated lm_head): the single-process engine's values."""
+    spec = dataclasses.replace(SPEC, prompt_logprobs=2)
+    ref = LLM(EngineConfig(checkpoint=tiny, kv_cache_bytes=64 << 20)).generate(
+        [LONG], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, prompt_logprobs=2))[0]
+    want = torch.tensor([e.logprob for e in ref.prompt_logprobs])
+    d2, p2, d1 = (Peer(cluster.workers[n].addr) for n in ("D2", "P2", "D1"))
+    try:
+        d2.sock.send(encode(GenerateRequest("colo-lp", LONG, spec)))
+        first = d2.recv(120.0)
+        assert isinstance(first, TokenChunk) and not first.error and first.prompt is not None, first
+        d2.tokens("colo-lp")
+        adm = d1.ask(AdmitRequest("p2-lp", len(LONG), spec.max_tokens, 1, 60.0))
+        res = p2.ask(PrefillRequest("p2-lp", LONG, spec, adm.kv_target, 60.0), 120.0)
+        assert isinstance(res, PrefillResult) and res.ok and res.prompt is not None, res
+        d1.sock.send(encode(StartDecode("p2-lp", LONG, spec, res.first_token, res.first_logprob, res.first_top)))
+        d1.tokens("p2-lp")
+        for got in (first.prompt, res.prompt):
+            torch.testing.assert_close(torch.tensor(got.logprobs), want, atol=1e-4, rtol=0)
+            assert [[t.token_id for t in top] for top in got.top] == [[t for t, _ in e.top] for e in ref.prompt_logprobs]
+    finally:
+        for p in (d2, p2, d1):
+            p.close()
 
 
 def test_no_page_leaks_on_any_rank_and_clean_shutdown(cluster):
