@@ -362,4 +362,16 @@ SERVED_SUITES: dict[str, Suite] = {
         carry=STACK_CARRY,
         steps=(colocated_pw_step("colocated-1-pw", 150, bench="--client-procs 4 "), multi_turn_step("disaggregated", 310)),
         reproduces=(COLOCATED_GOAL, "fp8kv-mixed-ab-1 (2026-12-06, H100): colocated 44.3 vs 113.3 ms (2.56x)")),
+    # issue25-h200-1 (H200): the defaults' cached turns 2+ at 2.80x, mixed steps launched in 14.2 ms for 14.9 on the GPU;
+    # graphed-small-ab-1 (H100) had attention inside the graphs of steps <= 768 tokens at 2.90x (launch 13.1 -> 3.7 ms)
+    "issue25-h200-graphed": Suite(
+        "issue 25's colocated run on the H200 (issue25-h200's colocated-1-pw: 64 x 8 turns, ONE decode worker, 4 client "
+        "processes, step trace), with the workers' defaults and with attention inside the piecewise graphs for steps of "
+        "<= 768 tokens (--piecewise-graphed-attention all, opt-in: Triton attention, not FlashInfer's bits), each with "
+        "and without prefix caching",
+        carry=STACK_CARRY,
+        steps=(colocated_pw_step("colocated-1-pw", 150, bench="--client-procs 4 "),
+               colocated_pw_step("colocated-1-graphed768", 150, "--piecewise-graphed-attention all "
+                                 "--piecewise-graphed-max-tokens 768 ", bench="--client-procs 4 ")),
+        reproduces=(COLOCATED_GOAL, "issue25-h200-1 (2026-12-06, H200): colocated 46.6 vs 130.6 ms (2.80x)")),
 }
