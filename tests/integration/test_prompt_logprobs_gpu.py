@@ -26,9 +26,12 @@ def _engine(chunk: int, fast: bool):
     from engine.build import EngineConfig
     from engine.llm import LLM
     from engine.scheduler import SchedulerConfig
+    from kernels.registry import auto_moe_backend
 
+    # the decode worker's backends on a GPU (engine/worker_args.py): the torch reference MoE cannot be captured
     cfg = EngineConfig(random_preset="gpt-oss-20b", random_layers=2, device="cuda", dtype="bfloat16", fp8=True,
-                       fp8_attention=False, attention_backend="flashinfer", kv_cache_bytes=4 << 30,
+                       fp8_attention=False, attention_backend="flashinfer", linear_backend="scaled_mm",
+                       moe_backend=auto_moe_backend("cuda", True, True), kv_cache_bytes=4 << 30,
                        enable_prefix_caching=fast, piecewise_graphs=fast,
                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=chunk, max_model_len=4096))
     llm = LLM(cfg)
