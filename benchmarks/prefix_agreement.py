@@ -61,8 +61,8 @@ def attach(llm) -> Probe:
         state["items"] = items
         return launch0(items, prev, no, on_layer_done)
 
-    def forward(input_ids, steps, rows, on_layer_done=None, want_logits=True):
-        out = forward0(input_ids, steps, rows, on_layer_done, want_logits)
+    def forward(input_ids, steps, rows, on_layer_done=None, want_logits=True, **kw):
+        out = forward0(input_ids, steps, rows, on_layer_done, want_logits, **kw)
         items = state.get("items")
         if out is not None and items is not None and len(items) == len(steps):
             for r, i in enumerate(rows):
