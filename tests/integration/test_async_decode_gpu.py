@@ -47,14 +47,22 @@ def prompts(lengths, seed=0):
 
 def test_async_decode_gpu_greedy_equals_sync(pair):
     """Both orders of the overlapped loop (engine.core.collect_ready): steps collected after the next
-    launch, and, on these small steps the GPU finishes before the host plans the next, steps collected
-    first (counted: the order must actually occur)."""
+    launch, and steps the GPU finished before the host planned the next, collected first (counted: the
+    order must actually occur). Which order a step takes is timing: on these small steps it was 0-4 of
+    23 (prefix-gpu-tests runs), so every third check first waits for the GPU, forcing the second order."""
     fast, slow = pair
     ps = prompts([5, 40, 130, 300, 17, 999])
     params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(ps))]
     runner, seen = fast.engine.runner, []
     ready = runner.ready
-    runner.ready = lambda h: (seen.append(r := ready(h)), r)[1]
+
+    def checked(h):
+        if len(seen) % 3 == 2:
+            torch.cuda.synchronize()  # the host is late: the step in flight is done
+        seen.append(r := ready(h))
+        return r
+
+    runner.ready = checked
     try:
         a = [o.output_ids for o in fast.generate(ps, params)]
     finally:
