@@ -5,27 +5,10 @@ cache; a sequence asking for them computes its whole prompt (a cached token has 
 import pytest
 import torch
 
-from engine.build import EngineConfig
-from engine.llm import LLM
 from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerConfig
 from model.context import SeqStep, build_step_meta
 from tests.integration.test_engine import prompts_for
-
-
-@pytest.fixture
-def make_llm():
-    made = []
-
-    def make(path, **kw):
-        sched = kw.pop("scheduler", SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024))
-        llm = LLM(EngineConfig(checkpoint=path, scheduler=sched, **kw))
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        llm.kv.assert_all_free()
 
 
 def reference(llm, prompt):
