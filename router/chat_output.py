@@ -8,6 +8,7 @@ once per prompt (OpenAI's convention) and the completion tokens of every choice.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import AsyncIterator
 
@@ -126,11 +127,14 @@ async def chat_sse(events, base: dict, req: ChatCompletionRequest, jobs: list[Jo
 
 
 # ---- completions -----------------------------------------------------------------------------------
-def completion_logprobs(entries: list[dict]) -> dict:
-    """The legacy logprobs object; an echoed prompt's first token has null logprob and top_logprobs."""
+def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
+    """The legacy logprobs object; an echoed prompt's first token has null logprob and top_logprobs. text_offset:
+    where each token's text starts in the choice's text (the tokens' texts laid end to end from `offset`, the
+    length already streamed)."""
+    starts = list(itertools.accumulate((len(e["token"]) for e in entries[:-1]), initial=offset)) if entries else []
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
-                             for e in entries]}
+                             for e in entries], "text_offset": starts}
 
 
 async def collect_completions(h, rid: str, groups: list, jobs: list[Job], req: CompletionRequest, created: int) -> dict:
@@ -170,15 +174,18 @@ async def completion_sse(h, jobs: list[Job], events, base: dict, req: Completion
             for i, job in enumerate(jobs):
                 yield sse({**base, "choices": [{"index": i, "text": h.tok.decode(job.prompt_ids), "finish_reason": None,
                                                 "logprobs": None}]})
+        offsets = [0] * len(jobs)  # per choice: the length of the logprob tokens' texts streamed so far
         async for i, ev in events:
             if ev.prompt_logprobs is not None:  # echo + logprobs: the prompt comes with its first token's event
                 echo = {"index": i, "text": h.tok.decode(jobs[i].prompt_ids), "finish_reason": None,
                         "logprobs": completion_logprobs(ev.prompt_logprobs)}
+                offsets[i] = sum(len(e["token"]) for e in ev.prompt_logprobs)
                 yield sse({**base, "choices": [echo]})
             n_out += len(ev.token_ids)
             if ev.text or ev.token_ids or ev.finish_reason:
                 choice = {"index": i, "text": ev.text, "finish_reason": ev.finish_reason,
-                          "logprobs": completion_logprobs(ev.logprobs) if req.logprobs is not None else None}
+                          "logprobs": completion_logprobs(ev.logprobs, offsets[i]) if req.logprobs is not None else None}
+                offsets[i] += sum(len(e["token"]) for e in ev.logprobs)
                 if req.return_token_ids:
                     choice["token_ids"] = ev.token_ids
                 yield sse({**base, "choices": [choice]})

@@ -44,6 +44,7 @@ def reference(tiny):
 
 def check_echo(lp, prompt, ref, n, generated):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(prompt) + generated
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first token has no context
     got = lp.token_logprobs[1:len(prompt)]
     want = [e.logprob for e in ref.prompt_logprobs]
@@ -84,6 +85,9 @@ def test_streamed_echo_carries_the_prompt_logprobs(client, reference):
     check_echo(first.logprobs, p, reference(p, 1), 1, generated=0)
     rest = [c.choices[0] for c in chunks[1:] if c.choices and c.choices[0].logprobs]
     assert sum(len(c.logprobs.tokens) for c in rest) == 3
+    tokens = first.logprobs.tokens + [t for c in rest for t in c.logprobs.tokens]  # offsets run on across events
+    assert [o for c in [first] + rest for o in c.logprobs.text_offset] == [sum(map(len, tokens[:k]))
+                                                                         for k in range(len(tokens))]
 
 
 def test_a_cached_prompt_is_scored_whole(client, svc, reference):
