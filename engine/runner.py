@@ -257,8 +257,8 @@ class ModelRunner:
                 prompt_rows: list[PromptRows] | None = None) -> torch.Tensor | None:
         """The step's forward; logits [len(rows), V] of the sampled rows (None when none or not
         wanted); `prompt_rows` get their prompt logprobs queued. Every TP rank runs this with the same
-        arguments (followers without logits: the prompt rows are rank 0's, computed after the forward
-        from its replicated lm_head), so the graph-or-eager choice and the all-reduces match on all ranks.
+        arguments (followers without logits, and with prompt rows only to join a vocab-parallel lm_head's
+        all-gathers), so the graph-or-eager choice and the collectives match on all ranks.
         A step with prompt rows is never a decode graph's: a sampled one-token row lies past its prompt's
         positions that have a next prompt token."""
         if not isinstance(input_ids, torch.Tensor):
