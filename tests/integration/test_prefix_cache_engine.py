@@ -39,14 +39,15 @@ def conversation(llm, system, turns, g, vocab, params=GREEDY, user_len=(20, 45))
     return outs, hits
 
 
-@pytest.mark.parametrize("preset,vocab", [("tiny", 201088), ("tiny-a", 512)])
-def test_prefix_multi_turn_greedy_equals_uncached(ckpt_factory, preset, vocab):
-    """tiny: window 128 (a hit needs 8 sliding blocks); tiny-a: window 4. Small chunks force hits
-    followed by chunked prefill over the ring."""
+@pytest.mark.parametrize("preset,vocab,page", [("tiny", 201088, 16), ("tiny-a", 512, 16), ("tiny", 201088, 8),
+                                               ("tiny", 201088, 32)])
+def test_prefix_multi_turn_greedy_equals_uncached(ckpt_factory, preset, vocab, page):
+    """tiny: window 128 (a hit needs 8 sliding blocks of 16 tokens; 16 of 8, 4 of 32: --page-size); tiny-a: window 4.
+    Small chunks force hits followed by chunked prefill over the ring."""
     path = ckpt_factory(preset)
     res = {}
     for cache in (True, False):
-        llm = make(path, cache, kv_cache_bytes=16 << 20)
+        llm = make(path, cache, kv_cache_bytes=16 << 20, page_size=page)
         g = torch.Generator().manual_seed(7)
         system = rand_ids(150, vocab, g)
         res[cache] = conversation(llm, system, 4, g, vocab)
