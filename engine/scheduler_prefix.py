@@ -37,9 +37,9 @@ class PrefixScheduling:
 
     def lookup(self, seq: Sequence) -> Hit:
         """The cached prefix a WAITING sequence (nothing cached yet) would get now."""
-        if self.kv.cache is None or seq.num_cached or seq.pages.full or seq.pages.ring:
-            return Hit()
-        if seq.params.prompt_logprobs is not None:  # every prompt position's logits are wanted: compute them all
+        # prompt logprobs want every prompt position's logits: such a sequence computes them all
+        if (self.kv.cache is None or seq.num_cached or seq.pages.full or seq.pages.ring
+                or seq.params.prompt_logprobs is not None):
             return Hit()
         n = seq.num_tokens
         return self.kv.cache.match(self.hashes(seq, n), n)

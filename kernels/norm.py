@@ -84,7 +84,8 @@ def _quant_groups(x_ptr, d_ptr, w_ptr, q_ptr, s_ptr, row, g0, rstd, H, stride_x,
     per-element ops (so the same bits as the y it stores), then quantize_act_1x128's e4m3 and scales. Own loads,
     even where one program takes the whole row, so the row's own tensors are the plain norm's: quantising them
     gave a y other than the plain norm's in the last bit at 300 tokens (H200, norm-quant-b1-ab-1; read as the
-    e4m3 store's layout reaching the x^2 sum). That this form keeps the bits there is not yet checked on a GPU."""
+    e4m3 store's layout reaching the x^2 sum). This form keeps them (norm-quant-default-check-1, H100: the fused-norm
+    GPU tests at real widths pass)."""
     g = g0 + tl.arange(0, GP)  # [GP]
     cols = g[:, None] * G + tl.arange(0, G)[None, :]  # [GP, G]
     mask = cols < H

@@ -273,15 +273,12 @@ class Handlers:
         stop_hit = [False]
 
         def on_chunk(chunk: TokenChunk) -> tuple[Event, bool]:
+            ev, hit = (Event(), False) if prompt_only else on_tokens(chunk)
             if chunk.prompt is not None and job.sampling.prompt_logprobs is not None:
-                ev, hit = on_tokens(chunk)
                 ev.prompt_logprobs = self._prompt_entries(job.prompt_ids, chunk.prompt)
-                return ev, hit
-            return on_tokens(chunk)
+            return ev, hit
 
         def on_tokens(chunk: TokenChunk) -> tuple[Event, bool]:
-            if prompt_only:
-                return Event(), False
             text, hit = stop.feed(detok.feed(chunk.token_ids))
             stop_hit[0] = stop_hit[0] or hit
             ev = Event(text=text, token_ids=list(chunk.token_ids))
