@@ -9,6 +9,7 @@ from engine.worker_args import add_worker_args, worker_id
 from engine.worker_main import build_parts, exit_now, maybe_warm_up, serve, transfer_config
 from decode_worker.engine import DecodeEngine
 from decode_worker.server import DecodeServer
+from engine.core import EngineCore
 from engine.launch_hold import LaunchHold
 from engine.tp.group import RankGroup
 from engine.tp.proxies import RankParts, lead
@@ -36,6 +37,14 @@ def setup_rank(a: argparse.Namespace, wid: str, group: RankGroup) -> RankParts:
     return RankParts(parts, receiver=rx)
 
 
+def tune_loop(core: EngineCore, a: argparse.Namespace) -> None:
+    """The step loop's flags (engine/core.py): --collect-order, --first-token-wait-ms, --launch-hold."""
+    core.collect_ready = core.collect_ready and a.collect_order != "launch"
+    core.first_token_wait_s = max(a.first_token_wait_ms, 0.0) / 1e3
+    if a.launch_hold and core.overlap and a.device.startswith("cuda"):  # CPU steps have no GPU clock
+        core.launch_hold = LaunchHold(bubble_frac=max(a.launch_hold_bubble, 0.0))
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="tandem decode-worker", description="continuous-batching decode worker")
     add_worker_args(p, port=7200, metrics_port=9200)
@@ -45,10 +54,7 @@ def main(argv: list[str]) -> int:
         rp = lead(group, setup_rank(a, wid, group))
         maybe_warm_up(a, rp.parts)
         engine = DecodeEngine(rp.parts, rp.receiver, overlap=a.async_decode == "on")
-        engine.core.collect_ready = engine.core.collect_ready and a.collect_order != "launch"
-        engine.core.first_token_wait_s = max(a.first_token_wait_ms, 0.0) / 1e3
-        if a.launch_hold and engine.core.overlap and a.device.startswith("cuda"):  # CPU steps have no GPU clock
-            engine.core.launch_hold = LaunchHold(bubble_frac=max(a.launch_hold_bubble, 0.0))
+        tune_loop(engine.core, a)
         if a.step_trace:
             from engine.step_trace import StepTrace
 

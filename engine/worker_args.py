@@ -96,7 +96,7 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                    help="overlapped step loop: the host schedules step N+1 while the GPU runs step N; "
                         "tokens reach the host one step later and a stop token costs one dropped token")
     p.add_argument("--collect-order", choices=["ready", "launch"], default="ready",
-                   help="overlapped loop (engine/core.py): ready = a step the GPU already finished is collected "
+                   help="decode workers' overlapped loop (engine/core.py; prefill workers ignore it): ready = a step the GPU already finished is collected "
                         "before the next launch (its tokens leave one launch earlier); launch = always launch the "
                         "next step first")
     p.add_argument("--first-token-wait-ms", type=float, default=0.0,

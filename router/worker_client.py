@@ -179,7 +179,7 @@ class WorkerClient:
                 if not s.stalled and now - s.heard > s.stall_s:
                     s.stalled = True
                     s.queue.put_nowait(WorkerUnavailable(f"{self.role} worker {self.address} sent nothing for "
-                                                         f"{s.stall_s:.0f} s"))
+                                                         f"{s.stall_s:g} s"))
 
     async def send(self, msg: object) -> None:
         await self.sock.send(encode(msg))

@@ -9,173 +9,36 @@ Shown, greedy outputs always equal to the single-process engine:
     two chunks by the TP-2 workers), plus a colocated request that prefills on the TP-2 decode worker;
     the TP-2 decode worker's lm_head is vocab-parallel (an all-gather of the logits every rank joins);
   - prompt logprobs from both TP-2 workers (vocab-parallel and replicated lm_head);
-  - control-plane messages larger than the buffer (tests/unit/test_tp_control.py has the rest of
-    the control plane in one process: STEP page deltas, combining the ranks' transfer answers);
   - afterwards every page is back (rank 0 owns allocation for all ranks) and, on a graceful stop,
-    every rank reports no open transfer and no quarantined page;
-  - a follower killed mid-generation, or while its worker is idle, ends the worker with a clear
-    error within seconds (no hang).
+    every rank reports no open transfer and no quarantined page.
+A follower that dies, and the control plane's large messages: tests/integration/test_tp_followers.py (the
+process helpers are in tests/support/tp_procs.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import concurrent.futures as cf
-import os
-import re
-import signal
-import subprocess
-import sys
-import tempfile
+import dataclasses
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import pytest
 import torch
-import zmq
 from openai import OpenAI
 
 from engine.build import EngineConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
-from engine.tp import messages as tm
-from engine.tp.group import RankGroup
 from router.chat_types import ChatMessage, ChatPrompt
 from router.harmony import HarmonyFormat
 from wire.protocol import (Abort, AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult,
-                             SamplingSpec, StartDecode, StatusRequest, TokenBatch, TokenChunk, WorkerStatus, decode, encode)
+                             SamplingSpec, StartDecode, TokenChunk, encode)
 from router.tokenizer import CALL, RETURN
 
 from tests.support.ports import free_port
+from tests.support.tp_procs import SHORT, STARTUP_S, Peer, Proc, spawn, start_worker, stop, wait_ready
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
-
-STARTUP_S = 240  # the whole cluster, on a loaded 2-core machine
-EXIT_S = 20  # a worker whose follower died must be gone within this
-
-
-def _port() -> int:
-    return free_port()  # not an ephemeral port: tests/support/ports.py
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log_path: str
-    addr: str = ""
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-
-def _spawn(name: str, argv: list[str]) -> Proc:
-    # TANDEM_IO_STALL_DUMP_S: when a worker's network thread cannot run for 2 s (what the router sees as
-    # a silent worker: it marks one down after ~3 s), every thread's stack goes to the worker log, again
-    # every 2 s while it lasts (a rare CI failure had a TP2 decode worker silent for ~9 s)
-    env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1", TANDEM_IO_STALL_DUMP_S="2")
-    log = tempfile.NamedTemporaryFile(prefix=f"tandem-tp-{name}-", suffix=".log", delete=False)
-    return Proc(name, subprocess.Popen([sys.executable, "-m", "launcher.cli", *argv], env=env,
-                                       stdout=subprocess.DEVNULL, stderr=log), log.name)
-
-
-def _worker(name: str, role: str, tp: int, ckpt: str, kv_backend: str = "nixl", extra: tuple[str, ...] = ()) -> Proc:
-    port = _port()
-    p = _spawn(name, [f"{role}-worker", "--checkpoint", ckpt, "--device", "cpu", "--host", "127.0.0.1",
-                      "--kv-backend", kv_backend, "--max-num-seqs", "32", "--kv-cache-gib", "0.0625",
-                      "--port", str(port), "--metrics-port", "0", "--tp", str(tp), "--tp-timeout-s", "30", *extra])
-    p.addr = f"tcp://127.0.0.1:{port}"
-    return p
-
-
-class Peer:
-    """The router's side of the wire protocol, for one worker."""
-
-    def __init__(self, addr: str) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(addr)
-        self.queued: list[TokenChunk] = []
-
-    def ask(self, msg: object, timeout_s: float = 60.0) -> object:
-        self.sock.send(encode(msg))
-        return self.recv(timeout_s)
-
-    def recv(self, timeout_s: float = 60.0) -> object:
-        """The next message; a decode step's TokenBatch is handed out one TokenChunk at a time."""
-        if self.queued:
-            return self.queued.pop(0)
-        if not self.sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError("no reply")
-        msg = decode(self.sock.recv())
-        if isinstance(msg, TokenBatch):
-            self.queued = list(msg.chunks[1:])
-            return msg.chunks[0]
-        return msg
-
-    def status(self) -> WorkerStatus:
-        while self.sock.poll(0):  # late answers
-            self.sock.recv()
-        # Generous: on the 2-core CI machine ~7 processes share the cores (each NIXL agent's
-        # progress thread spins), and a reply once took > 5 s; what is tested is the state, not latency.
-        st = self.ask(StatusRequest(), 30.0)
-        assert isinstance(st, WorkerStatus)
-        return st
-
-    def tokens(self, rid: str, timeout_s: float = 120.0) -> list[int]:
-        out: list[int] = []
-        while True:
-            m = self.recv(timeout_s)
-            if isinstance(m, TokenChunk) and m.request_id == rid:
-                assert not m.error, m.error
-                out += m.token_ids
-                if m.finished:
-                    return out
-
-    def close(self) -> None:
-        self.sock.close(0)
-
-
-def _wait_ready(procs: list[Proc], router_url: str | None, timeout_s: float) -> None:
-    t_end = time.monotonic() + timeout_s
-    pending = [p for p in procs if p.addr]
-    while pending or router_url:
-        assert time.monotonic() < t_end, f"not ready: {[p.name for p in pending]} router={router_url}"
-        for p in procs:
-            if p.popen.poll() is not None:
-                raise RuntimeError(f"{p.name} exited during start-up:\n{p.log()[-3000:]}")
-        for p in list(pending):
-            peer = Peer(p.addr)
-            try:
-                if peer.status().ready:
-                    pending.remove(p)
-            except TimeoutError:
-                pass
-            finally:
-                peer.close()
-        if not pending and router_url:
-            try:
-                with urllib.request.urlopen(router_url + "/ready", timeout=2) as r:
-                    router_url = None if r.status == 200 else router_url
-            except OSError:
-                pass
-        time.sleep(0.5)
-
-
-def _stop(procs: list[Proc], grace_s: float = 30.0) -> None:
-    for p in procs:
-        if p.popen.poll() is None:
-            p.popen.send_signal(signal.SIGTERM)
-    t_end = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.popen.wait(max(0.1, t_end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.popen.kill()
-            p.popen.wait()
 
 
 # ---- the cluster: prefill TP 1 and 2, decode TP 1 and 2, a router over the TP-2 pair ---------------
@@ -194,20 +57,21 @@ def tiny(ckpt_factory):
 @pytest.fixture(scope="module")
 def cluster(tiny):
     chunked = ("--max-num-batched-tokens", "256")  # LONG prompts prefill in two chunks on the TP-2 workers
-    workers = {"P1": _worker("P1", "prefill", 1, tiny), "P2": _worker("P2", "prefill", 2, tiny, extra=chunked),
-               "D1": _worker("D1", "decode", 1, tiny),
-               "D2": _worker("D2", "decode", 2, tiny, extra=chunked + ("--vocab-parallel",))}
-    port = _port()
-    router = _spawn("router", ["router", "--host", "127.0.0.1", "--port", str(port), "--model-name", "m",
-                               "--prefill", workers["P2"].addr, "--decode", workers["D2"].addr,
-                               "--poll-interval-s", "0.25"])
+    workers = {"P1": start_worker("P1", "prefill", 1, tiny),
+               "P2": start_worker("P2", "prefill", 2, tiny, extra=chunked),
+               "D1": start_worker("D1", "decode", 1, tiny),
+               "D2": start_worker("D2", "decode", 2, tiny, extra=chunked + ("--vocab-parallel",))}
+    port = free_port()
+    router = spawn("router", ["router", "--host", "127.0.0.1", "--port", str(port), "--model-name", "m",
+                              "--prefill", workers["P2"].addr, "--decode", workers["D2"].addr,
+                              "--poll-interval-s", "0.25"])
     c = Cluster(workers, router, f"http://127.0.0.1:{port}")
     procs = [router, *workers.values()]
     try:
-        _wait_ready(procs, c.url, STARTUP_S)
+        wait_ready(procs, c.url, STARTUP_S)
         yield c
     finally:
-        _stop(procs)
+        stop(procs)
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +86,6 @@ def reference(tiny):
 
 
 SPEC = SamplingSpec(max_tokens=10, temperature=0.0, ignore_eos=True)
-SHORT = [200006, 17360, 200008, 3, 99, 1234, 200007]
 LONG = [(i * 7919 + 11) % 200000 for i in range(300)]  # > window (128): ring pages wrap
 
 
@@ -372,76 +235,9 @@ def test_no_page_leaks_on_any_rank_and_clean_shutdown(cluster):
                 time.sleep(0.2)
         finally:
             peer.close()
-    _stop([cluster.router, *cluster.workers.values()])  # SIGTERM: each drains, rank 0 stops its followers
+    stop([cluster.router, *cluster.workers.values()])  # SIGTERM: each drains, rank 0 stops its followers
     for w in (cluster.workers["P2"], cluster.workers["D2"]):
         log = w.log()
         assert w.popen.returncode == 0, log[-3000:]
         for rank in (0, 1):  # every rank's transfer state as it stopped (followers report it to rank 0)
             assert f"tensor-parallel rank {rank} stopped: 0 open receives, 0 open sends, 0 quarantined pages" in log
-
-
-# ---- a follower dies ---------------------------------------------------------------------------------
-def _follower_pid(w: Proc) -> int:
-    m = re.search(r"tensor-parallel rank 1 started \(pid (\d+)\)", w.log())
-    assert m, w.log()[-2000:]
-    return int(m.group(1))
-
-
-def _assert_exits_with_clear_error(w: Proc, pid: int, t0: float) -> None:
-    try:
-        code = w.popen.wait(EXIT_S)
-    except subprocess.TimeoutExpired:
-        w.popen.kill()
-        raise AssertionError(f"{w.name} still running {EXIT_S} s after its follower died:\n{w.log()[-3000:]}")
-    assert code != 0
-    assert f"tensor-parallel rank 1 (pid {pid}) exited with code -9" in w.log()
-    assert time.monotonic() - t0 < EXIT_S
-
-
-def test_follower_killed_ends_the_worker(tiny):
-    """Killed mid-generation: rank 0 is inside the step's collectives, which fail at once. Killed
-    while the worker idles: only rank 0's monitor can notice. (Decode workers without a KV backend:
-    the mechanism does not depend on the role, and NIXL agents are costly on a 2-core machine.)"""
-    busy, idle = _worker("D3", "decode", 2, tiny, "none"), _worker("D4", "decode", 2, tiny, "none")
-    try:
-        _wait_ready([busy, idle], None, STARTUP_S)
-        peer = Peer(busy.addr)
-        spec = SamplingSpec(max_tokens=100000, temperature=0.0, ignore_eos=True)
-        peer.sock.send(encode(GenerateRequest("long", SHORT, spec)))
-        first = peer.recv(60)
-        assert isinstance(first, TokenChunk) and first.token_ids and not first.finished
-        for w in (busy, idle):
-            pid = _follower_pid(w)
-            os.kill(pid, signal.SIGKILL)
-            _assert_exits_with_clear_error(w, pid, time.monotonic())
-        peer.close()
-    finally:
-        _stop([busy, idle], grace_s=5)
-
-
-# ---- the control plane on its own ---------------------------------------------------------------------
-def _no_setup(*_: object) -> None:  # the stand-in follower below builds nothing
-    raise AssertionError("not called")
-
-
-def _echo_rank(spec) -> None:
-    """A stand-in follower: answers each RX_POLL with the polled ids (as `released`)."""
-    group = RankGroup.join(spec.rank, spec.world, spec.store_port, spec.args)
-    while True:
-        cmd = group.next_command(idle=lambda: None)
-        if isinstance(cmd, tm.Shutdown):
-            group.reply(tm.Bye(0, 0, 7))
-            break
-        group.reply(tm.Polled([len(cmd.request_ids)], [], cmd.request_ids))
-    torch.distributed.destroy_process_group()
-
-
-def test_control_plane_messages_larger_than_the_buffer():
-    a = argparse.Namespace(tp=2, kv_backend="none", device="cpu", tp_timeout_s=30.0)
-    with RankGroup.launch(a, "decode", "echo", setup=_no_setup, target=_echo_rank) as group:
-        group.serving()
-        for n in (3, 20000, 5):  # 20000 ids ~ 250 KB: both collectives take their overflow path
-            ids = [f"request-{i:07d}" for i in range(n)]
-            replies = group.call(tm.RxPoll(ids), lambda: tm.Polled([], [], []))
-            assert replies[0] == tm.Polled([], [], []) and replies[1] == tm.Polled([n], [], ids)
-    assert group.procs[0].exitcode == 0

@@ -12,69 +12,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import re
-import threading
 import time
 
 import pytest
-import zmq
 from fastapi.testclient import TestClient
 
 from router import fleet as fleet_mod
 from router.config import RouterConfig
 from router.fleet import Discovery
 from router.main import make_app
-from wire.protocol import (AdmitRequest, Admitted, GenerateRequest, PrefillRequest, PrefillResult, StartDecode,
-                           StatusRequest, TokenChunk, WorkerStatus, decode, encode)
-
-TOKENS = [9906, 11, 1917]  # what the fake decode worker "generates"
-
-
-class FakeWorker:
-    """Answers status polls and the request path of one role in a thread; `frozen` stops it reading
-    its socket at all (the connection stays up, as for a process that cannot get the CPU)."""
-
-    def __init__(self, role: str) -> None:
-        self.role = role
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self.frozen, self.stop = threading.Event(), threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _status(self) -> WorkerStatus:
-        return WorkerStatus(role=self.role, worker_id=self.role, epoch=1, ready=True, draining=False, queue_depth=0,
-                            queued_tokens=0, running=0, kv_free_pages=1000, kv_total_pages=1000,
-                            kv_free_sliding_pages=100, kv_total_sliding_pages=100, page_size=16, max_num_seqs=8,
-                            busy_seconds=0.0)
-
-    def _answer(self, msg: object) -> object | None:
-        if isinstance(msg, StatusRequest):
-            return self._status()
-        if isinstance(msg, AdmitRequest):
-            return Admitted(msg.request_id, 1, b"kv-target")
-        if isinstance(msg, PrefillRequest):
-            return PrefillResult(msg.request_id, True, TOKENS[0], None, [], "", 0.01, 0, 0.0)
-        if isinstance(msg, StartDecode):
-            return TokenChunk(msg.request_id, TOKENS[1:], [], [], True, "length", "")
-        if isinstance(msg, GenerateRequest):
-            return TokenChunk(msg.request_id, TOKENS, [], [], True, "length", "")
-        return None  # Abort
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            if self.frozen.is_set() or not self.sock.poll(10):
-                time.sleep(0.01)
-                continue
-            peer, data = self.sock.recv_multipart()
-            reply = self._answer(decode(data))
-            if reply is not None:
-                self.sock.send_multipart([peer, encode(reply)])
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close(0)
+from tests.support.fake_worker import TOKENS, FakeWorker
 
 
 @pytest.fixture

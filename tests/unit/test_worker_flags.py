@@ -1,0 +1,117 @@
+"""Worker and `tandem generate` flags through their parsers into what they configure: --collect-order
+(engine/worker_args.py) reaches the decode worker's step loop (decode_worker.main.tune_loop ->
+EngineCore.collect_ready, and with it whether a finished step is collected before the next launch);
+--dtype reaches the EngineConfig and the built model's weights and KV pages, for the workers
+(engine/worker_args.py) and for `tandem generate` (launcher/cmd_generate.py). Invalid choices are
+refused by argparse."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from decode_worker.engine import DecodeEngine
+from decode_worker.main import tune_loop
+from engine.build import build_engine_parts, load_model
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
+from engine.step_trace import StepTrace
+from engine.worker_args import add_worker_args, engine_config
+from launcher import cmd_generate
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem decode-worker")
+    add_worker_args(p, port=7200, metrics_port=9200)
+    return p
+
+
+def _refused(p: argparse.ArgumentParser, argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+# ---- --collect-order ---------------------------------------------------------------------------------------
+def _decode_engine(order: str) -> DecodeEngine:
+    a = worker_parser().parse_args(["--random-weights", "tiny-a", "--kv-cache-gib", "0.002", "--max-num-seqs", "4",
+                                    "--max-num-batched-tokens", "32", "--max-model-len", "256",
+                                    *(["--collect-order", order] if order else [])])
+    engine = DecodeEngine(build_engine_parts(engine_config(a)), None, overlap=a.async_decode == "on")
+    tune_loop(engine.core, a)  # what decode_worker.main does with the flags
+    return engine
+
+
+@pytest.mark.parametrize("order,collect_first", [("", True), ("ready", True), ("launch", False)])
+def test_collect_order_reaches_the_decode_loop(tmp_path, order, collect_first):
+    engine = _decode_engine(order)
+    core = engine.core
+    assert core.overlap and core.collect_ready is collect_first
+    # A CPU step is complete when its launch returns, but its runner cannot tell (no event): say so, as a
+    # GPU's event would, and the loop collects it before the next launch only under --collect-order ready.
+    core.runner.ready = lambda h: True
+    core.trace = StepTrace(str(tmp_path / "steps.jsonl"))
+    core.scheduler.add(Sequence("a", list(range(1, 9)), SamplingParams(max_tokens=4, temperature=0.0)))
+    while core.has_work:
+        core.step()
+    core.trace.close()
+    rows = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    firsts = [r["collected_first"] for r in rows if r["collected"] is not None]
+    assert firsts and all(f is collect_first for f in firsts), rows
+
+
+def test_collect_order_refuses_other_values(capsys):
+    assert "invalid choice: 'first'" in _refused(worker_parser(), ["--collect-order", "first"], capsys)
+
+
+# ---- --dtype ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_worker_dtype_reaches_the_model_and_its_kv(ckpt_factory, dtype):
+    a = worker_parser().parse_args(["--checkpoint", ckpt_factory("tiny"), "--dtype", dtype, "--kv-cache-gib", "0.002",
+                                    "--max-model-len", "256", "--max-num-seqs", "4"])
+    cfg = engine_config(a)
+    assert cfg.dtype == dtype
+    model = load_model(cfg)
+    want = getattr(torch, dtype)
+    assert model.dtype == want
+    assert model.embed.dtype == want and model.lm_head.dtype == want
+    big = [p for p in model.parameters() if p.numel() >= 4096 and p.is_floating_point()]
+    assert big and all(p.dtype == want for p in big), {p.dtype for p in big}
+    assert build_engine_parts(cfg, model).spec.dtype == want  # --kv-cache-dtype auto: the model's dtype
+
+
+def test_worker_dtype_defaults_and_choices(capsys):
+    p = worker_parser()
+    assert engine_config(p.parse_args([])).dtype == "float32"  # CPU
+    assert engine_config(p.parse_args(["--device", "cuda", "--moe-backend", "triton"])).dtype == "bfloat16"
+    assert engine_config(p.parse_args(["--device", "cuda", "--moe-backend", "triton", "--dtype", "float32"])).dtype \
+        == "float32"
+    assert "invalid choice: 'float16'" in _refused(p, ["--dtype", "float16"], capsys)
+
+
+def test_generate_dtype_reaches_its_engine(ckpt_factory, monkeypatch, capsys):
+    p = argparse.ArgumentParser()
+    cmd_generate.add_engine_args(p)
+    assert cmd_generate.engine_config(p.parse_args([])).dtype == "float32"
+    assert cmd_generate.engine_config(p.parse_args(["--device", "cuda", "--moe-backend", "triton"])).dtype == "bfloat16"
+    assert "invalid choice: 'half'" in _refused(p, ["--dtype", "half"], capsys)
+    made = []
+
+    class Recording(cmd_generate.LLM):
+        def __init__(self, cfg) -> None:
+            super().__init__(cfg)
+            made.append(self)
+
+    monkeypatch.setattr(cmd_generate, "LLM", Recording)
+    assert cmd_generate.generate(["--checkpoint", ckpt_factory("tiny"), "--dtype", "bfloat16",
+                                  "--kv-cache-gib", "0.002", "--max-model-len", "256",
+                                  "--prompt-ids", "1,2,3", "--max-tokens", "1"]) == 0
+    (llm,) = made
+    model = llm.engine.model
+    assert llm.engine.cfg.dtype == "bfloat16" and model.dtype == torch.bfloat16 and model.embed.dtype == torch.bfloat16
+    out = capsys.readouterr().out
+    assert out.startswith("req-0: ") and out.rstrip().endswith("[length]"), out
