@@ -13,10 +13,9 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-import zmq
-
+from benchmarks.disagg_smoke import Peer as SmokePeer
 from tests.support.ports import free_port  # not an ephemeral port: tests/support/ports.py
-from wire.protocol import StatusRequest, TokenBatch, TokenChunk, WorkerStatus, decode, encode
+from wire.protocol import StatusRequest, TokenChunk, WorkerStatus, encode
 
 STARTUP_S = 240  # the whole cluster, on a loaded 2-core machine
 SHORT = [200006, 17360, 200008, 3, 99, 1234, 200007]
@@ -54,30 +53,12 @@ def start_worker(name: str, role: str, tp: int, ckpt: str, kv_backend: str = "ni
     return p
 
 
-class Peer:
-    """The router's side of the wire protocol, for one worker."""
-
-    def __init__(self, addr: str) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(addr)
-        self.queued: list[TokenChunk] = []
+class Peer(SmokePeer):
+    """The smoke script's DEALER peer (one TokenChunk at a time) with the calls these tests make."""
 
     def ask(self, msg: object, timeout_s: float = 60.0) -> object:
         self.sock.send(encode(msg))
         return self.recv(timeout_s)
-
-    def recv(self, timeout_s: float = 60.0) -> object:
-        """The next message; a decode step's TokenBatch is handed out one TokenChunk at a time."""
-        if self.queued:
-            return self.queued.pop(0)
-        if not self.sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError("no reply")
-        msg = decode(self.sock.recv())
-        if isinstance(msg, TokenBatch):
-            self.queued = list(msg.chunks[1:])
-            return msg.chunks[0]
-        return msg
 
     def status(self) -> WorkerStatus:
         while self.sock.poll(0):  # late answers
