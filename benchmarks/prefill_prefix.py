@@ -18,8 +18,8 @@ and the whole prompt again with the cache cleared, whose first token must equal 
 --profile: one more cached P+N under torch.profiler: kernels launched, their summed device time
 (against the GPU span: the rest is the GPU waiting for the host) and the table, in $OUT.
 --host-profile: one cached P+N and one uncached N under cProfile (which Python the launch time is).
---piecewise-graphs (a worker flag): the forward replays CUDA graphs between its attention calls
-(engine/piecewise.py); the JSON's "piecewise_graphs" and the table's title say which, and
+--piecewise-graphs (a worker flag, on by default on a GPU since 2026-12-07): the forward replays CUDA graphs
+between its attention calls (engine/piecewise.py); the JSON's "piecewise_graphs" and the table's title say which, and
 "build_s" includes their capture. Suite piecewise-ab runs it both ways.
 Served numbers (a GPU shared with a decode worker) come from the router's TTFT breakdown header:
 `prefill_compute.<part>` (benchmarks/multi_turn.py lists them per turn group).

@@ -33,6 +33,21 @@ def colocated_pw_step(name: str, timeout_s: int, flags: str = "", bench: str = "
                                                                     "--step-trace {out}/decode-steps-%p.jsonl"))
 
 
+def remote_prefill_step(name: str, prefill_flags: str, timeout_s: int) -> Step:
+    """The multi-turn load (64 x 8 turns, 2k shared system prompt, 4 client processes) disaggregated with prefix
+    caching and every prefill on the one prefill worker (--remote-prefill-min-tokens 0): a cached turn's TTFT is
+    its remote prefill of a few hundred tokens, which the prefill worker's flags (`prefill_flags`) decide."""
+    serve = MT_SERVE_ARGS.replace("--prefill-args '--max-model-len 16384'",
+                                  f"--prefill-args '--max-model-len 16384 {prefill_flags}'")
+    assert serve != MT_SERVE_ARGS or not prefill_flags
+    return step(name, "{py} -m launcher.cli bench serve --multi-turn --launch disaggregated --conversations 64 "
+                      "--turns 8 --system-len 2048 --user-len 100:300 --output-len 100:200 --warmup 8 --num-prefill 1 "
+                      "--num-decode 1 --request-timeout-s 200 --ready-timeout-s 150 --client-procs 4 "
+                      f"--out {{out}}/serve_multi_turn_{name}.json --serve-args "
+                      + shlex.quote(serve + " --remote-prefill-min-tokens 0"),
+                timeout_s, summary=r"disaggregated|failed|Error|Traceback")
+
+
 SERVED_SUITES: dict[str, Suite] = {
     "multi-turn": Suite(
         "issue 25, prefix caching: multi-turn conversations (64 x 8 turns, 2k shared system prompt) on the served "
@@ -67,7 +82,7 @@ SERVED_SUITES: dict[str, Suite] = {
                *(step(f"prefill-prefix-{tag}", PREFILL_PREFIX + f"--reps 5 --layers-ahead 2 {flag} "
                                                                 "--out {out}/prefill_prefix.json",
                       150, summary=r"^P=|^cached|^uncached|Error")
-                 for tag, flag in (("eager", ""), ("piecewise", "--piecewise-graphs")))),
+                 for tag, flag in (("eager", "--no-piecewise-graphs"), ("piecewise", "--piecewise-graphs")))),
         reproduces=("prefill-prefix-2 (2026-12-03): cached P+N (N = 352) 36 ms of compute for 11.7 ms of kernels",)),
     # Every served figure so far is greedy (loadgen sent temperature 0); OpenAI clients default to 1. At
     # temperature > 0 the sampler hashes exponential noise over the whole [B, 201088] logits, outside the graph.
@@ -364,6 +379,19 @@ SERVED_SUITES: dict[str, Suite] = {
         reproduces=(COLOCATED_GOAL, "fp8kv-mixed-ab-1 (2026-12-06, H100): colocated 44.3 vs 113.3 ms (2.56x)")),
     # issue25-h200-1 (H200): the defaults' cached turns 2+ at 2.80x, mixed steps launched in 14.2 ms for 14.9 on the GPU;
     # graphed-small-ab-1 (H100) had attention inside the graphs of steps <= 768 tokens at 2.90x (launch 13.1 -> 3.7 ms)
+    # --cuda-graphs and --piecewise-graphs default to on where the device is a GPU (engine/worker_args.gpu_default,
+    # 2026-12-07); before, a worker started without the flags (the Helm chart's prefill workers) ran eager steps.
+    "graph-defaults": Suite(
+        "the workers' graph defaults on a GPU (--cuda-graphs, --piecewise-graphs on unless turned off): the "
+        "disaggregated smoke (a prefill worker with its default pieces: tokens equal to colocated, pages returned), "
+        "then the multi-turn load with every prefill remote (cache on, 64 x 8 turns), the prefill worker with its "
+        "default and with --no-piecewise-graphs (what it ran before)",
+        carry=STACK_CARRY,
+        steps=(smoke_step("defaults-smoke", timeout_s=150),
+               remote_prefill_step("remote-pw-default", "", 160),
+               remote_prefill_step("remote-pw-off", "--no-piecewise-graphs", 160)),
+        reproduces=("multi-turn-1 (2026-12-03, H200, prefill worker eager): every prefill remote, cache on, TTFT p50 "
+                    "of turns 2+ 1,786 ms, a cached prefill's compute 52.8 ms for ~355 tokens",)),
     "issue25-h200-graphed": Suite(
         "issue 25's colocated run on the H200 (issue25-h200's colocated-1-pw: 64 x 8 turns, ONE decode worker, 4 client "
         "processes, step trace), with the workers' defaults and with attention inside the piecewise graphs for steps of "

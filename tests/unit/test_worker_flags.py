@@ -115,3 +115,19 @@ def test_generate_dtype_reaches_its_engine(ckpt_factory, monkeypatch, capsys):
     assert llm.engine.cfg.dtype == "bfloat16" and model.dtype == torch.bfloat16 and model.embed.dtype == torch.bfloat16
     out = capsys.readouterr().out
     assert out.startswith("req-0: ") and out.rstrip().endswith("[length]"), out
+
+
+@pytest.mark.parametrize("argv,graphs,pieces", [
+    ([], False, False),  # the CPU: neither (no CUDA graphs there; pieces on a CPU only copy)
+    (["--device", "cuda"], True, True),  # a GPU: both, unless turned off
+    (["--device", "cuda:1", "--no-piecewise-graphs"], True, False),
+    (["--device", "cuda", "--no-cuda-graphs"], False, True),
+    (["--piecewise-graphs"], False, True)])
+def test_graph_flags_default_on_a_gpu(argv: list[str], graphs: bool, pieces: bool) -> None:
+    """--cuda-graphs / --piecewise-graphs unset follow the device (engine/worker_args.gpu_default): the decode
+    worker captures its decode graphs on what gpu_default says, the EngineConfig carries the pieces."""
+    from engine.worker_args import gpu_default
+
+    a = worker_parser().parse_args(argv)
+    assert gpu_default(a.cuda_graphs, a.device) is graphs
+    assert engine_config(a).piecewise_graphs is pieces

@@ -50,10 +50,9 @@ Args everywhere: dict "root" $ "role" "prefill"|"decode".
 {{- if eq .component "decode" }}
 - --max-num-seqs={{ $w.engine.maxNumSeqs }}
 - --kv-cache-fraction={{ $w.engine.kvCacheFraction }}
-{{- if $w.engine.cudaGraphs }}
-- --cuda-graphs
+- {{ ternary "--cuda-graphs" "--no-cuda-graphs" $w.engine.cudaGraphs }}
 {{- end }}
-{{- end }}
+- {{ ternary "--piecewise-graphs" "--no-piecewise-graphs" $w.piecewiseGraphs }}
 {{- range $w.extraArgs }}
 - {{ . | quote }}
 {{- end }}
