@@ -66,11 +66,12 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=131072)
-    # Both default to on where the device is a GPU (gpu_default): every served GPU figure since 2026-12-03 ran the
-    # decode worker with both, and a prefill worker's short prompts (a cached turn's suffix) are host-launch-bound
-    # without the pieces (piecewise-ab-1: 352 tokens in 15.4 ms instead of 24.6). Until 2026-12-07 both were opt-in,
-    # so a worker started without them (the Helm chart never passed --piecewise-graphs) launched every mixed step
-    # and short prefill op by op.
+    # Both default to on where the device is a GPU (gpu_default; the pieces at --tp 1 only: no run has captured them
+    # with a tensor-parallel group's all-reduces yet): every served GPU figure since 2026-12-03 ran the decode worker
+    # with both, and a prefill worker's short prompts (a cached turn's suffix) are host-launch-bound without the
+    # pieces (piecewise-ab-1: 352 tokens in 15.4 ms instead of 24.6). Until 2026-12-07 both were opt-in, so a worker
+    # started without them (the Helm chart never passed --piecewise-graphs) launched every mixed step and short
+    # prefill op by op.
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode worker: pure-decode steps replay CUDA graphs captured at start-up per batch-size "
                         "bucket (default: on a GPU)")
@@ -78,7 +79,7 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                    help="eager steps (prefill chunks, mixed steps) of up to --piecewise-max-tokens replay CUDA graphs "
                         "captured at start-up per token-count bucket between their attention calls "
                         "(engine/piecewise.py); a decode worker's pure-decode graphs (--cuda-graphs) are unchanged "
-                        "(default: on a GPU)")
+                        "(default: on a GPU at --tp 1)")
     p.add_argument("--piecewise-max-tokens", type=int, default=2048,
                    help="the largest piecewise bucket: longer steps run eagerly (GPU-bound there, where padding "
                         "to a bucket costs more than the launches it saves)")
@@ -139,9 +140,10 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                    help="torch intra-op threads when --device cpu (workers share the host's cores)")
 
 
-def gpu_default(flag: bool | None, device: str) -> bool:
-    """A --flag/--no-flag pair left unset: on where the device is a GPU (--cuda-graphs, --piecewise-graphs)."""
-    return device.startswith("cuda") if flag is None else flag
+def gpu_default(flag: bool | None, device: str, tp: int = 1) -> bool:
+    """A --flag/--no-flag pair left unset: on where the device is a GPU (--cuda-graphs; --piecewise-graphs with
+    tp = the worker's --tp: on at 1 only)."""
+    return device.startswith("cuda") and tp == 1 if flag is None else flag
 
 
 def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int = 0, group=None) -> EngineConfig:
@@ -163,7 +165,7 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         kv_cache_fraction=a.kv_cache_fraction,
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len, a.prefill_steps),
         seed=a.seed, progress=tp_rank == 0, async_decode=a.async_decode == "on",
-        enable_prefix_caching=a.enable_prefix_caching, piecewise_graphs=gpu_default(a.piecewise_graphs, a.device),
+        enable_prefix_caching=a.enable_prefix_caching, piecewise_graphs=gpu_default(a.piecewise_graphs, a.device, a.tp),
         piecewise_max_tokens=a.piecewise_max_tokens, piecewise_buckets=a.piecewise_buckets,
         piecewise_graphed=a.piecewise_graphed_attention, piecewise_graphed_max_tokens=a.piecewise_graphed_max_tokens,
         parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group,

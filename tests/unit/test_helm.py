@@ -203,18 +203,19 @@ def test_gpus_per_pod_follow_parallelism_and_flags_match_the_workers() -> None:
     assert prefill["command"] == ["tandem"] and prefill["args"] == [
         "prefill-worker", "--checkpoint=/models/gpt-oss-20b", "--tp=2", "--host=0.0.0.0",
         "--advertise-host=$(POD_IP)", "--port=7100", "--metrics-port=9100", "--kv-backend=nixl", "--device=cuda",
-        "--drain-timeout-s=300", "--fp8", "--kv-cache-dtype=auto", "--piecewise-graphs"]
+        "--drain-timeout-s=300", "--fp8", "--kv-cache-dtype=auto"]
     assert decode["args"] == [
         "decode-worker", "--checkpoint=/models/gpt-oss-20b", "--tp=4", "--moe-mode=ep",
         "--host=0.0.0.0", "--advertise-host=$(POD_IP)", "--port=7200", "--metrics-port=9200", "--kv-backend=nixl",
         "--device=cuda", "--drain-timeout-s=300", "--fp8", "--kv-cache-dtype=auto", "--max-num-seqs=256",
         "--kv-cache-fraction=0.85",
-        "--cuda-graphs", "--piecewise-graphs"]
+        "--cuda-graphs"]
 
 
 def test_graph_values_turn_the_workers_flags_on_and_off() -> None:
-    """The workers default both graph kinds to on where the device is a GPU (engine/worker_args.gpu_default), so
-    `false` must reach them as --no-*: leaving the flag out would no longer turn anything off."""
+    """The workers default both graph kinds to on where the device is a GPU (engine/worker_args.gpu_default; the
+    pieces at --tp 1), so `false` must reach them as --no-*: leaving the flag out would no longer turn anything off;
+    `true` leaves the worker's default."""
     import argparse
 
     from engine.worker_args import add_worker_args, gpu_default
@@ -222,13 +223,13 @@ def test_graph_values_turn_the_workers_flags_on_and_off() -> None:
     docs = render("--set", "decode.engine.cudaGraphs=false", "--set", "prefill.piecewiseGraphs=false")
     prefill, decode = container(docs, "prefill")["args"], container(docs, "decode")["args"]
     assert "--no-piecewise-graphs" in prefill and "--piecewise-graphs" not in prefill
-    assert "--no-cuda-graphs" in decode and "--piecewise-graphs" in decode
-    for args, graphs, pieces in ((prefill, None, False), (decode, False, True)):
+    assert "--no-cuda-graphs" in decode and not any("piecewise" in a for a in decode)
+    for args, graphs, pieces in ((prefill, None, False), (decode, False, None)):
         parser = argparse.ArgumentParser(exit_on_error=False)
         add_worker_args(parser, port=7100, metrics_port=9100)
         ns = parser.parse_args([a.replace("$(POD_IP)", "10.1.2.3") for a in args[1:]])
         assert ns.cuda_graphs is graphs and ns.piecewise_graphs is pieces
-        assert gpu_default(ns.piecewise_graphs, ns.device) is pieces
+        assert gpu_default(ns.piecewise_graphs, ns.device, ns.tp) is (pieces is not False)  # --tp=1 here
 
 
 @pytest.mark.parametrize("values", [["-f", str(p)] for p in EXAMPLES],

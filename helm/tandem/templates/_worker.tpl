@@ -52,7 +52,9 @@ Args everywhere: dict "root" $ "role" "prefill"|"decode".
 - --kv-cache-fraction={{ $w.engine.kvCacheFraction }}
 - {{ ternary "--cuda-graphs" "--no-cuda-graphs" $w.engine.cudaGraphs }}
 {{- end }}
-- {{ ternary "--piecewise-graphs" "--no-piecewise-graphs" $w.piecewiseGraphs }}
+{{- if not $w.piecewiseGraphs }}
+- --no-piecewise-graphs
+{{- end }}
 {{- range $w.extraArgs }}
 - {{ . | quote }}
 {{- end }}
