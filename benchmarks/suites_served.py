@@ -39,6 +39,9 @@ def remote_prefill_step(name: str, prefill_flags: str, timeout_s: int) -> Step:
     its remote prefill of a few hundred tokens, which the prefill worker's flags (`prefill_flags`) decide."""
     serve = MT_SERVE_ARGS.replace("--prefill-args '--max-model-len 16384'",
                                   f"--prefill-args '--max-model-len 16384 {prefill_flags}'")
+    # KV budgets that fit two 20b workers on an 80 GB H100 as well (28 + 12 GiB ran out of memory there): 64
+    # conversations of ~4k tokens need ~13 GiB of decode pages
+    serve = serve.replace("--kv-cache-gib 28 --prefill-kv-cache-gib 12", "--kv-cache-gib 18 --prefill-kv-cache-gib 5")
     assert serve != MT_SERVE_ARGS or not prefill_flags
     return step(name, "{py} -m launcher.cli bench serve --multi-turn --launch disaggregated --conversations 64 "
                       "--turns 8 --system-len 2048 --user-len 100:300 --output-len 100:200 --warmup 8 --num-prefill 1 "
