@@ -278,6 +278,8 @@ class PiecewiseGraphs:
         directly). Each bucket first runs its pieces twice outside capture (Triton compilation,
         DeepGEMM launchers, cuBLAS handles, all-reduce buffers), as the decode graphs do."""
         if self.model.device.type != "cuda":
+            log.info("piecewise pieces: %d x buckets %s, run directly on their static buffers (no CUDA graphs on %s)",
+                     self.num_pieces, list(self.buckets), self.model.device.type)
             return
         dev = self.model.device
         torch.cuda.synchronize(dev)

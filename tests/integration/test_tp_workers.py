@@ -6,7 +6,8 @@ Shown, greedy outputs always equal to the single-process engine:
     client (chat, stream, completions with logprobs, concurrent streams);
   - the prefill/decode TP mixes (1,2), (2,1), (2,2) over the router's wire protocol (the test plays the
     router: Admit -> Prefill -> StartDecode), short and longer-than-the-window prompts (prefilled in
-    two chunks by the TP-2 workers), plus a colocated request that prefills on the TP-2 decode worker;
+    two chunks by the TP-2 workers, whose prefill and mixed steps run piecewise), plus a colocated request
+    that prefills on the TP-2 decode worker;
     the TP-2 decode worker's lm_head is vocab-parallel (an all-gather of the logits every rank joins);
   - prompt logprobs from both TP-2 workers (vocab-parallel and replicated lm_head);
   - afterwards every page is back (rank 0 owns allocation for all ranks) and, on a graceful stop,
@@ -57,6 +58,9 @@ def tiny(ckpt_factory):
 @pytest.fixture(scope="module")
 def cluster(tiny):
     chunked = ("--max-num-batched-tokens", "256")  # LONG prompts prefill in two chunks on the TP-2 workers
+    # ... through piecewise pieces (on a CPU they run directly on their static buffers, as captured ones would on a
+    # GPU): TP-sharded buffers, the all-reduces inside pieces, each rank's per-layer KV hooks between them
+    chunked += ("--piecewise-graphs",)
     workers = {"P1": start_worker("P1", "prefill", 1, tiny),
                "P2": start_worker("P2", "prefill", 2, tiny, extra=chunked),
                "D1": start_worker("D1", "decode", 1, tiny),
@@ -239,5 +243,6 @@ def test_no_page_leaks_on_any_rank_and_clean_shutdown(cluster):
     for w in (cluster.workers["P2"], cluster.workers["D2"]):
         log = w.log()
         assert w.popen.returncode == 0, log[-3000:]
+        assert log.count("piecewise pieces: ") == 2, log[-3000:]  # both ranks stepped through pieces
         for rank in (0, 1):  # every rank's transfer state as it stopped (followers report it to rank 0)
             assert f"tensor-parallel rank {rank} stopped: 0 open receives, 0 open sends, 0 quarantined pages" in log
