@@ -40,7 +40,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.step_trace import StepTrace
-from engine.worker_args import add_worker_args, engine_config, gpu_default
+from engine.worker_args import add_worker_args, cuda_graphs_on, engine_config
 
 
 def _launched(rows: list[dict]) -> list[dict]:
@@ -80,7 +80,7 @@ def main() -> None:
         torch.set_num_threads(a.cpu_threads)
     model = load_model(cfg)
     parts = build_engine_parts(cfg, model)
-    if gpu_default(a.cuda_graphs, cfg.device) and cfg.device.startswith("cuda"):
+    if cuda_graphs_on(a):
         from decode_worker.runner import CudaGraphDecoder
 
         parts.runner.graphs = CudaGraphDecoder(model, parts.pool, parts.kv, a.max_num_seqs, a.max_model_len)

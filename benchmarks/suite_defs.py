@@ -107,12 +107,14 @@ def remote_prefill_step(name: str, prefill_flags: str, timeout_s: int) -> Step:
     """The multi-turn load (64 x 8 turns, 2k shared system prompt, 4 client processes) disaggregated with prefix
     caching and every prefill on the one prefill worker (--remote-prefill-min-tokens 0): a cached turn's TTFT is
     its remote prefill of a few hundred tokens, which the prefill worker's flags (`prefill_flags`) decide."""
-    serve = MT_SERVE_ARGS.replace("--prefill-args '--max-model-len 16384'",
-                                  f"--prefill-args '--max-model-len 16384 {prefill_flags}'")
     # KV budgets that fit two 20b workers on an 80 GB H100 as well (28 + 12 GiB ran out of memory there): 64
     # conversations of ~4k tokens need ~13 GiB of decode pages
-    serve = serve.replace("--kv-cache-gib 28 --prefill-kv-cache-gib 12", "--kv-cache-gib 18 --prefill-kv-cache-gib 5")
-    assert serve != MT_SERVE_ARGS or not prefill_flags
+    serve = MT_SERVE_ARGS
+    prefill_args = "--prefill-args '--max-model-len 16384'"
+    for old, new in ((prefill_args, prefill_args[:-1] + f" {prefill_flags}'"),
+                     ("--kv-cache-gib 28 --prefill-kv-cache-gib 12", "--kv-cache-gib 18 --prefill-kv-cache-gib 5")):
+        assert old in serve, f"MT_SERVE_ARGS no longer holds {old!r}"
+        serve = serve.replace(old, new)
     return step(name, "{py} -m launcher.cli bench serve --multi-turn --launch disaggregated --conversations 64 "
                       "--turns 8 --system-len 2048 --user-len 100:300 --output-len 100:200 --warmup 8 --num-prefill 1 "
                       "--num-decode 1 --request-timeout-s 200 --ready-timeout-s 150 --client-procs 4 "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.worker_args import add_worker_args, gpu_default, worker_id
+from engine.worker_args import add_worker_args, cuda_graphs_on, worker_id
 from engine.worker_main import build_parts, exit_now, maybe_warm_up, serve, transfer_config
 from decode_worker.engine import DecodeEngine
 from decode_worker.server import DecodeServer
@@ -25,7 +25,7 @@ def setup_rank(a: argparse.Namespace, wid: str, group: RankGroup) -> RankParts:
 
         rx = create_receiver(TransferBackend(a.kv_backend), parts.pool, transfer_config(a, parts, wid, group.rank))
         rx.set_rank_endpoints(*group.gather_endpoints(rx.endpoint, rx.epoch))
-    if gpu_default(a.cuda_graphs, a.device) and a.device.startswith("cuda"):
+    if cuda_graphs_on(a):
         from decode_worker.runner import CudaGraphDecoder
 
         # Each rank captures its own graphs (their all-reduces included); replays stay in lockstep

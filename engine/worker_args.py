@@ -66,12 +66,12 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=131072)
-    # Both default to on where the device is a GPU (gpu_default; the pieces at --tp 1 only: no run has captured them
-    # with a tensor-parallel group's all-reduces yet): every served GPU figure since 2026-12-03 ran the decode worker
-    # with both, and a prefill worker's short prompts (a cached turn's suffix) are host-launch-bound without the
-    # pieces (piecewise-ab-1: 352 tokens in 15.4 ms instead of 24.6). Until 2026-12-07 both were opt-in, so a worker
-    # started without them (the Helm chart never passed --piecewise-graphs) launched every mixed step and short
-    # prefill op by op.
+    # Both default to on where the device is a GPU (cuda_graphs_on, piecewise_on; the pieces at --tp 1 only: no run
+    # has captured them with a tensor-parallel group's all-reduces yet): every served GPU figure since 2026-12-03 ran
+    # the decode worker with both, and a prefill worker's short prompts (a cached turn's suffix) are host-launch-bound
+    # without the pieces (piecewise-ab-1: 352 tokens in 15.4 ms instead of 24.6). Until 2026-12-07 both were opt-in,
+    # so a worker started without them (the Helm chart never passed --piecewise-graphs) launched every mixed step and
+    # short prefill op by op.
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode worker: pure-decode steps replay CUDA graphs captured at start-up per batch-size "
                         "bucket (default: on a GPU)")
@@ -105,9 +105,9 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                    help="overlapped step loop: the host schedules step N+1 while the GPU runs step N; "
                         "tokens reach the host one step later and a stop token costs one dropped token")
     p.add_argument("--collect-order", choices=["ready", "launch"], default="ready",
-                   help="decode workers' overlapped loop (engine/core.py; prefill workers ignore it): ready = a step the GPU already finished is collected "
-                        "before the next launch (its tokens leave one launch earlier); launch = always launch the "
-                        "next step first")
+                   help="decode workers' overlapped loop (engine/core.py; prefill workers ignore it): ready = a step "
+                        "the GPU already finished is collected before the next launch (its tokens leave one launch "
+                        "earlier); launch = always launch the next step first")
     p.add_argument("--first-token-wait-ms", type=float, default=0.0,
                    help="overlapped loop: wait up to this long for a step that sampled prompts' first tokens "
                         "before planning the next one (engine/core.py); 0 = off, the default: measured worse served "
@@ -140,10 +140,14 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                    help="torch intra-op threads when --device cpu (workers share the host's cores)")
 
 
-def gpu_default(flag: bool | None, device: str, tp: int = 1) -> bool:
-    """A --flag/--no-flag pair left unset: on where the device is a GPU (--cuda-graphs; --piecewise-graphs with
-    tp = the worker's --tp: on at 1 only)."""
-    return device.startswith("cuda") and tp == 1 if flag is None else flag
+def cuda_graphs_on(a: argparse.Namespace) -> bool:
+    """The decode worker captures its decode graphs: on a GPU, unless --no-cuda-graphs (the comment at the flags)."""
+    return a.device.startswith("cuda") and a.cuda_graphs is not False
+
+
+def piecewise_on(a: argparse.Namespace) -> bool:
+    """--piecewise-graphs as given, else on a GPU at --tp 1 (the comment at the flags)."""
+    return a.device.startswith("cuda") and a.tp == 1 if a.piecewise_graphs is None else a.piecewise_graphs
 
 
 def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int = 0, group=None) -> EngineConfig:
@@ -165,7 +169,7 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         kv_cache_fraction=a.kv_cache_fraction,
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len, a.prefill_steps),
         seed=a.seed, progress=tp_rank == 0, async_decode=a.async_decode == "on",
-        enable_prefix_caching=a.enable_prefix_caching, piecewise_graphs=gpu_default(a.piecewise_graphs, a.device, a.tp),
+        enable_prefix_caching=a.enable_prefix_caching, piecewise_graphs=piecewise_on(a),
         piecewise_max_tokens=a.piecewise_max_tokens, piecewise_buckets=a.piecewise_buckets,
         piecewise_graphed=a.piecewise_graphed_attention, piecewise_graphed_max_tokens=a.piecewise_graphed_max_tokens,
         parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group,

@@ -121,7 +121,8 @@ def _worker(role: str, parallelism: Schema, extra: dict[str, Schema]) -> Schema:
     return _obj({
         "replicas": _int(minimum=0, description="not applied while autoscaler.enabled"),
         "parallelism": parallelism, "port": _ref("port"), "metricsPort": _ref("port"),
-        "fp8": _bool(), "piecewiseGraphs": _bool(), "kvCache": _ref("kvCache"), "nixl": _ref("nixl"), "resources": _ref("resources"),
+        "fp8": _bool(), "piecewiseGraphs": _bool(), "kvCache": _ref("kvCache"), "nixl": _ref("nixl"),
+        "resources": _ref("resources"),
         "probes": _ref("probes"),
         "podDisruptionBudget": _ref("podDisruptionBudget"), **POD_COMMON, **extra,
     }, description=f"{role} workers (mirror image of the other phase)")

@@ -213,12 +213,12 @@ def test_gpus_per_pod_follow_parallelism_and_flags_match_the_workers() -> None:
 
 
 def test_graph_values_turn_the_workers_flags_on_and_off() -> None:
-    """The workers default both graph kinds to on where the device is a GPU (engine/worker_args.gpu_default; the
-    pieces at --tp 1), so `false` must reach them as --no-*: leaving the flag out would no longer turn anything off;
-    `true` leaves the worker's default."""
+    """The workers default both graph kinds to on where the device is a GPU (engine/worker_args.cuda_graphs_on,
+    piecewise_on: the pieces at --tp 1), so `false` must reach them as --no-*: leaving the flag out would no longer
+    turn anything off; `true` leaves the worker's default."""
     import argparse
 
-    from engine.worker_args import add_worker_args, gpu_default
+    from engine.worker_args import add_worker_args, cuda_graphs_on, piecewise_on
 
     docs = render("--set", "decode.engine.cudaGraphs=false", "--set", "prefill.piecewiseGraphs=false")
     prefill, decode = container(docs, "prefill")["args"], container(docs, "decode")["args"]
@@ -229,7 +229,7 @@ def test_graph_values_turn_the_workers_flags_on_and_off() -> None:
         add_worker_args(parser, port=7100, metrics_port=9100)
         ns = parser.parse_args([a.replace("$(POD_IP)", "10.1.2.3") for a in args[1:]])
         assert ns.cuda_graphs is graphs and ns.piecewise_graphs is pieces
-        assert gpu_default(ns.piecewise_graphs, ns.device, ns.tp) is (pieces is not False)  # --tp=1 here
+        assert cuda_graphs_on(ns) is (graphs is not False) and piecewise_on(ns) is (pieces is not False)  # --tp=1
 
 
 @pytest.mark.parametrize("values", [["-f", str(p)] for p in EXAMPLES],

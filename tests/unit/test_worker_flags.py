@@ -122,16 +122,16 @@ def test_generate_dtype_reaches_its_engine(ckpt_factory, monkeypatch, capsys):
     (["--device", "cuda"], True, True),  # a GPU: both, unless turned off
     (["--device", "cuda:1", "--no-piecewise-graphs"], True, False),
     (["--device", "cuda", "--no-cuda-graphs"], False, True),
-    (["--piecewise-graphs"], False, True),
+    (["--piecewise-graphs", "--cuda-graphs"], False, True),  # no CUDA graphs on a CPU, asked or not
     (["--device", "cuda", "--tp", "2"], True, False),  # no run has captured pieces with a TP group's all-reduces yet
     (["--device", "cuda", "--tp", "2", "--piecewise-graphs"], True, True)])
 def test_graph_flags_default_on_a_gpu(argv: list[str], graphs: bool, pieces: bool) -> None:
-    """--cuda-graphs / --piecewise-graphs unset follow the device (engine/worker_args.gpu_default): the decode
-    worker captures its decode graphs on what gpu_default says, the EngineConfig carries the pieces."""
-    from engine.worker_args import gpu_default
+    """--cuda-graphs / --piecewise-graphs unset follow the device (engine/worker_args.cuda_graphs_on, piecewise_on):
+    the decode worker captures its decode graphs on what cuda_graphs_on says, the EngineConfig carries the pieces."""
+    from engine.worker_args import cuda_graphs_on, piecewise_on
 
     a = worker_parser().parse_args(argv)
-    assert gpu_default(a.cuda_graphs, a.device) is graphs
-    assert gpu_default(a.piecewise_graphs, a.device, a.tp) is pieces
+    assert cuda_graphs_on(a) is graphs
+    assert piecewise_on(a) is pieces
     if a.tp == 1:  # (a TP rank's config needs its group)
         assert engine_config(a).piecewise_graphs is pieces
