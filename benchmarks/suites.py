@@ -39,6 +39,7 @@ from benchmarks.suite_defs import (FUSION_AB, MT_SERVE_ARGS, PYTEST, SERVED_ARGS
                                    STACK_CARRY, SUITE_BUDGET_S, TP, Step, Suite, model_step, multi_turn_step, smoke_step, step,
                                    sweep_step)  # Step, Suite, SUITE_BUDGET_S: re-exported for suite_run and tests
 from benchmarks.suites_issues import ISSUE_SUITES
+from benchmarks.suites_rows import ROWS_SUITES
 from benchmarks.suites_served import SERVED_SUITES
 
 # The prefill worker's engine alone (benchmarks/prefill_prefix.py) with the multi-turn suite's prefill settings.
@@ -169,6 +170,7 @@ SUITES: dict[str, Suite] = {
         reproduces=("issue 23: ms_per_step <= 1.05 x replay; served single-stream ITL <= 1.10 x replay; "
                     "saturation >= 0.90 x bench_model",)),
     **ISSUE_SUITES,  # benchmarks/suites_issues.py: issues 26-27 (FP8 KV, kernels) and issue 25's kernel side
+    **ROWS_SUITES,  # benchmarks/suites_rows.py: issue 27's one-token W8A16 kernels
     **SERVED_SUITES,  # benchmarks/suites_served.py: issue 25's served path (multi-turn, mixed steps, the hold)
     # issue 28: the embedded demo model. Training needs torch only; the data is rendered by openai-harmony,
     # which the GPU machine lacks: it travels in .whl-site. The sweep stops its runs by 225 s (up to 3.5 min of

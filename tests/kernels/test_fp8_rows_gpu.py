@@ -1,0 +1,179 @@
+"""The one-token W8A16 kernels on the GPU at gpt-oss-20b widths, bf16 activations, hardware e4m3 conversions:
+kernels/fp8_rows.py (QKV [5120, 2880] and O [2880, 4096] with bias) and kernels/moe_rows.py (32 experts, top 4,
+H = I = 2880), the first step of suite `rows-b1-ab`, so a wrong kernel fails before it is timed.
+
+  * parity with the fp32 references with x unquantised (fp32 sums in another order, one bf16 rounding), default
+    and swept configs; the MoE also against the W8A8 few-token path (the difference x's quantisation makes);
+  * the same bits on every call and under CUDA-graph capture and replay (PDL edges inside the graph);
+  * EP ranks' shares sum to the whole layer;
+  * the model: a 2-layer random 20b (FP8 QKV/O) decodes with Fusion.FP8_ROWS + Fusion.MOE_ROWS close to the
+    defaults, and the engine's CUDA-graph decode with them runs every step.
+
+    python -m pytest -q -m gpu tests/kernels/test_fp8_rows_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.gpu_alone import GPU_ALONE
+
+pytestmark = GPU_ALONE
+
+DEV = "cuda"
+SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096)}  # W [N, K]
+
+
+def _linear_case(what: str, seed: int):
+    from kernels import reference as ref
+
+    n, k = SHAPES[what]
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w, ws = ref.quantize_fp8_blockwise(torch.randn(n, k, device=DEV, generator=g) * k ** -0.5)
+    x = torch.randn(1, k, device=DEV, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, device=DEV, generator=g).to(torch.bfloat16)
+    return x, w, ws, b
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("what", ["qkv", "o"])
+def test_linear_parity_and_bits(what):
+    from benchmarks.rows_b1 import _rows_configs
+    from kernels import reference as ref
+    from kernels.fp8_rows import fp8_rows_linear
+
+    x, w, ws, b = _linear_case(what, seed=len(what))
+    want = ref.fp8_linear(x.float(), w, ws, b.float(), quantize_activations=False)
+    for cfg in _rows_configs(sweep=True):
+        y = fp8_rows_linear(x, w, ws, b, cfg)
+        assert y.dtype == torch.bfloat16 and y.shape == want.shape
+        torch.testing.assert_close(y.float(), want, rtol=2 ** -7, atol=1e-3, msg=lambda s: f"{cfg}: {s}")
+        for _ in range(3):
+            assert torch.equal(fp8_rows_linear(x, w, ws, b, cfg), y), cfg
+    torch.testing.assert_close(fp8_rows_linear(x, w, ws, None).float(), want - b.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def _experts():
+    import benchmarks.moe as bm
+
+    w, _ = bm.make_experts(32, seed=0)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    x = torch.randn(1, 2880, device=DEV, generator=g).to(torch.bfloat16)
+    logits = torch.randn(1, 32, device=DEV, generator=g).to(torch.bfloat16)
+    return w, x, logits
+
+
+def test_moe_parity_bits_and_ep():
+    from benchmarks.rows_b1 import _moe_configs
+    from kernels.fp8_quant import quantize_act_1x128
+    from kernels.interface import ExpertWeights
+    from kernels.moe_rows import moe_rows
+    from benchmarks.rows_b1 import w8a16_reference
+    from kernels.moe_small import SmallBatchMoE
+
+    w, x, logits = _experts()
+    want = w8a16_reference(x, logits, 4, w)
+    for cfg in _moe_configs(sweep=True):
+        out = moe_rows(x, logits, 4, w, cfg)
+        assert out.dtype == torch.bfloat16
+        assert _rel(out, want) < 1e-2, cfg  # bf16 rounding points (the linear, act, y, y * weight)
+        assert torch.equal(moe_rows(x, logits, 4, w, cfg), out), cfg
+    out = moe_rows(x, logits, 4, w)
+    w8a8 = SmallBatchMoE()(x, logits, 4, w, quantize_act_1x128(x))
+    assert _rel(w8a8, want) < 6e-2 and _rel(out, want) < _rel(w8a8, want), "x unquantised: closer to W8A16"
+    parts = []
+    for start in (0, 12, 24):
+        sl = slice(start, start + 12)
+        parts.append(moe_rows(x, logits, 4, ExpertWeights(w.w1[sl], w.w1_scale[sl], w.b1[sl], w.w2[sl],
+                                                           w.w2_scale[sl], w.b2[sl], start, 32, w.alpha, w.limit)))
+    assert _rel(sum(p.float() for p in parts), out) < 1e-2  # each share rounded to bf16 on its own
+
+
+def _graphed(fn):
+    eager = fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out, eager
+
+
+def test_cuda_graph_replay_same_bits():
+    from kernels.fp8_rows import fp8_rows_linear
+    from kernels.moe_rows import moe_rows
+
+    x, wq, ws, b = _linear_case("qkv", seed=3)
+    w, xm, logits = _experts()
+    for fn, inp in ((lambda: fp8_rows_linear(x, wq, ws, b), x), (lambda: moe_rows(xm, logits, 4, w), xm)):
+        g, out, eager = _graphed(fn)
+        for _ in range(3):
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)
+        inp.copy_(torch.randn_like(inp))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fn())
+
+
+def _config(fusions: str):
+    from engine.build import EngineConfig
+    from engine.scheduler import SchedulerConfig
+    return EngineConfig(random_preset="gpt-oss-20b", random_layers=2, device=DEV, dtype="bfloat16", fp8=True,
+                        fp8_attention=True, attention_backend="flashinfer", linear_backend="scaled_mm",
+                        moe_backend="triton", fusions=fusions, kv_cache_bytes=2 << 30,
+                        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096, max_model_len=4096))
+
+
+def test_model_and_graph_decode_with_rows_fusions():
+    """Decode steps of a 2-layer random 20b with FP8 QKV/O: the rows fusions' hidden states close to the defaults'
+    (W8A16 against W8A8: x not quantised); the engine's CUDA-graph decode with them decodes every token."""
+    pytest.importorskip("flashinfer")
+    from decode_worker.runner import CudaGraphDecoder
+    from engine.build import load_model
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    from kernels.registry import DEFAULT_FUSIONS, parse_fusions
+    from model.context import SeqStep, build_step_meta
+    from model.kv_cache import KVManager, KVPool, SeqPages, plan_kv_cache
+
+    rows = DEFAULT_FUSIONS + "+fp8_rows+moe_rows"
+    model = load_model(_config(DEFAULT_FUSIONS))
+    spec = plan_kv_cache(model.cfg, 1 << 30, page_size=16, max_num_seqs=2, dtype=torch.bfloat16)
+    mgr = KVManager(spec)
+    pools = {s: KVPool(spec, DEV) for s in (DEFAULT_FUSIONS, rows)}
+    pages = SeqPages()
+    ids = torch.randint(0, model.cfg.vocab_size, (304,), device=DEV, generator=torch.Generator(DEV).manual_seed(0))
+    pos, errs = 0, []
+    for n in (300, 1, 1, 1, 1):
+        mgr.grow(pages, pos + n)
+        meta = build_step_meta([SeqStep(pages, pos, n)], spec, DEV)
+        out = {}
+        for s in pools:
+            model.backends.fusions = parse_fusions(s)
+            out[s] = model(ids[pos:pos + n], meta, pools[s])
+        if n == 300:  # prefill: the rows kernels take one-token steps only
+            assert torch.equal(out[rows], out[DEFAULT_FUSIONS])
+        else:
+            errs.append(_rel(out[rows], out[DEFAULT_FUSIONS]))
+        pos += n
+    assert max(errs) < 3e-2, errs
+    del model, pools
+    torch.cuda.empty_cache()
+    llm = LLM(_config(rows))
+    eng = llm.engine
+    graphs = CudaGraphDecoder(eng.model, eng.runner.pool, eng.kv, 4, 4096, buckets=(1, 2, 4))
+    graphs.capture()
+    eng.runner.graphs = graphs
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1000, 100_000, (n,), generator=g).tolist() for n in (700, 1)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert all(len(o.output_ids) == 12 for o in outs)
