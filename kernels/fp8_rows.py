@@ -35,13 +35,15 @@ FP8 = torch.float8_e4m3fn
 
 @triton.jit
 def rows_dot(x_ptr, w_ptr, ws_ptr, offs_n, nmask, K, stride_wn, stride_wsk, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
+             BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
     """fp32 [BN]: sum_k x[k] * W[n, k] * s[k // 128] for rows offs_n of one 128-row scale block (ws_ptr points
-    at that block's scale row). x is read as any float dtype; W e4m3 (masked rows read nothing)."""
+    at that block's scale row). x is read as any float dtype; W e4m3 (masked rows read nothing). UNROLL K steps
+    per loop trip: their loads are independent of the sums, so they can all be in flight at once (a program's
+    whole chain is a few loads: latency, not bandwidth, is what one token's programs wait on)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, BK]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
         kk = k0 + offs_k
         kmask = kk < K
         w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0, eviction_policy="evict_first")
@@ -54,8 +56,8 @@ def rows_dot(x_ptr, w_ptr, ws_ptr, offs_n, nmask, K, stride_wn, stride_wsk, BLOC
 
 @triton.jit
 def _fp8_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K, stride_wn, stride_wsn, stride_wsk,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HW_CVT: tl.constexpr,
-                     PDL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HW_CVT: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched early (programmatic dependent launch): x is the kernel ahead's output
         gdc_wait()
         gdc_launch_dependents()
@@ -63,7 +65,7 @@ def _fp8_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K, stride_wn, stri
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     y = rows_dot(x_ptr, w_ptr, ws_ptr + ((pid * BLOCK_N) // 128) * stride_wsn, offs_n, nmask, K, stride_wn,
-                 stride_wsk, BLOCK_N, BLOCK_K)  # [BN]
+                 stride_wsk, BLOCK_N, BLOCK_K, UNROLL)  # [BN]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, _round_out(y, out_ptr, HW_CVT), mask=nmask)
@@ -73,6 +75,7 @@ def _fp8_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K, stride_wn, stri
 class RowsConfig:
     block_n: int = 8  # whole W rows per program (divides 128: a program's rows share one scale row)
     block_k: int = 512  # columns per K step: 512 bytes of each FP8 row
+    unroll: int = 4  # K steps per loop trip (loads in flight per program)
     num_warps: int = 4
     pdl: bool = True  # programmatic dependent launch on the GPU (the interpreter has none)
 
@@ -106,6 +109,6 @@ def fp8_rows_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bia
     hw = x.is_cuda
     _fp8_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, w_scale, bias if bias is not None else out, out, n, k, w.stride(0), w_scale.stride(0),
-        w_scale.stride(1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, HW_CVT=hw,
+        w_scale.stride(1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll, HAS_BIAS=bias is not None, HW_CVT=hw,
         num_warps=cfg.num_warps, **pdl_launch(cfg.pdl, hw))
     return out

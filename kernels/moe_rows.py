@@ -13,7 +13,7 @@ re-quantisation in the last CTA). Here nothing is quantised and nothing is split
                rounds to x's dtype (the reference's rounding of the linear), and runs the clamped SwiGLU on its
                interleaved gate/up rows: act [P, I] in x's dtype.
   2. down      one program per (token, BLOCK_N rows of W2) reading the rows of ALL top_k experts in one
-               tile ([TOP_K * BLOCK_N, BLOCK_K]: four times the bytes in flight of one slot), each row against
+               tile ([TOP_K * BLOCK_N, 128]: four times the bytes in flight of one slot), each row against
                its slot's act row; then per slot + b2, rounded to x's dtype, times the routing weight, rounded
                again (the grouped path's rounding points) and summed over the slots in slot order in fp32.
 
@@ -47,7 +47,7 @@ def _gate_up_rows_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, w_ptr, ws_ptr, b_pt
                          expert_start, num_local, alpha, limit, stride_lt, stride_xt, stride_we, stride_wn,
                          stride_wse, stride_wsn, stride_wsk, stride_be, stride_ap, TOP_K: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         H_ROUND: tl.constexpr, PDL: tl.constexpr):
+                         UNROLL: tl.constexpr, H_ROUND: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched early: the router's logits and x are the kernel ahead's output
         gdc_wait()
         gdc_launch_dependents()
@@ -68,7 +68,7 @@ def _gate_up_rows_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, w_ptr, ws_ptr, b_pt
         nmask = offs_n < N
         v = rows_dot(x_ptr + t * stride_xt, w_ptr + e64 * stride_we,
                      ws_ptr + e64 * stride_wse + ((nt * BLOCK_N) // 128) * stride_wsn, offs_n, nmask, K, stride_wn,
-                     stride_wsk, BLOCK_N, BLOCK_K)  # [BN]
+                     stride_wsk, BLOCK_N, BLOCK_K, UNROLL)  # [BN]
         v = round_as(v + tl.load(b_ptr + e64 * stride_be + offs_n, mask=nmask, other=0.0).to(tl.float32), H_ROUND)
         # Clamped SwiGLU on interleaved rows: 2i = gate_i, 2i+1 = up_i (model quirk of gpt-oss: the gate is
         # clamped from above only, and up enters as up + 1).
@@ -84,7 +84,8 @@ def _gate_up_rows_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, w_ptr, ws_ptr, b_pt
 def _down_rows_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K, expert_start, num_local,
                       stride_ap, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be, stride_ot,
                       TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_ROUND: tl.constexpr,
-                      Y_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                      Y_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+                      PDL: tl.constexpr):
     if PDL:
         gdc_wait()  # ids, weights and act are gate_up's output
         gdc_launch_dependents()
@@ -102,15 +103,15 @@ def _down_rows_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N
     w_rows = w_ptr + e64 * stride_we + offs_n.to(tl.int64) * stride_wn  # [R] row starts
     s_rows = ws_ptr + e64 * stride_wse + ((nt * BLOCK_N) // 128) * stride_wsn  # [R] scale rows
     a_rows = act_ptr + (t * TOP_K + tl.where(slot < TOP_K, slot, 0)).to(tl.int64) * stride_ap  # [R] act rows
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)  # one 128-column scale group per K step: a row's scale is one value there
     acc = tl.zeros((BLOCK_TK * BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):  # loads in flight: kernels/fp8_rows.rows_dot
         kk = k0 + offs_k
         m = live[:, None] & (kk < K)[None, :]  # [R, BK]
         w = tl.load(w_rows[:, None] + kk[None, :], mask=m, other=0.0, eviction_policy="evict_first")
         a = tl.load(a_rows[:, None] + kk[None, :], mask=m, other=0.0).to(tl.float32)
-        s = tl.load(s_rows[:, None] + (kk // 128)[None, :] * stride_wsk, mask=m, other=0.0)
-        acc += w.to(tl.float32) * (a * s)
+        s = tl.load(s_rows + (k0 // BLOCK_K) * stride_wsk, mask=live, other=0.0)  # [R]
+        acc += w.to(tl.float32) * (a * s[:, None])
     v = tl.sum(acc, axis=1)  # [R]
     if HAS_BIAS:  # b2 (one EP rank, or TP rank 0, holds it), inside the routing weight
         v += tl.load(b_ptr + e64 * stride_be + offs_n, mask=live, other=0.0).to(tl.float32)
@@ -129,9 +130,10 @@ def _down_rows_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N
 class MoERowsConfig:
     block_n1: int = 8  # W1 rows per gate_up program (even: gate/up pairs; divides 128)
     block_k1: int = 512
+    unroll1: int = 4  # K steps per loop trip
     warps1: int = 4
     block_n2: int = 8  # W2 rows per down program, for each of the top_k slots (divides 128)
-    block_k2: int = 256  # [top_k * block_n2, block_k2] tiles: 8 KB of FP8 per K step at top_k 4
+    unroll2: int = 4  # [top_k * block_n2, 128] tiles (4 KB of FP8 at top_k 4) per K step, this many per loop trip
     warps2: int = 8
     pdl: bool = True
 
@@ -165,12 +167,12 @@ def moe_rows(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: Expert
         float(w.alpha), float(w.limit), logits.stride(0), x.stride(0), w.w1.stride(0), w.w1.stride(1),
         w.w1_scale.stride(0), w.w1_scale.stride(1), w.w1_scale.stride(2), w.b1.stride(0), act.stride(0),
         TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e), BLOCK_TK=block_tk, BLOCK_N=cfg.block_n1,
-        BLOCK_K=cfg.block_k1, H_ROUND=_ROUND_CODE[x.dtype], num_warps=cfg.warps1, **pdl_launch(cfg.pdl, hw))
+        BLOCK_K=cfg.block_k1, UNROLL=cfg.unroll1, H_ROUND=_ROUND_CODE[x.dtype], num_warps=cfg.warps1, **pdl_launch(cfg.pdl, hw))
     b2 = w.b2 if w.b2 is not None else w.b1  # unused pointer without bias
     _down_rows_kernel[(t * triton.cdiv(n2, cfg.block_n2),)](
         act, ids, weights, w.w2, w.w2_scale, b2, out, n2, k2, w.expert_start, w.num_local, act.stride(0),
         w.w2.stride(0), w.w2.stride(1), w.w2_scale.stride(0), w.w2_scale.stride(1), w.w2_scale.stride(2),
         b2.stride(0), out.stride(0), TOP_K=top_k, BLOCK_TK=block_tk, HAS_BIAS=w.b2 is not None,
         OUT_ROUND=_ROUND_CODE[x.dtype], Y_ROUND=_ROUND_CODE[torch.promote_types(x.dtype, weights.dtype)],
-        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, num_warps=cfg.warps2, **pdl_launch(cfg.pdl, hw))
+        BLOCK_N=cfg.block_n2, BLOCK_K=BLOCK, UNROLL=cfg.unroll2, num_warps=cfg.warps2, **pdl_launch(cfg.pdl, hw))
     return out
