@@ -55,9 +55,9 @@ def _rows_configs(sweep: bool):
 
     cfgs = [RowsConfig()]
     if sweep:
-        cfgs += [RowsConfig(unroll=1), RowsConfig(unroll=8), RowsConfig(block_n=4), RowsConfig(block_n=16),
-                 RowsConfig(block_k=256, unroll=8), RowsConfig(block_k=1024, unroll=2), RowsConfig(num_warps=8),
-                 RowsConfig(block_n=16, block_k=1024, unroll=2, num_warps=8), RowsConfig(pdl=False)]
+        cfgs += [RowsConfig(unroll=1), RowsConfig(unroll=4), RowsConfig(block_n=8), RowsConfig(block_n=8, unroll=4),
+                 RowsConfig(block_n=32, unroll=4), RowsConfig(num_warps=8), RowsConfig(block_n=32, num_warps=8),
+                 RowsConfig(pdl=False)]
     return cfgs
 
 
@@ -83,7 +83,7 @@ def projection_rows(reps: int, copy: float, sweep: bool) -> list[dict]:
         for cfg in _rows_configs(sweep):
             ok = torch.allclose(fp8_rows_linear(x, *wq[0], b, cfg).float(), want, rtol=2 ** -7, atol=1e-2)
             us = _us(_cycling(wq, lambda w, cfg=cfg: fp8_rows_linear(x, w[0], w[1], b, cfg)), reps)
-            name = f"fp8 rows {cfg.block_n}x{cfg.block_k} u{cfg.unroll} w{cfg.num_warps}{' pdl' if cfg.pdl else ''}"
+            name = f"fp8 rows {cfg.block_n}x128 u{cfg.unroll} w{cfg.num_warps}{' pdl' if cfg.pdl else ''}"
             rows.append(_row(what, name, us, n * k + scale_bytes, copy, base, ok))
         del wq, wb
     return rows
@@ -94,10 +94,10 @@ def _moe_configs(sweep: bool):
 
     cfgs = [MoERowsConfig()]
     if sweep:
-        cfgs += [MoERowsConfig(unroll1=1, unroll2=1), MoERowsConfig(unroll1=8, unroll2=8), MoERowsConfig(unroll2=2),
-                 MoERowsConfig(block_n1=4), MoERowsConfig(block_n1=16), MoERowsConfig(block_k1=1024, unroll1=2),
+        cfgs += [MoERowsConfig(unroll1=1, unroll2=1), MoERowsConfig(unroll1=4, unroll2=8), MoERowsConfig(unroll2=2),
+                 MoERowsConfig(block_n1=8), MoERowsConfig(block_n1=32, unroll1=4), MoERowsConfig(warps1=8),
                  MoERowsConfig(block_n2=4), MoERowsConfig(block_n2=16), MoERowsConfig(warps2=4),
-                 MoERowsConfig(warps1=8), MoERowsConfig(pdl=False)]
+                 MoERowsConfig(pdl=False)]
     return cfgs
 
 
@@ -134,7 +134,7 @@ def moe_rows_section(reps: int, copy: float, sweep: bool) -> list[dict]:
         got = moe_rows(x, sets[0], TOP_K, w, cfg).float()
         ok = float((got - want).norm() / want.norm()) < 2e-2  # bf16 rounding points (the interpreter truncates)
         us = _us(_cycling(sets, lambda lg, cfg=cfg: moe_rows(x, lg, TOP_K, w, cfg)), reps)
-        name = (f"moe_rows {cfg.block_n1}x{cfg.block_k1} u{cfg.unroll1} w{cfg.warps1} / {cfg.block_n2}x128 "
+        name = (f"moe_rows {cfg.block_n1}x128 u{cfg.unroll1} w{cfg.warps1} / {cfg.block_n2}x128 "
                 f"u{cfg.unroll2} w{cfg.warps2}{' pdl' if cfg.pdl else ''}")
         rows.append(_row("moe 20b", name, us, nbytes, copy, base, ok))
     return rows

@@ -1,6 +1,6 @@
 """One-token FP8 weights on the CUDA cores (W8A16): y = x W^T + b for one token with W e4m3 [N, K] and its
 128x128 block scales, x kept in bf16. Each program owns BLOCK_N whole rows of W (inside one 128-row scale
-block), streams them once in [BLOCK_N, BLOCK_K] tiles and sums fp32 FMAs per (row, column) lane, then once
+block), streams them once in [BLOCK_N, 128] tiles and sums fp32 FMAs per (row, column) lane, then once
 over the lanes: one launch, no split-K partials, no atomics, the same bits on every call.
 
 Why (issue 27): at batch 1 the MMA kernels for FP8 weights are bound by their chain of dependent steps, not
@@ -35,29 +35,31 @@ FP8 = torch.float8_e4m3fn
 
 @triton.jit
 def rows_dot(x_ptr, w_ptr, ws_ptr, offs_n, nmask, K, stride_wn, stride_wsk, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+             UNROLL: tl.constexpr):
     """fp32 [BN]: sum_k x[k] * W[n, k] * s[k // 128] for rows offs_n of one 128-row scale block (ws_ptr points
-    at that block's scale row). x is read as any float dtype; W e4m3 (masked rows read nothing). UNROLL K steps
-    per loop trip: their loads are independent of the sums, so they can all be in flight at once (a program's
-    whole chain is a few loads: latency, not bandwidth, is what one token's programs wait on)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, BK]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
-        kk = k0 + offs_k
-        kmask = kk < K
-        w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0, eviction_policy="evict_first")
-        xs = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32) * \
-            tl.load(ws_ptr + (kk // 128) * stride_wsk, mask=kmask, other=0.0)  # [BK]: the scale folded into x
-        acc += w.to(tl.float32) * xs[None, :]
-        w_ptrs += BLOCK_K
+    at that block's scale row). x is read as any float dtype; W e4m3 (masked rows read nothing).
+
+    One 128-column scale group per K step, so its scale is one scalar, folded into x. x is loaded in the weight
+    tile's own [BN, 128] shape (each row the same 256 bytes, L1 hits): as a vector it would be converted into the
+    tile's layout through shared memory, a barrier per step (sm_90 SASS read offline). UNROLL K steps per loop
+    trip: their loads are independent of the sums, so they can all be in flight at once (a program's whole chain
+    is a few loads: latency, not bandwidth, is what one token's programs wait on)."""
+    offs_k = tl.arange(0, 128)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, 128]
+    x_ptrs = x_ptr + offs_k[None, :] + 0 * offs_n[:, None]  # [BN, 128], every row the same
+    acc = tl.zeros((BLOCK_N, 128), dtype=tl.float32)
+    for k0 in tl.range(0, K, 128, loop_unroll_factor=UNROLL):
+        kmask = (offs_k < K - k0)[None, :]
+        w = tl.load(w_ptrs + k0, mask=nmask[:, None] & kmask, other=0.0, eviction_policy="evict_first")
+        xs = tl.load(x_ptrs + k0, mask=kmask, other=0.0).to(tl.float32) * tl.load(ws_ptr + (k0 // 128) * stride_wsk)
+        acc += w.to(tl.float32) * xs
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
 def _fp8_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K, stride_wn, stride_wsn, stride_wsk,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HW_CVT: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr, HW_CVT: tl.constexpr,
+                     PDL: tl.constexpr):
     if PDL:  # launched early (programmatic dependent launch): x is the kernel ahead's output
         gdc_wait()
         gdc_launch_dependents()
@@ -65,7 +67,7 @@ def _fp8_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K, stride_wn, stri
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     y = rows_dot(x_ptr, w_ptr, ws_ptr + ((pid * BLOCK_N) // 128) * stride_wsn, offs_n, nmask, K, stride_wn,
-                 stride_wsk, BLOCK_N, BLOCK_K, UNROLL)  # [BN]
+                 stride_wsk, BLOCK_N, UNROLL)  # [BN]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, _round_out(y, out_ptr, HW_CVT), mask=nmask)
@@ -73,9 +75,8 @@ def _fp8_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K, stride_wn, stri
 
 @dataclass(frozen=True, slots=True)
 class RowsConfig:
-    block_n: int = 8  # whole W rows per program (divides 128: a program's rows share one scale row)
-    block_k: int = 512  # columns per K step: 512 bytes of each FP8 row
-    unroll: int = 4  # K steps per loop trip (loads in flight per program)
+    block_n: int = 16  # whole W rows per program (divides 128: a program's rows share one scale row)
+    unroll: int = 8  # 128-column K steps per loop trip (loads in flight per program)
     num_warps: int = 4
     pdl: bool = True  # programmatic dependent launch on the GPU (the interpreter has none)
 
@@ -109,6 +110,6 @@ def fp8_rows_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bia
     hw = x.is_cuda
     _fp8_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, w_scale, bias if bias is not None else out, out, n, k, w.stride(0), w_scale.stride(0),
-        w_scale.stride(1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll, HAS_BIAS=bias is not None, HW_CVT=hw,
+        w_scale.stride(1), BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, HAS_BIAS=bias is not None, HW_CVT=hw,
         num_warps=cfg.num_warps, **pdl_launch(cfg.pdl, hw))
     return out

@@ -46,8 +46,8 @@ __all__ = ["INTERPRETED", "MoERowsConfig", "moe_rows"]
 def _gate_up_rows_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, N, K, I, E,
                          expert_start, num_local, alpha, limit, stride_lt, stride_xt, stride_we, stride_wn,
                          stride_wse, stride_wsn, stride_wsk, stride_be, stride_ap, TOP_K: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         UNROLL: tl.constexpr, H_ROUND: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+                         H_ROUND: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched early: the router's logits and x are the kernel ahead's output
         gdc_wait()
         gdc_launch_dependents()
@@ -68,7 +68,7 @@ def _gate_up_rows_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, w_ptr, ws_ptr, b_pt
         nmask = offs_n < N
         v = rows_dot(x_ptr + t * stride_xt, w_ptr + e64 * stride_we,
                      ws_ptr + e64 * stride_wse + ((nt * BLOCK_N) // 128) * stride_wsn, offs_n, nmask, K, stride_wn,
-                     stride_wsk, BLOCK_N, BLOCK_K, UNROLL)  # [BN]
+                     stride_wsk, BLOCK_N, UNROLL)  # [BN]
         v = round_as(v + tl.load(b_ptr + e64 * stride_be + offs_n, mask=nmask, other=0.0).to(tl.float32), H_ROUND)
         # Clamped SwiGLU on interleaved rows: 2i = gate_i, 2i+1 = up_i (model quirk of gpt-oss: the gate is
         # clamped from above only, and up enters as up + 1).
@@ -128,9 +128,8 @@ def _down_rows_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N
 
 @dataclass(frozen=True, slots=True)
 class MoERowsConfig:
-    block_n1: int = 8  # W1 rows per gate_up program (even: gate/up pairs; divides 128)
-    block_k1: int = 512
-    unroll1: int = 4  # K steps per loop trip
+    block_n1: int = 16  # W1 rows per gate_up program (even: gate/up pairs; divides 128)
+    unroll1: int = 8  # 128-column K steps per loop trip
     warps1: int = 4
     block_n2: int = 8  # W2 rows per down program, for each of the top_k slots (divides 128)
     unroll2: int = 4  # [top_k * block_n2, 128] tiles (4 KB of FP8 at top_k 4) per K step, this many per loop trip
@@ -167,7 +166,7 @@ def moe_rows(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: Expert
         float(w.alpha), float(w.limit), logits.stride(0), x.stride(0), w.w1.stride(0), w.w1.stride(1),
         w.w1_scale.stride(0), w.w1_scale.stride(1), w.w1_scale.stride(2), w.b1.stride(0), act.stride(0),
         TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e), BLOCK_TK=block_tk, BLOCK_N=cfg.block_n1,
-        BLOCK_K=cfg.block_k1, UNROLL=cfg.unroll1, H_ROUND=_ROUND_CODE[x.dtype], num_warps=cfg.warps1, **pdl_launch(cfg.pdl, hw))
+        UNROLL=cfg.unroll1, H_ROUND=_ROUND_CODE[x.dtype], num_warps=cfg.warps1, **pdl_launch(cfg.pdl, hw))
     b2 = w.b2 if w.b2 is not None else w.b1  # unused pointer without bias
     _down_rows_kernel[(t * triton.cdiv(n2, cfg.block_n2),)](
         act, ids, weights, w.w2, w.w2_scale, b2, out, n2, k2, w.expert_start, w.num_local, act.stride(0),

@@ -31,8 +31,8 @@ def _linear_case(n: int, k: int, dtype: torch.dtype, seed: int, bias: bool):
 
 
 @pytest.mark.parametrize("n,k,bias,cfg", [(192, 2880, True, RowsConfig()), (130, 384, False, RowsConfig()),
-                                          (260, 300, True, RowsConfig(block_n=4, block_k=128, unroll=1)),
-                                          (136, 2880, False, RowsConfig(block_n=16, block_k=1024))])
+                                          (260, 300, True, RowsConfig(block_n=4, unroll=1)),
+                                          (136, 2880, False, RowsConfig(block_n=32, unroll=3))])
 def test_linear_fp32_tight_vs_reference(n, k, bias, cfg):
     x, w, ws, b = _linear_case(n, k, torch.float32, seed=n + k, bias=bias)
     y = fp8_rows_linear(x, w, ws, b, cfg)
@@ -69,7 +69,7 @@ def _w8a16(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights) 
 @pytest.mark.parametrize("t,top_k,h,i,cfg", [
     (1, 4, 160, 128, MoERowsConfig()),
     (1, 4, 2880, 64, MoERowsConfig()),  # 2880 = 22.5 x 128: half last K block of W1, half last row block of W2
-    (2, 3, 136, 72, MoERowsConfig(block_n1=4, block_k1=128, block_n2=16, unroll2=1)),  # top_k padded to 4
+    (2, 3, 136, 72, MoERowsConfig(block_n1=4, unroll1=1, block_n2=16, unroll2=1)),  # top_k padded to 4
     (1, 1, 96, 40, MoERowsConfig(block_n2=4, unroll2=2)),
 ])
 def test_moe_fp32_tight_vs_w8a16_reference(t, top_k, h, i, cfg):
@@ -132,7 +132,7 @@ def test_rows_benchmark_smoke(monkeypatch):
     monkeypatch.setattr(rows_b1, "_us", lambda fn, reps: (fn(), 1.0)[1])
     proj = rows_b1.projection_rows(1, 1.0, sweep=False)
     assert [r["variant"] for r in proj if r["what"] == "qkv"] == [
-        "bf16 gemv rows (default)", "fp8 dense_small (fp8_gemv)", "fp8 rows 8x512 u4 w4 pdl"]
+        "bf16 gemv rows (default)", "fp8 dense_small (fp8_gemv)", "fp8 rows 16x128 u8 w4 pdl"]
     moe = rows_b1.moe_rows_section(1, 1.0, sweep=False)
     assert len(moe) == 3 and moe[-1]["variant"].startswith("moe_rows")
     assert not any("WRONG" in r["variant"] for r in proj + moe), proj + moe

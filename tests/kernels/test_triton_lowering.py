@@ -148,7 +148,7 @@ def _launch_every_kernel() -> None:
     from kernels.fp8_rows import RowsConfig, fp8_rows_linear
     from kernels.moe_rows import MoERowsConfig, moe_rows
     fp8_rows_linear(x.to(torch.bfloat16)[:1], w, ws, torch.randn(96).to(torch.bfloat16))
-    fp8_rows_linear(x.to(torch.bfloat16)[:1], w, ws, None, RowsConfig(unroll=1, block_k=128))
+    fp8_rows_linear(x.to(torch.bfloat16)[:1], w, ws, None, RowsConfig(unroll=1, block_n=8))
     moe_rows(xb[:1], logits[:1], 2, experts)
     moe_rows(xb[:1], logits[:1], 2, experts, MoERowsConfig(unroll1=1, unroll2=1, block_n2=16))
 
