@@ -55,9 +55,10 @@ def _rows_configs(sweep: bool):
 
     cfgs = [RowsConfig()]
     if sweep:
-        cfgs += [RowsConfig(unroll=1), RowsConfig(unroll=4), RowsConfig(block_n=8), RowsConfig(block_n=8, unroll=4),
-                 RowsConfig(block_n=32, unroll=4), RowsConfig(num_warps=8), RowsConfig(block_n=32, num_warps=8),
-                 RowsConfig(pdl=False)]
+        cfgs += [RowsConfig(unroll=4), RowsConfig(unroll=4, num_stages=4), RowsConfig(num_warps=8),
+                 RowsConfig(block_n=4, unroll=8), RowsConfig(block_k=512, num_stages=4), RowsConfig(block_k=512),
+                 RowsConfig(block_k=1024, num_stages=4), RowsConfig(block_k=1024, num_stages=2),
+                 RowsConfig(block_n=4, block_k=1024, num_stages=4), RowsConfig(block_k=512, num_stages=4, pdl=False)]
     return cfgs
 
 
@@ -83,7 +84,8 @@ def projection_rows(reps: int, copy: float, sweep: bool) -> list[dict]:
         for cfg in _rows_configs(sweep):
             ok = torch.allclose(fp8_rows_linear(x, *wq[0], b, cfg).float(), want, rtol=2 ** -7, atol=1e-2)
             us = _us(_cycling(wq, lambda w, cfg=cfg: fp8_rows_linear(x, w[0], w[1], b, cfg)), reps)
-            name = f"fp8 rows {cfg.block_n}x128 u{cfg.unroll} w{cfg.num_warps}{' pdl' if cfg.pdl else ''}"
+            name = (f"fp8 rows {cfg.block_n}x{cfg.block_k} u{cfg.unroll if cfg.block_k == 128 else '-'} w{cfg.num_warps} "
+                    f"s{cfg.num_stages}{' pdl' if cfg.pdl else ''}")
             rows.append(_row(what, name, us, n * k + scale_bytes, copy, base, ok))
         del wq, wb
     return rows

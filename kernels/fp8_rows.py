@@ -57,17 +57,39 @@ def rows_dot(x_ptr, w_ptr, ws_ptr, offs_n, nmask, K, stride_wn, stride_wsk, BLOC
 
 
 @triton.jit
+def rows_dot_vec(x_ptr, w_ptr, ws_ptr, offs_n, nmask, K, stride_wn, stride_wsk, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """rows_dot with BLOCK_K-column steps (a multiple of 128) and x read as a vector, the scale gathered per
+    column: kernels/gemv.py's bf16 whole-rows form, which streams bf16 at the copy rate (rows-b1-ab-1)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, BK]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < K
+        w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        xs = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32) * \
+            tl.load(ws_ptr + (kk // 128) * stride_wsk, mask=kmask, other=0.0)  # [BK]
+        acc += w.to(tl.float32) * xs[None, :]
+        w_ptrs += BLOCK_K
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _fp8_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K, stride_wn, stride_wsn, stride_wsk,
-                     BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr, HW_CVT: tl.constexpr,
-                     PDL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HW_CVT: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched early (programmatic dependent launch): x is the kernel ahead's output
         gdc_wait()
         gdc_launch_dependents()
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
-    y = rows_dot(x_ptr, w_ptr, ws_ptr + ((pid * BLOCK_N) // 128) * stride_wsn, offs_n, nmask, K, stride_wn,
-                 stride_wsk, BLOCK_N, UNROLL)  # [BN]
+    ws_row = ws_ptr + ((pid * BLOCK_N) // 128) * stride_wsn
+    if BLOCK_K == 128:
+        y = rows_dot(x_ptr, w_ptr, ws_row, offs_n, nmask, K, stride_wn, stride_wsk, BLOCK_N, UNROLL)  # [BN]
+    else:
+        y = rows_dot_vec(x_ptr, w_ptr, ws_row, offs_n, nmask, K, stride_wn, stride_wsk, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, _round_out(y, out_ptr, HW_CVT), mask=nmask)
@@ -75,9 +97,11 @@ def _fp8_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K, stride_wn, stri
 
 @dataclass(frozen=True, slots=True)
 class RowsConfig:
-    block_n: int = 16  # whole W rows per program (divides 128: a program's rows share one scale row)
+    block_n: int = 8  # whole W rows per program (divides 128: a program's rows share one scale row)
+    block_k: int = 128  # 128: rows_dot (one scale group a step); a multiple of 128: rows_dot_vec
     unroll: int = 8  # 128-column K steps per loop trip (loads in flight per program)
     num_warps: int = 4
+    num_stages: int = 3
     pdl: bool = True  # programmatic dependent launch on the GPU (the interpreter has none)
 
 
@@ -103,6 +127,7 @@ def fp8_rows_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bia
     assert w.dtype == FP8 and w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1, (w.dtype, w.shape, x.shape)
     assert w_scale.shape == (triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)), (w_scale.shape, w.shape)
     assert BLOCK % cfg.block_n == 0, "a program's rows must share one 128-row scale block"
+    assert cfg.block_k % BLOCK == 0
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)  # [1, N]
     if n == 0:
@@ -110,6 +135,6 @@ def fp8_rows_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bia
     hw = x.is_cuda
     _fp8_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, w_scale, bias if bias is not None else out, out, n, k, w.stride(0), w_scale.stride(0),
-        w_scale.stride(1), BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, HAS_BIAS=bias is not None, HW_CVT=hw,
-        num_warps=cfg.num_warps, **pdl_launch(cfg.pdl, hw))
+        w_scale.stride(1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll, HAS_BIAS=bias is not None, HW_CVT=hw,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(cfg.pdl, hw))
     return out

@@ -32,7 +32,8 @@ def _linear_case(n: int, k: int, dtype: torch.dtype, seed: int, bias: bool):
 
 @pytest.mark.parametrize("n,k,bias,cfg", [(192, 2880, True, RowsConfig()), (130, 384, False, RowsConfig()),
                                           (260, 300, True, RowsConfig(block_n=4, unroll=1)),
-                                          (136, 2880, False, RowsConfig(block_n=32, unroll=3))])
+                                          (136, 2880, False, RowsConfig(block_n=32, unroll=3)),
+                                          (72, 2880, True, RowsConfig(block_k=512)), (40, 300, False, RowsConfig(block_n=4, block_k=256))])
 def test_linear_fp32_tight_vs_reference(n, k, bias, cfg):
     x, w, ws, b = _linear_case(n, k, torch.float32, seed=n + k, bias=bias)
     y = fp8_rows_linear(x, w, ws, b, cfg)
@@ -132,7 +133,7 @@ def test_rows_benchmark_smoke(monkeypatch):
     monkeypatch.setattr(rows_b1, "_us", lambda fn, reps: (fn(), 1.0)[1])
     proj = rows_b1.projection_rows(1, 1.0, sweep=False)
     assert [r["variant"] for r in proj if r["what"] == "qkv"] == [
-        "bf16 gemv rows (default)", "fp8 dense_small (fp8_gemv)", "fp8 rows 16x128 u8 w4 pdl"]
+        "bf16 gemv rows (default)", "fp8 dense_small (fp8_gemv)", "fp8 rows 8x128 u8 w4 s3 pdl"]
     moe = rows_b1.moe_rows_section(1, 1.0, sweep=False)
     assert len(moe) == 3 and moe[-1]["variant"].startswith("moe_rows")
     assert not any("WRONG" in r["variant"] for r in proj + moe), proj + moe

@@ -149,6 +149,7 @@ def _launch_every_kernel() -> None:
     from kernels.moe_rows import MoERowsConfig, moe_rows
     fp8_rows_linear(x.to(torch.bfloat16)[:1], w, ws, torch.randn(96).to(torch.bfloat16))
     fp8_rows_linear(x.to(torch.bfloat16)[:1], w, ws, None, RowsConfig(unroll=1, block_n=8))
+    fp8_rows_linear(x.to(torch.bfloat16)[:1], w, ws, None, RowsConfig(block_k=256, num_stages=4))  # vector x
     moe_rows(xb[:1], logits[:1], 2, experts)
     moe_rows(xb[:1], logits[:1], 2, experts, MoERowsConfig(unroll1=1, unroll2=1, block_n2=16))
 
