@@ -1,13 +1,9 @@
-"""The one-token W8A16 kernels (issue 27) against what one-token steps run today, at gpt-oss-20b widths, each
-captured in a CUDA graph of REPS calls with its weights streamed from HBM (every call reads another weight copy
-or another expert set: nothing left in L2 by the call before):
-
-  * projections (QKV: 5,120 x 2,880, O: 2,880 x 4,096, with bias): bf16 on kernels/gemv.py's whole-rows kernel
-    (the default), FP8 on kernels/dense_small.py (Fusion.FEW_TOKEN_FP8, x quantised in the launch), FP8 on
-    kernels/fp8_rows.py (Fusion.FP8_ROWS) by config;
-  * the MoE layer (32 experts, top 4, one token): kernels/moe_small.py with x already quantised (the default:
-    the norm quantises it, a cost not counted here) and without, and kernels/moe_rows.py (Fusion.MOE_ROWS) by
-    config.
+"""The one-token FP8 projections (issue 27) against what one-token steps run today, at gpt-oss-20b widths (QKV:
+5,120 x 2,880, O: 2,880 x 4,096, with bias), each captured in a CUDA graph of REPS calls with its weights streamed
+from HBM (every call reads another weight copy: nothing left in L2 by the call before): bf16 on kernels/gemv.py's
+whole-rows kernel (the default), FP8 on kernels/dense_small.py (Fusion.FEW_TOKEN_FP8, x quantised in the launch),
+FP8 on kernels/fp8_rows.py (Fusion.FP8_ROWS, W8A16) by config. (rows-b1-ab-1 also timed a one-token MoE on the rows
+kernels, at da4b902: it lost to kernels/moe_small.py at every config and was removed.)
 
 Bytes are each variant's weights (and scales) read; GB/s against this run's copy rate. Every FP8-rows row is
 checked against its fp32 reference (x unquantised); a config off it is marked WRONG.
@@ -25,7 +21,7 @@ import torch
 from benchmarks.common import environment, graph_ms, markdown_table, out_dir
 
 DEV = "cuda"  # module constants, so a CPU smoke (tests/kernels/test_fp8_rows.py) can shrink them
-H, HQ, HKV, D, E, TOP_K = 2880, 64, 8, 64, 32, 4
+H, HQ, HKV, D = 2880, 64, 8, 64
 STREAM_BYTES = 512 << 20  # FP8 weight copies per projection: > 10x the 50 MB L2
 
 
@@ -91,57 +87,6 @@ def projection_rows(reps: int, copy: float, sweep: bool) -> list[dict]:
     return rows
 
 
-def _moe_configs(sweep: bool):
-    from kernels.moe_rows import MoERowsConfig
-
-    cfgs = [MoERowsConfig()]
-    if sweep:
-        cfgs += [MoERowsConfig(unroll1=1, unroll2=1), MoERowsConfig(unroll1=4, unroll2=8), MoERowsConfig(unroll2=2),
-                 MoERowsConfig(block_n1=8), MoERowsConfig(block_n1=32, unroll1=4), MoERowsConfig(warps1=8),
-                 MoERowsConfig(block_n2=4), MoERowsConfig(block_n2=16), MoERowsConfig(warps2=4),
-                 MoERowsConfig(pdl=False)]
-    return cfgs
-
-
-def w8a16_reference(x: torch.Tensor, logits: torch.Tensor, top_k: int, w) -> torch.Tensor:
-    """The MoE in fp32 on the dequantised experts, x and act unquantised (what kernels/moe_rows.py computes)."""
-    import dataclasses
-
-    from kernels.torch_backend import TorchMoE
-
-    w32 = dataclasses.replace(w, b1=w.b1.float(), b2=None if w.b2 is None else w.b2.float())
-    return TorchMoE()(x.float(), logits.float(), top_k, w32)
-
-
-def moe_rows_section(reps: int, copy: float, sweep: bool) -> list[dict]:
-    import benchmarks.moe as bm
-    from kernels.fp8_quant import quantize_act_1x128
-    from kernels.moe_rows import moe_rows
-    from kernels.moe_small import SmallBatchMoE
-
-    w, _ = bm.make_experts(E, seed=0)  # bm.H x bm.I (gpt-oss: 2880 x 2880)
-    gen = torch.Generator(device=DEV).manual_seed(1)
-    sets = bm.logit_sets(1, E, gen)  # 8 disjoint 4-expert sets
-    x = torch.randn(1, bm.H, device=DEV).to(torch.bfloat16)
-    xq = quantize_act_1x128(x)
-    nbytes = bm.weight_bytes_read(w, sets)
-    want = w8a16_reference(x, sets[0], TOP_K, w)
-    small = SmallBatchMoE()
-    rows = []
-    base = _us(_cycling(sets, lambda lg: small(x, lg, TOP_K, w, xq)), reps)
-    rows.append(_row("moe 20b", "moe_small, x quantised by the norm (default)", base, nbytes, copy, None))
-    us = _us(_cycling(sets, lambda lg: small(x, lg, TOP_K, w)), reps)
-    rows.append(_row("moe 20b", "moe_small, quantising x", us, nbytes, copy, base))
-    for cfg in _moe_configs(sweep):
-        got = moe_rows(x, sets[0], TOP_K, w, cfg).float()
-        ok = float((got - want).norm() / want.norm()) < 2e-2  # bf16 rounding points (the interpreter truncates)
-        us = _us(_cycling(sets, lambda lg, cfg=cfg: moe_rows(x, lg, TOP_K, w, cfg)), reps)
-        name = (f"moe_rows {cfg.block_n1}x128 u{cfg.unroll1} w{cfg.warps1} / {cfg.block_n2}x128 "
-                f"u{cfg.unroll2} w{cfg.warps2}{' pdl' if cfg.pdl else ''}")
-        rows.append(_row("moe 20b", name, us, nbytes, copy, base, ok))
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=50)
@@ -150,7 +95,7 @@ def main() -> None:
     copy = copy_gbps()
     print(f"copy {copy:.0f} GB/s (bytes read + written)", flush=True)
     rows = []
-    for section in (projection_rows, moe_rows_section):
+    for section in (projection_rows,):
         got = section(a.reps, copy, not a.no_sweep)
         rows += got
         for r in got:

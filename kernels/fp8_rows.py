@@ -13,7 +13,6 @@ Numerics: W dequantised exactly (e4m3 * fp32 scale, folded into x per 128-column
 fp32 accumulation, one rounding of (sum + bias). This is `reference.fp8_linear(..., quantize_activations=False)`
 up to fp32 summation order, and closer to the bf16 model than the W8A8 kernels (x is not quantised).
 
-The row helper `rows_dot` is shared with the one-token MoE (kernels/moe_rows.py).
 Shapes: K in, N out, W [N, K] e4m3 row-major, scales [ceil(N/128), ceil(K/128)] fp32.
 """
 

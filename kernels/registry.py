@@ -56,10 +56,8 @@ class Fusion(str, Enum):
     # FP8 QKV / O projections (--fp8-attention on) of one-token steps on kernels/fp8_rows.py: whole W rows per
     # program on the CUDA cores, x in bf16 (W8A16: no activation quantisation, no split-K chain). Takes precedence
     # over fp8_gemv. Off by default until an A/B on the GPU.
+    # (A MoE on the same rows kernels lost to the few-token MMA path at every config: rows-b1-ab-1, removed.)
     FP8_ROWS = "fp8_rows"
-    # The FP8 MoE of one-token steps on kernels/moe_rows.py (W8A16 rows: x and the SwiGLU output in bf16, no split-K
-    # chain) instead of the few-token MMA path; the norm then skips quantising the MoE's input. Off by default.
-    MOE_ROWS = "moe_rows"
 
 
 # The workers' default (EngineConfig, --fusions), measured by suite fusion-ab (2026-12-03/fusion-ab-1, 20b on
@@ -97,7 +95,7 @@ FEW_TOKEN_LINEAR_MAX_TOKENS = 16
 FEW_TOKEN_LINEAR_ROUTE_MAX_TOKENS = 1
 # ... and Fusion.FEW_TOKEN_FP8 the FP8 ones (kernels.dense_small.ROUTE_MAX_TOKENS: it reads W once per token).
 FEW_TOKEN_FP8_MAX_TOKENS = 1
-# Fusion.FP8_ROWS and Fusion.MOE_ROWS: one token (each token's programs re-read the weights).
+# Fusion.FP8_ROWS: one token (each token's programs re-read the weights).
 ROWS_MAX_TOKENS = 1
 
 
@@ -150,25 +148,6 @@ class Backends:
         the linear backend), where Triton runs (a GPU tensor, or the interpreter: the CPU tests)."""
         return (Fusion.FEW_TOKEN_LINEAR in self.fusions and bf16_weight
                 and num_tokens <= FEW_TOKEN_LINEAR_ROUTE_MAX_TOKENS and triton_runs)
-
-    def moe_rows(self, num_tokens: int, fp8: bool, triton_runs: bool) -> bool:
-        """Whether this step's FP8 MoE runs on kernels.moe_rows (Fusion.MOE_ROWS)."""
-        return Fusion.MOE_ROWS in self.fusions and fp8 and num_tokens <= ROWS_MAX_TOKENS and triton_runs
-
-    def experts(self, x, router_logits, top_k: int, w, x_fp8=None):
-        """The MoE call: `moe`, or kernels.moe_rows for a one-token step (Fusion.MOE_ROWS)."""
-        if Fusion.MOE_ROWS in self.fusions:  # Triton imported only when the switch is on
-            from kernels import moe_rows
-
-            if self.moe_rows(x.shape[0], w.w1_scale is not None, x.is_cuda or moe_rows.INTERPRETED):
-                return moe_rows.moe_rows(x, router_logits, top_k, w)
-        return self.moe(x, router_logits, top_k, w, x_fp8)
-
-    def takes_fp8_input(self, num_tokens: int, top_k: int, w) -> bool:
-        """Whether the MoE call of this many tokens would quantise x 1x128 first (the norm may do it instead)."""
-        if Fusion.MOE_ROWS in self.fusions and w.w1_scale is not None and num_tokens <= ROWS_MAX_TOKENS:
-            return False  # the rows path reads x in bf16 (where it cannot run, the MoE quantises for itself)
-        return self.moe.takes_fp8_input(num_tokens, top_k, w)
 
     def attn_linear(self, x, w, w_scale, bias):
         """The attention's QKV / O projection, x [T, K] -> [T, N]: `linear`, or a one/few-token kernel (bf16:

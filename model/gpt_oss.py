@@ -130,7 +130,7 @@ class MoE(nn.Module):
                              self.cfg.num_local_experts, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
 
     def takes_fp8_input(self, num_tokens: int, be: Backends) -> bool:
-        return be.takes_fp8_input(num_tokens, self.cfg.num_experts_per_tok, self.experts())
+        return be.moe.takes_fp8_input(num_tokens, self.cfg.num_experts_per_tok, self.experts())
 
     def forward(self, x: torch.Tensor, be: Backends, logits: torch.Tensor | None = None,
                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -138,7 +138,7 @@ class MoE(nn.Module):
         if logits is None:
             # The router runs in the activation dtype (bf16 in bf16 mode): this mattered for accuracy.
             logits = torch.nn.functional.linear(x, self.router_w, self.router_b)  # [T, E]
-        out = be.experts(x, logits, self.cfg.num_experts_per_tok, self.experts(), x_fp8)  # [T, H] partial
+        out = be.moe(x, logits, self.cfg.num_experts_per_tok, self.experts(), x_fp8)  # [T, H] partial
         return self.par.all_reduce(out)
 
 

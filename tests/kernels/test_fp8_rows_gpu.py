@@ -1,13 +1,12 @@
-"""The one-token W8A16 kernels on the GPU at gpt-oss-20b widths, bf16 activations, hardware e4m3 conversions:
-kernels/fp8_rows.py (QKV [5120, 2880] and O [2880, 4096] with bias) and kernels/moe_rows.py (32 experts, top 4,
-H = I = 2880), the first step of suite `rows-b1-ab`, so a wrong kernel fails before it is timed.
+"""The one-token W8A16 FP8 projection (kernels/fp8_rows.py) on the GPU at gpt-oss-20b widths (QKV [5120, 2880] and
+O [2880, 4096] with bias), bf16 activations, hardware e4m3 conversions: the first step of suite `rows-b1-ab`, so a
+wrong kernel fails before it is timed.
 
-  * parity with the fp32 references with x unquantised (fp32 sums in another order, one bf16 rounding), default
-    and swept configs; the MoE also against the W8A8 few-token path (the difference x's quantisation makes);
+  * parity with the fp32 reference with x unquantised (fp32 sums in another order, one bf16 rounding), default
+    and swept configs;
   * the same bits on every call and under CUDA-graph capture and replay (PDL edges inside the graph);
-  * EP ranks' shares sum to the whole layer;
-  * the model: a 2-layer random 20b (FP8 QKV/O) decodes with Fusion.FP8_ROWS + Fusion.MOE_ROWS close to the
-    defaults, and the engine's CUDA-graph decode with them runs every step.
+  * the model: a 2-layer random 20b (FP8 QKV/O) decodes with Fusion.FP8_ROWS close to the defaults, and the
+    engine's CUDA-graph decode with it runs every step.
 
     python -m pytest -q -m gpu tests/kernels/test_fp8_rows_gpu.py
 """
@@ -57,42 +56,6 @@ def test_linear_parity_and_bits(what):
     torch.testing.assert_close(fp8_rows_linear(x, w, ws, None).float(), want - b.float(), rtol=2 ** -7, atol=1e-3)
 
 
-def _experts():
-    import benchmarks.moe as bm
-
-    w, _ = bm.make_experts(32, seed=0)
-    g = torch.Generator(device=DEV).manual_seed(5)
-    x = torch.randn(1, 2880, device=DEV, generator=g).to(torch.bfloat16)
-    logits = torch.randn(1, 32, device=DEV, generator=g).to(torch.bfloat16)
-    return w, x, logits
-
-
-def test_moe_parity_bits_and_ep():
-    from benchmarks.rows_b1 import _moe_configs
-    from kernels.fp8_quant import quantize_act_1x128
-    from kernels.interface import ExpertWeights
-    from kernels.moe_rows import moe_rows
-    from benchmarks.rows_b1 import w8a16_reference
-    from kernels.moe_small import SmallBatchMoE
-
-    w, x, logits = _experts()
-    want = w8a16_reference(x, logits, 4, w)
-    for cfg in _moe_configs(sweep=True):
-        out = moe_rows(x, logits, 4, w, cfg)
-        assert out.dtype == torch.bfloat16
-        assert _rel(out, want) < 1e-2, cfg  # bf16 rounding points (the linear, act, y, y * weight)
-        assert torch.equal(moe_rows(x, logits, 4, w, cfg), out), cfg
-    out = moe_rows(x, logits, 4, w)
-    w8a8 = SmallBatchMoE()(x, logits, 4, w, quantize_act_1x128(x))
-    assert _rel(w8a8, want) < 6e-2 and _rel(out, want) < _rel(w8a8, want), "x unquantised: closer to W8A16"
-    parts = []
-    for start in (0, 12, 24):
-        sl = slice(start, start + 12)
-        parts.append(moe_rows(x, logits, 4, ExpertWeights(w.w1[sl], w.w1_scale[sl], w.b1[sl], w.w2[sl],
-                                                           w.w2_scale[sl], w.b2[sl], start, 32, w.alpha, w.limit)))
-    assert _rel(sum(p.float() for p in parts), out) < 1e-2  # each share rounded to bf16 on its own
-
-
 def _graphed(fn):
     eager = fn()
     s = torch.cuda.Stream()
@@ -108,20 +71,18 @@ def _graphed(fn):
 
 def test_cuda_graph_replay_same_bits():
     from kernels.fp8_rows import fp8_rows_linear
-    from kernels.moe_rows import moe_rows
 
     x, wq, ws, b = _linear_case("qkv", seed=3)
-    w, xm, logits = _experts()
-    for fn, inp in ((lambda: fp8_rows_linear(x, wq, ws, b), x), (lambda: moe_rows(xm, logits, 4, w), xm)):
-        g, out, eager = _graphed(fn)
-        for _ in range(3):
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, eager)
-        inp.copy_(torch.randn_like(inp))
+    fn = lambda: fp8_rows_linear(x, wq, ws, b)  # noqa: E731
+    g, out, eager = _graphed(fn)
+    for _ in range(3):
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, fn())
+        assert torch.equal(out, eager)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fn())
 
 
 def _config(fusions: str):
@@ -133,9 +94,9 @@ def _config(fusions: str):
                         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096, max_model_len=4096))
 
 
-def test_model_and_graph_decode_with_rows_fusions():
-    """Decode steps of a 2-layer random 20b with FP8 QKV/O: the rows fusions' hidden states close to the defaults'
-    (W8A16 against W8A8: x not quantised); the engine's CUDA-graph decode with them decodes every token."""
+def test_model_and_graph_decode_with_rows_fusion():
+    """Decode steps of a 2-layer random 20b with FP8 QKV/O: fp8_rows' hidden states close to the defaults' (W8A16
+    against W8A8: x not quantised); the engine's CUDA-graph decode with it decodes every token."""
     pytest.importorskip("flashinfer")
     from decode_worker.runner import CudaGraphDecoder
     from engine.build import load_model
@@ -145,7 +106,7 @@ def test_model_and_graph_decode_with_rows_fusions():
     from model.context import SeqStep, build_step_meta
     from model.kv_cache import KVManager, KVPool, SeqPages, plan_kv_cache
 
-    rows = DEFAULT_FUSIONS + "+fp8_rows+moe_rows"
+    rows = DEFAULT_FUSIONS + "+fp8_rows"
     model = load_model(_config(DEFAULT_FUSIONS))
     spec = plan_kv_cache(model.cfg, 1 << 30, page_size=16, max_num_seqs=2, dtype=torch.bfloat16)
     mgr = KVManager(spec)
@@ -160,7 +121,7 @@ def test_model_and_graph_decode_with_rows_fusions():
         for s in pools:
             model.backends.fusions = parse_fusions(s)
             out[s] = model(ids[pos:pos + n], meta, pools[s])
-        if n == 300:  # prefill: the rows kernels take one-token steps only
+        if n == 300:  # prefill: the rows kernel takes one-token steps only
             assert torch.equal(out[rows], out[DEFAULT_FUSIONS])
         else:
             errs.append(_rel(out[rows], out[DEFAULT_FUSIONS]))
