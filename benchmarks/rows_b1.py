@@ -51,10 +51,9 @@ def _rows_configs(sweep: bool):
 
     cfgs = [RowsConfig()]
     if sweep:
-        cfgs += [RowsConfig(unroll=4), RowsConfig(unroll=4, num_stages=4), RowsConfig(num_warps=8),
-                 RowsConfig(block_n=4, unroll=8), RowsConfig(block_k=512, num_stages=4), RowsConfig(block_k=512),
-                 RowsConfig(block_k=1024, num_stages=4), RowsConfig(block_k=1024, num_stages=2),
-                 RowsConfig(block_n=4, block_k=1024, num_stages=4), RowsConfig(block_k=512, num_stages=4, pdl=False)]
+        cfgs += [RowsConfig(block_k=128), RowsConfig(block_k=128, num_warps=8), RowsConfig(block_n=4, block_k=1024),
+                 RowsConfig(block_n=4, block_k=512), RowsConfig(block_n=4, block_k=1024, num_warps=8),
+                 RowsConfig(block_n=2, block_k=1024), RowsConfig(block_k=1024), RowsConfig(pdl=False)]
     return cfgs
 
 
