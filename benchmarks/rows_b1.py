@@ -49,18 +49,18 @@ def _cycling(items, fn):
 def _rows_configs(sweep: bool):
     from kernels.fp8_rows import RowsConfig
 
-    cfgs = [RowsConfig()]
+    cfgs = [None, RowsConfig()]  # None: fp8_rows.config_for(K), the model's; then 8 x 512
     if sweep:
-        cfgs += [RowsConfig(block_k=128), RowsConfig(block_k=128, num_warps=8), RowsConfig(block_n=4, block_k=1024),
-                 RowsConfig(block_n=4, block_k=512), RowsConfig(block_n=4, block_k=1024, num_warps=8),
-                 RowsConfig(block_n=2, block_k=1024), RowsConfig(block_k=1024), RowsConfig(pdl=False)]
+        cfgs += [RowsConfig(block_k=128), RowsConfig(block_n=4, block_k=1024), RowsConfig(block_n=4, block_k=512),
+                 RowsConfig(block_n=4, block_k=2048), RowsConfig(block_n=2, block_k=512), RowsConfig(block_k=1024),
+                 RowsConfig(pdl=False)]
     return cfgs
 
 
 def projection_rows(reps: int, copy: float, sweep: bool) -> list[dict]:
     from kernels import reference as ref
     from kernels.dense_small import few_token_fp8_linear
-    from kernels.fp8_rows import fp8_rows_linear
+    from kernels.fp8_rows import config_for, fp8_rows_linear
     from kernels.gemv import few_token_linear
 
     rows = []
@@ -79,8 +79,9 @@ def projection_rows(reps: int, copy: float, sweep: bool) -> list[dict]:
         for cfg in _rows_configs(sweep):
             ok = torch.allclose(fp8_rows_linear(x, *wq[0], b, cfg).float(), want, rtol=2 ** -7, atol=1e-2)
             us = _us(_cycling(wq, lambda w, cfg=cfg: fp8_rows_linear(x, w[0], w[1], b, cfg)), reps)
-            name = (f"fp8 rows {cfg.block_n}x{cfg.block_k} u{cfg.unroll if cfg.block_k == 128 else '-'} w{cfg.num_warps} "
-                    f"s{cfg.num_stages}{' pdl' if cfg.pdl else ''}")
+            c = cfg or config_for(k)
+            name = (f"fp8 rows {'by K ' if cfg is None else ''}{c.block_n}x{c.block_k} "
+                    f"u{c.unroll if c.block_k == 128 else '-'} w{c.num_warps} s{c.num_stages}{' pdl' if c.pdl else ''}")
             rows.append(_row(what, name, us, n * k + scale_bytes, copy, base, ok))
         del wq, wb
     return rows

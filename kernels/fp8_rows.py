@@ -96,8 +96,6 @@ def _fp8_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K, stride_wn, stri
 
 @dataclass(frozen=True, slots=True)
 class RowsConfig:
-    # rows-b1-ab-2 (H100, weights from HBM): the vector form at 8 x 512 took QKV in 8.05 us and O in 8.03 (4 x 1024:
-    # 8.07 / 6.33) against 9.65-9.80 / 8.55-10.05 for the 128-column steps and dense_small's 10.45 / 9.10
     block_n: int = 8  # whole W rows per program (divides 128: a program's rows share one scale row)
     block_k: int = 512  # 128: rows_dot (one scale group a step); a multiple of 128: rows_dot_vec
     unroll: int = 8  # rows_dot only: 128-column K steps per loop trip (loads in flight per program)
@@ -106,7 +104,14 @@ class RowsConfig:
     pdl: bool = True  # programmatic dependent launch on the GPU (the interpreter has none)
 
 
-DEFAULT_CONFIG = RowsConfig()
+DEFAULT_CONFIG = RowsConfig()  # 8 x 512: gpt-oss-20b 8k x 1 replay 2.394 ms against fp8_gemv's 2.449 (rows-b1-ab-3)
+
+
+def config_for(k: int) -> RowsConfig:
+    """The tiles by K: 4 rows a program, 512 columns a step below K 4,096 and 1,024 from there. Weights from HBM on
+    an H100 (rows-b1-ab-2/3): QKV (K 2,880) 4 x 512 7.54 us against 8 x 512's 8.05; O (K 4,096) 4 x 1024 6.33-6.36
+    against 8.03-8.16 (dense_small: 10.45-10.53 / 9.10-9.21)."""
+    return RowsConfig(block_n=4, block_k=1024 if k >= 4096 else 512)
 
 # TRITON_INTERPRET was set when the kernel was decorated: it runs on CPU tensors (the tests), else on a GPU only.
 INTERPRETED = isinstance(_fp8_rows_kernel, InterpretedFunction)
@@ -119,10 +124,11 @@ def pdl_launch(cfg_pdl: bool, hw: bool) -> dict:
 
 
 def fp8_rows_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                    cfg: RowsConfig = DEFAULT_CONFIG) -> torch.Tensor:
+                    cfg: RowsConfig | None = None) -> torch.Tensor:
     """x [1, K] bf16/fp16, w [N, K] e4m3, w_scale [ceil(N/128), ceil(K/128)] fp32, bias [N] | None -> [1, N] in
-    x's dtype. CUDA-graph safe (no host sync, no scratch)."""
+    x's dtype. cfg None: config_for(K). CUDA-graph safe (no host sync, no scratch)."""
     m, k = x.shape
+    cfg = cfg or config_for(k)
     n = w.shape[0]
     assert m == 1, f"{m} tokens: fp8_rows_linear takes one (each token would re-read W)"
     assert w.dtype == FP8 and w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1, (w.dtype, w.shape, x.shape)

@@ -47,7 +47,7 @@ def test_linear_parity_and_bits(what):
 
     x, w, ws, b = _linear_case(what, seed=len(what))
     want = ref.fp8_linear(x.float(), w, ws, b.float(), quantize_activations=False)
-    for cfg in _rows_configs(sweep=True):
+    for cfg in _rows_configs(sweep=True):  # None: config_for(K)
         y = fp8_rows_linear(x, w, ws, b, cfg)
         assert y.dtype == torch.bfloat16 and y.shape == want.shape
         torch.testing.assert_close(y.float(), want, rtol=2 ** -7, atol=1e-3, msg=lambda s: f"{cfg}: {s}")
