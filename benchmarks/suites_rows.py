@@ -5,11 +5,11 @@ the rows kernels (lost to kernels/moe_small.py, removed)."""
 from __future__ import annotations
 
 from benchmarks.suite_defs import PYTEST, STACK_CARRY, Suite, step
-from kernels.registry import DEFAULT_FUSIONS
+from kernels.registry import DEFAULT_FUSIONS, Fusion, fusions_name, parse_fusions
 
-D = DEFAULT_FUSIONS
+D = fusions_name(parse_fusions(DEFAULT_FUSIONS) - {Fusion.FP8_ROWS})  # the defaults but fp8_rows
 # The best batch-1 configuration measured before (issue27-h200-1's b1best: FP8 QKV/O, e4m3 pages, the few-token FP8
-# projections), with today's default fusions, against the rows kernel in its place.
+# projections), with the other default fusions, against the rows kernel (a default since rows-b1-ab-4) in its place.
 FP8_ARMS = f"{D}+fp8_gemv,{D}+fp8_rows"
 
 ROWS_SUITES: dict[str, Suite] = {

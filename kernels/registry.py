@@ -55,7 +55,8 @@ class Fusion(str, Enum):
     FEW_TOKEN_FP8 = "fp8_gemv"
     # FP8 QKV / O projections (--fp8-attention on) of one-token steps on kernels/fp8_rows.py: whole W rows per
     # program on the CUDA cores, x in bf16 (W8A16: no activation quantisation, no split-K chain). Takes precedence
-    # over fp8_gemv. Off by default until an A/B on the GPU.
+    # over fp8_gemv; bf16 projections (the default) never reach it. rows-b1-ab-4 (H100): QKV 7.63 / O 6.46 us against
+    # dense_small's 10.54 / 9.27; 20b 8k x 1 replay (FP8 QKV/O, e4m3 pages) 2.350 ms against fp8_gemv's 2.458.
     # (A MoE on the same rows kernels lost to the few-token MMA path at every config: rows-b1-ab-1, removed.)
     FP8_ROWS = "fp8_rows"
 
@@ -73,9 +74,10 @@ class Fusion(str, Enum):
 # norm_quant (since 2026-12-06 late, up to NORM_QUANT_MAX_TOKENS) once the norm spread its quantisation over the
 # row's programs: 20b 8k x 1 replay 2.148 -> 2.091 ms, x 64 10.255 -> 10.173 (norm-quant-b1-ab-1, H200, one process;
 # with it the few-token MoE's gate_up CTAs only route and stream).
+# fp8_rows (since 2026-12-07; it only takes FP8 projections, --fp8-attention on): rows-b1-ab-4, above.
 # "off" was the default before 2026-12-03, "rope_store" until 2026-12-06, then "norm_router+rope_store", then
-# "gemv+norm_router+rope_store".
-DEFAULT_FUSIONS = "gemv+norm_quant+norm_router+rope_store"
+# "gemv+norm_router+rope_store", then "gemv+norm_quant+norm_router+rope_store".
+DEFAULT_FUSIONS = "fp8_rows+gemv+norm_quant+norm_router+rope_store"
 
 # The router runs inside the norm launch while tokens x experts stays within this (larger steps: one cuBLAS GEMM): the
 # fused launch runs T x E/4 programs, each re-deriving its row's norm. fusion-ab-1 (H200): 20b (E 32) 7.5 -> 3.7 us at
