@@ -51,9 +51,9 @@ def _rows_configs(sweep: bool):
 
     cfgs = [None, RowsConfig()]  # None: fp8_rows.config_for(K), the model's; then 8 x 512
     if sweep:
-        cfgs += [RowsConfig(block_k=128), RowsConfig(block_n=4, block_k=1024), RowsConfig(block_n=4, block_k=512),
-                 RowsConfig(block_n=4, block_k=2048), RowsConfig(block_n=2, block_k=512), RowsConfig(block_k=1024),
-                 RowsConfig(pdl=False)]
+        cfgs += [RowsConfig(block_n=4, block_k=1024), RowsConfig(block_n=4, block_k=512),
+                 RowsConfig(block_n=4, block_k=2048), RowsConfig(block_n=2, block_k=512), RowsConfig(block_k=1024), RowsConfig(num_warps=8),
+                 RowsConfig(num_stages=4), RowsConfig(pdl=False)]
     return cfgs
 
 
@@ -81,7 +81,7 @@ def projection_rows(reps: int, copy: float, sweep: bool) -> list[dict]:
             us = _us(_cycling(wq, lambda w, cfg=cfg: fp8_rows_linear(x, w[0], w[1], b, cfg)), reps)
             c = cfg or config_for(k)
             name = (f"fp8 rows {'by K ' if cfg is None else ''}{c.block_n}x{c.block_k} "
-                    f"u{c.unroll if c.block_k == 128 else '-'} w{c.num_warps} s{c.num_stages}{' pdl' if c.pdl else ''}")
+                    f"u- w{c.num_warps} s{c.num_stages}{' pdl' if c.pdl else ''}")
             rows.append(_row(what, name, us, n * k + scale_bytes, copy, base, ok))
         del wq, wb
     return rows

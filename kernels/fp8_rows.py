@@ -1,7 +1,8 @@
 """One-token FP8 weights on the CUDA cores (W8A16): y = x W^T + b for one token with W e4m3 [N, K] and its
 128x128 block scales, x kept in bf16. Each program owns BLOCK_N whole rows of W (inside one 128-row scale
-block), streams them once in [BLOCK_N, 128] tiles and sums fp32 FMAs per (row, column) lane, then once
-over the lanes: one launch, no split-K partials, no atomics, the same bits on every call.
+block), streams them once in [BLOCK_N, BLOCK_K] tiles and sums fp32 FMAs per (row, column) lane, then once
+over the lanes: one launch, no split-K partials, no atomics, the same bits on every call. Tiles by K
+(`config_for`). Fusion.FP8_ROWS routes one-token FP8 QKV / O projections here (a default fusion).
 
 Why (issue 27): at batch 1 the MMA kernels for FP8 weights are bound by their chain of dependent steps, not
 by bytes: x quantised and read back, split-K partials, the last CTA's fix-up (kernels/dense_small.py took QKV
@@ -34,32 +35,11 @@ FP8 = torch.float8_e4m3fn
 
 @triton.jit
 def rows_dot(x_ptr, w_ptr, ws_ptr, offs_n, nmask, K, stride_wn, stride_wsk, BLOCK_N: tl.constexpr,
-             UNROLL: tl.constexpr):
+             BLOCK_K: tl.constexpr):
     """fp32 [BN]: sum_k x[k] * W[n, k] * s[k // 128] for rows offs_n of one 128-row scale block (ws_ptr points
-    at that block's scale row). x is read as any float dtype; W e4m3 (masked rows read nothing).
-
-    One 128-column scale group per K step, so its scale is one scalar, folded into x. x is loaded in the weight
-    tile's own [BN, 128] shape (each row the same 256 bytes, L1 hits): as a vector it would be converted into the
-    tile's layout through shared memory, a barrier per step (sm_90 SASS read offline). UNROLL K steps per loop
-    trip: their loads are independent of the sums, so they can all be in flight at once (a program's whole chain
-    is a few loads: latency, not bandwidth, is what one token's programs wait on)."""
-    offs_k = tl.arange(0, 128)
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, 128]
-    x_ptrs = x_ptr + offs_k[None, :] + 0 * offs_n[:, None]  # [BN, 128], every row the same
-    acc = tl.zeros((BLOCK_N, 128), dtype=tl.float32)
-    for k0 in tl.range(0, K, 128, loop_unroll_factor=UNROLL):
-        kmask = (offs_k < K - k0)[None, :]
-        w = tl.load(w_ptrs + k0, mask=nmask[:, None] & kmask, other=0.0, eviction_policy="evict_first")
-        xs = tl.load(x_ptrs + k0, mask=kmask, other=0.0).to(tl.float32) * tl.load(ws_ptr + (k0 // 128) * stride_wsk)
-        acc += w.to(tl.float32) * xs
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def rows_dot_vec(x_ptr, w_ptr, ws_ptr, offs_n, nmask, K, stride_wn, stride_wsk, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """rows_dot with BLOCK_K-column steps (a multiple of 128) and x read as a vector, the scale gathered per
-    column: kernels/gemv.py's bf16 whole-rows form, which streams bf16 at the copy rate (rows-b1-ab-1)."""
+    at that block's scale row), in BLOCK_K-column steps (a multiple of 128), x read as a vector with each
+    column's scale. A form with 128-column steps and one scalar scale a step (x loaded in the tile's shape, no
+    shared-memory layout conversion) measured slower: QKV 9.8 against 7.6 us (rows-b1-ab-2..4)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, BK]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -76,19 +56,16 @@ def rows_dot_vec(x_ptr, w_ptr, ws_ptr, offs_n, nmask, K, stride_wn, stride_wsk, 
 
 @triton.jit
 def _fp8_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K, stride_wn, stride_wsn, stride_wsk,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HW_CVT: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HW_CVT: tl.constexpr,
+                     PDL: tl.constexpr):
     if PDL:  # launched early (programmatic dependent launch): x is the kernel ahead's output
         gdc_wait()
         gdc_launch_dependents()
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
-    ws_row = ws_ptr + ((pid * BLOCK_N) // 128) * stride_wsn
-    if BLOCK_K == 128:
-        y = rows_dot(x_ptr, w_ptr, ws_row, offs_n, nmask, K, stride_wn, stride_wsk, BLOCK_N, UNROLL)  # [BN]
-    else:
-        y = rows_dot_vec(x_ptr, w_ptr, ws_row, offs_n, nmask, K, stride_wn, stride_wsk, BLOCK_N, BLOCK_K)
+    y = rows_dot(x_ptr, w_ptr, ws_ptr + ((pid * BLOCK_N) // 128) * stride_wsn, offs_n, nmask, K, stride_wn,
+                 stride_wsk, BLOCK_N, BLOCK_K)  # [BN]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, _round_out(y, out_ptr, HW_CVT), mask=nmask)
@@ -97,14 +74,10 @@ def _fp8_rows_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K, stride_wn, stri
 @dataclass(frozen=True, slots=True)
 class RowsConfig:
     block_n: int = 8  # whole W rows per program (divides 128: a program's rows share one scale row)
-    block_k: int = 512  # 128: rows_dot (one scale group a step); a multiple of 128: rows_dot_vec
-    unroll: int = 8  # rows_dot only: 128-column K steps per loop trip (loads in flight per program)
+    block_k: int = 512  # columns per K step, a multiple of 128
     num_warps: int = 4
     num_stages: int = 3
     pdl: bool = True  # programmatic dependent launch on the GPU (the interpreter has none)
-
-
-DEFAULT_CONFIG = RowsConfig()  # 8 x 512: gpt-oss-20b 8k x 1 replay 2.394 ms against fp8_gemv's 2.449 (rows-b1-ab-3)
 
 
 def config_for(k: int) -> RowsConfig:
@@ -112,6 +85,7 @@ def config_for(k: int) -> RowsConfig:
     an H100 (rows-b1-ab-2/3): QKV (K 2,880) 4 x 512 7.54 us against 8 x 512's 8.05; O (K 4,096) 4 x 1024 6.33-6.36
     against 8.03-8.16 (dense_small: 10.45-10.53 / 9.10-9.21)."""
     return RowsConfig(block_n=4, block_k=1024 if k >= 4096 else 512)
+
 
 # TRITON_INTERPRET was set when the kernel was decorated: it runs on CPU tensors (the tests), else on a GPU only.
 INTERPRETED = isinstance(_fp8_rows_kernel, InterpretedFunction)
@@ -142,6 +116,6 @@ def fp8_rows_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bia
     hw = x.is_cuda
     _fp8_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, w_scale, bias if bias is not None else out, out, n, k, w.stride(0), w_scale.stride(0),
-        w_scale.stride(1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll, HAS_BIAS=bias is not None, HW_CVT=hw,
+        w_scale.stride(1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, HW_CVT=hw,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(cfg.pdl, hw))
     return out

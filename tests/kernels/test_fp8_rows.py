@@ -27,9 +27,10 @@ def _linear_case(n: int, k: int, dtype: torch.dtype, seed: int, bias: bool):
 
 
 @pytest.mark.parametrize("n,k,bias,cfg", [(192, 2880, True, RowsConfig()), (130, 384, False, RowsConfig()),
-                                          (260, 300, True, RowsConfig(block_n=4, unroll=1)),
-                                          (136, 2880, False, RowsConfig(block_n=32, unroll=3)),
-                                          (72, 2880, True, RowsConfig(block_k=512)), (40, 300, False, RowsConfig(block_n=4, block_k=256))])
+                                          (260, 300, True, RowsConfig(block_n=4, block_k=128)),
+                                          (136, 2880, False, RowsConfig(block_n=32, block_k=1024)),
+                                          (72, 2880, True, RowsConfig(block_k=512)),
+                                          (40, 300, False, RowsConfig(block_n=4, block_k=256))])
 def test_linear_fp32_tight_vs_reference(n, k, bias, cfg):
     x, w, ws, b = _linear_case(n, k, torch.float32, seed=n + k, bias=bias)
     y = fp8_rows_linear(x, w, ws, b, cfg)

@@ -144,11 +144,10 @@ def _launch_every_kernel() -> None:
     # the few-token FP8 projection (Fusion.FEW_TOKEN_FP8)
     from kernels.dense_small import FewTokenFp8Linear
     FewTokenFp8Linear()(x.to(torch.bfloat16)[:1], w, ws, None)
-    # the one-token W8A16 projection (Fusion.FP8_ROWS): unrolled and not, and the vector-x form
+    # the one-token W8A16 projection (Fusion.FP8_ROWS): tiles by K, and others
     from kernels.fp8_rows import RowsConfig, fp8_rows_linear
     fp8_rows_linear(x.to(torch.bfloat16)[:1], w, ws, torch.randn(96).to(torch.bfloat16))
-    fp8_rows_linear(x.to(torch.bfloat16)[:1], w, ws, None, RowsConfig(unroll=1, block_n=8))
-    fp8_rows_linear(x.to(torch.bfloat16)[:1], w, ws, None, RowsConfig(block_k=256, num_stages=4))  # vector x
+    fp8_rows_linear(x.to(torch.bfloat16)[:1], w, ws, None, RowsConfig(block_k=256, num_stages=4))
 
 
 def _launch_attention() -> None:
