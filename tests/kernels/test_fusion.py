@@ -24,7 +24,6 @@ from kernels.norm import add_rms_norm, fused_norm, rms_norm  # noqa: E402
 from kernels.registry import Fusion, fusions_name, parse_fusions  # noqa: E402
 from kernels.triton_attention_backend import TritonAttention  # noqa: E402
 from kernels.triton_store_kv import apply_rope, rope_qk, rope_qk_store_kv, store_kv  # noqa: E402
-from tests.kernels.test_attention_backends import fake_flashinfer  # noqa: E402,F401  (fixture)
 
 FP8 = torch.float8_e4m3fn
 
@@ -108,7 +107,7 @@ def test_triton_backend_self_test_with_rope(kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", [None, FP8])
-def test_flashinfer_backend_self_test_with_rope(fake_flashinfer, kv_dtype):  # noqa: F811
+def test_flashinfer_backend_self_test_with_rope(fake_flashinfer, kv_dtype):
     self_test_attention(fake_flashinfer.FlashInferAttention(), "cpu", torch.float32, shape=SMALL, kv_dtype=kv_dtype,
                         rope=True)
 
