@@ -8,7 +8,7 @@ values file fails `helm lint`/`helm template` instead of being silently ignored.
 Usage (from the repository root):
     python helm/gen_schema.py            # rewrite helm/tandem/values.schema.json
     python helm/gen_schema.py --check    # exit 1 if the committed file is stale
-tests/unit/test_helm.py runs the check.
+tests/unit/test_helm_schema.py runs the check.
 """
 
 from __future__ import annotations

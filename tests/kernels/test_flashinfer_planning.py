@@ -11,8 +11,9 @@ import torch
 from common.errors import ConfigError
 from engine.selftest import SelfTestShape, self_test_attention
 from model.kv_cache import PageGroup
-from tests.kernels.test_attention_backends import SMALL
 from tests.support.fake_flashinfer import FakeWrapper
+
+SMALL = SelfTestShape(num_q_heads=8, num_kv_heads=2, head_dim=16, window=8, page_size=4)  # test_attention_backends'
 
 
 def test_flashinfer_planning_matches_torch(fake_flashinfer):

