@@ -5,6 +5,7 @@ the rows kernels (lost to kernels/moe_small.py, removed)."""
 from __future__ import annotations
 
 from benchmarks.suite_defs import PYTEST, STACK_CARRY, Suite, step
+from benchmarks.suites_served import SERVED_SUITES
 from kernels.registry import DEFAULT_FUSIONS, Fusion, fusions_name, parse_fusions
 
 D = fusions_name(parse_fusions(DEFAULT_FUSIONS) - {Fusion.FP8_ROWS})  # the defaults but fp8_rows
@@ -36,3 +37,11 @@ ROWS_SUITES: dict[str, Suite] = {
         reproduces=("issue27-h200-1 (2026-12-06, H200): 20b 8k x 1 replay 2.110 ms with FP8 QKV/O + fp8_gemv on e4m3 "
                     "pages (b1best); rows-b1-ab-1 (H100): 2.461 ms for the same, 2.778 with fp8_rows' first tiles",)),
 }
+
+# What waits for an H200, in one device call (the same steps, the same commands): issue 25's colocated A/B with
+# attention in the graphs for small steps, then issue 27's FP8-projection A/B on 20b and 120b.
+_GRAPHED = SERVED_SUITES["issue25-h200-graphed"]
+ROWS_SUITES["h200-next"] = Suite(
+    "what waits for an H200, one call: " + _GRAPHED.description + "; then " + ROWS_SUITES["rows-b1-ab"].description,
+    carry=STACK_CARRY, steps=_GRAPHED.steps + ROWS_SUITES["rows-b1-ab"].steps[2:],
+    reproduces=_GRAPHED.reproduces + ROWS_SUITES["rows-b1-ab"].reproduces)
