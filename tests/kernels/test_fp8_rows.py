@@ -72,3 +72,16 @@ def test_rows_benchmark_smoke(monkeypatch):
         "bf16 gemv rows (default)", "fp8 dense_small (fp8_gemv)", "fp8 rows by K 4x512 u- w4 s3 pdl",
         "fp8 rows 8x512 u- w4 s3 pdl"]
     assert not any("WRONG" in r["variant"] for r in proj), proj
+
+
+def test_sass_probe_reads_the_sm90_build(tmp_path):
+    """benchmarks.sass_probe compiles the default fp8_rows launches for sm_90a with the launcher's specialisation:
+    16-byte weight loads (1-byte loads without the divisibility hints), nothing spilled."""
+    from benchmarks.sass_probe import probe_report
+
+    rows = probe_report(["fp8_rows"], tmp_path)
+    assert [r["const"]["BLOCK_K"] for r in rows] == [512, 1024]  # config_for: QKV's K 2880, O's 4096
+    for r in rows:
+        assert r["stack"] == 0 and r["regs"] and r["regs"] <= 128, r
+        assert r["ops"].get("LDG.E.128", 0) >= 1 and not any(op.startswith("LDG.E.U8") or "EF.U8" in op
+                                                              for op in r["ops"]), r["ops"]
