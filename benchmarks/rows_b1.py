@@ -18,21 +18,12 @@ import json
 
 import torch
 
-from benchmarks.common import environment, graph_ms, markdown_table, out_dir
+from benchmarks.common import environment, markdown_table, out_dir
+from benchmarks.fusion import copy_gbps, graph_us
 
 DEV = "cuda"  # module constants, so a CPU smoke (tests/kernels/test_fp8_rows.py) can shrink them
 H, HQ, HKV, D = 2880, 64, 8, 64
 STREAM_BYTES = 512 << 20  # FP8 weight copies per projection: > 10x the 50 MB L2
-
-
-def _us(fn, reps: int) -> float:
-    return graph_ms(fn, reps) * 1e3
-
-
-def copy_gbps() -> float:
-    x = torch.empty(1 << 29, dtype=torch.uint8, device=DEV)
-    y = torch.empty_like(x)
-    return 2 * x.numel() / (_us(lambda: y.copy_(x), 5) * 1e-6) / 1e9
 
 
 def _row(what: str, variant: str, us: float, nbytes: float, copy: float, base: float | None, ok: bool = True) -> dict:
@@ -52,8 +43,8 @@ def _rows_configs(sweep: bool):
     cfgs = [None, RowsConfig()]  # None: fp8_rows.config_for(K), the model's; then 8 x 512
     if sweep:
         cfgs += [RowsConfig(block_n=4, block_k=1024), RowsConfig(block_n=4, block_k=512),
-                 RowsConfig(block_n=4, block_k=2048), RowsConfig(block_n=2, block_k=512), RowsConfig(block_k=1024), RowsConfig(num_warps=8),
-                 RowsConfig(num_stages=4), RowsConfig(pdl=False)]
+                 RowsConfig(block_n=4, block_k=2048), RowsConfig(block_n=2, block_k=512), RowsConfig(block_k=1024),
+                 RowsConfig(num_warps=8), RowsConfig(num_stages=4), RowsConfig(pdl=False)]
     return cfgs
 
 
@@ -72,16 +63,16 @@ def projection_rows(reps: int, copy: float, sweep: bool) -> list[dict]:
         x = torch.randn(1, k, device=DEV).to(torch.bfloat16)
         want = ref.fp8_linear(x.float(), *wq[0], b.float(), quantize_activations=False)
         scale_bytes = wq[0][1].numel() * 4
-        base = _us(_cycling(wb, lambda w: few_token_linear(x, w, b)), reps)
+        base = graph_us(_cycling(wb, lambda w: few_token_linear(x, w, b)), reps)
         rows.append(_row(what, "bf16 gemv rows (default)", base, n * k * 2, copy, None))
-        us = _us(_cycling(wq, lambda w: few_token_fp8_linear(x, w[0], w[1], b)), reps)
+        us = graph_us(_cycling(wq, lambda w: few_token_fp8_linear(x, w[0], w[1], b)), reps)
         rows.append(_row(what, "fp8 dense_small (fp8_gemv)", us, n * k + scale_bytes, copy, base))
         for cfg in _rows_configs(sweep):
             ok = torch.allclose(fp8_rows_linear(x, *wq[0], b, cfg).float(), want, rtol=2 ** -7, atol=1e-2)
-            us = _us(_cycling(wq, lambda w, cfg=cfg: fp8_rows_linear(x, w[0], w[1], b, cfg)), reps)
+            us = graph_us(_cycling(wq, lambda w, cfg=cfg: fp8_rows_linear(x, w[0], w[1], b, cfg)), reps)
             c = cfg or config_for(k)
             name = (f"fp8 rows {'by K ' if cfg is None else ''}{c.block_n}x{c.block_k} "
-                    f"u- w{c.num_warps} s{c.num_stages}{' pdl' if c.pdl else ''}")
+                    f"w{c.num_warps} s{c.num_stages}{' pdl' if c.pdl else ''}")
             rows.append(_row(what, name, us, n * k + scale_bytes, copy, base, ok))
         del wq, wb
     return rows
@@ -94,13 +85,10 @@ def main() -> None:
     a = ap.parse_args()
     copy = copy_gbps()
     print(f"copy {copy:.0f} GB/s (bytes read + written)", flush=True)
-    rows = []
-    for section in (projection_rows,):
-        got = section(a.reps, copy, not a.no_sweep)
-        rows += got
-        for r in got:
-            print(f"{r['what']:<8} {r['variant']:<48} {r['us']:8.2f} us  {r['GBps']:6.0f} GB/s "
-                  f"({r['ratio_copy']:.2f} of copy)" + (f"  x{r['speedup']:.2f}" if r['speedup'] else ""), flush=True)
+    rows = projection_rows(a.reps, copy, not a.no_sweep)
+    for r in rows:
+        print(f"{r['what']:<8} {r['variant']:<48} {r['us']:8.2f} us  {r['GBps']:6.0f} GB/s "
+              f"({r['ratio_copy']:.2f} of copy)" + (f"  x{r['speedup']:.2f}" if r['speedup'] else ""), flush=True)
     path = out_dir() / "rows_b1.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"env": environment(), "args": vars(a), "copy_GBps": copy, "rows": rows}, indent=1))

@@ -103,6 +103,7 @@ def multi_turn_step(mode: str, timeout_s: int, name: str = "", extra: str = "", 
                       + shlex.quote(serve_args),
                 timeout_s, summary=r"cache|failed|Error|Traceback")
 
+
 def remote_prefill_step(name: str, prefill_flags: str, timeout_s: int) -> Step:
     """The multi-turn load (64 x 8 turns, 2k shared system prompt, 4 client processes) disaggregated with prefix
     caching and every prefill on the one prefill worker (--remote-prefill-min-tokens 0): a cached turn's TTFT is

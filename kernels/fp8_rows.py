@@ -27,10 +27,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels.fp8_quant import FP8_DTYPE
 from kernels.gemv import _round_out
 from kernels.reference import BLOCK
-
-FP8 = torch.float8_e4m3fn
 
 
 @triton.jit
@@ -105,7 +104,7 @@ def fp8_rows_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bia
     cfg = cfg or config_for(k)
     n = w.shape[0]
     assert m == 1, f"{m} tokens: fp8_rows_linear takes one (each token would re-read W)"
-    assert w.dtype == FP8 and w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1, (w.dtype, w.shape, x.shape)
+    assert w.dtype == FP8_DTYPE and w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1, (w.dtype, w.shape, x.shape)
     assert w_scale.shape == (triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)), (w_scale.shape, w.shape)
     assert BLOCK % cfg.block_n == 0, "a program's rows must share one 128-row scale block"
     assert cfg.block_k % BLOCK == 0

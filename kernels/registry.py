@@ -156,7 +156,7 @@ class Backends:
         Fusion.FEW_TOKEN_LINEAR, FP8: Fusion.FP8_ROWS, then Fusion.FEW_TOKEN_FP8). Under TP, w is this rank's
         shard; the caller's all-reduce is unchanged."""
         if Fusion.FP8_ROWS in self.fusions and w_scale is not None and x.shape[0] <= ROWS_MAX_TOKENS:
-            from kernels import fp8_rows  # Triton imported only when the switch is on
+            from kernels import fp8_rows  # Triton imported only for FP8 projections
 
             if x.is_cuda or fp8_rows.INTERPRETED:
                 return fp8_rows.fp8_rows_linear(x, w, w_scale, bias)

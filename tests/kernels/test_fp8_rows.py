@@ -66,11 +66,11 @@ def test_rows_benchmark_smoke(monkeypatch):
 
     for name, value in (("DEV", "cpu"), ("HQ", 2), ("HKV", 1), ("H", 256), ("STREAM_BYTES", 1)):
         monkeypatch.setattr(rows_b1, name, value)
-    monkeypatch.setattr(rows_b1, "_us", lambda fn, reps: (fn(), 1.0)[1])
+    monkeypatch.setattr(rows_b1, "graph_us", lambda fn, reps: (fn(), 1.0)[1])
     proj = rows_b1.projection_rows(1, 1.0, sweep=False)
     assert [r["variant"] for r in proj if r["what"] == "qkv"] == [
-        "bf16 gemv rows (default)", "fp8 dense_small (fp8_gemv)", "fp8 rows by K 4x512 u- w4 s3 pdl",
-        "fp8 rows 8x512 u- w4 s3 pdl"]
+        "bf16 gemv rows (default)", "fp8 dense_small (fp8_gemv)", "fp8 rows by K 4x512 w4 s3 pdl",
+        "fp8 rows 8x512 w4 s3 pdl"]
     assert not any("WRONG" in r["variant"] for r in proj), proj
 
 
