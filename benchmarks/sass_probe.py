@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 GPU_CONSTEXPRS = {"HW_CVT": True, "DOT_F32": False, "LIBDEVICE": True, "PDL": True}
@@ -64,8 +65,11 @@ def _probe_moe_small() -> None:
 PROBES = {"fp8_rows": _probe_fp8_rows, "gemv_rows": _probe_gemv_rows, "moe_small": _probe_moe_small}
 
 
-def record(probe) -> list[dict]:
-    """The launches probe() makes, as (module, kernel, signature, constexprs, attrs, options); nothing runs."""
+@contextmanager
+def recording(run_kernels: bool = False):
+    """Records every interpreted launch (TRITON_INTERPRET=1) as (module, kernel, signature, constexprs,
+    divisibility, options), keyed so a launch repeated with the same specialisation counts once. With
+    run_kernels the interpreter also runs each launch (a caller that reads its outputs); else nothing runs."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import mangle_type
 
@@ -82,20 +86,26 @@ def record(probe) -> list[dict]:
             elif isinstance(v, int) and not isinstance(v, bool) and v == 1:
                 const[name] = 1  # Triton's launcher specialises ints equal to 1
             else:
-                sig[name] = mangle_type(v)
+                sig[name] = mangle_type(v)  # the type string Triton's own launcher would use
                 if (hasattr(v, "data_ptr") and v.data_ptr() % 16 == 0) or (isinstance(v, int) and v % 16 == 0):
                     div16.append(name)
         opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
         rec = {"module": self.fn.__module__, "kernel": self.fn.__name__, "sig": sig, "const": const, "div16": div16,
                "opts": opts}
         seen[json.dumps(rec, sort_keys=True, default=str)] = rec
-        return None  # recorded, not run
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs) if run_kernels else None
 
     InterpretedFunction.run = spy
     try:
-        probe()
+        yield seen
     finally:
         InterpretedFunction.run = run
+
+
+def record(probe) -> list[dict]:
+    """The launches probe() makes; nothing runs."""
+    with recording() as seen:
+        probe()
     return list(seen.values())
 
 
@@ -109,12 +119,27 @@ for i, rec in enumerate(json.load(sys.stdin)):
     sig = dict(rec["sig"]) | {k: "constexpr" for k in rec["const"]}
     consts = {(fn.arg_names.index(k),): v for k, v in rec["const"].items()}
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in rec["div16"]}
-    ck = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=rec["opts"])
+    try:
+        ck = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=rec["opts"])
+    except Exception as e:
+        out.append({"cubin": None, "shared": None, "error": str(e)[-600:]})
+        continue
     path = f"{sys.argv[1]}/{i}-{rec['kernel']}.cubin"
     open(path, "wb").write(ck.asm["cubin"])
-    out.append({"cubin": path, "shared": ck.metadata.shared})
+    out.append({"cubin": path, "shared": ck.metadata.shared, "error": None})
 print(json.dumps(out))
 """
+
+
+def build_sm90(recs: list[dict], workdir: Path) -> list[dict]:
+    """Each recorded launch compiled for sm_90a down to a cubin in workdir (Triton's own ptxas), in a subprocess
+    without the interpreter: {cubin, shared, error} per launch, in order (error: the compiler's message)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE, str(workdir)], input=json.dumps(recs), env=env,
+                          capture_output=True, text=True, timeout=900, cwd=os.getcwd())
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _tool(name: str) -> str:
@@ -135,12 +160,10 @@ def analyse(cubin: str) -> dict:
 
 def probe_report(names: list[str], workdir: Path) -> list[dict]:
     recs = [r for name in names for r in record(PROBES[name])]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", COMPILE, str(workdir)], input=json.dumps(recs), env=env,
-                          capture_output=True, text=True, timeout=600, cwd=os.getcwd())
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-3000:])
-    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    built = build_sm90(recs, workdir)
+    failed = [f"{r['kernel']}: {b['error']}" for r, b in zip(recs, built) if b["error"]]
+    if failed:
+        raise RuntimeError("\n".join(failed))
     return [{"kernel": r["kernel"], "const": r["const"], "opts": r["opts"], "shared": b["shared"], **analyse(b["cubin"])}
             for r, b in zip(recs, built)]
 

@@ -4,10 +4,10 @@ The interpreter runs each kernel with its CPU constexprs (HW_CVT=False: e4m3 emu
 DOT_F32=True), so the branches a GPU takes are never built by the CPU tests: a type error there
 (session 8's `cast_e4m3` early return, fp8 vs fp32) broke every FP8 quantisation on the H200 while
 CI passed. Here each kernel is launched once on tiny inputs through its real wrapper under the
-interpreter, the launches are recorded (argument types, constexprs, warps, stages), the GPU
-constexprs are substituted and every launch is compiled for sm_90a down to a cubin (Triton's own
-ptxas) in a subprocess without the interpreter, and its shared memory checked against the SM90
-limit. This machine's Triton (3.9) is newer than the H200 image's (3.6), so a kernel can still
+interpreter, the launches are recorded (benchmarks.sass_probe.recording: argument types, constexprs,
+the launcher's divisibility specialisation, warps, stages), the GPU constexprs are substituted and every
+launch is compiled for sm_90a down to a cubin (Triton's own ptxas) in a subprocess without the
+interpreter, and its shared memory checked against the SM90 limit. This machine's Triton (3.9) is newer than the H200 image's (3.6), so a kernel can still
 differ there; register spills need a GPU to read back. Not covered: kernels/allreduce.py (needs multi-GPU symmetric
 memory even to launch). Constexprs are those of the tiny CPU shapes, not the tuned real-size tiles."""
 
@@ -17,74 +17,12 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
-import inspect  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import textwrap  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-
 import torch  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-from triton.runtime.jit import mangle_type  # noqa: E402
 
+from benchmarks.sass_probe import build_sm90, recording  # noqa: E402
 from tests.kernels.test_moe import _experts, _logits  # noqa: E402
 
-# What the GPU wrappers pass where the CPU ones pass the interpreter's value.
-# PDL too: the few-token kernels' griddepcontrol branches (the interpreter runs them with PDL off).
-GPU_CONSTEXPRS = {"HW_CVT": True, "DOT_F32": False, "LIBDEVICE": True, "PDL": True}
-
-
-@contextmanager
-def recording():
-    """Records every interpreted launch as (module, kernel, {arg: type}, {constexpr: value})."""
-    seen: dict[str, dict] = {}
-    run = InterpretedFunction.run
-
-    def spy(self, *args, grid, warmup, **kwargs):
-        params = {p.name: p for p in inspect.signature(self.fn).parameters.values()}
-        bound = dict(zip(self.arg_names, args)) | {k: v for k, v in kwargs.items() if k in params}
-        sig, const = {}, {}
-        for name, v in bound.items():
-            ann = params[name].annotation
-            if "constexpr" in str(ann) or v is None:
-                const[name] = GPU_CONSTEXPRS.get(name, v)
-            else:
-                sig[name] = mangle_type(v)  # the type string Triton's own launcher would use
-        opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-        rec = {"module": self.fn.__module__, "kernel": self.fn.__name__, "sig": sig, "const": const, "opts": opts}
-        seen[json.dumps(rec, sort_keys=True, default=str)] = rec
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    InterpretedFunction.run = spy
-    try:
-        yield seen
-    finally:
-        InterpretedFunction.run = run
-
-
 SMEM_LIMIT = 232448  # H100/H200 dynamic shared memory per block (227 KB)
-
-LOWER = textwrap.dedent("""
-    import importlib, json, sys
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    target = GPUTarget("cuda", 90, 32)
-    failures, built = [], []
-    for rec in json.load(sys.stdin):
-        fn = getattr(importlib.import_module(rec["module"]), rec["kernel"])
-        sig = dict(rec["sig"]) | {k: "constexpr" for k in rec["const"]}
-        consts = {(fn.arg_names.index(k),): v for k, v in rec["const"].items()}
-        name = f"{rec['module']}.{rec['kernel']} {rec['const']} {rec['opts']}"
-        try:
-            ck = triton.compile(ASTSource(fn, sig, consts), target=target, options=rec["opts"])
-        except Exception as e:
-            failures.append(f"{name}: {str(e)[-600:]}")
-            continue
-        built.append([name, ck.metadata.shared])
-    print(json.dumps({"failures": failures, "built": built}))
-""")
 
 
 def _launch_every_kernel() -> None:
@@ -191,8 +129,8 @@ def _launch_attention() -> None:
     paged_decode(d8.q, (kb, vb), batch, d8.sinks, 0.2, None)
 
 
-def test_gpu_branches_of_every_kernel_lower_for_sm90():
-    with recording() as seen:
+def test_gpu_branches_of_every_kernel_lower_for_sm90(tmp_path):
+    with recording(run_kernels=True) as seen:
         _launch_every_kernel()
         _launch_attention()
     kernels = {(r["module"], r["kernel"]) for r in seen.values()}
@@ -205,12 +143,10 @@ def test_gpu_branches_of_every_kernel_lower_for_sm90():
     assert sorted(k for k, _ in fp8_kv).count("_attn_fwd") >= 2 and len(fp8_kv) >= 7, fp8_kv
     assert sorted(k for k, _ in fp8_kv).count("_decode_fwd") >= 2, fp8_kv
     assert all(ty == "*fp8e4nv" for _, ty in fp8_kv), fp8_kv
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", LOWER], input=json.dumps(list(seen.values())), env=env,
-                          capture_output=True, text=True, timeout=600, cwd=os.getcwd())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert not result["failures"], "\n\n".join(result["failures"])
-    assert len(result["built"]) == len(seen)
-    too_big = [(name, smem) for name, smem in result["built"] if smem > SMEM_LIMIT]
+    recs = list(seen.values())
+    built = build_sm90(recs, tmp_path)
+    names = [f"{r['module']}.{r['kernel']} {r['const']} {r['opts']}" for r in recs]
+    failures = [f"{n}: {b['error']}" for n, b in zip(names, built) if b["error"]]
+    assert not failures, "\n\n".join(failures)
+    too_big = [(n, b["shared"]) for n, b in zip(names, built) if b["shared"] > SMEM_LIMIT]
     assert not too_big, f"shared memory past the SM90 limit (fails only at launch on the GPU): {too_big}"
