@@ -13,6 +13,7 @@ import torch
 from kernels import reference as ref
 from kernels.interface import GroupMeta, StepMeta
 from engine.selftest import SelfTestShape, self_test_attention
+from tests.support.cuda_graph import capture
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
@@ -174,14 +175,7 @@ def test_decode_cuda_graph_replays_a_later_step(backend):
     outs = {}
     impl.plan(steps[0])
     impl.forward(0, q, k, v, (kc, vc), sinks, D ** -0.5, None)  # eager warm-up
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        impl.forward(0, q, k, v, (kc, vc), sinks, D ** -0.5, None)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs["o"] = impl.forward(0, q, k, v, (kc, vc), sinks, D ** -0.5, None)
+    graph, outs["o"] = capture(lambda: impl.forward(0, q, k, v, (kc, vc), sinks, D ** -0.5, None))
     for step in steps[::-1]:
         impl.plan(step)
         q.copy_(torch.randn_like(q))

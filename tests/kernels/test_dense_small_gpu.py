@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.kernels.gpu_alone import GPU_ALONE
+from tests.support.cuda_graph import capture
 
 pytestmark = GPU_ALONE
 
@@ -67,14 +68,7 @@ def test_cuda_graph_replay_same_bits():
     x, w, ws, b = _case("qkv", 1, seed=3)
     lin = FewTokenFp8Linear()
     eager = lin(x, w, ws, b)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        lin(x, w, ws, b)  # warm-up on the capture stream (its own counters)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = lin(x, w, ws, b)
+    g, out = capture(lambda: lin(x, w, ws, b))
     for _ in range(3):
         g.replay()
         torch.cuda.synchronize()

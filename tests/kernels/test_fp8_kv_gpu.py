@@ -17,6 +17,7 @@ import torch
 from engine.selftest import SelfTestShape, self_test_attention
 from kernels import reference as ref
 from tests.kernels.test_attention_gpu import D, DEV, HKV, HQ, P, W, _bf16, _rel, _step
+from tests.support.cuda_graph import capture
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
@@ -209,14 +210,7 @@ def test_fp8_kv_decode_cuda_graph_replays_a_later_step(name):
     outs = {}
     impl.plan(steps[0])
     impl.forward(0, q, k, v, (kc, vc), sinks, D ** -0.5, None, kv_scale=sc)  # eager warm-up (and JIT builds)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        impl.forward(0, q, k, v, (kc, vc), sinks, D ** -0.5, None, kv_scale=sc)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs["o"] = impl.forward(0, q, k, v, (kc, vc), sinks, D ** -0.5, None, kv_scale=sc)
+    graph, outs["o"] = capture(lambda: impl.forward(0, q, k, v, (kc, vc), sinks, D ** -0.5, None, kv_scale=sc))
     for step in steps[::-1]:
         impl.plan(step)
         q.copy_(torch.randn_like(q))
@@ -279,14 +273,7 @@ def test_triton_decode_backend_on_bf16_pages(window):
     want = ref.paged_attention(q.float(), kc, vc, grp.page_table, step.cu_seqlens_q, grp.kv_lens, sinks, D ** -0.5,
                                window, None)
     assert _rel(eager, want) <= 1e-2
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture(run)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)

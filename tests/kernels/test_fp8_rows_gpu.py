@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.kernels.gpu_alone import GPU_ALONE
+from tests.support.cuda_graph import capture
 
 pytestmark = GPU_ALONE
 
@@ -56,25 +57,13 @@ def test_linear_parity_and_bits(what):
     torch.testing.assert_close(fp8_rows_linear(x, w, ws, None).float(), want - b.float(), rtol=2 ** -7, atol=1e-3)
 
 
-def _graphed(fn):
-    eager = fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out, eager
-
-
 def test_cuda_graph_replay_same_bits():
     from kernels.fp8_rows import fp8_rows_linear
 
     x, wq, ws, b = _linear_case("qkv", seed=3)
     fn = lambda: fp8_rows_linear(x, wq, ws, b)  # noqa: E731
-    g, out, eager = _graphed(fn)
+    eager = fn()
+    g, out = capture(fn)
     for _ in range(3):
         g.replay()
         torch.cuda.synchronize()

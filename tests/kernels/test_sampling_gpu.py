@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.kernels.gpu_alone import GPU_ALONE
+from tests.support.cuda_graph import capture
 
 pytestmark = GPU_ALONE
 
@@ -142,14 +143,7 @@ def test_fused_sample_replays_in_a_cuda_graph():
 
     logits, temp, seeds, positions = _case(64, 7)
     noise = torch.ones(64, dtype=torch.bool, device=DEV)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fused_sample(logits, temp, seeds, positions, noise)  # compiled before capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fused_sample(logits, temp, seeds, positions, noise)
+    g, out = capture(lambda: fused_sample(logits, temp, seeds, positions, noise))  # compiled before capture
     for step in range(3):
         positions.add_(1)
         g.replay()
