@@ -4,7 +4,10 @@ the rows kernels (lost to kernels/moe_small.py, removed)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from benchmarks.suite_defs import PYTEST, STACK_CARRY, Suite, step
+from benchmarks.suites_issues import ISSUE_SUITES
 from benchmarks.suites_served import SERVED_SUITES
 from kernels.registry import DEFAULT_FUSIONS, Fusion, fusions_name, parse_fusions
 
@@ -38,10 +41,28 @@ ROWS_SUITES: dict[str, Suite] = {
                     "pages (b1best); rows-b1-ab-1 (H100): 2.461 ms for the same, 2.778 with fp8_rows' first tiles",)),
 }
 
-# What waits for an H200, in one device call (the same steps, the same commands): issue 25's colocated A/B with
-# attention in the graphs for small steps, then issue 27's FP8-projection A/B on 20b and 120b.
+# What waits for an H200, in one device call, most wanted first (a step the --budget cannot fit is skipped): issue 25's
+# colocated A/B with attention in the graphs for small steps; issue 27's figures with today's defaults (20b prefill 8k
+# and 8k x 1 / x 64, 120b) and the FP8-projection A/B on 20b and 120b, the 20b decode profile; then the GPU tests whose
+# CUDA-graph capture moved to tests/support/cuda_graph.py.
 _GRAPHED = SERVED_SUITES["issue25-h200-graphed"]
+_ISSUE27 = {s.name: s for s in ISSUE_SUITES["issue27-h200"].steps}
+_ROWS = {s.name: s for s in ROWS_SUITES["rows-b1-ab"].steps}
 ROWS_SUITES["h200-next"] = Suite(
-    "what waits for an H200, one call: " + _GRAPHED.description + "; then " + ROWS_SUITES["rows-b1-ab"].description,
-    carry=STACK_CARRY, steps=_GRAPHED.steps + ROWS_SUITES["rows-b1-ab"].steps[2:],
-    reproduces=_GRAPHED.reproduces + ROWS_SUITES["rows-b1-ab"].reproduces)
+    "what waits for an H200, one call: " + _GRAPHED.description + "; then issue 27's figures with the workers' "
+    "defaults (issue27-h200's model-20b and model-120b), the FP8-projection A/B of rows-b1-ab on 20b and 120b, the "
+    "20b decode profile; then the GPU tests of the shared CUDA-graph capture helper",
+    carry=STACK_CARRY,
+    # timeouts cut to fit one call, from what the steps took on the H200 (issue27-h200-1: model-20b 12 s, model-120b
+    # 20 s, profile-20b 17 s; issue25-h200-1: ~140 s an arm)
+    steps=_GRAPHED.steps + (replace(_ISSUE27["model-20b"], timeout_s=40),
+                            replace(_ROWS["model-20b-fp8-rows"], timeout_s=40),
+                            replace(_ISSUE27["model-120b"], timeout_s=50),
+                            replace(_ROWS["model-120b-fp8-rows"], timeout_s=50),
+                            replace(_ISSUE27["profile-20b"], timeout_s=40),
+                            step("graph-capture-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider "
+                                 "tests/kernels/test_attention_gpu.py tests/kernels/test_dense_small_gpu.py "
+                                 "tests/kernels/test_fp8_kv_gpu.py tests/kernels/test_fp8_rows_gpu.py "
+                                 "tests/kernels/test_sampling_gpu.py -k 'cuda_graph or triton_decode_backend_on_bf16'",
+                                 40, summary=PYTEST)),
+    reproduces=_GRAPHED.reproduces + ISSUE_SUITES["issue27-h200"].reproduces + ROWS_SUITES["rows-b1-ab"].reproduces)
