@@ -129,7 +129,7 @@ def decode_section(res: Results, model, contexts: list[int], batches: list[int],
                 runners: dict[str, object] = {}
                 replays: dict[str, list[float]] = {s: [] for s in settings}
                 if graphs:
-                    from decode_worker.runner import CudaGraphDecoder
+                    from engine.decode_graphs import CudaGraphDecoder
 
                     for s in settings:  # one graph per setting, captured with its fusions
                         use_fusions(model, s)

@@ -81,7 +81,7 @@ def main() -> None:
     model = load_model(cfg)
     parts = build_engine_parts(cfg, model)
     if cuda_graphs_on(a):
-        from decode_worker.runner import CudaGraphDecoder
+        from engine.decode_graphs import CudaGraphDecoder
 
         parts.runner.graphs = CudaGraphDecoder(model, parts.pool, parts.kv, a.max_num_seqs, a.max_model_len)
         parts.runner.graphs.capture()

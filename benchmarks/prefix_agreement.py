@@ -271,7 +271,7 @@ def make_engines(device: str, dtype: str, attention: str, preset: str, layers: i
                            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=tokens, max_model_len=8192))
         llm = LLM(cfg)
         if graphs:
-            from decode_worker.runner import CudaGraphDecoder
+            from engine.decode_graphs import CudaGraphDecoder
             eng = llm.engine
             dec = CudaGraphDecoder(eng.model, eng.runner.pool, eng.kv, 8, 8192, buckets=(1, 2, 4, 8))
             dec.capture()

@@ -51,18 +51,20 @@ _ROWS = {s.name: s for s in ROWS_SUITES["rows-b1-ab"].steps}
 ROWS_SUITES["h200-next"] = Suite(
     "what waits for an H200, one call: " + _GRAPHED.description + "; then issue 27's figures with the workers' "
     "defaults (issue27-h200's model-20b and model-120b), the FP8-projection A/B of rows-b1-ab on 20b and 120b, the "
-    "20b decode profile; then the GPU tests of the shared CUDA-graph capture helper",
+    "20b decode profile; then the GPU tests of the shared CUDA-graph capture helper and of the offline engine's own "
+    "decode graphs",
     carry=STACK_CARRY,
     # timeouts cut to fit one call, from what the steps took on the H200 (issue27-h200-1: model-20b 12 s, model-120b
     # 20 s, profile-20b 17 s; issue25-h200-1: ~140 s an arm)
-    steps=_GRAPHED.steps + (replace(_ISSUE27["model-20b"], timeout_s=40),
-                            replace(_ROWS["model-20b-fp8-rows"], timeout_s=40),
+    steps=_GRAPHED.steps + (replace(_ISSUE27["model-20b"], timeout_s=30),
+                            replace(_ROWS["model-20b-fp8-rows"], timeout_s=30),
                             replace(_ISSUE27["model-120b"], timeout_s=50),
                             replace(_ROWS["model-120b-fp8-rows"], timeout_s=50),
-                            replace(_ISSUE27["profile-20b"], timeout_s=40),
+                            replace(_ISSUE27["profile-20b"], timeout_s=30),
                             step("graph-capture-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider "
                                  "tests/kernels/test_attention_gpu.py tests/kernels/test_dense_small_gpu.py "
                                  "tests/kernels/test_fp8_kv_gpu.py tests/kernels/test_fp8_rows_gpu.py "
-                                 "tests/kernels/test_sampling_gpu.py -k 'cuda_graph or triton_decode_backend_on_bf16'",
-                                 40, summary=PYTEST)),
+                                 "tests/kernels/test_sampling_gpu.py tests/integration/test_async_decode_gpu.py "
+                                 "-k 'cuda_graph or triton_decode_backend_on_bf16 or async_decode'", 70,
+                                 summary=PYTEST)),
     reproduces=_GRAPHED.reproduces + ISSUE_SUITES["issue27-h200"].reproduces + ROWS_SUITES["rows-b1-ab"].reproduces)

@@ -26,7 +26,7 @@ def setup_rank(a: argparse.Namespace, wid: str, group: RankGroup) -> RankParts:
         rx = create_receiver(TransferBackend(a.kv_backend), parts.pool, transfer_config(a, parts, wid, group.rank))
         rx.set_rank_endpoints(*group.gather_endpoints(rx.endpoint, rx.epoch))
     if cuda_graphs_on(a):
-        from decode_worker.runner import CudaGraphDecoder
+        from engine.decode_graphs import CudaGraphDecoder
 
         # Each rank captures its own graphs (their all-reduces included); replays stay in lockstep
         # because every rank runs the same steps. Padding pages must be the same ids everywhere.

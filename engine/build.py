@@ -74,6 +74,10 @@ class EngineConfig:
     # attention inside the piecewise graphs too (kernels/triton_graph_attention.py): "none", "sliding" (the
     # sliding-window layers') or "all" (a step is one graph); opt-in, not yet measured on the GPU
     piecewise_graphed: str = "none"
+    # the offline engine (engine.llm.LLMEngine) replays pure-decode steps as CUDA graphs (engine/decode_graphs.py),
+    # captured at start-up per batch bucket up to scheduler.max_num_seqs; a decode worker captures its own
+    # (--cuda-graphs)
+    cuda_graphs: bool = False
 
 
 @dataclass(slots=True)

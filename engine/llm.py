@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from common.errors import InvalidRequest
+from common.errors import ConfigError, InvalidRequest
 from engine.build import EngineConfig, build_engine_parts
 from engine.core import EngineCore
 from engine.sampling import SamplingParams
@@ -40,10 +40,19 @@ class Completion:
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig) -> None:
+        if cfg.cuda_graphs and not cfg.device.startswith("cuda"):
+            raise ConfigError(f"cuda_graphs needs a CUDA device, not {cfg.device!r}")
         parts = build_engine_parts(cfg)
         self.cfg, self.model, self.kv, self.scheduler, self.runner = (
             cfg, parts.model, parts.kv, parts.scheduler, parts.runner)
         self.sampler = parts.sampler
+        if cfg.cuda_graphs:
+            from engine.decode_graphs import CudaGraphDecoder
+
+            sc = cfg.scheduler
+            self.runner.graphs = CudaGraphDecoder(self.model, self.runner.pool, self.kv, sc.max_num_seqs,
+                                                  sc.max_model_len)
+            self.runner.graphs.capture()
         self.core = EngineCore(self.scheduler, self.runner, overlap=cfg.async_decode)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()

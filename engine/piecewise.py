@@ -62,7 +62,7 @@ DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # in the MoE (they route to experts like any row): a ~300-token mixed step in the 512 bucket computes ~200 rows
 # for nothing. colocated-buckets-ab-1 (H100, served multi-turn, one lease): mixed steps' GPU span 16.2 -> 15.1 ms,
 # cached TTFT p50 39.9 -> 38.4 ms (p99 76 -> 62), the same graph pool (366 MiB). The decode graphs' batch buckets
-# are spaced this way too (decode_worker/runner.py).
+# are spaced this way too (engine/decode_graphs.py).
 FINE_BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 BUCKET_SETS = {"pow2": DEFAULT_BUCKETS, "fine": FINE_BUCKETS}
 # --piecewise-graphed-attention: the page groups whose layers' attention the pieces hold (module doc)

@@ -75,7 +75,7 @@ class ModelRunner:
         self.model, self.pool, self.sampler = model, pool, sampler
         self.device = model.device
         self.cuda = self.device.type == "cuda"
-        self.graphs = None  # decode_worker.runner.CudaGraphDecoder, set by the decode worker on GPU
+        self.graphs = None  # engine.decode_graphs.CudaGraphDecoder, set by the decode worker on GPU
         self.piecewise = None  # engine.piecewise.PiecewiseGraphs (EngineConfig.piecewise_graphs): eager steps
         self.supports_overlap = True
         self.supports_page_copies = True  # model/prefix_share.py (a TP group's runner has no such copy)

@@ -27,6 +27,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=131072)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay pure-decode steps as CUDA graphs captured at start-up (default: on a GPU; "
+                        "a CPU has none)")
+    p.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill and mixed steps replay CUDA graphs between their attention calls (engine/piecewise.py; "
+                        "default: on a GPU)")
 
 
 def engine_config(a: argparse.Namespace, **extra) -> EngineConfig:
@@ -40,7 +46,8 @@ def engine_config(a: argparse.Namespace, **extra) -> EngineConfig:
         kv_cache_bytes=int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None,
         kv_cache_dtype=a.kv_cache_dtype, kv_scale_calibration=a.kv_scale_calibration,
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),
-        seed=a.seed, progress=True, **extra)
+        seed=a.seed, progress=True, cuda_graphs=gpu and a.cuda_graphs is not False,
+        piecewise_graphs=gpu if a.piecewise_graphs is None else a.piecewise_graphs, **extra)
 
 
 def generate(argv: list[str]) -> int:

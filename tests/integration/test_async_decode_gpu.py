@@ -22,14 +22,11 @@ def make_llm(overlap: bool) -> LLM:
                        # no prefix cache: a repeated prompt would hit it, and a first token computed from
                        # cached KV differs from a full prefill by bf16 noise (enough to flip a sampled token)
                        enable_prefix_caching=False,
+                       # decode CUDA graphs captured by the offline engine (buckets 1, 2, 4, 8: up to max_num_seqs)
+                       cuda_graphs=True,
                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096))
     llm = LLM(cfg)
-    from decode_worker.runner import CudaGraphDecoder
-
-    eng = llm.engine
-    graphs = CudaGraphDecoder(eng.model, eng.runner.pool, eng.kv, 8, 4096, buckets=(1, 2, 4, 8))
-    graphs.capture()
-    eng.runner.graphs = graphs
+    assert sorted(llm.engine.runner.graphs.graphs) == [1, 2, 4, 8]
     return llm
 
 

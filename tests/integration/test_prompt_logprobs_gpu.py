@@ -22,7 +22,6 @@ LENGTHS = (1, 2, 300, 700)
 
 
 def _engine(chunk: int, fast: bool):
-    from decode_worker.runner import CudaGraphDecoder
     from engine.build import EngineConfig
     from engine.llm import LLM
     from engine.scheduler import SchedulerConfig
@@ -32,15 +31,9 @@ def _engine(chunk: int, fast: bool):
     cfg = EngineConfig(random_preset="gpt-oss-20b", random_layers=2, device="cuda", dtype="bfloat16", fp8=True,
                        fp8_attention=False, attention_backend="flashinfer", linear_backend="scaled_mm",
                        moe_backend=auto_moe_backend("cuda", True, True), kv_cache_bytes=4 << 30,
-                       enable_prefix_caching=fast, piecewise_graphs=fast,
+                       enable_prefix_caching=fast, piecewise_graphs=fast, cuda_graphs=fast,
                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=chunk, max_model_len=4096))
-    llm = LLM(cfg)
-    if fast:
-        eng = llm.engine
-        dec = CudaGraphDecoder(eng.model, eng.runner.pool, eng.kv, 8, 4096, buckets=(1, 2, 4, 8))
-        dec.capture()
-        eng.runner.graphs = dec
-    return llm
+    return LLM(cfg)
 
 
 def test_prompt_logprobs_gpu_match_an_unchunked_engine():

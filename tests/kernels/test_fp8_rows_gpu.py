@@ -87,7 +87,7 @@ def test_model_and_graph_decode_with_rows_fusion():
     """Decode steps of a 2-layer random 20b with FP8 QKV/O: fp8_rows' hidden states close to the defaults' (W8A16
     against W8A8: x not quantised); the engine's CUDA-graph decode with it decodes every token."""
     pytest.importorskip("flashinfer")
-    from decode_worker.runner import CudaGraphDecoder
+    from engine.decode_graphs import CudaGraphDecoder
     from engine.build import load_model
     from engine.llm import LLM
     from engine.sampling import SamplingParams

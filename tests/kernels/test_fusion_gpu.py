@@ -202,7 +202,7 @@ def test_engine_graph_decode_exact_fusions_same_tokens():
     """The engine with CUDA-graph decode (FlashInfer): the bit-exact fusions give the tokens of the
     unfused engine; all fusions on run (graph capture included) and decode every token."""
     pytest.importorskip("flashinfer")
-    from decode_worker.runner import CudaGraphDecoder
+    from engine.decode_graphs import CudaGraphDecoder
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 

@@ -118,6 +118,29 @@ def test_generate_dtype_reaches_its_engine(ckpt_factory, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("argv,graphs,pieces", [
+    ([], False, False),
+    (["--device", "cuda"], True, True),
+    (["--device", "cuda", "--no-cuda-graphs", "--no-piecewise-graphs"], False, False),
+    (["--cuda-graphs", "--piecewise-graphs"], False, True)])
+def test_generate_graph_flags_follow_the_device(argv: list[str], graphs: bool, pieces: bool) -> None:
+    """`tandem generate` on a GPU replays decode steps and the pieces of prefill steps as CUDA graphs, as a decode worker
+    does (the offline engine captures its decode graphs itself: EngineConfig.cuda_graphs)."""
+    p = argparse.ArgumentParser()
+    cmd_generate.add_engine_args(p)
+    cfg = cmd_generate.engine_config(p.parse_args(argv))
+    assert (cfg.cuda_graphs, cfg.piecewise_graphs) == (graphs, pieces)
+
+
+def test_offline_engine_refuses_cuda_graphs_on_a_cpu(ckpt_factory):
+    from common.errors import ConfigError
+    from engine.build import EngineConfig
+    from engine.llm import LLM
+
+    with pytest.raises(ConfigError, match="cuda_graphs needs a CUDA device"):
+        LLM(EngineConfig(checkpoint=ckpt_factory("tiny"), kv_cache_bytes=1 << 20, cuda_graphs=True))
+
+
+@pytest.mark.parametrize("argv,graphs,pieces", [
     ([], False, False),  # the CPU: neither (no CUDA graphs there; pieces on a CPU only copy)
     (["--device", "cuda"], True, True),  # a GPU: both, unless turned off
     (["--device", "cuda:1", "--no-piecewise-graphs"], True, False),

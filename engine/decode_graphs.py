@@ -4,7 +4,8 @@ A pure-decode step of B sequences (q_len 1 each) is padded to the smallest bucke
 sequences that read and write one reserved page per group (their outputs are dropped), the step's
 token ids and positions are copied into static buffers, the attention backend is planned outside
 the graph (it copies page tables into its own static buffers), and the captured forward + logits
-are replayed. Prefill and mixed steps stay eager.
+are replayed. Prefill and mixed steps stay eager here (engine/piecewise.py graphs their pieces). A decode worker
+captures these at start-up on a GPU (--cuda-graphs), the offline engine with EngineConfig.cuda_graphs.
 """
 
 from __future__ import annotations
