@@ -41,6 +41,21 @@ ROWS_SUITES: dict[str, Suite] = {
                     "pages (b1best); rows-b1-ab-1 (H100): 2.461 ms for the same, 2.778 with fp8_rows' first tiles",)),
 }
 
+# The GPU tests of the shared CUDA-graph capture (tests/support/cuda_graph.py) and of the offline engine's own decode
+# graphs (EngineConfig.cuda_graphs, engine/decode_graphs.py): 17 tests
+_GRAPH_TEST_CMD = ("{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_gpu.py "
+                   "tests/kernels/test_dense_small_gpu.py tests/kernels/test_fp8_kv_gpu.py "
+                   "tests/kernels/test_fp8_rows_gpu.py tests/kernels/test_sampling_gpu.py "
+                   "tests/kernels/test_fusion_gpu.py tests/integration/test_async_decode_gpu.py "
+                   "tests/integration/test_prompt_logprobs_gpu.py "
+                   "-k 'cuda_graph or graph or triton_decode_backend_on_bf16 or async_decode or prompt_logprobs'")
+GRAPH_TESTS = step("graph-capture-gpu-tests", _GRAPH_TEST_CMD, 200, summary=PYTEST)
+ROWS_SUITES["graph-tests"] = Suite(
+    "the GPU tests of the shared CUDA-graph capture helper (tests/support/cuda_graph.py) and of the offline engine's "
+    "own decode graphs (EngineConfig.cuda_graphs): attention, FP8 KV, the few-token kernels, sampling, the fused "
+    "model's graph decode, the overlapped loop and prompt logprobs with graphs", carry=STACK_CARRY,
+    steps=(GRAPH_TESTS,))
+
 # What waits for an H200, in one device call, most wanted first (a step the --budget cannot fit is skipped): issue 25's
 # colocated A/B with attention in the graphs for small steps; issue 27's figures with today's defaults (20b prefill 8k
 # and 8k x 1 / x 64, 120b) and the FP8-projection A/B on 20b and 120b, the 20b decode profile; then the GPU tests whose
@@ -61,10 +76,5 @@ ROWS_SUITES["h200-next"] = Suite(
                             replace(_ISSUE27["model-120b"], timeout_s=50),
                             replace(_ROWS["model-120b-fp8-rows"], timeout_s=50),
                             replace(_ISSUE27["profile-20b"], timeout_s=30),
-                            step("graph-capture-gpu-tests", "{py} -m pytest -q -m gpu -p no:cacheprovider "
-                                 "tests/kernels/test_attention_gpu.py tests/kernels/test_dense_small_gpu.py "
-                                 "tests/kernels/test_fp8_kv_gpu.py tests/kernels/test_fp8_rows_gpu.py "
-                                 "tests/kernels/test_sampling_gpu.py tests/integration/test_async_decode_gpu.py "
-                                 "-k 'cuda_graph or triton_decode_backend_on_bf16 or async_decode'", 70,
-                                 summary=PYTEST)),
+                            replace(GRAPH_TESTS, timeout_s=70)),
     reproduces=_GRAPHED.reproduces + ISSUE_SUITES["issue27-h200"].reproduces + ROWS_SUITES["rows-b1-ab"].reproduces)
