@@ -25,6 +25,7 @@ from model.config import preset
 from model.context import SeqStep, build_step_meta
 from model.gpt_oss import GptOss
 from model.kv_cache import KVManager, KVPool, PageGroup, SeqPages, plan_kv_cache
+from model.kv_scales import KVScales
 from model.loader import load_weights
 from model.weights import SafetensorsSource
 
@@ -222,15 +223,20 @@ def test_piecewise_engine_flag_same_tokens(ckpt_factory):
 
 
 def _run_graphed_steps(model: GptOss, buckets: tuple[int, ...], steps: list[list[tuple[int, int]]],
-                       graphed: frozenset[PageGroup]) -> None:
+                       graphed: frozenset[PageGroup], kv_dtype: torch.dtype = torch.float32) -> None:
     """Several sequences per step ((sequence, new tokens) pairs): the eager forward (TritonAttention) on
     one pool, the pieces with the `graphed` groups' attention inside them (kernels/triton_graph_attention.py)
     on another; hidden states and every page equal after each step: bit for bit while every step fills
     its bucket, within fp32 rounding from the first padded step on (the interpreter's GEMMs may round a
     row by its GEMM's row count: test_piecewise_fused_norms_padded)."""
-    spec = plan_kv_cache(model.cfg, 1 << 20, page_size=4, max_num_seqs=4, dtype=torch.float32)
+    spec = plan_kv_cache(model.cfg, 1 << 20, page_size=4, max_num_seqs=4, dtype=kv_dtype)
     mgr = KVManager(spec)
-    ref_pool, pw_pool = KVPool(spec), KVPool(spec)
+    scales = None
+    if kv_dtype == torch.float8_e4m3fn:  # per layer and head, not 1.0: the dequantisation must be applied
+        n, h = model.cfg.num_hidden_layers, model.cfg.num_key_value_heads
+        steps_k = torch.arange(n * h, dtype=torch.float32).reshape(n, h) % 3
+        scales = KVScales(torch.exp2(steps_k - 2), torch.exp2(1 - steps_k), "test")
+    ref_pool, pw_pool = KVPool(spec, scales=scales), KVPool(spec, scales=scales)
     pw = PiecewiseGraphs(model, buckets, pool=pw_pool, graphed=graphed, max_seqs=4, max_model_len=64)
     assert pw.islands == [i for i, blk in enumerate(model.layers) if blk.attn.group not in graphed]
     pages = [SeqPages() for _ in range(4)]
@@ -268,6 +274,19 @@ STEPS = [
     [(0, 1), (1, 1), (2, 7)],  # two decode rows and a third sequence's first chunk
     [(1, 10), (2, 9)],  # two chunks past the ring, with prefixes
 ]
+
+
+def test_piecewise_attention_inside_the_graphs_e4m3_pages(ckpt_factory, one_torch_thread):
+    """The same steps on e4m3 pages with per-head scales (--kv-cache-dtype fp8 on a decode worker, whose mixed steps
+    of up to 768 tokens hold every layer's attention in the graphs by default): the quantising store and the
+    dequantising read inside the pieces give the eager Triton backend's bits, page for page (its generic kernel on
+    decode rows too, as in the graphs: the decode kernel it picks for e4m3 pages by default sums in another order)."""
+    from kernels.triton_attention_backend import DecodeKernel, TritonAttention
+
+    model = _model(ckpt_factory("tiny-a"), fused=True)
+    model.backends.attention = TritonAttention(decode=DecodeKernel.OFF)
+    _run_graphed_steps(model, tuple(sorted({sum(n for _, n in st) for st in STEPS})), STEPS, frozenset(PageGroup),
+                       torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("graphed", ["sliding", "all"])
