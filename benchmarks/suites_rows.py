@@ -53,8 +53,10 @@ GRAPH_TESTS = step("graph-capture-gpu-tests", _GRAPH_TEST_CMD, 200, summary=PYTE
 ROWS_SUITES["graph-tests"] = Suite(
     "the GPU tests of the shared CUDA-graph capture helper (tests/support/cuda_graph.py) and of the offline engine's "
     "own decode graphs (EngineConfig.cuda_graphs): attention, FP8 KV, the few-token kernels, sampling, the fused "
-    "model's graph decode, the overlapped loop and prompt logprobs with graphs", carry=STACK_CARRY,
-    steps=(GRAPH_TESTS,))
+    "model's graph decode, the overlapped loop and prompt logprobs with graphs; then the host time of a decode step's "
+    "attention plan with FlashInfer's max() over host tensors as shipped and shadowed by tensor_max "
+    "(benchmarks/plan_host.py)", carry=STACK_CARRY,
+    steps=(GRAPH_TESTS, step("plan-host", "{py} -m benchmarks.plan_host", 60, summary=r"^plan |wrote|Error")))
 
 # What waits for an H200, in one device call, most wanted first (a step the --budget cannot fit is skipped): issue 25's
 # colocated A/B with attention in the graphs for small steps; issue 27's figures with today's defaults (20b prefill 8k

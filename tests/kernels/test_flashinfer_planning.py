@@ -188,3 +188,30 @@ def test_fp8_kv_variant_refuses_an_unknown_declaration():
     from kernels.flashinfer_fp8kv import fp8_variant_decl
     with pytest.raises(ConfigError, match="declaration changed"):
         fp8_variant_decl("struct Something {};")
+
+
+def test_flashinfer_plan_max_of_a_tensor_does_not_iterate(monkeypatch):
+    """FlashInfer 0.6.6's paged plan takes Python's max() of 1-D host tensors (max_q_len, max_kv_len), which walks
+    the tensor element by element: import_flashinfer shadows the module's max with tensor_max. A module with the
+    plan's own lines gives the same values patched, without iterating a tensor; other uses of max are unchanged."""
+    import types
+
+    from kernels.flashinfer_host import patch_tensor_max, tensor_max
+
+    plan = types.ModuleType("prefill_like")
+    exec("def plan(qo_indptr, kv_lens):\n"
+         "    max_q = max(qo_indptr[1:] - qo_indptr[:-1]).item()\n"
+         "    return max_q, max(kv_lens).item(), max([3, 9, 4]), max(2, 7), max([], default=-1)\n", plan.__dict__)
+    qo = torch.tensor([0, 1, 2, 302, 303], dtype=torch.int32)
+    lens = torch.tensor([4000, 17, 8191, 5], dtype=torch.int32)
+    want = plan.plan(qo, lens)
+    assert want == (300, 8191, 9, 7, -1)
+
+    def no_iter(self):
+        raise AssertionError("a tensor was iterated")
+
+    patch_tensor_max(plan)
+    patch_tensor_max(plan)  # idempotent
+    assert plan.max is tensor_max
+    monkeypatch.setattr(torch.Tensor, "__iter__", no_iter)
+    assert plan.plan(qo, lens) == want
