@@ -1,8 +1,8 @@
 """Host time of the attention backend's per-step plan for decode steps (FlashInferAttention.plan: the overlapped
 loop's launch path, before the graph replay), with FlashInfer 0.6.6's paged plan as shipped (Python's max() over
 1-D host tensors, element by element) against the module's max shadowed by kernels.flashinfer_host.tensor_max
-(what import_flashinfer installs). One process, rounds interleaved; B sequences at C context, both page groups
-(full, sliding), planned into the decode CUDA graphs' buffers as a decode worker does.
+(what import_flashinfer installs with TANDEM_FI_TENSOR_MAX=1). One process, rounds interleaved; B sequences at C
+context, both page groups (full, sliding), planned into the decode CUDA graphs' buffers as a decode worker does.
 
     python -m benchmarks.plan_host [--batches 16,64,128] [--context 3500]
 """
@@ -53,7 +53,7 @@ def main() -> None:
     from kernels.flashinfer_backend import FlashInferAttention
 
     impl = FlashInferAttention()
-    import flashinfer.prefill as fi_prefill  # imported (and patched) by the backend
+    import flashinfer.prefill as fi_prefill  # imported by the backend; each round sets its max
 
     impl.prepare(AttentionDims(HQ, HKV, D, P, DT, DEV, KV_DT), {0: None, 1: W})
     batches = [int(x) for x in a.batches.split(",")]

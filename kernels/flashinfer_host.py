@@ -50,7 +50,8 @@ def import_flashinfer(cache_dir: str | None = None):
     except ImportError as e:
         raise ConfigError(f"the flashinfer attention backend needs flashinfer-python 0.6.6 "
                           f"(+ apache-tvm-ffi, nvidia-cudnn-frontend): {e}") from None
-    patch_tensor_max(flashinfer.prefill)
+    if os.environ.get("TANDEM_FI_TENSOR_MAX") == "1":  # off until a GPU run validates it (patch_tensor_max)
+        patch_tensor_max(flashinfer.prefill)
     return flashinfer
 
 
@@ -67,7 +68,9 @@ def patch_tensor_max(module) -> None:
     element (a 0-d tensor, a comparison and a bool each): ~80 us at 64 sequences on the CPU machine against
     ~1 us for torch.max. Four such calls per decode step (two page groups) are host launch time on the
     overlapped loop's critical path, growing with the batch. The module's `max` is shadowed by tensor_max:
-    the same values for every other use (lists, several arguments)."""
+    the same values for every other use (lists, several arguments; the module's five uses were read).
+    Opt-in (TANDEM_FI_TENSOR_MAX=1) until a GPU run has the FlashInfer tests pass with it and
+    benchmarks/plan_host.py shows the saving (suite graph-tests; no device started on 2026-12-07)."""
     if getattr(module, "max", None) is not tensor_max:
         module.max = tensor_max
 
