@@ -164,7 +164,8 @@ def probe_report(names: list[str], workdir: Path) -> list[dict]:
     failed = [f"{r['kernel']}: {b['error']}" for r, b in zip(recs, built) if b["error"]]
     if failed:
         raise RuntimeError("\n".join(failed))
-    return [{"kernel": r["kernel"], "const": r["const"], "opts": r["opts"], "shared": b["shared"], **analyse(b["cubin"])}
+    return [{"kernel": r["kernel"], "const": r["const"], "opts": r["opts"], "shared": b["shared"],
+             **analyse(b["cubin"])}
             for r, b in zip(recs, built)]
 
 

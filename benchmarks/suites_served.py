@@ -365,7 +365,8 @@ SERVED_SUITES: dict[str, Suite] = {
     # issue25-h200-1 (H200): the defaults' cached turns 2+ at 2.80x, mixed steps launched in 14.2 ms for 14.9 on the GPU;
     # graphed-small-ab-1 (H100) had attention inside the graphs of steps <= 768 tokens at 2.90x (launch 13.1 -> 3.7 ms)
     # --cuda-graphs and --piecewise-graphs default to on where the device is a GPU (engine/worker_args.cuda_graphs_on,
-    # piecewise_on; 2026-12-07); before, a worker started without the flags (the Helm chart's prefill workers) ran eager steps.
+    # piecewise_on; 2026-12-07); before, a worker started without the flags (the Helm chart's prefill workers) ran
+    # eager steps.
     "graph-defaults": Suite(
         "the workers' graph defaults on a GPU (--cuda-graphs, --piecewise-graphs on unless turned off): the "
         "disaggregated smoke (a prefill worker with its default pieces: tokens equal to colocated, pages returned), "

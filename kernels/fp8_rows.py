@@ -104,7 +104,8 @@ def fp8_rows_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bia
     cfg = cfg or config_for(k)
     n = w.shape[0]
     assert m == 1, f"{m} tokens: fp8_rows_linear takes one (each token would re-read W)"
-    assert w.dtype == FP8_DTYPE and w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1, (w.dtype, w.shape, x.shape)
+    assert w.dtype == FP8_DTYPE and w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1, \
+        (w.dtype, w.shape, x.shape)
     assert w_scale.shape == (triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)), (w_scale.shape, w.shape)
     assert BLOCK % cfg.block_n == 0, "a program's rows must share one 128-row scale block"
     assert cfg.block_k % BLOCK == 0

@@ -7,6 +7,7 @@ import argparse
 from engine.build import EngineConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
+from engine.worker_args import cuda_graphs_on
 from engine.scheduler import SchedulerConfig
 from kernels.registry import auto_moe_backend
 
@@ -31,8 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="replay pure-decode steps as CUDA graphs captured at start-up (default: on a GPU; "
                         "a CPU has none)")
     p.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="prefill and mixed steps replay CUDA graphs between their attention calls (engine/piecewise.py; "
-                        "default: on a GPU)")
+                   help="prefill and mixed steps replay CUDA graphs between their attention calls "
+                        "(engine/piecewise.py; default: on a GPU)")
 
 
 def engine_config(a: argparse.Namespace, **extra) -> EngineConfig:
@@ -46,7 +47,7 @@ def engine_config(a: argparse.Namespace, **extra) -> EngineConfig:
         kv_cache_bytes=int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None,
         kv_cache_dtype=a.kv_cache_dtype, kv_scale_calibration=a.kv_scale_calibration,
         scheduler=SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len),
-        seed=a.seed, progress=True, cuda_graphs=gpu and a.cuda_graphs is not False,
+        seed=a.seed, progress=True, cuda_graphs=cuda_graphs_on(a),
         piecewise_graphs=gpu if a.piecewise_graphs is None else a.piecewise_graphs, **extra)
 
 

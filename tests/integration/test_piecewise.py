@@ -277,9 +277,9 @@ STEPS = [
 
 
 def test_piecewise_attention_inside_the_graphs_e4m3_pages(ckpt_factory, one_torch_thread):
-    """The same steps on e4m3 pages with per-head scales (--kv-cache-dtype fp8 on a decode worker, whose mixed steps
-    of up to 768 tokens hold every layer's attention in the graphs by default): the quantising store and the
-    dequantising read inside the pieces give the eager Triton backend's bits, page for page (its generic kernel on
+    """The same steps on e4m3 pages with per-head scales (--kv-cache-dtype fp8 with --piecewise-graphed-attention
+    all): the quantising store and the dequantising read inside the pieces give the eager Triton backend's bits,
+    page for page (its generic kernel on
     decode rows too, as in the graphs: the decode kernel it picks for e4m3 pages by default sums in another order)."""
     from kernels.triton_attention_backend import DecodeKernel, TritonAttention
 

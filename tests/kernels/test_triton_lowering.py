@@ -7,8 +7,8 @@ CI passed. Here each kernel is launched once on tiny inputs through its real wra
 interpreter, the launches are recorded (benchmarks.sass_probe.recording: argument types, constexprs,
 the launcher's divisibility specialisation, warps, stages), the GPU constexprs are substituted and every
 launch is compiled for sm_90a down to a cubin (Triton's own ptxas) in a subprocess without the
-interpreter, and its shared memory checked against the SM90 limit. This machine's Triton (3.9) is newer than the H200 image's (3.6), so a kernel can still
-differ there; register spills need a GPU to read back. Not covered: kernels/allreduce.py (needs multi-GPU symmetric
+interpreter, and its shared memory checked against the SM90 limit. This machine's Triton (3.9) is newer
+than the H200 image's (3.6), so a kernel can still differ there; register spills need a GPU to read back. Not covered: kernels/allreduce.py (needs multi-GPU symmetric
 memory even to launch). Constexprs are those of the tiny CPU shapes, not the tuned real-size tiles."""
 
 from __future__ import annotations

@@ -123,8 +123,8 @@ def test_generate_dtype_reaches_its_engine(ckpt_factory, monkeypatch, capsys):
     (["--device", "cuda", "--no-cuda-graphs", "--no-piecewise-graphs"], False, False),
     (["--cuda-graphs", "--piecewise-graphs"], False, True)])
 def test_generate_graph_flags_follow_the_device(argv: list[str], graphs: bool, pieces: bool) -> None:
-    """`tandem generate` on a GPU replays decode steps and the pieces of prefill steps as CUDA graphs, as a decode worker
-    does (the offline engine captures its decode graphs itself: EngineConfig.cuda_graphs)."""
+    """`tandem generate` on a GPU replays decode steps and the pieces of prefill steps as CUDA graphs, as a decode
+    worker does (the offline engine captures its decode graphs itself: EngineConfig.cuda_graphs)."""
     p = argparse.ArgumentParser()
     cmd_generate.add_engine_args(p)
     cfg = cmd_generate.engine_config(p.parse_args(argv))
