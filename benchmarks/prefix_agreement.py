@@ -267,16 +267,9 @@ def make_engines(device: str, dtype: str, attention: str, preset: str, layers: i
         cfg = EngineConfig(random_preset=preset, random_layers=layers, device=device, dtype=dtype, fp8=fp8,
                            fp8_attention=False if fp8 else None, attention_backend=attention,
                            linear_backend=linear, moe_backend=moe, kv_cache_bytes=(4 << 30) if device != "cpu" else (64 << 20),
-                           enable_prefix_caching=cache,
+                           enable_prefix_caching=cache, cuda_graphs=graphs,  # decode graphs up to max_num_seqs
                            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=tokens, max_model_len=8192))
-        llm = LLM(cfg)
-        if graphs:
-            from engine.decode_graphs import CudaGraphDecoder
-            eng = llm.engine
-            dec = CudaGraphDecoder(eng.model, eng.runner.pool, eng.kv, 8, 8192, buckets=(1, 2, 4, 8))
-            dec.capture()
-            eng.runner.graphs = dec
-        return llm
+        return LLM(cfg)
 
     return {"off": one(False, chunk), "on": one(True, chunk), "ctl": one(False, chunk // 2)}
 

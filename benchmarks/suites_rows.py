@@ -52,13 +52,16 @@ _GRAPH_TEST_CMD = ("{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/t
 # TANDEM_FI_TENSOR_MAX=1: FlashInfer's plan with tensor_max (kernels/flashinfer_host.patch_tensor_max), to be validated
 GRAPH_TESTS = step("graph-capture-gpu-tests", _GRAPH_TEST_CMD, 200, summary=PYTEST, env={"TANDEM_FI_TENSOR_MAX": "1"})
 PLAN_HOST = step("plan-host", "{py} -m benchmarks.plan_host", 60, summary=r"^plan |wrote|Error")
+# the graphed attention's split-KV at long context against the same launches unsplit and FlashInfer fa2
+GRAPH_ATTN_LONG = step("graph-attn-long", "{py} -m benchmarks.graph_attention_long", 60,
+                       summary=r"^long |wrote|FAILED|Error")
 ROWS_SUITES["graph-tests"] = Suite(
     "the GPU tests of the shared CUDA-graph capture helper (tests/support/cuda_graph.py) and of the offline engine's "
     "own decode graphs (EngineConfig.cuda_graphs): attention, FP8 KV, the few-token kernels, sampling, the fused "
     "model's graph decode, the overlapped loop and prompt logprobs with graphs; then the host time of a decode step's "
     "attention plan with FlashInfer's max() over host tensors as shipped and shadowed by tensor_max "
-    "(benchmarks/plan_host.py)", carry=STACK_CARRY,
-    steps=(GRAPH_TESTS, PLAN_HOST))
+    "(benchmarks/plan_host.py); the graphed attention's split-KV at long context (benchmarks/graph_attention_long.py)",
+    carry=STACK_CARRY, steps=(GRAPH_TESTS, PLAN_HOST, GRAPH_ATTN_LONG))
 
 # What waits for an H200, in one device call, most wanted first (a step the --budget cannot fit is skipped): issue 25's
 # colocated A/B with attention in the graphs for small steps; issue 27's figures with today's defaults (20b prefill 8k
@@ -68,17 +71,19 @@ _GRAPHED = SERVED_SUITES["issue25-h200-graphed"]
 _ISSUE27 = {s.name: s for s in ISSUE_SUITES["issue27-h200"].steps}
 _ROWS = {s.name: s for s in ROWS_SUITES["rows-b1-ab"].steps}
 ROWS_SUITES["h200-next"] = Suite(
-    "what waits for an H200, one call: " + _GRAPHED.description + "; then issue 27's figures with the workers' "
+    "what waits for an H200, one call: " + _GRAPHED.description + "; the graphed attention's split-KV at long "
+    "context (benchmarks/graph_attention_long.py); then issue 27's figures with the workers' "
     "defaults (issue27-h200's model-20b and model-120b), the FP8-projection A/B of rows-b1-ab on 20b and 120b, the "
     "20b decode profile; then the GPU tests of the shared CUDA-graph capture helper and of the offline engine's own "
-    "decode graphs, and the host time of a decode step's attention plan (benchmarks/plan_host.py)",
+    "decode graphs (plan-host stays in graph-tests: the call's 560 s are spent)",
     carry=STACK_CARRY,
     # timeouts cut to fit one call, from what the steps took on the H200 (issue27-h200-1: model-20b 12 s, model-120b
     # 20 s, profile-20b 17 s; issue25-h200-1: ~140 s an arm)
-    steps=_GRAPHED.steps + (replace(_ISSUE27["model-20b"], timeout_s=30),
+    steps=_GRAPHED.steps + (replace(GRAPH_ATTN_LONG, timeout_s=30),
+                            replace(_ISSUE27["model-20b"], timeout_s=30),
                             replace(_ROWS["model-20b-fp8-rows"], timeout_s=30),
                             replace(_ISSUE27["model-120b"], timeout_s=40),
                             replace(_ROWS["model-120b-fp8-rows"], timeout_s=40),
                             replace(_ISSUE27["profile-20b"], timeout_s=30),
-                            replace(GRAPH_TESTS, timeout_s=60), replace(PLAN_HOST, timeout_s=30)),
+                            replace(GRAPH_TESTS, timeout_s=60)),
     reproduces=_GRAPHED.reproduces + ISSUE_SUITES["issue27-h200"].reproduces + ROWS_SUITES["rows-b1-ab"].reproduces)

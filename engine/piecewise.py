@@ -136,15 +136,18 @@ class PiecewiseGraphs:
         self.tables: dict[PageGroup, object] = {}  # kernels.triton_graph_attention.GroupTables per graphed group
         self._planned: StepMeta | None = None
         if graphed:
-            from kernels.triton_graph_attention import GroupTables, graph_configs
+            from kernels.triton_graph_attention import GroupTables, graph_configs, graph_splits
 
             assert pool is not None and max_seqs > 0 and max_model_len > 0
             spec = pool.spec
             a0 = layers[0].attn
             cfgs = graph_configs(a0.num_heads // a0.num_kv_heads, model.device)
             for g in graphed:
-                pages = spec.ring_pages if g == PageGroup.SLIDING else -(-max_model_len // spec.page_size)
-                self.tables[g] = GroupTables(self.buckets, max_seqs, pages, g, model.device, cfgs)
+                sliding = g == PageGroup.SLIDING
+                pages = spec.ring_pages if sliding else -(-max_model_len // spec.page_size)
+                split = {} if sliding else graph_splits(a0.num_heads // a0.num_kv_heads, a0.num_kv_heads, cfgs,
+                                                        model.device)
+                self.tables[g] = GroupTables(self.buckets, max_seqs, pages, g, model.device, cfgs, **split)
         a = model.layers[0].attn
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         n, h, dt, dev = self.buckets[-1], model.cfg.hidden_size, model.dtype, model.device

@@ -4,7 +4,7 @@ chunked prefill and batched decode, plus a merge kernel for split-KV.
 Role: the compute core of `TritonAttention` (kernels/triton_attention_backend.py). Lifecycle: the
 backend builds an `AttnBatch` once per step (per page group), then every layer calls
 `sink_attention`, which picks a launch config, launches `_attn_fwd` and, when the KV range is
-split across programs, `_merge_splits`.
+split across programs, `_merge_splits` (kernels/attention_splits.py).
 
 Keys of sequence b are indexed 0..kv_len-1 in its view: the first `paged_len` live in pages (HND
 caches [NP, Hkv, P, D] read through `page_table[b]`), the rest are dense rows of k/v starting at
@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+
+from kernels.attention_splits import merge_splits, split_partials
 
 LOG2E = 1.4426950408889634
 
@@ -124,7 +126,7 @@ def _attn_fwd(Q, K, V, KC, VC, PT, Sinks, Out, PartAcc, PartM, PartL, SeqInfo, T
               stride_cp, stride_ch, stride_ct, stride_pt, stride_ot, stride_oh,
               GROUP: tl.constexpr, HPP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-              DOT_PREC: tl.constexpr, KV_WIDEN: tl.constexpr):
+              DOT_PREC: tl.constexpr, KV_WIDEN: tl.constexpr, ADAPTIVE: tl.constexpr, PART_BY_TILE: tl.constexpr):
     TPT: tl.constexpr = BLOCK_M // HPP  # tokens per tile
     SUBG: tl.constexpr = GROUP // HPP  # programs per KV head
     tile = tl.program_id(0)
@@ -161,7 +163,11 @@ def _attn_fwd(Q, K, V, KC, VC, PT, Sinks, Out, PartAcc, PartM, PartL, SeqInfo, T
         lo = qp_lo * 0
         int_lo = lo
     if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+        if ADAPTIVE:  # graphs: the step's tables give each sequence's split count (attention_splits.py)
+            used = tl.minimum(tl.maximum(tl.load(SeqInfo + 5 * num_seqs + b), 1), num_splits)
+        else:
+            used = num_splits
+        chunk = tl.cdiv(tl.cdiv(hi - lo, used), BLOCK_N) * BLOCK_N  # splits >= used are empty
         s_lo = tl.minimum(lo + split * chunk, hi)
         s_hi = tl.minimum(s_lo + chunk, hi)
     else:
@@ -193,42 +199,25 @@ def _attn_fwd(Q, K, V, KC, VC, PT, Sinks, Out, PartAcc, PartM, PartL, SeqInfo, T
                                   qk_scale, 1.0, False, HAS_WINDOW, BLOCK_N, HEAD_DIM, PAGE, DOT_PREC, False)
 
     if SPLIT:
-        idx = (split * num_tokens + q_row) * num_q_heads + head  # [M]
-        tl.store(PartM + idx, m_i, mask=row_ok)
-        tl.store(PartL + idx, l_i, mask=row_ok)
-        tl.store(PartAcc + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        part_ok = row_ok
+        if ADAPTIVE:  # a sequence in one split: split 0 writes out itself, the merge skips its tiles
+            used_m = rows * 0 + used  # [M]: masks from [M] operands (the CPU interpreter rejects bool scalars)
+            part_ok = row_ok & (used_m > 1) & (split < used_m)
+            out_ok = row_ok & (used_m + split == 1)  # used == 1 and split == 0 (used >= 1, split >= 0)
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(Out + q_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     out.to(Out.dtype.element_ty), mask=out_ok[:, None])
+        if PART_BY_TILE:  # one-token tiles: partial rows by tile (a table of max_seqs rows, not the bucket's)
+            idx = (split * num_tiles + tile + rows * 0) * num_q_heads + head  # [M]
+        else:
+            idx = (split * num_tokens + q_row) * num_q_heads + head  # [M]
+        tl.store(PartM + idx, m_i, mask=part_ok)
+        tl.store(PartL + idx, l_i, mask=part_ok)
+        tl.store(PartAcc + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=part_ok[:, None])
     else:
         out = acc / l_i[:, None]
         tl.store(Out + q_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _merge_splits(PartAcc, PartM, PartL, Out, num_tokens, num_q_heads, num_splits, stride_ot, stride_oh,
-                  BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One program per (token, q head): BLOCK_S splits per iteration, combined by a running max, so a
-    batch-1 decode with 64 splits merges in one vector step per head (a loop over splits per program
-    was latency-bound: 33 us per full layer at batch 1 on the H200, decode-profile-1)."""
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    d = tl.arange(0, HEAD_DIM)
-    m = tl.full([1], float("-inf"), tl.float32)
-    l_tot = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        ok = s < num_splits
-        idx = (s * num_tokens + t) * num_q_heads + h  # [S]
-        pm = tl.load(PartM + idx, mask=ok, other=float("-inf"))
-        # Split 0 (in the first block) carries the sink, so m_new is finite; empty splits weigh 0.
-        m_new = tl.maximum(m, tl.max(pm, axis=0))
-        alpha = tl.math.exp2(m - m_new)
-        w = tl.math.exp2(pm - m_new)  # [S]
-        l_tot = l_tot * alpha + tl.sum(w * tl.load(PartL + idx, mask=ok, other=0.0), axis=0)
-        part = tl.load(PartAcc + idx[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)  # [S, D]
-        acc = acc * alpha + tl.sum(w[:, None] * part, axis=0)
-        m = m_new
-    tl.store(Out + t * stride_ot + h * stride_oh + d, (acc / l_tot).to(Out.dtype.element_ty))
 
 
 # ---- host side ------------------------------------------------------------------------------------
@@ -337,23 +326,6 @@ def page_scales(kv_scale: tuple[torch.Tensor, torch.Tensor] | None, hkv: int, de
     return ks, vs
 
 
-def split_partials(splits: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split-KV partials for out [T, Hq, D]: (acc [S, T, Hq, D], m [S, T, Hq], l [S, T, Hq]) fp32, or
-    out itself three times when there is one split (the kernels then write out directly)."""
-    if splits <= 1:
-        return out, out, out
-    t, hq, d = out.shape
-    part_m = torch.empty(splits, t, hq, dtype=torch.float32, device=out.device)
-    return torch.empty(splits, t, hq, d, dtype=torch.float32, device=out.device), part_m, torch.empty_like(part_m)
-
-
-def merge_splits(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor) -> None:
-    """out [T, Hq, D] <- the split-KV partials of `split_partials`."""
-    splits, t, hq, d = part_acc.shape
-    _merge_splits[(t, hq)](part_acc, part_m, part_l, out, t, hq, splits, out.stride(0), out.stride(1),
-                           BLOCK_S=min(64, triton.next_power_of_2(splits)), HEAD_DIM=d, num_warps=2)
-
-
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    kv_cache: tuple[torch.Tensor, torch.Tensor] | None, batch: AttnBatch, sinks: torch.Tensor,
                    sm_scale: float, window: int | None, *, config: KernelConfig | None = None,
@@ -400,8 +372,8 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kc.stride(0), kc.stride(1), kc.stride(2), pt.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HPP=cfg.heads_per_program, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
         PAGE=page, SPLIT=splits > 1, HAS_WINDOW=window is not None,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_WIDEN=widen,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_WIDEN=widen, ADAPTIVE=False,
+        PART_BY_TILE=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         merge_splits(part_acc, part_m, part_l, out)
     return out

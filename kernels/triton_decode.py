@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attention import LOG2E, AttnBatch, merge_splits, page_scales, split_partials
+from kernels.attention_splits import merge_splits, split_partials
+from kernels.triton_attention import LOG2E, AttnBatch, page_scales
 
 FP8 = torch.float8_e4m3fn
 

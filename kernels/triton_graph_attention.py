@@ -25,8 +25,11 @@ one set per page group:
                                do 16 tokens' MMA work for one)
   slots_pre, slots_post [b]    where each new token is stored before / after the read (int64, -1: not
                                stored: padded rows, the ring's skipped head, and every row of the other one)
-Each launch's grid is (NT(b), KV-head groups, 1): no split-KV (a window's keys are few; a mixed step's full
-layers have a program per q tile and KV head of every sequence), so nothing in a launch depends on the step.
+  seq_info row 5               full layers: each sequence's split-KV count (kernels/attention_splits.py)
+Each launch's grid is (NT(b), KV-head groups, cap): sliding layers never split (cap 1: a window's keys are few);
+full layers launch `cap` splits per tile (GroupTables.splits, per table) and each sequence uses the count its
+seq_info says, so a decode row at 100k context is read by up to cap programs per KV head as FlashInfer's split-KV
+would, with a merge launch after; nothing in a launch's shape depends on the step.
 Both orders of the eager backends are in the graph and the tables pick one per step: full layers, and a
 sliding step whose ring holds the window and its new tokens, store first and read every key through the
 pages (paged_len = kv_len); a chunk larger than the ring reads its prefix from the pages and its own keys
@@ -40,8 +43,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.attention_splits import merge_tile_splits, split_counts, tile_partials
 from kernels.interface import GroupMeta, StepMeta
 from kernels.triton_attention import LOG2E, KernelConfig, _attn_fwd, page_scales, pick_config
+
+# full layers on a GPU: split caps of the (one-token rows, chunks) launches, and the smallest piece of keys worth a
+# program of its own (below it the partials' traffic and the merge cost more than the balance gains)
+GPU_SPLITS = (16, 4)
+MIN_SPLIT_KEYS = 1024
 
 
 def tiles_capacity(bucket: int, tokens_per_tile: int, max_seqs: int) -> int:
@@ -53,12 +62,18 @@ class GroupTables:
     """One page group's per-step tables at fixed addresses, two tile tables (decode, chunk) per bucket."""
 
     def __init__(self, buckets: tuple[int, ...], max_seqs: int, max_pages: int, group: int, device: torch.device,
-                 configs: tuple[KernelConfig, KernelConfig]) -> None:
+                 configs: tuple[KernelConfig, KernelConfig], *, splits: tuple[int, int] = (1, 1),
+                 head_groups: tuple[int, int] = (1, 1), target_programs: int = 264,
+                 min_split_keys: int = MIN_SPLIT_KEYS) -> None:
+        """splits: split-KV caps of the (one-token, chunk) launches (1: never split; sliding groups);
+        head_groups: each launch's programs per tile, for the split policy."""
         self.max_seqs, self.max_pages, self.group = max_seqs, max_pages, group
         self.configs = configs  # (one-token rows, chunks)
         self.tpt = tuple(c.block_m // c.heads_per_program for c in configs)  # tokens per tile
+        self.splits, self.head_groups = splits, head_groups
+        self.target_programs, self.min_split_keys = target_programs, min_split_keys
         s = max_seqs + 1  # column max_seqs: the empty sequence padded tiles point at
-        self.seq_info = torch.zeros(5, s, dtype=torch.int32, device=device)
+        self.seq_info = torch.zeros(6, s, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(s, max_pages, dtype=torch.int32, device=device)
         self.slots_pre = torch.full((max(buckets),), -1, dtype=torch.int64, device=device)
         self.slots_post = torch.full((max(buckets),), -1, dtype=torch.int64, device=device)
@@ -77,7 +92,7 @@ class GroupTables:
         assert n <= self.max_seqs and t <= bucket, (n, t, bucket)
         q_start = np.zeros(n, dtype=np.int64)
         np.cumsum(q[:-1], out=q_start[1:])
-        info = np.zeros((5, self.max_seqs + 1), dtype=np.int32)
+        info = np.zeros((6, self.max_seqs + 1), dtype=np.int32)
         info[0, :n] = q_start
         info[1, :n] = q
         # store first and read every key from the pages, or (a sliding chunk past the ring) the prefix from the
@@ -85,11 +100,18 @@ class GroupTables:
         info[2, :n] = g.kv_lens_host if g.pages_hold_all else g.prefix_lens_host
         info[3, :n] = g.kv_lens_host
         info[4, :n] = q_start
+        info[5, :] = 1
+        one = q == 1
+        kv = np.asarray(g.kv_lens_host, dtype=np.int64)
+        for rows, tpt, cap, hg in zip((np.flatnonzero(one), np.flatnonzero(~one)), self.tpt, self.splits,
+                                      self.head_groups):
+            if cap > 1 and rows.size:
+                info[5, rows] = split_counts(kv[rows], -(-q[rows] // tpt), hg, cap, self.target_programs,
+                                             self.min_split_keys)
         _upload(self.seq_info, info)
         width = g.page_table.shape[1]
         assert width <= self.max_pages, (width, self.max_pages)  # the ring, or max_model_len / page_size
         self.page_table[:n, :width].copy_(g.page_table)
-        one = q == 1
         for tiles, rows, tpt in zip(self.tiles[bucket], (np.flatnonzero(one), np.flatnonzero(~one)), self.tpt):
             nt = -(-q[rows] // tpt)  # tiles per sequence; the longest-running (last) tiles first, as AttnBatch
             seq = np.repeat(rows, nt)
@@ -128,20 +150,37 @@ def graphed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     group = hq // hkv
     out = torch.zeros_like(q)  # padded rows: zeros, finite (engine/piecewise.py keeps padding finite)
     info, pt = tables.seq_info, tables.page_table
-    for cfg, tiles in zip(tables.configs, tables.tiles[bucket]):  # one-token rows, then chunks: disjoint rows
+    caps = (1, 1) if window is not None else tables.splits
+    # one-token rows (partials by tile: the table holds only q_len-1 rows), then chunks: disjoint rows
+    for cfg, tiles, cap, by_tile in zip(tables.configs, tables.tiles[bucket], caps, (True, False)):
         num_tiles = tiles.shape[1]
-        _attn_fwd[(num_tiles, hkv * (group // cfg.heads_per_program), 1)](
-            q, k, v, kc, vc, pt, sinks, out, out, out, out, info, tiles, ks, vs,
-            info.shape[1], num_tiles, b, hq, 1, sm_scale * LOG2E, window or 0,
+        hg = hkv * (group // cfg.heads_per_program)
+        parts = tile_partials(cap, num_tiles if by_tile else b, out)
+        _attn_fwd[(num_tiles, hg, cap)](
+            q, k, v, kc, vc, pt, sinks, out, *parts, info, tiles, ks, vs,
+            info.shape[1], num_tiles, b, hq, cap, sm_scale * LOG2E, window or 0,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             kc.stride(0), kc.stride(1), kc.stride(2), pt.stride(0), out.stride(0), out.stride(1),
             GROUP=group, HPP=cfg.heads_per_program, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
-            PAGE=kc.shape[2], SPLIT=False, HAS_WINDOW=window is not None,
-            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_WIDEN=widen,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            PAGE=kc.shape[2], SPLIT=cap > 1, HAS_WINDOW=window is not None,
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_WIDEN=widen, ADAPTIVE=True,
+            PART_BY_TILE=by_tile, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if cap > 1:
+            merge_tile_splits(parts, out, info, tiles, hg, group, cfg.heads_per_program, cfg.block_m, by_tile)
     return out
 
 
 def graph_configs(group: int, device: torch.device) -> tuple[KernelConfig, KernelConfig]:
     """TritonAttention's launch shapes for one-token rows and for chunks (pick_config), fixed at capture."""
     return pick_config(group, 1, device), pick_config(group, 2, device)
+
+
+def graph_splits(group: int, kv_heads: int, configs: tuple[KernelConfig, KernelConfig], device: torch.device
+                 ) -> dict:
+    """GroupTables' split-KV keywords for a full-attention group: GPU_SPLITS on a GPU, aiming at two programs
+    per SM; none on the CPU interpreter (its tests pass their own)."""
+    if device.type != "cuda":
+        return {}
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return {"splits": GPU_SPLITS, "target_programs": 2 * sms,
+            "head_groups": tuple(kv_heads * (group // c.heads_per_program) for c in configs)}

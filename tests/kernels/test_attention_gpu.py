@@ -204,3 +204,35 @@ def test_engine_tokens_triton_equal_torch_on_gpu(ckpt_factory):
                                scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256)))
         outs[backend] = [c.output_ids for c in llm.generate(prompts, params)]
     assert outs["triton"] == outs["torch"]
+
+
+def test_graphed_attention_splits_long_context_under_graph_replay():
+    """kernels/triton_graph_attention.py's split-KV on full layers at long context, captured once and replayed
+    for two steps: a decode row at 32k among 15 at 1k (it splits, the short ones do not), then a 200-token chunk at
+    16k beside 15 decode rows at 2k, both against the fp32 reference; the replay reads only the refilled tables."""
+    from kernels.triton_graph_attention import GroupTables, graph_configs, graph_splits, graphed_attention
+    steps = [_step([1] * 16, [32767] + [1023] * 15, None, pages_per_seq=2049, seed=1),
+             _step([200] + [1] * 15, [16384] + [2047] * 15, None, pages_per_seq=2049, seed=2)]
+    bucket, num_pages = 256, steps[0][1]
+    g = torch.Generator(device=DEV).manual_seed(7)
+    kc = torch.randn(num_pages, HKV, P, D, generator=g, device=DEV, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    sinks = torch.randn(HQ, device=DEV) * 2
+    cfgs = graph_configs(HQ // HKV, torch.device(DEV))
+    tables = GroupTables((bucket,), 64, 2049, 0, torch.device(DEV), cfgs,
+                         **graph_splits(HQ // HKV, HKV, cfgs, torch.device(DEV)))
+    q, k, v = _bf16(bucket, HQ, D), _bf16(bucket, HKV, D), _bf16(bucket, HKV, D)
+    tables.fill(steps[0][0], bucket)
+    graph, out = capture(lambda: graphed_attention(q, k, v, (kc, vc), tables, bucket, sinks, D ** -0.5, None))
+    for i, (step, _) in enumerate(steps):
+        tables.fill(step, bucket)
+        counts = tables.seq_info[5, :len(step.q_lens_host)].tolist()
+        assert counts[0] > 1, counts  # the long sequence splits
+        if i == 0:
+            assert set(counts[1:]) == {1}, counts
+        q.normal_()
+        graph.replay()
+        t = sum(step.q_lens_host)
+        # the reference reads every key from the pages (the step's tables say pages hold all)
+        assert _rel(out[:t], _reference(step, q[:t], kc, vc, sinks, None)) <= 1e-2
+        assert torch.equal(out[t:], torch.zeros_like(out[t:]))

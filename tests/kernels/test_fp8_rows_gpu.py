@@ -87,7 +87,8 @@ def test_model_and_graph_decode_with_rows_fusion():
     """Decode steps of a 2-layer random 20b with FP8 QKV/O: fp8_rows' hidden states close to the defaults' (W8A16
     against W8A8: x not quantised); the engine's CUDA-graph decode with it decodes every token."""
     pytest.importorskip("flashinfer")
-    from engine.decode_graphs import CudaGraphDecoder
+    import dataclasses
+
     from engine.build import load_model
     from engine.llm import LLM
     from engine.sampling import SamplingParams
@@ -122,11 +123,8 @@ def test_model_and_graph_decode_with_rows_fusion():
     assert sorted(errs)[len(errs) // 2] < 5e-2, errs
     del model, pools
     torch.cuda.empty_cache()
-    llm = LLM(_config(rows))
-    eng = llm.engine
-    graphs = CudaGraphDecoder(eng.model, eng.runner.pool, eng.kv, 4, 4096, buckets=(1, 2, 4))
-    graphs.capture()
-    eng.runner.graphs = graphs
+    llm = LLM(dataclasses.replace(_config(rows), cuda_graphs=True))  # captures its decode graphs
+    assert llm.engine.runner.graphs is not None
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1000, 100_000, (n,), generator=g).tolist() for n in (700, 1)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))

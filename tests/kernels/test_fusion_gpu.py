@@ -202,7 +202,8 @@ def test_engine_graph_decode_exact_fusions_same_tokens():
     """The engine with CUDA-graph decode (FlashInfer): the bit-exact fusions give the tokens of the
     unfused engine; all fusions on run (graph capture included) and decode every token."""
     pytest.importorskip("flashinfer")
-    from engine.decode_graphs import CudaGraphDecoder
+    import dataclasses
+
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
@@ -211,13 +212,10 @@ def test_engine_graph_decode_exact_fusions_same_tokens():
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs = {}
     for fusions in ("off", "rope_store+norm_quant", "on"):
-        llm = LLM(_config(fusions))
-        eng = llm.engine
-        graphs = CudaGraphDecoder(eng.model, eng.runner.pool, eng.kv, 4, 4096, buckets=(1, 2, 4))
-        graphs.capture()
-        eng.runner.graphs = graphs
+        llm = LLM(dataclasses.replace(_config(fusions), cuda_graphs=True))  # captures its decode graphs
+        assert llm.engine.runner.graphs is not None
         outs[fusions] = [c.output_ids for c in llm.generate(prompts, params)]
-        del llm, eng, graphs
+        del llm
         torch.cuda.empty_cache()
     assert outs["rope_store+norm_quant"] == outs["off"]
     assert all(len(o) == 12 for o in outs["on"])

@@ -8,6 +8,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -57,3 +58,54 @@ def test_graphed_attention_two_tile_shapes(window, hold_all):
     small = Case([1, 3], [4, 2], hq=group * hkv, hkv=hkv, seed=4)
     tables.fill(_step(small, hold_all), BUCKET)
     assert dec[0, 1:].eq(6).all() and chunk[0, 1:].eq(6).all()
+
+
+def _split_tables(c: Case, splits, min_keys: int) -> GroupTables:
+    cfgs = (KernelConfig(16, 16, 8), KernelConfig(64, 16, 8))
+    return GroupTables((BUCKET,), max_seqs=6, max_pages=c.page_table.shape[1], group=0, device=torch.device("cpu"),
+                       configs=cfgs, splits=splits, head_groups=(2, 2), target_programs=64, min_split_keys=min_keys)
+
+
+@pytest.mark.parametrize("hold_all", [True, False])
+def test_graphed_attention_split_kv(hold_all):
+    """Full layers split long sequences' keys per the tables (seq_info row 5) and merge by tile: decode rows at
+    ~150 keys beside a short one and a chunk, against the reference; padded rows stay zero. With the same caps
+    but pieces too large to split, split 0 writes every row itself: bit-equal to the unsplit launch."""
+    group, hkv = 8, 2
+    c = Case([1, 9, 1, 1], [150, 90, 3, 120], hq=group * hkv, hkv=hkv, seed=5)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (_pad(x, gen) for x in (c.q, c.k, c.v))
+    t = sum(c.q_lens)
+    want = c.ref_all_paged(0.25, None) if hold_all else c.ref_prefix_dense(0.25, None)
+    tables = _split_tables(c, (4, 3), min_keys=32)
+    tables.fill(_step(c, hold_all), BUCKET)
+    counts = tables.seq_info[5, :4].tolist()
+    assert counts[0] == 4 and counts[2] == 1 and counts[3] == 4 and counts[1] > 1, counts
+    out = graphed_attention(q, k, v, (c.k_cache, c.v_cache), tables, BUCKET, c.sinks, 0.25, None)
+    check(out[:t], want, torch.float32)
+    assert torch.equal(out[t:], torch.zeros_like(out[t:]))
+    whole = _split_tables(c, (4, 3), min_keys=10_000)
+    whole.fill(_step(c, hold_all), BUCKET)
+    assert whole.seq_info[5, :4].tolist() == [1, 1, 1, 1]
+    unsplit = _split_tables(c, (1, 1), min_keys=32)
+    unsplit.fill(_step(c, hold_all), BUCKET)
+    base = graphed_attention(q, k, v, (c.k_cache, c.v_cache), unsplit, BUCKET, c.sinks, 0.25, None)
+    assert torch.equal(graphed_attention(q, k, v, (c.k_cache, c.v_cache), whole, BUCKET, c.sinks, 0.25, None), base)
+    # sliding layers never split, whatever the tables' caps
+    assert torch.equal(graphed_attention(q, k, v, (c.k_cache, c.v_cache), tables, BUCKET, c.sinks, 0.25, 5),
+                       graphed_attention(q, k, v, (c.k_cache, c.v_cache), unsplit, BUCKET, c.sinks, 0.25, 5))
+
+
+def test_split_counts_policy():
+    """Many sequences at a modest context fill the grid unsplit; one long sequence among them splits to the cap; a
+    few long ones split evenly; pieces never fall below min_keys; cap 1 never splits."""
+    from kernels.attention_splits import split_counts  # noqa: PLC0415
+    ones = np.ones(64, dtype=np.int64)
+    assert split_counts(np.full(64, 4096), ones, 8, 16, 264, 1024).tolist() == [1] * 64
+    mixed = split_counts(np.array([100_000] + [1000] * 63), ones, 8, 16, 264, 1024)
+    assert mixed[0] == 16 and (mixed[1:] == 1).all()
+    assert split_counts(np.full(4, 8192), np.ones(4), 8, 16, 264, 1024).tolist() == [8] * 4
+    assert split_counts(np.full(2, 1500), np.ones(2), 8, 16, 264, 1024).tolist() == [2, 2]
+    assert split_counts(np.full(4, 8192), np.ones(4), 8, 1, 264, 1024).tolist() == [1] * 4
+    # chunk tiles count their tiles' work: a 300-token chunk at 50k context splits less than a decode row there
+    assert split_counts(np.array([50_000]), np.array([19]), 8, 4, 264, 1024)[0] <= 4

@@ -223,7 +223,7 @@ def test_store_kv_into_strided_pool_view():
 def test_merge_splits_matches_torch(splits):
     """merge_splits against the log-sum-exp combination in torch: more splits than one block (70),
     empty splits (m = -inf, as a split past a sequence's keys leaves them) after split 0."""
-    from kernels.triton_attention import merge_splits  # noqa: PLC0415
+    from kernels.attention_splits import merge_splits  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(splits)
     t, hq, d = 3, 8, 16
