@@ -127,6 +127,18 @@ def _launch_attention() -> None:
     paged_decode(d8.q, (d8.k_cache, d8.v_cache), batch, d8.sinks, 0.2, 8, kv_scale=d8.kv_scale, num_splits=2)
     kb, vb = torch.randn(d8.k_cache.shape).to(torch.bfloat16), torch.randn(d8.v_cache.shape).to(torch.bfloat16)
     paged_decode(d8.q, (kb, vb), batch, d8.sinks, 0.2, None)
+    # the graphed attention (kernels/triton_graph_attention.py) with split-KV: ADAPTIVE splits by tile and by token,
+    # both merges, on bf16 pages
+    from kernels.triton_attention import KernelConfig
+    from kernels.triton_graph_attention import GroupTables, graphed_attention
+    from tests.kernels.test_graph_attention import _step
+    g = Case([1, 6, 1], [40, 20, 3], hq=16, hkv=2, dtype=torch.bfloat16, seed=4)
+    tables = GroupTables((16,), 4, g.page_table.shape[1], 0, torch.device("cpu"),
+                         (KernelConfig(16, 16, 8), KernelConfig(64, 16, 8)), splits=(3, 2), head_groups=(2, 2),
+                         target_programs=64, min_split_keys=8)
+    tables.fill(_step(g, True), 16)
+    pad = lambda x: torch.cat([x, torch.zeros(16 - x.shape[0], *x.shape[1:], dtype=x.dtype)])  # noqa: E731
+    graphed_attention(pad(g.q), pad(g.k), pad(g.v), (g.k_cache, g.v_cache), tables, 16, g.sinks, 0.25, None)
 
 
 def test_gpu_branches_of_every_kernel_lower_for_sm90(tmp_path):
@@ -135,6 +147,9 @@ def test_gpu_branches_of_every_kernel_lower_for_sm90(tmp_path):
         _launch_attention()
     kernels = {(r["module"], r["kernel"]) for r in seen.values()}
     assert len(kernels) >= 28, sorted(kernels)  # all but allreduce's (multi-GPU symmetric memory only)
+    assert any(r["kernel"] == "_attn_fwd" and r["const"].get("ADAPTIVE") and r["const"].get("SPLIT")
+               and r["const"].get("PART_BY_TILE") for r in seen.values())  # the graphed split-KV's GPU branch
+    assert any(k == "_merge_tile_splits" for _, k in kernels)
     fp8_kv = [(r["kernel"], r["sig"].get("KC") or r["sig"].get("XC")) for r in seen.values()
               if r["const"].get("KV_WIDEN") or r["const"].get("QUANT") or r["kernel"] == "_gather_kv_kernel"]
     fp8_kv += [(r["kernel"], r["sig"]["KC"]) for r in seen.values() if r["const"].get("FP8_PAGES")]
