@@ -60,8 +60,12 @@ ROWS_SUITES["graph-tests"] = Suite(
     "own decode graphs (EngineConfig.cuda_graphs): attention, FP8 KV, the few-token kernels, sampling, the fused "
     "model's graph decode, the overlapped loop and prompt logprobs with graphs; then the host time of a decode step's "
     "attention plan with FlashInfer's max() over host tensors as shipped and shadowed by tensor_max "
-    "(benchmarks/plan_host.py); the graphed attention's split-KV at long context (benchmarks/graph_attention_long.py)",
-    carry=STACK_CARRY, steps=(GRAPH_TESTS, PLAN_HOST, GRAPH_ATTN_LONG))
+    "(benchmarks/plan_host.py); the graphed attention's split-KV at long context (benchmarks/graph_attention_long.py); "
+    "the piecewise GPU tests, graphed modes judged against eager Triton without split-KV",
+    carry=STACK_CARRY,
+    steps=(GRAPH_TESTS, PLAN_HOST, GRAPH_ATTN_LONG,
+           step("piecewise-gpu-tests", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
+                "tests/integration/test_piecewise_gpu.py", 90, summary=PYTEST)))
 
 # What waits for an H200, in one device call, most wanted first (a step the --budget cannot fit is skipped): issue 25's
 # colocated A/B with attention in the graphs for small steps; issue 27's figures with today's defaults (20b prefill 8k

@@ -1,8 +1,8 @@
 """Piecewise CUDA graphs on the GPU (engine/piecewise.py; gpt-oss-20b widths, random weights, 4 layers,
 every attention call an island, then the sliding layers' attention inside the pieces, then every layer's
 (--piecewise-graphed-attention sliding|all: those run Triton attention kernels, so they are judged against the
-eager forward on the Triton attention backend, and against FlashInfer's eager forward no further than the two
-eager backends are apart),
+eager forward on the Triton attention backend without split-KV, and against FlashInfer's eager forward no further
+than the two eager backends are apart),
 bf16 with FP8 experts on the worker's default MoE backend, FlashInfer, the worker's linear): the
 captured pieces against the eager forward, per step size (T = 1, 17, 352, 1000, a 352-token chunk
 after a 1000-token prefix, a mixed step of decode rows and a chunk): hidden states, logits and the
@@ -63,15 +63,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
+def _unsplit_triton():
+    """The eager Triton backend without split-KV: the graphed attention's kernels and tile configs for chunks, which
+    split only past GPU_SPLITS' 1024-key pieces (none here), where the eager backend splits a 352-token prompt in
+    two to fill the SMs (kernel-defaults-check-1 read that as 0.057 between the two at T=352)."""
+    from kernels.triton_attention_backend import TritonAttention
+    return TritonAttention(num_splits=1)
+
+
 def _eager_on_triton(model, tok, meta, pool, saved) -> torch.Tensor:
     """The eager forward with the Triton attention backend, from the same cache state (restored after)."""
-    from kernels.registry import make_attention
-
     after = [t.clone() for t in pool.pools]
     for t, s in zip(pool.pools, saved):
         t.copy_(s)
     be = model.backends
-    fi, be.attention = be.attention, make_attention("triton")
+    fi, be.attention = be.attention, _unsplit_triton()
     try:
         out = model(tok, meta, pool).clone()  # [T, H]
     finally:
@@ -146,8 +152,11 @@ def test_piecewise_gpu_matches_eager(parts):
             if ref_triton is None:
                 assert row["hidden_rel"] < REL_BOUND and row["logits_rel"] < REL_BOUND and row["kv_rel"] < REL_BOUND, row
             else:
-                assert row["hidden_rel_vs_eager_triton"] < REL_BOUND, row
-                assert row["hidden_rel"] < max(REL_BOUND, 1.5 * row["eager_triton_vs_flashinfer"] + 0.01), row
+                # `all` runs every layer's attention as eager Triton does; `sliding` keeps FlashInfer islands on the
+                # full layers, between the two eager backends
+                apart = max(REL_BOUND, 1.5 * row["eager_triton_vs_flashinfer"] + 0.01)
+                assert row["hidden_rel_vs_eager_triton"] < (REL_BOUND if not pw.islands else apart), row
+                assert row["hidden_rel"] < apart, row
             # a different greedy token only where the eager logits are a near-tie there
             assert all(same or gp <= max(TIE, 2 * diff) for same, gp in zip(row["same_first_token"], gap)), row
     finally:
@@ -180,11 +189,23 @@ def test_piecewise_gpu_runner_paths_and_speed(parts):
                 with_pw = runner.forward(prompt, [SeqStep(pages, 0, n)], [0])
                 runner.piecewise = None
                 eager = runner.forward(prompt, [SeqStep(pages, 0, n)], [0])
-                runner.piecewise = pw
                 if n > 2048:
                     assert torch.equal(with_pw, eager)  # both eager
-                else:
+                elif not pw.tables:
                     assert _rel(with_pw, eager) < REL_BOUND
+                else:  # attention in the graphs: against the same kernels run eagerly (all) or as the matches test
+                    be = runner.model.backends
+                    fi, be.attention = be.attention, _unsplit_triton()
+                    try:
+                        eager_triton = runner.forward(prompt, [SeqStep(pages, 0, n)], [0])
+                    finally:
+                        be.attention = fi
+                    apart = _rel(eager_triton, eager)
+                    timing[f"T={n} eager triton vs flashinfer"] = apart
+                    if not pw.islands:
+                        assert _rel(with_pw, eager_triton) < REL_BOUND
+                    assert _rel(with_pw, eager) < max(REL_BOUND, 1.5 * apart + 0.01)
+                runner.piecewise = pw
                 for mode in ("piecewise", "eager"):
                     runner.piecewise = pw if mode == "piecewise" else None
                     torch.cuda.synchronize()
