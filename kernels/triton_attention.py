@@ -134,6 +134,10 @@ def _attn_fwd(Q, K, V, KC, VC, PT, Sinks, Out, PartAcc, PartM, PartL, SeqInfo, T
     h0 = kvh * GROUP + (tl.program_id(1) % SUBG) * HPP
     split = tl.program_id(2)
     b = tl.load(Tiles + tile)
+    if SPLIT:
+        if ADAPTIVE:  # a split past this sequence's count has no keys: out before loading anything else
+            if split >= tl.maximum(tl.load(SeqInfo + 5 * num_seqs + b), 1):
+                return
     tok0 = tl.load(Tiles + num_tiles + tile)
     q_start = tl.load(SeqInfo + b)
     q_len = tl.load(SeqInfo + num_seqs + b)
