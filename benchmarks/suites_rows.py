@@ -91,3 +91,17 @@ ROWS_SUITES["h200-next"] = Suite(
                             replace(_ISSUE27["profile-20b"], timeout_s=30),
                             replace(GRAPH_TESTS, timeout_s=60)),
     reproduces=_GRAPHED.reproduces + ISSUE_SUITES["issue27-h200"].reproduces + ROWS_SUITES["rows-b1-ab"].reproduces)
+
+# The same evidence for the graphed-attention default on any card (an H100 when no H200 comes): issue 25's colocated
+# A/B (islands vs attention in the graphs for steps <= 768 tokens), the split-KV at long context, the piecewise GPU
+# tests (graphed modes against eager Triton without split-KV), the graph capture tests and plan-host.
+ROWS_SUITES["graphed-default-check"] = Suite(
+    "evidence for attention inside the piecewise graphs as a GPU decode worker's default, on any card: "
+    + _GRAPHED.description + "; the graphed split-KV at long context against unsplit and FlashInfer fa2; the piecewise "
+    "GPU tests; the graph capture GPU tests with FlashInfer's plan on tensor_max; plan-host",
+    carry=STACK_CARRY,
+    steps=_GRAPHED.steps + (GRAPH_ATTN_LONG,
+                            step("piecewise-gpu-tests", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
+                                 "tests/integration/test_piecewise_gpu.py", 70, summary=PYTEST),
+                            replace(GRAPH_TESTS, timeout_s=100), replace(PLAN_HOST, timeout_s=30)),
+    reproduces=_GRAPHED.reproduces)
