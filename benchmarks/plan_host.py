@@ -1,7 +1,7 @@
 """Host time of the attention backend's per-step plan for decode steps (FlashInferAttention.plan: the overlapped
 loop's launch path, before the graph replay), with FlashInfer 0.6.6's paged plan as shipped (Python's max() over
 1-D host tensors, element by element) against the module's max shadowed by kernels.flashinfer_host.tensor_max
-(what import_flashinfer installs with TANDEM_FI_TENSOR_MAX=1). One process, rounds interleaved; B sequences at C
+(what import_flashinfer installs unless TANDEM_FI_TENSOR_MAX=0). One process, rounds interleaved; B sequences at C
 context, both page groups (full, sliding), planned into the decode CUDA graphs' buffers as a decode worker does.
 
     python -m benchmarks.plan_host [--batches 16,64,128] [--context 3500]
@@ -43,7 +43,7 @@ def time_plans(impl, step: StepMeta, n: int) -> float:
 
 
 def restore_max(module, shipped) -> None:
-    """The module's max as import_flashinfer left it (tensor_max with TANDEM_FI_TENSOR_MAX=1, else Python's)."""
+    """The module's max as import_flashinfer left it (tensor_max unless TANDEM_FI_TENSOR_MAX=0, else Python's)."""
     if shipped is None:
         vars(module).pop("max", None)
     else:

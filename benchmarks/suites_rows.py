@@ -49,8 +49,9 @@ _GRAPH_TEST_CMD = ("{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/t
                    "tests/kernels/test_fusion_gpu.py tests/integration/test_async_decode_gpu.py "
                    "tests/integration/test_prompt_logprobs_gpu.py "
                    "-k 'cuda_graph or graph or triton_decode_backend_on_bf16 or async_decode or prompt_logprobs'")
-# TANDEM_FI_TENSOR_MAX=1: FlashInfer's plan with tensor_max (kernels/flashinfer_host.patch_tensor_max), to be validated
-GRAPH_TESTS = step("graph-capture-gpu-tests", _GRAPH_TEST_CMD, 200, summary=PYTEST, env={"TANDEM_FI_TENSOR_MAX": "1"})
+# FlashInfer's plan runs with tensor_max (kernels/flashinfer_host.patch_tensor_max), the default since
+# graphed-default-check-1 (TANDEM_FI_TENSOR_MAX=1 was this step's opt-in before)
+GRAPH_TESTS = step("graph-capture-gpu-tests", _GRAPH_TEST_CMD, 200, summary=PYTEST)
 PLAN_HOST = step("plan-host", "{py} -m benchmarks.plan_host", 60, summary=r"^plan |wrote|Error")
 # the piecewise GPU tests: graphed modes against eager Triton without split-KV
 PIECEWISE_GPU_TESTS = step("piecewise-gpu-tests", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "

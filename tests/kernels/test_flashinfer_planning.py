@@ -192,8 +192,8 @@ def test_fp8_kv_variant_refuses_an_unknown_declaration():
 
 def test_flashinfer_plan_max_of_a_tensor_does_not_iterate(monkeypatch):
     """FlashInfer 0.6.6's paged plan takes Python's max() of 1-D host tensors (max_q_len, max_kv_len), which walks
-    the tensor element by element: import_flashinfer can shadow the module's max with tensor_max (opt-in until a GPU
-    run: TANDEM_FI_TENSOR_MAX=1). A module with the
+    the tensor element by element: import_flashinfer shadows the module's max with tensor_max (unless
+    TANDEM_FI_TENSOR_MAX=0). A module with the
     plan's own lines gives the same values patched, without iterating a tensor; other uses of max are unchanged."""
     import types
 
