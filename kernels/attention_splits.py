@@ -6,8 +6,8 @@ per (token, head) with `_merge_splits`. A CUDA graph cannot pick a split count p
 (kernels/triton_graph_attention.py) launches a fixed grid of `cap` splits and reads each sequence's count from row 5
 of its seq_info, which `split_counts` fills per step on the host: a sequence at 100k context among short ones gets
 `cap` programs per KV head instead of one (one program streaming 25 MB would hold the step for ~0.5 ms per full
-layer), and a sequence that needs one split has split 0 write its output directly while splits >= its count exit
-with empty ranges; `_merge_tile_splits` then walks the launch's tiles and merges only the sequences that split.
+layer), and a sequence that needs one split has split 0 write its output directly while splits >= its count return
+at once; `_merge_tile_splits` then walks the launch's tiles and merges only the sequences that split.
 Merging is associative over (m, l, acc) with split 0 carrying the sink, so the result equals the unsplit kernel up
 to fp32 rounding of the combination order.
 
@@ -80,10 +80,12 @@ def _merge_tile_splits(PartAcc, PartM, PartL, Out, SeqInfo, Tiles, num_seqs, num
     kvh = tl.program_id(1) // SUBG
     h0 = kvh * GROUP + (tl.program_id(1) % SUBG) * HPP
     b = tl.load(Tiles + tile)
+    used = tl.minimum(tl.maximum(tl.load(SeqInfo + 5 * num_seqs + b), 1), num_splits)
+    if used <= 1:  # one split (split 0 wrote the rows) or a padded tile
+        return
     tok0 = tl.load(Tiles + num_tiles + tile)
     q_start = tl.load(SeqInfo + b)
     q_len = tl.load(SeqInfo + num_seqs + b)
-    used = tl.minimum(tl.maximum(tl.load(SeqInfo + 5 * num_seqs + b), 1), num_splits)
     rows = tl.arange(0, BLOCK_M)
     tok = tok0 + rows // HPP  # [M]
     head = h0 + rows % HPP  # [M]
