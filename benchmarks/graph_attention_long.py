@@ -15,8 +15,11 @@ import sys
 
 import torch
 
-from benchmarks.attention_cases import DEV, FULL, SM_SCALE, SMOKE, bench_ms, init_inputs, make_case, parity
+from benchmarks import attention_cases as ac
+from benchmarks.attention_cases import (DEV, DT, FULL, HKV, HQ, KV_DT, SM_SCALE, SMOKE, D, P, bench_ms, init_inputs,
+                                        make_case, parity)
 from benchmarks.common import environment, out_dir
+from kernels import triton_graph_attention as ga
 
 # (name, q_lens, prefix lens): decode rows are q_len 1
 CASES = [
@@ -36,21 +39,18 @@ MAX_REL = 2e-2  # bf16 output against fp32 (the eager backends' GPU tests use 1e
 def graphed_arm(case, splits: dict) -> tuple[float, float, list[int]]:
     """(ms per replay, rel err, the tables' split counts) of graphed_attention on the case's step."""
     from engine.piecewise import FINE_BUCKETS
-    from kernels import triton_graph_attention as ga
 
     t, n = sum(case.q_lens), len(case.q_lens)
     bucket = next((b for b in FINE_BUCKETS if b >= t), t)
-    cfgs = ga.graph_configs(case.q.shape[1] // case.k.shape[1], DEV)
+    cfgs = ga.graph_configs(HQ // HKV, DEV)
     tables = ga.GroupTables((bucket,), max(64, n), case.step.groups[FULL].page_table.shape[1], FULL, DEV, cfgs,
                             **splits)
     tables.fill(case.step, bucket)
     pad = bucket - t
     q, k, v = (torch.cat([x, torch.zeros(pad, *x.shape[1:], dtype=x.dtype, device=DEV)]) for x in (case.q, case.k,
                                                                                                     case.v))
-    from benchmarks.attention_cases import SINKS
-
-    def run():
-        return ga.graphed_attention(q, k, v, (case.kc, case.vc), tables, bucket, SINKS, SM_SCALE, None)
+    def run():  # ac.SINKS: set by init_inputs
+        return ga.graphed_attention(q, k, v, (case.kc, case.vc), tables, bucket, ac.SINKS, SM_SCALE, None)
 
     if DEV.type == "cuda":
         from tests.support.cuda_graph import capture
@@ -68,7 +68,6 @@ def graphed_arm(case, splits: dict) -> tuple[float, float, list[int]]:
 def flashinfer_arm(case) -> float | None:
     if DEV.type != "cuda":
         return None
-    from benchmarks.attention_cases import HKV, HQ, P, D, DT, KV_DT
     from kernels.flashinfer_backend import FlashInferAttention
     from kernels.flashinfer_host import AttentionDims
 
@@ -80,15 +79,12 @@ def flashinfer_arm(case) -> float | None:
 
 def main() -> None:
     init_inputs()
-    from benchmarks.attention_cases import HKV, HQ
-    from kernels.triton_graph_attention import graph_configs, graph_splits
-
+    split = ga.graph_splits(HQ // HKV, HKV, ga.graph_configs(HQ // HKV, DEV), DEV)
+    if DEV.type != "cuda":  # the interpreter: tiny pieces so the smoke run splits
+        split = {"splits": (4, 2), "head_groups": (2, 2), "target_programs": 64, "min_split_keys": 8}
     rows, bad = [], []
     for name, q_lens, prefix in CASES:
         case = make_case(q_lens, prefix, None, seed=len(rows))
-        split = graph_splits(HQ // HKV, HKV, graph_configs(HQ // HKV, DEV), DEV)
-        if DEV.type != "cuda":  # the interpreter: tiny pieces so the smoke run splits
-            split = {"splits": (4, 2), "head_groups": (2, 2), "target_programs": 64, "min_split_keys": 8}
         ms_split, rel_split, counts = graphed_arm(case, split)
         ms_whole, rel_whole, _ = graphed_arm(case, {})
         fi = flashinfer_arm(case)

@@ -51,14 +51,17 @@ def _merge_splits(PartAcc, PartM, PartL, Out, num_tokens, num_q_heads, num_split
 
 
 
-def split_partials(splits: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split-KV partials for out [T, Hq, D]: (acc [S, T, Hq, D], m [S, T, Hq], l [S, T, Hq]) fp32, or
-    out itself three times when there is one split (the kernels then write out directly)."""
+def split_partials(splits: int, out: torch.Tensor, rows: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split-KV partials for out [T, Hq, D]: (acc [S, R, Hq, D], m [S, R, Hq], l [S, R, Hq]) fp32 with R = rows (an
+    ADAPTIVE launch's tiles, for one-token tables) or T, or out itself three times when there is one split (the
+    kernels then write out directly)."""
     if splits <= 1:
         return out, out, out
-    t, hq, d = out.shape
-    part_m = torch.empty(splits, t, hq, dtype=torch.float32, device=out.device)
-    return torch.empty(splits, t, hq, d, dtype=torch.float32, device=out.device), part_m, torch.empty_like(part_m)
+    hq, d = out.shape[1], out.shape[2]
+    r = out.shape[0] if rows is None else rows
+    part_m = torch.empty(splits, r, hq, dtype=torch.float32, device=out.device)
+    return torch.empty(splits, r, hq, d, dtype=torch.float32, device=out.device), part_m, torch.empty_like(part_m)
 
 
 def merge_splits(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor) -> None:
@@ -115,16 +118,6 @@ def _merge_tile_splits(PartAcc, PartM, PartL, Out, SeqInfo, Tiles, num_seqs, num
     out = acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
     tl.store(Out + q_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(Out.dtype.element_ty), mask=ok[:, None])
-
-
-def tile_partials(splits: int, rows: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An ADAPTIVE launch's partials: (acc [S, rows, Hq, D], m [S, rows, Hq], l [S, rows, Hq]) fp32, rows = the
-    launch's tiles (one-token tables) or tokens; out itself three times for one split (nothing is written)."""
-    if splits <= 1:
-        return out, out, out
-    hq, d = out.shape[1], out.shape[2]
-    part_m = torch.empty(splits, rows, hq, dtype=torch.float32, device=out.device)
-    return torch.empty(splits, rows, hq, d, dtype=torch.float32, device=out.device), part_m, torch.empty_like(part_m)
 
 
 def split_counts(kv_lens: np.ndarray, tiles: np.ndarray, head_groups: int, cap: int, target: int,

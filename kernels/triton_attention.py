@@ -135,9 +135,12 @@ def _attn_fwd(Q, K, V, KC, VC, PT, Sinks, Out, PartAcc, PartM, PartL, SeqInfo, T
     split = tl.program_id(2)
     b = tl.load(Tiles + tile)
     if SPLIT:
-        if ADAPTIVE:  # a split past this sequence's count has no keys: out before loading anything else
-            if split >= tl.maximum(tl.load(SeqInfo + 5 * num_seqs + b), 1):
+        if ADAPTIVE:  # graphs: the step's tables give each sequence's split count (attention_splits.py)
+            used = tl.minimum(tl.maximum(tl.load(SeqInfo + 5 * num_seqs + b), 1), num_splits)
+            if split >= used:  # a split past this sequence's count has no keys: out before loading anything else
                 return
+        else:
+            used = num_splits
     tok0 = tl.load(Tiles + num_tiles + tile)
     q_start = tl.load(SeqInfo + b)
     q_len = tl.load(SeqInfo + num_seqs + b)
@@ -167,11 +170,7 @@ def _attn_fwd(Q, K, V, KC, VC, PT, Sinks, Out, PartAcc, PartM, PartL, SeqInfo, T
         lo = qp_lo * 0
         int_lo = lo
     if SPLIT:
-        if ADAPTIVE:  # graphs: the step's tables give each sequence's split count (attention_splits.py)
-            used = tl.minimum(tl.maximum(tl.load(SeqInfo + 5 * num_seqs + b), 1), num_splits)
-        else:
-            used = num_splits
-        chunk = tl.cdiv(tl.cdiv(hi - lo, used), BLOCK_N) * BLOCK_N  # splits >= used are empty
+        chunk = tl.cdiv(tl.cdiv(hi - lo, used), BLOCK_N) * BLOCK_N
         s_lo = tl.minimum(lo + split * chunk, hi)
         s_hi = tl.minimum(s_lo + chunk, hi)
     else:
@@ -206,7 +205,7 @@ def _attn_fwd(Q, K, V, KC, VC, PT, Sinks, Out, PartAcc, PartM, PartL, SeqInfo, T
         part_ok = row_ok
         if ADAPTIVE:  # a sequence in one split: split 0 writes out itself, the merge skips its tiles
             used_m = rows * 0 + used  # [M]: masks from [M] operands (the CPU interpreter rejects bool scalars)
-            part_ok = row_ok & (used_m > 1) & (split < used_m)
+            part_ok = row_ok & (used_m > 1)  # (splits >= used returned at the start)
             out_ok = row_ok & (used_m + split == 1)  # used == 1 and split == 0 (used >= 1, split >= 0)
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(Out + q_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],

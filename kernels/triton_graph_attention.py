@@ -43,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.attention_splits import merge_tile_splits, split_counts, tile_partials
+from kernels.attention_splits import merge_tile_splits, split_counts, split_partials
 from kernels.interface import GroupMeta, StepMeta
 from kernels.triton_attention import LOG2E, KernelConfig, _attn_fwd, page_scales, pick_config
 
@@ -102,9 +102,9 @@ class GroupTables:
         info[4, :n] = q_start
         info[5, :] = 1
         one = q == 1
+        row_sets = (np.flatnonzero(one), np.flatnonzero(~one))  # the one-token table's sequences, the chunks'
         kv = np.asarray(g.kv_lens_host, dtype=np.int64)
-        for rows, tpt, cap, hg in zip((np.flatnonzero(one), np.flatnonzero(~one)), self.tpt, self.splits,
-                                      self.head_groups):
+        for rows, tpt, cap, hg in zip(row_sets, self.tpt, self.splits, self.head_groups):
             if cap > 1 and rows.size:
                 info[5, rows] = split_counts(kv[rows], -(-q[rows] // tpt), hg, cap, self.target_programs,
                                              self.min_split_keys)
@@ -112,7 +112,7 @@ class GroupTables:
         width = g.page_table.shape[1]
         assert width <= self.max_pages, (width, self.max_pages)  # the ring, or max_model_len / page_size
         self.page_table[:n, :width].copy_(g.page_table)
-        for tiles, rows, tpt in zip(self.tiles[bucket], (np.flatnonzero(one), np.flatnonzero(~one)), self.tpt):
+        for tiles, rows, tpt in zip(self.tiles[bucket], row_sets, self.tpt):
             nt = -(-q[rows] // tpt)  # tiles per sequence; the longest-running (last) tiles first, as AttnBatch
             seq = np.repeat(rows, nt)
             first = np.concatenate([(k - 1 - np.arange(k)) * tpt for k in nt]) if rows.size else np.zeros(0, np.int64)
@@ -155,7 +155,7 @@ def graphed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     for cfg, tiles, cap, by_tile in zip(tables.configs, tables.tiles[bucket], caps, (True, False)):
         num_tiles = tiles.shape[1]
         hg = hkv * (group // cfg.heads_per_program)
-        parts = tile_partials(cap, num_tiles if by_tile else b, out)
+        parts = split_partials(cap, out, num_tiles if by_tile else b)
         _attn_fwd[(num_tiles, hg, cap)](
             q, k, v, kc, vc, pt, sinks, out, *parts, info, tiles, ks, vs,
             info.shape[1], num_tiles, b, hq, cap, sm_scale * LOG2E, window or 0,

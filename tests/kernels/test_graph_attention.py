@@ -107,5 +107,6 @@ def test_split_counts_policy():
     assert split_counts(np.full(4, 8192), np.ones(4), 8, 16, 264, 1024).tolist() == [8] * 4
     assert split_counts(np.full(2, 1500), np.ones(2), 8, 16, 264, 1024).tolist() == [2, 2]
     assert split_counts(np.full(4, 8192), np.ones(4), 8, 1, 264, 1024).tolist() == [1] * 4
-    # chunk tiles count their tiles' work: a 300-token chunk at 50k context splits less than a decode row there
-    assert split_counts(np.array([50_000]), np.array([19]), 8, 4, 264, 1024)[0] <= 4
+    # chunk tiles count their tiles' work: a 300-token chunk (19 tiles) at 50k context splits less than a decode row
+    assert split_counts(np.array([50_000]), np.array([19]), 8, 16, 264, 1024)[0] == 2
+    assert split_counts(np.array([50_000]), np.array([1]), 8, 16, 264, 1024)[0] == 16
