@@ -380,11 +380,12 @@ SERVED_SUITES: dict[str, Suite] = {
                     "of turns 2+ 1,786 ms, a cached prefill's compute 52.8 ms for ~355 tokens",)),
     "issue25-h200-graphed": Suite(
         "issue 25's colocated run on the H200 (issue25-h200's colocated-1-pw: 64 x 8 turns, ONE decode worker, 4 client "
-        "processes, step trace), with the workers' defaults and with attention inside the piecewise graphs for steps of "
-        "<= 768 tokens (--piecewise-graphed-attention all, opt-in: Triton attention, not FlashInfer's bits), each with "
-        "and without prefix caching",
+        "processes, step trace), with every attention call an eager island (--piecewise-graphed-attention none, the "
+        "decode worker's default until 2026-12-07) and with attention inside the piecewise graphs for steps of <= 768 "
+        "tokens (the default since), each with and without prefix caching",
         carry=STACK_CARRY,
-        steps=(colocated_pw_step("colocated-1-pw", 150, bench="--client-procs 4 "),
+        steps=(colocated_pw_step("colocated-1-islands", 150, "--piecewise-graphed-attention none ",
+                                 bench="--client-procs 4 "),
                colocated_pw_step("colocated-1-graphed768", 150, "--piecewise-graphed-attention all "
                                  "--piecewise-graphed-max-tokens 768 ", bench="--client-procs 4 ")),
         reproduces=(COLOCATED_GOAL, "issue25-h200-1 (2026-12-06, H200): colocated 46.6 vs 130.6 ms (2.80x)")),

@@ -72,7 +72,8 @@ class EngineConfig:
     piecewise_graphed_max_tokens: int = 768
     piecewise_buckets: str = "fine"  # engine.piecewise.BUCKET_SETS: "fine" (1.5x apart) or "pow2" (2x)
     # attention inside the piecewise graphs too (kernels/triton_graph_attention.py): "none", "sliding" (the
-    # sliding-window layers') or "all" (a step is one graph); opt-in, not yet measured on the GPU
+    # sliding-window layers') or "all" (a step is one graph); a decode worker on a GPU asks for "all"
+    # (engine/worker_args.graphed_attention), the offline engine keeps islands unless asked
     piecewise_graphed: str = "none"
     # the offline engine (engine.llm.LLMEngine) replays pure-decode steps as CUDA graphs (engine/decode_graphs.py),
     # captured at start-up per batch bucket up to scheduler.max_num_seqs; a decode worker captures its own

@@ -33,7 +33,7 @@ never run concurrently. Without CUDA (tests) the pieces run directly on the same
 Steps above the largest bucket run the monolithic eager forward. Shapes: T real tokens, B bucket,
 H hidden, Q = Hq D, N = (Hq + 2 Hkv) D.
 
-With `graphed` page groups (--piecewise-graphed-attention sliding|all, opt-in until measured on the GPU) the
+With `graphed` page groups (--piecewise-graphed-attention sliding|all; all is a GPU decode worker's default) the
 attention of those groups' layers is captured too (kernels/triton_graph_attention.py: RoPE, the store, the
 Triton sink attention, on per-step tables at fixed addresses): `sliding` leaves the 12 full layers as islands
 (12 + 13 pieces for gpt-oss instead of 24 + 25), `all` none (a step is one graph), the islands being most

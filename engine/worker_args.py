@@ -83,11 +83,19 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
     p.add_argument("--piecewise-max-tokens", type=int, default=2048,
                    help="the largest piecewise bucket: longer steps run eagerly (GPU-bound there, where padding "
                         "to a bucket costs more than the launches it saves)")
-    p.add_argument("--piecewise-graphed-attention", choices=["none", "sliding", "all"], default="none",
+    # A decode worker on a GPU holds every layer's attention inside the graphs of steps up to 768 tokens by default
+    # (a cached turn's mixed step, H100 A/Bs: graphed-small-ab-1 launched it in 3.7 ms instead of 13.1, cached TTFT p99
+    # 79.5 -> 61.9 ms; graphed-default-check-1 14.6 -> 6.3 ms, p99 936 -> 91 ms, TPOT within noise). Opt-in until
+    # 2026-12-07, when its kernel got split-KV for long rows (kernels/attention_splits.py) and the piecewise GPU tests
+    # passed (graph-tests-2: the graphs equal eager Triton bit for bit). Its Triton kernel does not give FlashInfer's
+    # bits, which never held between the roles anyway: a decode worker reads mixed steps on fa2, a prefill worker its
+    # prompts on fa3. A prefill worker keeps islands (a graphed layer's KV would stream out only after its piece, and
+    # long chunks run slower on the kernel).
+    p.add_argument("--piecewise-graphed-attention", choices=["none", "sliding", "all"], default=None,
                    help="with --piecewise-graphs: attention inside the graphs too (a Triton kernel on per-step tables): "
                         "the sliding-window layers' (only full-attention layers stay eager), or all (a step up to the "
-                        "largest bucket is one graph). Meant for a decode worker's mixed steps: on a prefill worker a "
-                        "graphed layer's KV streams out only after its piece, and long chunks run slower on the kernel")
+                        "largest bucket is one graph), for steps up to --piecewise-graphed-max-tokens (default: all on "
+                        "a decode worker on a GPU, none on a prefill worker)")
     p.add_argument("--piecewise-graphed-max-tokens", type=int, default=768, metavar="N",
                    help="with --piecewise-graphed-attention: only steps of at most N tokens (a cached turn's mixed "
                         "step) run their attention inside the graphs; larger ones keep it as eager islands (0: all)")
@@ -150,6 +158,14 @@ def piecewise_on(a: argparse.Namespace) -> bool:
     return a.device.startswith("cuda") and a.tp == 1 if a.piecewise_graphs is None else a.piecewise_graphs
 
 
+def graphed_attention(a: argparse.Namespace, role: str) -> str:
+    """--piecewise-graphed-attention as given, else all on a decode worker on a GPU, none elsewhere (the comment at
+    the flag)."""
+    if a.piecewise_graphed_attention is not None:
+        return a.piecewise_graphed_attention
+    return "all" if role == "decode" and a.device.startswith("cuda") else "none"
+
+
 def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int = 0, group=None) -> EngineConfig:
     gpu = a.device.startswith("cuda")
     # One choice for both roles: KV computed by a prefill worker must be the KV the decode worker
@@ -171,7 +187,7 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         seed=a.seed, progress=tp_rank == 0, async_decode=a.async_decode == "on",
         enable_prefix_caching=a.enable_prefix_caching, piecewise_graphs=piecewise_on(a),
         piecewise_max_tokens=a.piecewise_max_tokens, piecewise_buckets=a.piecewise_buckets,
-        piecewise_graphed=a.piecewise_graphed_attention, piecewise_graphed_max_tokens=a.piecewise_graphed_max_tokens,
+        piecewise_graphed=graphed_attention(a, role), piecewise_graphed_max_tokens=a.piecewise_graphed_max_tokens,
         parallel=ParallelConfig(a.tp, tp_rank, MoEMode(a.moe_mode), group,
                                 max(0, a.fast_allreduce_kib) << 10 if gpu else 0, a.fast_allreduce_impl, a.vocab_parallel))
 

@@ -158,3 +158,17 @@ def test_graph_flags_default_on_a_gpu(argv: list[str], graphs: bool, pieces: boo
     assert piecewise_on(a) is pieces
     if a.tp == 1:  # (a TP rank's config needs its group)
         assert engine_config(a).piecewise_graphs is pieces
+
+
+@pytest.mark.parametrize("argv,decode,prefill", [
+    ([], "none", "none"),  # the CPU: islands (the graphed kernel is Triton's; the pieces only copy there)
+    (["--device", "cuda"], "all", "none"),  # a decode worker's mixed steps in one graph; a prefill worker streams KV
+    (["--device", "cuda", "--piecewise-graphed-attention", "none"], "none", "none"),
+    (["--device", "cuda", "--piecewise-graphed-attention", "sliding"], "sliding", "sliding")])
+def test_graphed_attention_default_by_role(argv: list[str], decode: str, prefill: str) -> None:
+    """--piecewise-graphed-attention unset: every layer's attention inside the pieces (steps up to 768 tokens) on a
+    decode worker on a GPU, islands on a prefill worker; a value given holds for both roles."""
+    a = worker_parser().parse_args(argv)
+    assert engine_config(a, role="decode").piecewise_graphed == decode
+    assert engine_config(a, role="prefill").piecewise_graphed == prefill
+    assert engine_config(a, role="decode").piecewise_graphed_max_tokens == 768
