@@ -8,6 +8,8 @@ bootstrap:
 serve: bootstrap
 	@.venv/bin/tandem serve $(ARGS)
 
-# Everything CI runs (GPU tests are marked and deselected; they run through the device tool).
+# Everything CI runs (GPU tests are marked and deselected; they run through the device tool), on TEST_WORKERS
+# pytest-xdist processes (TEST_WORKERS=0: one process, in order).
+TEST_WORKERS ?= 2
 test: bootstrap
-	@.venv/bin/python -m pytest -q $(ARGS)
+	@.venv/bin/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)

@@ -5,17 +5,35 @@ services): picked here, bound by a process started after.
 spawned process binds it, an outgoing connection (UCX, ZMQ, HTTP) may take it as its source port, and a second
 call may return the same port. A CI run lost a module of TP-worker tests to that ("Address already in use" on a
 worker's port). These come from below the ephemeral range, are checked to bind now, and are never handed out
-twice by one process.
+twice by one process. `TANDEM_PORT_RANGE=LOW-HIGH` narrows the range: the parallel test run gives each pytest
+worker its own slice (tests/conftest.py), so two workers' services never pick the same port between its check and its
+bind; the worker's child processes inherit it.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
 from common.errors import ConfigError
 
-LOW, HIGH = 20000, 32000
+DEFAULT_RANGE = (20000, 32000)
+
+
+def _range(env: str | None) -> tuple[int, int]:
+    if not env:
+        return DEFAULT_RANGE
+    try:
+        low, high = (int(x) for x in env.split("-"))
+    except ValueError:
+        raise ConfigError(f"TANDEM_PORT_RANGE={env!r}: expected LOW-HIGH, e.g. 20000-25999") from None
+    if not 1024 <= low < high <= 65535:
+        raise ConfigError(f"TANDEM_PORT_RANGE={env!r}: expected 1024 <= LOW < HIGH <= 65535")
+    return low, high
+
+
+LOW, HIGH = _range(os.environ.get("TANDEM_PORT_RANGE"))
 # A deployment's worker ports sit at these offsets from its base port (launcher.cmd_serve.build_commands):
 # prefill base+100+i, decode base+200+i, their metrics +1100+i and +1200+i.
 ROLE_OFFSETS = {"prefill": (100, 1100), "decode": (200, 1200)}  # role -> (port, metrics port) offsets
@@ -59,6 +77,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def free_base_port(workers_per_role: int) -> int:
     """A base port whose worker ports (WORKER_OFFSETS + i, i < workers_per_role) are all free now."""
     span = WORKER_OFFSETS[-1] + workers_per_role
+    if HIGH - LOW < span:
+        raise ConfigError(f"the port range [{LOW}, {HIGH}] holds no block of {span} worker ports (TANDEM_PORT_RANGE)")
     for _ in range(200):
         base = _rng.randint(LOW, HIGH - span)
         ports = [base + off + i for off in WORKER_OFFSETS for i in range(workers_per_role)]

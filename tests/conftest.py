@@ -16,6 +16,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", message=".*MXFP4.*")
+# `make test` runs the suite on pytest-xdist workers (gw0, gw1, ...): each takes its own slice of launcher/ports.py's
+# range, inherited by the services it starts, so two workers never race for one port between its check and its bind.
+# Set before any test module imports launcher.ports (it reads the range at import).
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw") and "TANDEM_PORT_RANGE" not in os.environ:
+    _n, _i = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), int(_worker[2:])
+    _span = (32000 - 20000) // max(_n, 1)  # launcher.ports.DEFAULT_RANGE
+    if _span >= 2000:  # room for free_base_port's blocks of ~1,200 ports; more workers share the whole range
+        os.environ["TANDEM_PORT_RANGE"] = f"{20000 + _i * _span}-{20000 + (_i + 1) * _span - 1}"
 
 
 @pytest.fixture(scope="session")

@@ -47,3 +47,17 @@ def test_connections_left_in_time_wait_do_not_count():
     srv.close()
     assert not ports._bindable(port)  # a plain bind would still fail here
     assert ports.in_use({port: "metrics"}) == []
+
+
+def test_port_range_from_the_environment():
+    """TANDEM_PORT_RANGE narrows the range ports are picked from (each parallel test worker takes a slice); a malformed
+    one is a ConfigError naming it; under pytest-xdist this worker's ports come from its own slice."""
+    import os
+
+    assert ports._range(None) == (20000, 32000) and ports._range("21000-22999") == (21000, 22999)
+    for bad in ("21000", "a-b", "22000-21000", "80-2000"):
+        with pytest.raises(ConfigError, match="TANDEM_PORT_RANGE"):
+            ports._range(bad)
+    if "TANDEM_PORT_RANGE" in os.environ:
+        low, high = ports._range(os.environ["TANDEM_PORT_RANGE"])
+        assert low <= ports.free_port() <= high and low <= ports.free_base_port(2) <= high
