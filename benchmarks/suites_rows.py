@@ -55,7 +55,7 @@ GRAPH_TESTS = step("graph-capture-gpu-tests", _GRAPH_TEST_CMD, 200, summary=PYTE
 PLAN_HOST = step("plan-host", "{py} -m benchmarks.plan_host", 60, summary=r"^plan |wrote|Error")
 # the piecewise GPU tests: graphed modes against eager Triton without split-KV
 PIECEWISE_GPU_TESTS = step("piecewise-gpu-tests", "{py} -m pytest -q -s -m gpu -p no:cacheprovider "
-                           "tests/integration/test_piecewise_gpu.py", 60, summary=PYTEST)
+                           "tests/integration/test_piecewise_gpu.py", 100, summary=PYTEST)
 # the graphed attention's split-KV at long context against the same launches unsplit and FlashInfer fa2
 GRAPH_ATTN_LONG = step("graph-attn-long", "{py} -m benchmarks.graph_attention_long", 60,
                        summary=r"^long |wrote|FAILED|Error")
@@ -67,7 +67,7 @@ ROWS_SUITES["graph-tests"] = Suite(
     "(benchmarks/plan_host.py); the graphed attention's split-KV at long context (benchmarks/graph_attention_long.py); "
     "the piecewise GPU tests, graphed modes judged against eager Triton without split-KV",
     carry=STACK_CARRY,
-    steps=(GRAPH_TESTS, PLAN_HOST, GRAPH_ATTN_LONG, replace(PIECEWISE_GPU_TESTS, timeout_s=90)))
+    steps=(GRAPH_TESTS, PLAN_HOST, GRAPH_ATTN_LONG, PIECEWISE_GPU_TESTS))
 
 # What waits for an H200, in one device call, most wanted first (a step the --budget cannot fit is skipped): issue 25's
 # colocated A/B with attention in the graphs for small steps; issue 27's figures with today's defaults (20b prefill 8k
@@ -77,20 +77,21 @@ _GRAPHED = SERVED_SUITES["issue25-h200-graphed"]
 _ISSUE27 = {s.name: s for s in ISSUE_SUITES["issue27-h200"].steps}
 _ROWS = {s.name: s for s in ROWS_SUITES["rows-b1-ab"].steps}
 ROWS_SUITES["h200-next"] = Suite(
-    "what waits for an H200, one call: " + _GRAPHED.description + "; the piecewise GPU tests (graphed modes "
-    "against eager Triton without split-KV); then issue 27's figures with the workers' "
+    "what waits for an H200, one call: " + _GRAPHED.description + "; then issue 27's figures with the workers' "
     "defaults (issue27-h200's model-20b and model-120b), the FP8-projection A/B of rows-b1-ab on 20b and 120b, the "
-    "20b decode profile; then the GPU tests of the shared CUDA-graph capture helper and of the offline engine's own "
-    "decode graphs (plan-host stays in graph-tests: the call's 560 s are spent)",
+    "20b decode profile; then the piecewise GPU tests (graphed modes against eager Triton without split-KV, bf16 and "
+    "e4m3 pages; the graph capture tests and plan-host stay in graph-tests: the call's 560 s are spent)",
     carry=STACK_CARRY,
     # timeouts cut to fit one call, from what the steps took on the H200 (issue27-h200-1: model-20b 12 s, model-120b
     # 20 s, profile-20b 17 s; issue25-h200-1: ~140 s an arm)
-    steps=_GRAPHED.steps + (PIECEWISE_GPU_TESTS,
-                            replace(_ISSUE27["model-20b"], timeout_s=30),
+    # the piecewise GPU tests last (62 s for three engines in graph-tests-2, a fourth on e4m3 pages since): they also
+    # run on any card (graph-tests), the figures before them only on an H200
+    steps=_GRAPHED.steps + (replace(_ISSUE27["model-20b"], timeout_s=30),
                             replace(_ROWS["model-20b-fp8-rows"], timeout_s=30),
                             replace(_ISSUE27["model-120b"], timeout_s=40),
                             replace(_ROWS["model-120b-fp8-rows"], timeout_s=40),
-                            replace(_ISSUE27["profile-20b"], timeout_s=30)),
+                            replace(_ISSUE27["profile-20b"], timeout_s=30),
+                            replace(PIECEWISE_GPU_TESTS, timeout_s=90)),
     reproduces=_GRAPHED.reproduces + ISSUE_SUITES["issue27-h200"].reproduces + ROWS_SUITES["rows-b1-ab"].reproduces)
 
 # The same evidence for the graphed-attention default on any card (an H100 when no H200 comes): issue 25's colocated
@@ -99,8 +100,8 @@ ROWS_SUITES["h200-next"] = Suite(
 ROWS_SUITES["graphed-default-check"] = Suite(
     "evidence for attention inside the piecewise graphs as a GPU decode worker's default, on any card: "
     + _GRAPHED.description + "; the graphed split-KV at long context against unsplit and FlashInfer fa2; the piecewise "
-    "GPU tests; the graph capture GPU tests with FlashInfer's plan on tensor_max; plan-host",
+    "GPU tests (with e4m3 pages since run 1); the graph capture GPU tests with FlashInfer's plan on tensor_max "
+    "(plan-host, in run 1, stays in graph-tests: the piecewise tests' fourth engine took its seconds)",
     carry=STACK_CARRY,
-    steps=_GRAPHED.steps + (GRAPH_ATTN_LONG, replace(PIECEWISE_GPU_TESTS, timeout_s=70),
-                            replace(GRAPH_TESTS, timeout_s=100), replace(PLAN_HOST, timeout_s=30)),
+    steps=_GRAPHED.steps + (GRAPH_ATTN_LONG, PIECEWISE_GPU_TESTS, replace(GRAPH_TESTS, timeout_s=100)),
     reproduces=_GRAPHED.reproduces)

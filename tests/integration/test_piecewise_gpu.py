@@ -39,18 +39,22 @@ TIE = 0.25  # two bf16 steps at the random model's top logits (~16-20): a near-t
 BUILD_S: list[float] = []
 
 
-@pytest.fixture(scope="module", params=["none", "sliding", "all"])
+@pytest.fixture(scope="module", params=["none", "sliding", "all", "all-e4m3"])
 def parts(request):
     """The engine with every attention call an island, then with the sliding layers' or every layer's
-    attention captured inside the pieces (--piecewise-graphed-attention: kernels/triton_graph_attention.py)."""
+    attention captured inside the pieces (--piecewise-graphed-attention: kernels/triton_graph_attention.py), then
+    every layer's on e4m3 pages (--kv-cache-dtype fp8: the quantising store and the dequantising read in the
+    graphs, a GPU decode worker's default with fp8 pages since 2026-12-07)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     from kernels.registry import auto_moe_backend
 
+    graphed, _, kv = request.param.partition("-")
     cfg = EngineConfig(random_preset="gpt-oss-20b", random_layers=LAYERS, device="cuda", dtype="bfloat16", fp8=True,
-                       fp8_attention=False, attention_backend="flashinfer", linear_backend="scaled_mm",
+                       kv_cache_dtype="fp8" if kv == "e4m3" else "auto", fp8_attention=False,
+                       attention_backend="flashinfer", linear_backend="scaled_mm",
                        moe_backend=auto_moe_backend("cuda", True, True), kv_cache_bytes=2 << 30,
-                       enable_prefix_caching=False, piecewise_graphs=True, piecewise_graphed=request.param,
+                       enable_prefix_caching=False, piecewise_graphs=True, piecewise_graphed=graphed,
                        # attention in the graphs at every bucket (one PiecewiseGraphs; the served default of 768
                        # splits steps between a graphed and an islands set, engine.piecewise.PiecewiseSplit)
                        piecewise_graphed_max_tokens=0,
@@ -73,12 +77,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def _unsplit_triton():
+def _unsplit_triton(e4m3: bool):
     """The eager Triton backend without split-KV: the graphed attention's kernels and tile configs for chunks, which
     split only past GPU_SPLITS' 1024-key pieces (none here), where the eager backend splits a 352-token prompt in
-    two to fill the SMs (kernel-defaults-check-1 read that as 0.057 between the two at T=352)."""
-    from kernels.triton_attention_backend import TritonAttention
-    return TritonAttention(num_splits=1)
+    two to fill the SMs (kernel-defaults-check-1 read that as 0.057 between the two at T=352). On e4m3 pages its
+    generic kernel reads decode rows too, as the graphs do (its default decode kernel for them sums in another order:
+    tests/integration/test_piecewise.py's e4m3 test does the same on the CPU)."""
+    from kernels.triton_attention_backend import DecodeKernel, TritonAttention
+    return TritonAttention(num_splits=1, decode=DecodeKernel.OFF) if e4m3 else TritonAttention(num_splits=1)
 
 
 def _eager_on_triton(model, tok, meta, pool, saved) -> torch.Tensor:
@@ -87,7 +93,7 @@ def _eager_on_triton(model, tok, meta, pool, saved) -> torch.Tensor:
     for t, s in zip(pool.pools, saved):
         t.copy_(s)
     be = model.backends
-    fi, be.attention = be.attention, _unsplit_triton()
+    fi, be.attention = be.attention, _unsplit_triton(pool.spec.dtype == torch.float8_e4m3fn)
     try:
         out = model(tok, meta, pool).clone()  # [T, H]
     finally:
@@ -101,7 +107,8 @@ def _rel_written(got: list[torch.Tensor], want: list[torch.Tensor], before: list
     """Relative error over the cache elements either run wrote (a store into a wrong slot counts)."""
     num = den = 0.0
     for a, b, s in zip(got, want, before):
-        m = (a != s) | (b != s)
+        bits = (lambda t: t.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (lambda t: t)  # e4m3: no !=
+        m = (bits(a) != bits(s)) | (bits(b) != bits(s))
         num += float((a[m].float() - b[m].float()).norm()) ** 2
         den += float(b[m].float().norm()) ** 2
     assert den > 0, "the step stored nothing"
@@ -124,7 +131,8 @@ def test_piecewise_gpu_matches_eager(parts):
     cases = [("T=1", [(1, 0, 1)]), ("T=17", [(2, 0, 17)]), ("T=352", [(3, 0, 352)]), ("T=1000", [(0, 0, 1000)]),
              ("352 after 1000", [(0, 1000, 352)]),
              ("mixed 2 decode + 40", [(0, 1352, 1), (2, 17, 1), (1, 1, 40)])]
-    report = {"graphed_groups": graphed, "build_and_capture_s": BUILD_S[-1], "static_mib": pw.static_bytes() / 2**20, "pool_mib": pw.pool_bytes() / 2**20,
+    e4m3 = pool.spec.dtype == torch.float8_e4m3fn
+    report = {"graphed_groups": graphed, "kv_dtype": str(pool.spec.dtype), "build_and_capture_s": BUILD_S[-1], "static_mib": pw.static_bytes() / 2**20, "pool_mib": pw.pool_bytes() / 2**20,
               "reserved_gib": torch.cuda.memory_reserved() / 2**30, "cases": {}}
     try:
         for name, spec in cases:
@@ -173,8 +181,8 @@ def test_piecewise_gpu_matches_eager(parts):
         for s in seqs:
             kv.release(s)
         if os.environ.get("OUT"):
-            name = (f"piecewise_gpu_graphed{len(graphed)}" if graphed else "piecewise_gpu") + \
-                ("" if LAYERS == 4 else f"_{LAYERS}layers") + ".json"
+            name = (f"piecewise_gpu_graphed{len(graphed)}" if graphed else "piecewise_gpu") + ("_e4m3" if e4m3 else "") \
+                + ("" if LAYERS == 4 else f"_{LAYERS}layers") + ".json"
             Path(os.environ["OUT"], name).write_text(json.dumps(report, indent=1) + "\n")
     assert kv.num_free() == free0 == tuple(parts.spec.num_pages)
 
@@ -205,7 +213,7 @@ def test_piecewise_gpu_runner_paths_and_speed(parts):
                     assert _rel(with_pw, eager) < REL_BOUND
                 else:  # attention in the graphs: against the same kernels run eagerly (all) or as the matches test
                     be = runner.model.backends
-                    fi, be.attention = be.attention, _unsplit_triton()
+                    fi, be.attention = be.attention, _unsplit_triton(parts.pool.spec.dtype == torch.float8_e4m3fn)
                     try:
                         eager_triton = runner.forward(prompt, [SeqStep(pages, 0, n)], [0])
                     finally:
