@@ -95,7 +95,7 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                    help="with --piecewise-graphs: attention inside the graphs too (a Triton kernel on per-step tables): "
                         "the sliding-window layers' (only full-attention layers stay eager), or all (a step up to the "
                         "largest bucket is one graph), for steps up to --piecewise-graphed-max-tokens (default: all on "
-                        "a decode worker on a GPU, none on a prefill worker)")
+                        "a decode worker on a GPU over bf16 pages, none on a prefill worker and on e4m3 pages)")
     p.add_argument("--piecewise-graphed-max-tokens", type=int, default=768, metavar="N",
                    help="with --piecewise-graphed-attention: only steps of at most N tokens (a cached turn's mixed "
                         "step) run their attention inside the graphs; larger ones keep it as eager islands (0: all)")
@@ -159,11 +159,13 @@ def piecewise_on(a: argparse.Namespace) -> bool:
 
 
 def graphed_attention(a: argparse.Namespace, role: str) -> str:
-    """--piecewise-graphed-attention as given, else all on a decode worker on a GPU, none elsewhere (the comment at
-    the flag)."""
+    """--piecewise-graphed-attention as given, else all on a decode worker on a GPU over bf16 pages, none elsewhere
+    (the comment at the flag). e4m3 pages (--kv-cache-dtype fp8) keep islands until their graphed path passes a GPU
+    test: checked on the CPU against eager Triton (tests/integration/test_piecewise.py), never run on a GPU yet
+    (test_piecewise_gpu.py's all-e4m3 engine)."""
     if a.piecewise_graphed_attention is not None:
         return a.piecewise_graphed_attention
-    return "all" if role == "decode" and a.device.startswith("cuda") else "none"
+    return "all" if role == "decode" and a.device.startswith("cuda") and a.kv_cache_dtype != "fp8" else "none"
 
 
 def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int = 0, group=None) -> EngineConfig:

@@ -163,6 +163,8 @@ def test_graph_flags_default_on_a_gpu(argv: list[str], graphs: bool, pieces: boo
 @pytest.mark.parametrize("argv,decode,prefill", [
     ([], "none", "none"),  # the CPU: islands (the graphed kernel is Triton's; the pieces only copy there)
     (["--device", "cuda"], "all", "none"),  # a decode worker's mixed steps in one graph; a prefill worker streams KV
+    (["--device", "cuda", "--kv-cache-dtype", "fp8"], "none", "none"),  # e4m3 pages: islands until GPU-tested
+    (["--device", "cuda", "--kv-cache-dtype", "fp8", "--piecewise-graphed-attention", "all"], "all", "all"),
     (["--device", "cuda", "--piecewise-graphed-attention", "none"], "none", "none"),
     (["--device", "cuda", "--piecewise-graphed-attention", "sliding"], "sliding", "sliding")])
 def test_graphed_attention_default_by_role(argv: list[str], decode: str, prefill: str) -> None:
