@@ -12,4 +12,4 @@ serve: bootstrap
 # pytest-xdist processes (TEST_WORKERS=0: one process, in order).
 TEST_WORKERS ?= 2
 test: bootstrap
-	@.venv/bin/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
+	@.venv/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
