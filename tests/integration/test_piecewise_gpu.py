@@ -173,7 +173,11 @@ def test_piecewise_gpu_matches_eager(parts):
                 # `all` runs every layer's attention as eager Triton does; `sliding` keeps FlashInfer islands on the
                 # full layers, between the two eager backends
                 apart = max(REL_BOUND, 1.5 * row["eager_triton_vs_flashinfer"] + 0.01)
-                assert row["hidden_rel_vs_eager_triton"] < (REL_BOUND if not pw.islands else apart), row
+                # on e4m3 pages a rounding-level difference (the bucket's GEMMs and MoE see B >= T rows) moves K/V by
+                # whole e4m3 steps: graph-tests-4 read 0.034 at T=1 against eager Triton, where the two eager backends
+                # were 0.039 apart; judged as the sliding arm is, no further than the eager backends are apart
+                strict = not pw.islands and pool.spec.dtype != torch.float8_e4m3fn
+                assert row["hidden_rel_vs_eager_triton"] < (REL_BOUND if strict else apart), row
                 assert row["hidden_rel"] < apart, row
             # a different greedy token only where the eager logits are a near-tie there
             assert all(same or gp <= max(TIE, 2 * diff) for same, gp in zip(row["same_first_token"], gap)), row
