@@ -22,6 +22,7 @@ DEFAULT_RANGE = (20000, 32000)
 
 
 def _range(env: str | None) -> tuple[int, int]:
+    """(low, high) from a TANDEM_PORT_RANGE value, DEFAULT_RANGE when unset."""
     if not env:
         return DEFAULT_RANGE
     try:
@@ -33,7 +34,11 @@ def _range(env: str | None) -> tuple[int, int]:
     return low, high
 
 
-LOW, HIGH = _range(os.environ.get("TANDEM_PORT_RANGE"))
+def port_range() -> tuple[int, int]:
+    """The range ports are picked from now (read at each pick, so a test worker may set it after importing this)."""
+    return _range(os.environ.get("TANDEM_PORT_RANGE"))
+
+
 # A deployment's worker ports sit at these offsets from its base port (launcher.cmd_serve.build_commands):
 # prefill base+100+i, decode base+200+i, their metrics +1100+i and +1200+i.
 ROLE_OFFSETS = {"prefill": (100, 1100), "decode": (200, 1200)}  # role -> (port, metrics port) offsets
@@ -66,21 +71,23 @@ def in_use(ports: dict[int, str], host: str = "127.0.0.1") -> list[tuple[int, st
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    low, high = port_range()
     for _ in range(2000):
-        port = _rng.randint(LOW, HIGH)
+        port = _rng.randint(low, high)
         if port not in _given and _bindable(port, host):
             _given.add(port)
             return port
-    raise ConfigError(f"no free port in [{LOW}, {HIGH}]")
+    raise ConfigError(f"no free port in [{low}, {high}]")
 
 
 def free_base_port(workers_per_role: int) -> int:
     """A base port whose worker ports (WORKER_OFFSETS + i, i < workers_per_role) are all free now."""
     span = WORKER_OFFSETS[-1] + workers_per_role
-    if HIGH - LOW < span:
-        raise ConfigError(f"the port range [{LOW}, {HIGH}] holds no block of {span} worker ports (TANDEM_PORT_RANGE)")
+    low, high = port_range()
+    if high - low < span:
+        raise ConfigError(f"the port range [{low}, {high}] holds no block of {span} worker ports (TANDEM_PORT_RANGE)")
     for _ in range(200):
-        base = _rng.randint(LOW, HIGH - span)
+        base = _rng.randint(low, high - span)
         ports = [base + off + i for off in WORKER_OFFSETS for i in range(workers_per_role)]
         if not _given.intersection(ports) and all(_bindable(p) for p in ports):
             _given.update(ports)

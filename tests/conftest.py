@@ -18,13 +18,14 @@ if not torch.cuda.is_available():
 warnings.filterwarnings("ignore", message=".*MXFP4.*")
 # `make test` runs the suite on pytest-xdist workers (gw0, gw1, ...): each takes its own slice of launcher/ports.py's
 # range, inherited by the services it starts, so two workers never race for one port between its check and its bind.
-# Set before any test module imports launcher.ports (it reads the range at import).
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _worker.startswith("gw") and "TANDEM_PORT_RANGE" not in os.environ:
+    from launcher.ports import DEFAULT_RANGE
+
     _n, _i = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), int(_worker[2:])
-    _span = (32000 - 20000) // max(_n, 1)  # launcher.ports.DEFAULT_RANGE
+    _low, _span = DEFAULT_RANGE[0], (DEFAULT_RANGE[1] - DEFAULT_RANGE[0]) // max(_n, 1)
     if _span >= 2000:  # room for free_base_port's blocks of ~1,200 ports; more workers share the whole range
-        os.environ["TANDEM_PORT_RANGE"] = f"{20000 + _i * _span}-{20000 + (_i + 1) * _span - 1}"
+        os.environ["TANDEM_PORT_RANGE"] = f"{_low + _i * _span}-{_low + (_i + 1) * _span - 1}"
 
 
 @pytest.fixture(scope="session")

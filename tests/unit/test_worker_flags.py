@@ -169,7 +169,8 @@ def test_graph_flags_default_on_a_gpu(argv: list[str], graphs: bool, pieces: boo
     (["--device", "cuda", "--piecewise-graphed-attention", "sliding"], "sliding", "sliding")])
 def test_graphed_attention_default_by_role(argv: list[str], decode: str, prefill: str) -> None:
     """--piecewise-graphed-attention unset: every layer's attention inside the pieces (steps up to 768 tokens) on a
-    decode worker on a GPU, islands on a prefill worker; a value given holds for both roles."""
+    decode worker on a GPU over bf16 pages, islands on a prefill worker and over e4m3 pages; a value given holds for
+    both roles."""
     a = worker_parser().parse_args(argv)
     assert engine_config(a, role="decode").piecewise_graphed == decode
     assert engine_config(a, role="prefill").piecewise_graphed == prefill
