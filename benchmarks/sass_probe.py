@@ -25,7 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 GPU_CONSTEXPRS = {"HW_CVT": True, "DOT_F32": False, "LIBDEVICE": True, "PDL": True}
-OPS = ("LDG", "STG", "LDS", "STS", "LDSM", "BAR", "FFMA", "HFMA2", "HGMMA", "QGMMA", "HMMA", "UTMALDG", "F2FP", "SHFL")
+OPS = ("LDG", "STG", "LDS", "STS", "LDSM", "BAR", "FFMA", "HFMA2", "HGMMA", "QGMMA", "HMMA", "UTMALDG", "F2FP", "SHFL",
+       "LOP3", "SHF", "HADD2", "FADD", "FMUL", "MUFU", "PRMT", "I2F", "F2F")
 
 
 def _probe_fp8_rows() -> None:
@@ -62,7 +63,23 @@ def _probe_moe_small() -> None:
     SmallBatchMoE()(x, torch.zeros(1, 32, dtype=torch.bfloat16), 4, w, quantize_act_1x128(x))
 
 
-PROBES = {"fp8_rows": _probe_fp8_rows, "gemv_rows": _probe_gemv_rows, "moe_small": _probe_moe_small}
+def _probe_moe_mxfp4() -> None:
+    """The one-token MoE on MXFP4 experts (kernels/moe_mxfp4.py) at gpt-oss-20b widths, default tiles."""
+    import torch
+
+    from kernels.moe_mxfp4 import Mxfp4Experts, SmallBatchMxfp4MoE
+    h = i = 2880
+
+    def mx(n: int, k: int):
+        return torch.zeros(4, n, k // 32, 16, dtype=torch.uint8), torch.full((4, n, k // 32), 120, dtype=torch.uint8)
+
+    w = Mxfp4Experts.from_blocks(*mx(2 * i, h), torch.zeros(4, 2 * i, dtype=torch.bfloat16), *mx(h, i),
+                                 torch.zeros(4, h, dtype=torch.bfloat16), num_experts=32, alpha=1.702, limit=7.0)
+    SmallBatchMxfp4MoE()(torch.zeros(1, h, dtype=torch.bfloat16), torch.zeros(1, 32, dtype=torch.bfloat16), 4, w)
+
+
+PROBES = {"fp8_rows": _probe_fp8_rows, "gemv_rows": _probe_gemv_rows, "moe_small": _probe_moe_small,
+          "moe_mxfp4": _probe_moe_mxfp4}
 
 
 @contextmanager

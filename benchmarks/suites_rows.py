@@ -39,6 +39,20 @@ ROWS_SUITES: dict[str, Suite] = {
                     publish={"model_gpt-oss-120b-tp1-fp8-rows-ab.json": "model_gpt-oss-120b-tp1-fp8-rows-ab.json"})),
         reproduces=("issue27-h200-1 (2026-12-06, H200): 20b 8k x 1 replay 2.110 ms with FP8 QKV/O + fp8_gemv on e4m3 "
                     "pages (b1best); rows-b1-ab-1 (H100): 2.461 ms for the same, 2.778 with fp8_rows' first tiles",)),
+    # An experiment, any card: how much of MXFP4's halved bytes a one-token MoE turns into time (not in the model)
+    "mxfp4-b1": Suite(
+        "issue 27's one-token MoE on the checkpoint's MXFP4 experts (kernels/moe_mxfp4.py, W4A16 on the CUDA cores, "
+        "not wired into the model): its GPU tests (parity at 20b widths against the dequantised fp32 reference, bits "
+        "under CUDA-graph replay), then the micro-benchmark against kernels/moe_small.py on the same experts in FP8 "
+        "(model.quant.mxfp4_to_fp8), weights from HBM, with a config sweep",
+        carry=(".whl-site",),
+        steps=(step("mxfp4-gpu-tests",
+                    "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_mxfp4_gpu.py", 120,
+                    summary=PYTEST),
+               step("mxfp4-micro", "{py} -m benchmarks.moe_mxfp4_b1", 90,
+                    summary=r"^(fp8|mxfp4 rows 4/4 x 32 groups w4 s3 pdl)|wrote|Error")),
+        reproduces=("issue27-h200-1 (2026-12-06, H200): the 20b MoE at one token 25.5 + 13.0 us a layer in the model "
+                    "(0.61 of copy); rows-b1-ab-1 (H100): 46.5 us alone with weights from HBM",)),
 }
 
 # The GPU tests of the shared CUDA-graph capture (tests/support/cuda_graph.py) and of the offline engine's own decode

@@ -86,6 +86,12 @@ def _launch_every_kernel() -> None:
     from kernels.fp8_rows import RowsConfig, fp8_rows_linear
     fp8_rows_linear(x.to(torch.bfloat16)[:1], w, ws, torch.randn(96).to(torch.bfloat16))
     fp8_rows_linear(x.to(torch.bfloat16)[:1], w, ws, None, RowsConfig(block_k=256, num_stages=4))
+    # the one-token MoE on MXFP4 experts (kernels/moe_mxfp4.py, issue 27's experiment): default tiles and a K tail
+    from benchmarks.moe_mxfp4_b1 import random_mxfp4_experts
+    from kernels.moe_mxfp4 import Mxfp4Config, SmallBatchMxfp4MoE
+    mx = random_mxfp4_experts(e, 128, 96, "cpu", torch.Generator().manual_seed(0))
+    SmallBatchMxfp4MoE()(xb[:1], logits[:1], 2, mx)
+    SmallBatchMxfp4MoE(Mxfp4Config(block_n1=8, block_n2=2, groups=2))(xb[:1], logits[:1], 2, mx)
 
 
 def _launch_attention() -> None:
@@ -146,7 +152,7 @@ def test_gpu_branches_of_every_kernel_lower_for_sm90(tmp_path):
         _launch_every_kernel()
         _launch_attention()
     kernels = {(r["module"], r["kernel"]) for r in seen.values()}
-    assert len(kernels) >= 28, sorted(kernels)  # all but allreduce's (multi-GPU symmetric memory only)
+    assert len(kernels) >= 30, sorted(kernels)  # all but allreduce's (multi-GPU symmetric memory only)
     assert any(r["kernel"] == "_attn_fwd" and r["const"].get("ADAPTIVE") and r["const"].get("SPLIT")
                and r["const"].get("PART_BY_TILE") for r in seen.values())  # the graphed split-KV's GPU branch
     assert any(k == "_merge_tile_splits" for _, k in kernels)

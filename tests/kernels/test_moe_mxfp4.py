@@ -1,0 +1,103 @@
+"""The one-token MXFP4 MoE (kernels/moe_mxfp4.py) in the Triton interpreter against kernels.reference.moe on the
+dequantised checkpoint weights (model.quant.dequantize_mxfp4): every e2m1 code and a spread of exponents, K tails,
+several row tiles and K steps, expert-parallel shares, and the benchmark's CPU smoke."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels.moe_mxfp4 import Mxfp4Config, Mxfp4Experts, SmallBatchMxfp4MoE
+from model.quant import dequantize_mxfp4
+
+ALPHA, LIMIT = 1.702, 7.0
+
+
+def _mxfp4(g: torch.Generator, e: int, n: int, k: int, lo: int = 118, hi: int = 126):
+    """Random codes (all 16 appear) and exponents in [lo, hi): the checkpoint's [E, N, K/32, 16] / [E, N, K/32]."""
+    blocks = torch.randint(0, 256, (e, n, k // 32, 16), generator=g, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(lo, hi, (e, n, k // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+    return blocks, scales
+
+
+def _experts(e=8, h=96, i=64, seed=0, dtype=torch.float32, bias2=True):
+    g = torch.Generator().manual_seed(seed)
+    w1b, w1s = _mxfp4(g, e, 2 * i, h)
+    w2b, w2s = _mxfp4(g, e, h, i, 120, 128)
+    b1 = torch.randn(e, 2 * i, generator=g).to(dtype)
+    b2 = torch.randn(e, h, generator=g).to(dtype) if bias2 else None
+    return (w1b, w1s, b1, w2b, w2s, b2)
+
+
+def _reference(x, logits, top_k, parts, expert_start=0):
+    w1b, w1s, b1, w2b, w2s, b2 = parts
+    vals, ids = torch.topk(logits, top_k, dim=-1)
+    weights = torch.softmax(vals, dim=-1, dtype=vals.dtype)
+    w1 = dequantize_mxfp4(w1b, w1s, torch.float32).to(x.dtype)
+    w2 = dequantize_mxfp4(w2b, w2s, torch.float32).to(x.dtype)
+    return ref.moe(x, weights, ids, w1, b1, w2, b2, ALPHA, LIMIT, expert_start)
+
+
+def _run(x, logits, top_k, parts, cfg=None, expert_start=0, num_experts=None):
+    w = Mxfp4Experts.from_blocks(*parts[:3], *parts[3:], expert_start=expert_start, num_experts=num_experts,
+                                 alpha=ALPHA, limit=LIMIT)
+    return SmallBatchMxfp4MoE(cfg)(x, logits, top_k, w)
+
+
+@pytest.mark.parametrize("t,top_k,h,cfg", [
+    (1, 4, 96, Mxfp4Config(block_n1=4, block_n2=4, groups=2)),  # K 96: a full step, then a masked half step
+    (1, 2, 64, Mxfp4Config(block_n1=8, block_n2=16, groups=1)),  # one group a step
+    (3, 2, 96, Mxfp4Config(block_n1=2, block_n2=8, groups=4)),  # one step wider than K, three tokens
+])
+def test_mxfp4_moe_fp32_equals_the_dequantised_reference(t, top_k, h, cfg):
+    parts = _experts(h=h)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(t, h, generator=g)
+    logits = torch.randn(t, 8, generator=g)
+    got = _run(x, logits, top_k, parts, cfg)
+    want = _reference(x, logits, top_k, parts)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+
+
+def test_mxfp4_moe_bf16_and_default_tiles():
+    """bf16 activations on the default config (4-row tiles, 512-byte steps: here one masked step), against the
+    reference in bf16 with the same weights. Loose: the interpreter rounds fp32 -> bf16 toward zero (1 + 2^-8 +
+    2^-10 becomes 1.0), so the kernel's five rounding points each shrink it a little (2.3 % here, against the bf16
+    reference's 1.1 % from fp32); the GPU rounds to nearest (tests/kernels/test_moe_mxfp4_gpu.py)."""
+    parts = _experts(h=64, i=64, dtype=torch.bfloat16, seed=3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 64, generator=g).to(torch.bfloat16)
+    logits = torch.randn(1, 8, generator=g).to(torch.bfloat16)
+    got = _run(x, logits, 4, parts).float()
+    want = _reference(x, logits, 4, parts).float()
+    assert (got - want).abs().max() <= 0.04 * want.abs().max(), ((got - want).abs().max(), want.abs().max())
+
+
+def test_mxfp4_expert_parallel_ranks_sum_to_full():
+    """Two expert-parallel ranks of 4 local experts each (another rank's slots skipped in both launches) sum to the
+    one-rank output."""
+    parts = _experts(e=8, h=64, i=32, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 64, generator=g)
+    logits = torch.randn(1, 8, generator=g)
+    full = _run(x, logits, 4, parts, Mxfp4Config(groups=2))
+    w1b, w1s, b1, w2b, w2s, b2 = parts
+    ranks = [_run(x, logits, 4, (w1b[s], w1s[s], b1[s], w2b[s], w2s[s], b2[s]), Mxfp4Config(groups=2),
+                  expert_start=s.start, num_experts=8) for s in (slice(0, 4), slice(4, 8))]
+    torch.testing.assert_close(ranks[0] + ranks[1], full, rtol=1e-5, atol=1e-5 * full.abs().max().item())
+
+
+def test_mxfp4_moe_benchmark_smoke(monkeypatch):
+    """benchmarks.moe_mxfp4_b1 runs on CPU (interpreter, no timing, shrunk widths): its rows are there and its own
+    checks against the reference pass (no WRONG)."""
+    from benchmarks import moe_mxfp4_b1 as bench
+
+    for name, value in (("DEV", "cpu"), ("H", 64), ("I", 64), ("E", 8), ("ACT", torch.float32)):
+        monkeypatch.setattr(bench, name, value)
+    monkeypatch.setattr(bench, "graph_us", lambda fn, reps: (fn(), 1.0)[1])
+    rows = bench.moe_rows(1, 1.0, sweep=False)
+    assert [r["variant"] for r in rows] == ["fp8 moe_small (default)", "mxfp4 rows 4/4 x 32 groups w4 s3 pdl"]
+    assert not any("WRONG" in r["variant"] for r in rows), rows
