@@ -74,11 +74,11 @@ def mxfp4_configs(sweep: bool) -> list:
 
     cfgs = [Mxfp4Config()]
     if sweep:
-        cfgs += [Mxfp4Config(groups=16), Mxfp4Config(groups=64), Mxfp4Config(block_n1=2, block_n2=2),
-                 Mxfp4Config(block_n1=8, block_n2=8), Mxfp4Config(block_n1=8, block_n2=8, groups=16),
-                 Mxfp4Config(block_n1=16, block_n2=16, groups=8), Mxfp4Config(num_warps=8),
-                 Mxfp4Config(num_warps=2), Mxfp4Config(num_stages=2), Mxfp4Config(num_stages=4),
-                 Mxfp4Config(pdl=False)]
+        cfgs += [Mxfp4Config(groups=16), Mxfp4Config(groups=64), Mxfp4Config(block_n1=4, block_n2=4),
+                 Mxfp4Config(block_n1=2, block_n2=2), Mxfp4Config(block_n1=16, block_n2=16),
+                 Mxfp4Config(block_n1=16, block_n2=16, groups=16), Mxfp4Config(block_n1=8, block_n2=16),
+                 Mxfp4Config(num_warps=8), Mxfp4Config(num_warps=2), Mxfp4Config(num_stages=2),
+                 Mxfp4Config(num_stages=4), Mxfp4Config(pdl=False)]
     return cfgs
 
 

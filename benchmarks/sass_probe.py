@@ -139,7 +139,7 @@ for i, rec in enumerate(json.load(sys.stdin)):
     try:
         ck = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=rec["opts"])
     except Exception as e:
-        out.append({"cubin": None, "shared": None, "error": str(e)[-600:]})
+        out.append({"cubin": None, "shared": None, "error": (repr(e.__cause__) + " | " + str(e))[-3000:]})
         continue
     path = f"{sys.argv[1]}/{i}-{rec['kernel']}.cubin"
     open(path, "wb").write(ck.asm["cubin"])

@@ -47,7 +47,7 @@ ROWS_SUITES: dict[str, Suite] = {
         "(model.quant.mxfp4_to_fp8), weights from HBM, with a config sweep",
         carry=(".whl-site",),
         steps=(step("mxfp4-gpu-tests",
-                    "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_mxfp4_gpu.py", 120,
+                    "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_mxfp4_gpu.py", 180,
                     summary=PYTEST),
                step("mxfp4-micro", "{py} -m benchmarks.moe_mxfp4_b1", 90,
                     summary=r"^(fp8|mxfp4 rows 4/4 x 32 groups w4 s3 pdl)|wrote|Error")),

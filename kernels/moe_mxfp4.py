@@ -19,10 +19,12 @@ Two launches, the shape of kernels/moe_small.py without split-K:
                rounds each slot as the reference does (output dtype, times the routing weight, y's dtype) and
                sums the slots in order.
 
-Rows on the CUDA cores (fp32 FMAs), as kernels/fp8_rows.py: each 4-bit code becomes an f16 with one mask and
-shift per field (`_e2m1_x2p14`), exact, so W is dequantised without rounding; the 2^14 that trick leaves and
-the group's exponent meet once per 32 inputs (`exp2(S - 113)`). x is read as (even, odd) pairs because the low
-nibble holds the even input (MODEL_SPEC.md 1.4). Same numbers as `kernels.reference.moe` on
+Rows on the CUDA cores (fp32 FMAs), as kernels/fp8_rows.py, 8 codes a 32-bit word (code q = input 8i + q: the low
+nibble holds the even input, MODEL_SPEC.md 1.4): each code becomes an exact f16 worth its value / 2^14 by masks
+and shifts (two codes a pass in PTX on the GPU, `_DECODE_ASM`; one at a time in the interpreter, `_e2m1_x2p14`), so
+W is dequantised without rounding; the 2^14 and the group's exponent meet once per 32 inputs (`exp2(S - 113)`).
+Read offline (sass_probe moe_mxfp4), the loop spends ~6.3 instructions a weight at the default tiles: ~2 decoding,
+1 converting to fp32, 1 FMA, the rest x loads, addresses and group sums. Same numbers as `kernels.reference.moe` on
 `model.quant.dequantize_mxfp4` weights up to fp32 summation order.
 
 Shapes: T tokens, H hidden, I intermediate, E experts (El local), P = T * top_k pairs; MXFP4 rows as
@@ -86,35 +88,66 @@ def _e2m1_x2p14(code):
     return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
+# One 32-bit word of codes (code q at bits 4q..4q+3, input 8i + q of the row) -> its 8 values x 2^-14 as fp32, two
+# codes per pass: the word shifted so that codes q and q + 4 sit at bits 9..12 of its two 16-bit halves, masked into
+# an f16x2 (magnitude bits, then the sign moved up 3 bits), each half converted. The loop: 7.1 SASS instructions a
+# weight at 4-row tiles against 8.9 decoding one code at a time (sass_probe moe_mxfp4).
+DECODE_SHIFTS = (("shl.b32", 9), ("shl.b32", 5), ("shl.b32", 1), ("shr.u32", 3))  # pass q: codes q and q + 4 to bit 9
+_DECODE_PASS = ("{} t, $8, {}; shl.b32 s, t, 3; and.b32 t, t, 0x0E000E00; and.b32 s, s, 0x80008000; "
+                "or.b32 t, t, s; mov.b32 {{l, h}}, t; cvt.f32.f16 ${}, l; cvt.f32.f16 ${}, h; ")
+_DECODE_ASM = tl.constexpr("{ .reg .b32 t, s; .reg .b16 l, h; "
+                           + "".join(_DECODE_PASS.format(op, n, q, q + 4) for q, (op, n) in enumerate(DECODE_SHIFTS))
+                           + "}")
+
+
 @triton.jit
-def mxfp4_rows_dot(x_ptr, w_ptr, e_ptr, rn, KB, stride_wn, stride_en, BLOCK_N: tl.constexpr, GB: tl.constexpr):
-    """fp32 [BN]: sum_k x[k] * W[rn, k] for MXFP4 rows (KB bytes each, exponents per 16 bytes), GB groups of 32
-    inputs a step; x is read in (even, odd) pairs, the low nibble being the even input."""
-    ob = tl.arange(0, 16 * GB)  # bytes of a step
+def _decode_word(w, HW_CVT: tl.constexpr):
+    """int32 words [..] of 8 codes -> 8 fp32 tensors [..] (code q of each word), values x 2^-14."""
+    if HW_CVT:
+        return tl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 8,
+                                         is_pure=True, pack=1)
+    return (_e2m1_x2p14(w & 15), _e2m1_x2p14((w >> 4) & 15), _e2m1_x2p14((w >> 8) & 15),  # the interpreter: no PTX
+            _e2m1_x2p14((w >> 12) & 15), _e2m1_x2p14((w >> 16) & 15), _e2m1_x2p14((w >> 20) & 15),
+            _e2m1_x2p14((w >> 24) & 15), _e2m1_x2p14((w >> 28) & 15))
+
+
+@triton.jit
+def mxfp4_rows_dot(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N: tl.constexpr, GB: tl.constexpr,
+                   HW_CVT: tl.constexpr):
+    """fp32 [BN]: sum_k x[k] * W[rn, k] for MXFP4 rows of KW 32-bit words (8 inputs each; stride_wn in words) with
+    one exponent per 4 words, GB groups of 32 inputs a step. x is read in 8 strided vectors, one per code position."""
+    ow = tl.arange(0, 4 * GB)  # words of a step
     og = tl.arange(0, GB)
-    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + ob[None, :]  # [BN, 16 GB]
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + ow[None, :]  # [BN, 4 GB] int32
     e_ptrs = e_ptr + rn[:, None].to(tl.int64) * stride_en + og[None, :]  # [BN, GB]
     acc = tl.zeros((BLOCK_N, GB), dtype=tl.float32)
-    for k0 in range(0, KB, 16 * GB):
-        bm = k0 + ob < KB
-        b = tl.load(w_ptrs, mask=bm[None, :], other=0).to(tl.int32)
-        xx = tl.load(x_ptr + 2 * (k0 + ob)[:, None] + tl.arange(0, 2)[None, :], mask=bm[:, None], other=0.0)
-        xe, xo = tl.split(xx.to(tl.float32))  # [16 GB] each: inputs 2i and 2i + 1
-        prod = _e2m1_x2p14(b & 15) * xe[None, :] + _e2m1_x2p14(b >> 4) * xo[None, :]  # [BN, 16 GB]
-        part = tl.sum(tl.reshape(prod, (BLOCK_N, GB, 16)), axis=2)  # [BN, GB] one sum per group
-        ex = tl.load(e_ptrs, mask=((k0 // 16 + og) < KB // 16)[None, :], other=113).to(tl.float32)
-        acc += part * tl.exp2(ex - 113.0)  # 2^(S - 127) times the 2^14 of _e2m1_x2p14
-        w_ptrs += 16 * GB
+    for k0 in range(0, KW, 4 * GB):
+        wm = k0 + ow < KW
+        w = tl.load(w_ptrs, mask=wm[None, :], other=0)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _decode_word(w, HW_CVT)
+        xw = x_ptr + 8 * (k0 + ow)  # [4 GB]: input 8i of each word
+        prod = d0 * tl.load(xw, mask=wm, other=0.0).to(tl.float32)[None, :]
+        prod += d1 * tl.load(xw + 1, mask=wm, other=0.0).to(tl.float32)[None, :]
+        prod += d2 * tl.load(xw + 2, mask=wm, other=0.0).to(tl.float32)[None, :]
+        prod += d3 * tl.load(xw + 3, mask=wm, other=0.0).to(tl.float32)[None, :]
+        prod += d4 * tl.load(xw + 4, mask=wm, other=0.0).to(tl.float32)[None, :]
+        prod += d5 * tl.load(xw + 5, mask=wm, other=0.0).to(tl.float32)[None, :]
+        prod += d6 * tl.load(xw + 6, mask=wm, other=0.0).to(tl.float32)[None, :]
+        prod += d7 * tl.load(xw + 7, mask=wm, other=0.0).to(tl.float32)[None, :]  # [BN, 4 GB]
+        part = tl.sum(tl.reshape(prod, (BLOCK_N, GB, 4)), axis=2)  # [BN, GB] one sum per group
+        ex = tl.load(e_ptrs, mask=((k0 // 4 + og) < KW // 4)[None, :], other=113).to(tl.float32)
+        acc += part * tl.exp2(ex - 113.0)  # 2^(S - 127) times the 2^14 of the decode
+        w_ptrs += 4 * GB
         e_ptrs += GB
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
-def _gate_up_mxfp4_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, w_ptr, e_ptr, b_ptr, act_ptr, N, KB, I, E,
+def _gate_up_mxfp4_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, w_ptr, e_ptr, b_ptr, act_ptr, N, KW, I, E,
                           expert_start, num_local, alpha, limit, stride_lt, stride_xt, stride_we, stride_wn,
                           stride_ee, stride_en, stride_be, stride_ap, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
                           BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-                          OUT_ROUND: tl.constexpr, PDL: tl.constexpr):
+                          OUT_ROUND: tl.constexpr, PDL: tl.constexpr, HW_CVT: tl.constexpr):
     if PDL:  # launched early: the router's logits and x come from the launch before
         gdc_wait()
         gdc_launch_dependents()
@@ -134,8 +167,8 @@ def _gate_up_mxfp4_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, w_ptr, e_ptr, b_pt
     e64 = e.to(tl.int64)
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = offs_n % N  # wrapped rows read valid memory and are never stored
-    v = mxfp4_rows_dot(x_ptr + t * stride_xt, w_ptr + e64 * stride_we, e_ptr + e64 * stride_ee, rn, KB, stride_wn,
-                       stride_en, BLOCK_N, GB)
+    v = mxfp4_rows_dot(x_ptr + t * stride_xt, w_ptr + e64 * stride_we, e_ptr + e64 * stride_ee, rn, KW, stride_wn,
+                       stride_en, BLOCK_N, GB, HW_CVT)
     v = round_as(v + tl.load(b_ptr + e64 * stride_be + rn).to(tl.float32), OUT_ROUND)  # the linear's output
     gate, up = tl.split(tl.reshape(v, (BLOCK_N // 2, 2)))  # interleaved rows: 2i = gate_i, 2i + 1 = up_i
     gate = tl.minimum(gate, limit)
@@ -146,11 +179,11 @@ def _gate_up_mxfp4_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, w_ptr, e_ptr, b_pt
 
 
 @triton.jit
-def _down_mxfp4_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, e_ptr, b_ptr, part_ptr, sem_ptr, out_ptr, N, KB,
+def _down_mxfp4_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, e_ptr, b_ptr, part_ptr, sem_ptr, out_ptr, N, KW,
                        expert_start, num_local, stride_ap, stride_we, stride_wn, stride_ee, stride_en, stride_be,
                        stride_pj, stride_pt, stride_ot, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        OUT_ROUND: tl.constexpr, Y_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PDL: tl.constexpr, HW_CVT: tl.constexpr):
     pid = tl.program_id(0)
     j = pid % TOP_K
     num_n = tl.cdiv(N, BLOCK_N)
@@ -166,7 +199,7 @@ def _down_mxfp4_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, e_ptr, b_ptr, part_ptr, 
     if (e >= 0) & (e < num_local):
         e64 = e.to(tl.int64)
         y = mxfp4_rows_dot(act_ptr + (t * TOP_K + j) * stride_ap, w_ptr + e64 * stride_we, e_ptr + e64 * stride_ee,
-                           rn, KB, stride_wn, stride_en, BLOCK_N, GB)
+                           rn, KW, stride_wn, stride_en, BLOCK_N, GB, HW_CVT)
         if HAS_BIAS:  # inside the rounding of the linear's output, as F.linear's bias
             y += tl.load(b_ptr + e64 * stride_be + rn).to(tl.float32)
         tl.store(p_ptrs + j * stride_pj, y, mask=nmask)
@@ -184,12 +217,21 @@ def _down_mxfp4_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, e_ptr, b_ptr, part_ptr, 
 
 @dataclass(frozen=True, slots=True)
 class Mxfp4Config:
-    block_n1: int = 4  # W1 rows per gate_up program (even: gate/up pairs stay together)
-    block_n2: int = 4  # W2 rows per down program
+    # 8 rows x 32 groups: 8 words a thread a step at 4 warps, ~6.3 SASS instructions a weight (sass_probe; 4 rows:
+    # 7.1, the per-step x loads and group sums spread over fewer weights)
+    block_n1: int = 8  # W1 rows per gate_up program (even: gate/up pairs stay together)
+    block_n2: int = 8  # W2 rows per down program
     groups: int = 32  # 32-input groups per K step: 512 bytes of each row (fp8_rows' best width in bytes)
     num_warps: int = 4
     num_stages: int = 3
     pdl: bool = True  # programmatic dependent launch on the GPU (the interpreter has none)
+
+
+def _words(w: torch.Tensor) -> torch.Tensor:
+    """[El, N, K/2] u8 codes -> [El, N, K/8] int32 words (a view): the kernels load 8 codes a word."""
+    assert w.stride(-1) == 1 and w.shape[-1] % 4 == 0 and all(st % 4 == 0 for st in w.stride()[:-1]) \
+        and w.data_ptr() % 4 == 0, f"MXFP4 rows must view as 32-bit words: {tuple(w.shape)} {w.stride()}"
+    return w.view(torch.int32)
 
 
 class SmallBatchMxfp4MoE:
@@ -202,7 +244,7 @@ class SmallBatchMxfp4MoE:
     def _launch(self, hw: bool) -> dict:
         c = self.config
         on = c.pdl and hw
-        return dict(GB=c.groups, num_warps=c.num_warps, num_stages=c.num_stages, PDL=on,
+        return dict(GB=c.groups, num_warps=c.num_warps, num_stages=c.num_stages, PDL=on, HW_CVT=hw,
                     **({"launch_pdl": True} if on else {}))
 
     def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: Mxfp4Experts) -> torch.Tensor:
@@ -222,10 +264,11 @@ class SmallBatchMxfp4MoE:
         ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
         act = torch.empty(p, n1 // 2, dtype=x.dtype, device=dev)  # [P, I]
         nt1, nt2 = triton.cdiv(n1, c.block_n1), triton.cdiv(n2, c.block_n2)
+        w1, w2 = _words(w.w1), _words(w.w2)  # [El, N, K/8] int32: 8 codes a word
         _gate_up_mxfp4_kernel[(p * nt1,)](
-            router_logits, weights, ids, x, w.w1, w.w1_exp, w.b1, act, n1, kb1, n1 // 2, e, w.expert_start,
-            w.num_local, float(w.alpha), float(w.limit), router_logits.stride(0), x.stride(0), w.w1.stride(0),
-            w.w1.stride(1), w.w1_exp.stride(0), w.w1_exp.stride(1), w.b1.stride(0), act.stride(0), TOP_K=top_k,
+            router_logits, weights, ids, x, w1, w.w1_exp, w.b1, act, n1, w1.shape[2], n1 // 2, e, w.expert_start,
+            w.num_local, float(w.alpha), float(w.limit), router_logits.stride(0), x.stride(0), w1.stride(0),
+            w1.stride(1), w.w1_exp.stride(0), w.w1_exp.stride(1), w.b1.stride(0), act.stride(0), TOP_K=top_k,
             BLOCK_E=triton.next_power_of_2(e), BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_N=c.block_n1,
             OUT_ROUND=_ROUND_CODE[x.dtype], **self._launch(hw))
         sems = self._counters.get(t * nt2, dev)
@@ -233,8 +276,8 @@ class SmallBatchMxfp4MoE:
         out = torch.empty(t, n2, dtype=x.dtype, device=dev)
         b2 = w.b2 if w.b2 is not None else w.b1  # an unused pointer without bias
         _down_mxfp4_kernel[(t * nt2 * top_k,)](
-            act, ids, weights, w.w2, w.w2_exp, b2, part, sems, out, n2, kb2, w.expert_start, w.num_local,
-            act.stride(0), w.w2.stride(0), w.w2.stride(1), w.w2_exp.stride(0), w.w2_exp.stride(1), b2.stride(0),
+            act, ids, weights, w2, w.w2_exp, b2, part, sems, out, n2, w2.shape[2], w.expert_start, w.num_local,
+            act.stride(0), w2.stride(0), w2.stride(1), w.w2_exp.stride(0), w.w2_exp.stride(1), b2.stride(0),
             part.stride(0), part.stride(1), out.stride(0), TOP_K=top_k, HAS_BIAS=w.b2 is not None,
             OUT_ROUND=_ROUND_CODE[x.dtype], Y_ROUND=_ROUND_CODE[torch.promote_types(x.dtype, weights.dtype)],
             BLOCK_N=c.block_n2, **self._launch(hw))

@@ -99,5 +99,26 @@ def test_mxfp4_moe_benchmark_smoke(monkeypatch):
         monkeypatch.setattr(bench, name, value)
     monkeypatch.setattr(bench, "graph_us", lambda fn, reps: (fn(), 1.0)[1])
     rows = bench.moe_rows(1, 1.0, sweep=False)
-    assert [r["variant"] for r in rows] == ["fp8 moe_small (default)", "mxfp4 rows 4/4 x 32 groups w4 s3 pdl"]
+    assert [r["variant"] for r in rows] == ["fp8 moe_small (default)", "mxfp4 rows 8/8 x 32 groups w4 s3 pdl"]
     assert not any("WRONG" in r["variant"] for r in rows), rows
+
+
+def test_mxfp4_gpu_decode_passes_place_every_code():
+    """The GPU's PTX decode (kernels/moe_mxfp4._DECODE_ASM, built from DECODE_SHIFTS) emulated on 32-bit words: pass q
+    turns codes q and q + 4 of every word into f16s worth the e2m1 value / 2^14 (the interpreter never runs PTX)."""
+    import numpy as np
+
+    from kernels.moe_mxfp4 import DECODE_SHIFTS
+    from model.quant import FP4_VALUES
+
+    rng = np.random.default_rng(0)
+    words = np.concatenate([rng.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32),
+                            np.array([0x11111111 * c for c in range(16)], dtype=np.uint32)])  # every code everywhere
+    lut = np.array(FP4_VALUES, dtype=np.float32)
+    for q, (op, n) in enumerate(DECODE_SHIFTS):
+        t = (words << np.uint32(n)) if op.startswith("shl") else (words >> np.uint32(n))
+        h = (t & np.uint32(0x0E000E00)) | ((t << np.uint32(3)) & np.uint32(0x80008000))
+        for half, code in ((h & 0xFFFF, q), (h >> 16, q + 4)):
+            got = half.astype(np.uint16).view(np.float16).astype(np.float32) * 2.0 ** 14
+            want = lut[(words >> np.uint32(4 * code)) & 15]
+            np.testing.assert_array_equal(got, want, err_msg=f"pass {q}, code {code}")
