@@ -33,7 +33,7 @@ from benchmarks.common import (Results, dollars_per_million, environment, markdo
 from benchmarks.engine_loop import EXTRA_TOKENS, engine_loop_ms
 from benchmarks.model_setup import build, decode_state, fill_random, floor_bytes_decode, prefill_flops
 from model.context import SeqStep, build_step_meta
-from kernels.registry import DEFAULT_FUSIONS, fusions_name, parse_fusions
+from kernels.registry import DEFAULT_FUSIONS, Fusion, fusions_name, parse_fusions
 from model.kv_cache import KVManager, KVPool, SeqPages
 
 
@@ -215,7 +215,9 @@ def main() -> None:
         sec.update(ceil)
         print("ceilings:", {k: round(v) for k, v in ceil.items()}, flush=True)
     t0 = time.monotonic()
-    model = build(a.preset, a.attention, a.linear, a.moe, device=a.device, fp8_attention=not a.bf16_attention)
+    model = build(a.preset, a.attention, a.linear, a.moe, device=a.device, fp8_attention=not a.bf16_attention,
+                  # an arm names mxfp4_moe: keep the MXFP4 experts too ("on" does not: 120b has no room for both)
+                  mxfp4_experts=Fusion.MXFP4_MOE.value in a.fusions)
     res.data["load_seconds"] = round(time.monotonic() - t0, 1)
     settings = [s for s in a.fusions.split(",") if s.strip()] or ["off"]
     use_fusions(model, settings[0])

@@ -13,10 +13,12 @@ from model.parallel import ParallelConfig
 
 
 def build(preset: str, attention: str, linear: str, moe: str, parallel: ParallelConfig | None = None,
-          device: str = "cuda", fp8_attention: bool = True) -> GptOss:
+          device: str = "cuda", fp8_attention: bool = True, mxfp4_experts: bool = False) -> GptOss:
+    """mxfp4_experts: keep the MXFP4 experts too (a run whose settings use Fusion.MXFP4_MOE)."""
     cfg = EngineConfig(random_preset=preset, device=device, dtype="bfloat16", fp8=True, fp8_attention=fp8_attention,
                        attention_backend=attention,
-                       linear_backend=linear, moe_backend=moe, parallel=parallel or ParallelConfig())
+                       linear_backend=linear, moe_backend=moe, parallel=parallel or ParallelConfig(),
+                       mxfp4_experts=mxfp4_experts)
     return load_model(cfg)
 
 

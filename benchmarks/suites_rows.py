@@ -39,20 +39,29 @@ ROWS_SUITES: dict[str, Suite] = {
                     publish={"model_gpt-oss-120b-tp1-fp8-rows-ab.json": "model_gpt-oss-120b-tp1-fp8-rows-ab.json"})),
         reproduces=("issue27-h200-1 (2026-12-06, H200): 20b 8k x 1 replay 2.110 ms with FP8 QKV/O + fp8_gemv on e4m3 "
                     "pages (b1best); rows-b1-ab-1 (H100): 2.461 ms for the same, 2.778 with fp8_rows' first tiles",)),
-    # An experiment, any card: how much of MXFP4's halved bytes a one-token MoE turns into time (not in the model)
+    # An experiment, any card: how much of MXFP4's halved bytes a one-token MoE turns into time, alone and in the model
     "mxfp4-b1": Suite(
         "issue 27's one-token MoE on the checkpoint's MXFP4 experts (kernels/moe_mxfp4.py, W4A16 on the CUDA cores, "
-        "not wired into the model): its GPU tests (parity at 20b widths against the dequantised fp32 reference, bits "
-        "under CUDA-graph replay), then the micro-benchmark against kernels/moe_small.py on the same experts in FP8 "
-        "(model.quant.mxfp4_to_fp8), weights from HBM, with a config sweep",
-        carry=(".whl-site",),
+        "Fusion.MXFP4_MOE with EngineConfig.mxfp4_experts): its GPU tests (parity at 20b widths against the "
+        "dequantised fp32 reference, bits under CUDA-graph replay, a 2-layer model and its graph decode), the "
+        "micro-benchmark against kernels/moe_small.py on the same experts in FP8 (model.quant.mxfp4_to_fp8), weights "
+        "from HBM, with a config sweep, then the 20b decode replay at 8k x 1 A/B in one process on the best batch-1 "
+        "configuration (FP8 QKV/O, e4m3 pages, the default fusions) with and without mxfp4_moe",
+        carry=STACK_CARRY,
         steps=(step("mxfp4-gpu-tests",
                     "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_mxfp4_gpu.py", 180,
                     summary=PYTEST),
                step("mxfp4-micro", "{py} -m benchmarks.moe_mxfp4_b1", 90,
-                    summary=r"^(fp8|mxfp4 rows 4/4 x 32 groups w4 s3 pdl)|wrote|Error")),
+                    summary=r"^(fp8|mxfp4 rows 8/8 x 32 groups w4 s3 pdl)|wrote|Error"),
+               step("model-20b-mxfp4", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --linear deepgemm "
+                                       "--kv-cache-dtype fp8 --prefill-lens '' --contexts 8192 --batches 1 "
+                                       f"--fusions {DEFAULT_FUSIONS},{DEFAULT_FUSIONS}+mxfp4_moe "
+                                       "--tag gpt-oss-20b-tp1-mxfp4-ab", 90,
+                    summary=r"^decode ctx|FAILED|Error",
+                    publish={"model_gpt-oss-20b-tp1-mxfp4-ab.json": "model_gpt-oss-20b-tp1-mxfp4-ab.json"})),
         reproduces=("issue27-h200-1 (2026-12-06, H200): the 20b MoE at one token 25.5 + 13.0 us a layer in the model "
-                    "(0.61 of copy); rows-b1-ab-1 (H100): 46.5 us alone with weights from HBM",)),
+                    "(0.61 of copy); rows-b1-ab-1 (H100): 46.5 us alone with weights from HBM; rows-b1-ab-4 (H100): "
+                    "20b 8k x 1 replay 2.350 ms with FP8 QKV/O on e4m3 pages and fp8_rows",)),
 }
 
 # The GPU tests of the shared CUDA-graph capture (tests/support/cuda_graph.py) and of the offline engine's own decode

@@ -48,6 +48,9 @@ class EngineConfig:
     linear_backend: str = "torch"
     moe_backend: str = "torch"
     fusions: str = DEFAULT_FUSIONS  # kernels.registry.parse_fusions: off | on | names joined by '+'
+    # keep the checkpoint's MXFP4 experts beside the compute copy, for Fusion.MXFP4_MOE (an experiment: ~half the
+    # FP8 experts' memory again; an MXFP4 checkpoint with whole experts only, model.loader)
+    mxfp4_experts: bool = False
     page_size: int = 16
     kv_cache_dtype: str = "auto"  # auto (= dtype) | bf16 | fp8 (e4m3, per layer/head scales) | fp32
     kv_scale_calibration: int = 0  # FP8 KV without checkpoint scales: calibrate on this many prompts (0 = 1.0)
@@ -112,7 +115,7 @@ def load_model(cfg: EngineConfig) -> GptOss:
     model = GptOss(src.config, backends, dtype=DTYPES[cfg.dtype], fp8=cfg.fp8, parallel=cfg.parallel,
                    device=cfg.device, fp8_attention=cfg.fp8_attention)
     prepare_backends(backends, cfg.device, dense_shapes(model))
-    stats = load_weights(model, src, progress=cfg.progress)
+    stats = load_weights(model, src, progress=cfg.progress, keep_mxfp4=cfg.mxfp4_experts)
     log.info("model: %d layers, %d experts, dtype %s, fp8=%s, tp=%d (%s); backends: %s",
              src.config.num_hidden_layers, src.config.num_local_experts, cfg.dtype, cfg.fp8, cfg.parallel.tp_size,
              cfg.parallel.moe_mode.value, backends.describe())

@@ -50,6 +50,10 @@ def add_worker_args(p: argparse.ArgumentParser, *, port: int, metrics_port: int)
                    help="launch-saving kernel fusions (kernels.registry.Fusion): off, on, or '+'-joined names of "
                         f"rope_store, norm_router, norm_quant (default {DEFAULT_FUSIONS}: measured, see kernels/registry.py). "
                         "rope_store and norm_quant keep the bits; norm_router's logits may differ in the last bit")
+    p.add_argument("--mxfp4-experts", action="store_true",
+                   help="also keep the checkpoint's MXFP4 experts (an MXFP4 checkpoint with whole experts; ~half the "
+                        "FP8 experts' memory again), for --fusions ...+mxfp4_moe: one-token steps on W4A16 experts "
+                        "(kernels/moe_mxfp4.py, an experiment of issue 27)")
     p.add_argument("--kv-backend", default="nixl", choices=["nixl", "ipc", "loopback", "none"],
                    help="KV transfer (kv_transfer.factory.TransferBackend): nixl; ipc = NIXL control plane, "
                         "same-node data path through shared/IPC-mapped pools (CUDA IPC on GPU, shared memory "
@@ -180,7 +184,7 @@ def engine_config(a: argparse.Namespace, *, role: str = "decode", tp_rank: int =
         dtype=a.dtype or ("bfloat16" if gpu else "float32"),
         attention_backend=a.attention_backend or ("flashinfer" if gpu else "torch"),
         linear_backend=a.linear_backend or ("scaled_mm" if gpu and a.fp8 else "torch"),
-        fusions=a.fusions,
+        fusions=a.fusions, mxfp4_experts=a.mxfp4_experts,
         moe_backend=a.moe_backend or auto_moe_backend(rank_device(a.device, tp_rank), a.fp8,
                                                       a.tp == 1 or a.moe_mode == MoEMode.EP.value),
         page_size=a.page_size, kv_cache_dtype=a.kv_cache_dtype, kv_scale_calibration=max(0, a.kv_scale_calibration),

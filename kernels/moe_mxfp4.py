@@ -1,5 +1,6 @@
-"""The MoE at one token on the checkpoint's own MXFP4 experts (W4A16): an experiment for issue 27, not yet wired
-into the model.
+"""The MoE at one token on the checkpoint's own MXFP4 experts (W4A16): an experiment for issue 27. The model takes
+it for one-token steps with Fusion.MXFP4_MOE where it kept those experts (EngineConfig.mxfp4_experts,
+--mxfp4-experts: model.loader copies them as stored beside the compute copy); off by default, unmeasured on a GPU.
 
 Why. At batch-1 decode the FP8 MoE streams 4 experts' weights a layer (99.5 MB in 20b, 2.39 GB a step) and is
 the largest part of the step (issue27-h200-1: 925 of 2,092 us, 0.61 of copy). The checkpoint stores those experts
@@ -39,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.moe import _ROUND_CODE, round_as
 from kernels.moe_align import store_routes, topk_softmax_rows
@@ -213,6 +215,10 @@ def _down_mxfp4_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, e_ptr, b_ptr, part_ptr, 
             y = round_as(round_as(v, OUT_ROUND) * tl.load(rw_ptr + t * TOP_K + jj).to(tl.float32), Y_ROUND)
             out += tl.where(m, y, 0.0)  # another rank's experts add nothing
         tl.store(out_ptr + t * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+# TRITON_INTERPRET was set when the kernels were decorated: they run on CPU tensors (the tests), else on a GPU only.
+INTERPRETED = isinstance(_down_mxfp4_kernel, InterpretedFunction)
 
 
 @dataclass(frozen=True, slots=True)

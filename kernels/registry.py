@@ -59,6 +59,10 @@ class Fusion(str, Enum):
     # dense_small's 10.54 / 9.27; 20b 8k x 1 replay (FP8 QKV/O, e4m3 pages) 2.350 ms against fp8_gemv's 2.458.
     # (A MoE on the same rows kernels lost to the few-token MMA path at every config: rows-b1-ab-1, removed.)
     FP8_ROWS = "fp8_rows"
+    # One-token MoE steps on the checkpoint's own MXFP4 experts (kernels/moe_mxfp4.py, W4A16: about half the FP8
+    # experts' bytes), where the model kept them (EngineConfig.mxfp4_experts: an MXFP4 checkpoint, whole experts).
+    # An experiment of issue 27, not a default: unmeasured on a GPU when added (suite mxfp4-b1).
+    MXFP4_MOE = "mxfp4_moe"
 
 
 # The workers' default (EngineConfig, --fusions), measured by suite fusion-ab (2026-12-03/fusion-ab-1, 20b on
@@ -99,6 +103,8 @@ FEW_TOKEN_LINEAR_ROUTE_MAX_TOKENS = 1
 FEW_TOKEN_FP8_MAX_TOKENS = 1
 # Fusion.FP8_ROWS: one token (each token's programs re-read the weights).
 ROWS_MAX_TOKENS = 1
+# Fusion.MXFP4_MOE: one token (its programs stream whole expert rows per (token, slot)).
+MXFP4_MOE_MAX_TOKENS = 1
 
 
 def parse_fusions(spec: str) -> frozenset[Fusion]:
@@ -144,6 +150,11 @@ class Backends:
         """Whether this step's MoE input is quantised inside the norm launch."""
         return (self.fused_norm and Fusion.NORM_QUANT in self.fusions
                 and num_tokens <= NORM_QUANT_MAX_TOKENS)
+
+    def mxfp4_moe(self, num_tokens: int, has_mxfp4: bool, triton_runs: bool) -> bool:
+        """Whether this step's MoE runs on the MXFP4 experts (kernels/moe_mxfp4.py) the model kept."""
+        return (Fusion.MXFP4_MOE in self.fusions and has_mxfp4 and num_tokens <= MXFP4_MOE_MAX_TOKENS
+                and triton_runs)
 
     def few_token_linear(self, num_tokens: int, bf16_weight: bool, triton_runs: bool) -> bool:
         """Whether an attention projection runs on kernels.gemv: few tokens and a bf16 weight (FP8 ones keep

@@ -14,6 +14,7 @@ Everything is moved to the model's device tensor by tensor, so peak host memory 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 from tqdm import tqdm
@@ -25,6 +26,8 @@ from model.gpt_oss import GptOss
 from model.kv_scales import scales_from_checkpoint
 from model.quant import Fp8ConversionStats, dequantize_mxfp4, quantize_fp8_pow2
 from model.weights import TensorSource, expected_tensors
+
+log = logging.getLogger("tandem.loader")
 
 FP8_SCALE_SUFFIX = "_scale_inv"
 
@@ -72,13 +75,23 @@ class _Reader:
             return self.src.get(name, self.dev).float()
         return self.src.get_rows(name, rows.start, rows.stop, self.dev).float()
 
-    def experts(self, prefix: str, proj: str, experts: range) -> torch.Tensor:
-        """[El, out, in] fp32 for experts in range (values exactly as stored)."""
+    def mxfp4(self, prefix: str, proj: str, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MXFP4 source's [El, out, in/32, 16] u8 blocks and [El, out, in/32] u8 exponents, as stored."""
+        e0, e1 = experts.start, experts.stop
+        return (self.src.get_rows(f"{prefix}{proj}_blocks", e0, e1, self.dev),
+                self.src.get_rows(f"{prefix}{proj}_scales", e0, e1, self.dev))
+
+    def experts(self, prefix: str, proj: str, experts: range,
+                keep: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """[El, out, in] fp32 for experts in range (values exactly as stored). keep: MXFP4 buffers [El, ...] the
+        source's blocks and exponents are also copied into (an MXFP4 source only)."""
         cfg = self.src.config
         e0, e1 = experts.start, experts.stop
         if cfg.quant_method == "mxfp4":
-            blocks = self.src.get_rows(f"{prefix}{proj}_blocks", e0, e1, self.dev)
-            scales = self.src.get_rows(f"{prefix}{proj}_scales", e0, e1, self.dev)
+            blocks, scales = self.mxfp4(prefix, proj, experts)
+            if keep is not None:
+                keep[0].copy_(blocks)
+                keep[1].copy_(scales)
             return dequantize_mxfp4(blocks, scales, torch.float32)
         if cfg.quant_method == "fp8":
             q = self.src.get_rows(f"{prefix}{proj}.weight", e0, e1, self.dev)
@@ -104,10 +117,39 @@ def _linear(w_param, s_param, w: torch.Tensor) -> None:
     _copy(s_param, s)
 
 
+def _keeps_mxfp4(src: TensorSource, model: GptOss, i_rng: range) -> bool:
+    """Whether the checkpoint's MXFP4 experts can be kept beside the compute copy (EngineConfig.mxfp4_experts):
+    an MXFP4 source and whole experts (TP slices of the intermediate dim would cut 32-input exponent groups)."""
+    why = ("the checkpoint's experts are not MXFP4" if src.config.quant_method != "mxfp4" else
+           "experts are sliced by TP (--moe-mode ep or tp 1 keep them whole)"
+           if len(i_rng) != model.cfg.intermediate_size else "")
+    if why:
+        log.warning("MXFP4 experts not kept: %s; Fusion.MXFP4_MOE will not apply", why)
+    return not why
+
+
+def _mxfp4_buffers(model: GptOss, m, e_rng: range):
+    """Empty MXFP4 experts [El, ...] for one MoE layer (its biases shared with the compute copy)."""
+    from kernels.moe_mxfp4 import Mxfp4Experts
+
+    cfg, dev, el = model.cfg, model.device, len(e_rng)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+
+    def buf(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.uint8, device=dev)
+
+    return Mxfp4Experts.from_blocks(buf(el, 2 * i, h // 32, 16), buf(el, 2 * i, h // 32), m.b1,
+                                    buf(el, h, i // 32, 16), buf(el, h, i // 32), m.b2, expert_start=e_rng.start,
+                                    num_experts=cfg.num_local_experts, alpha=cfg.swiglu_alpha,
+                                    limit=cfg.swiglu_limit)
+
+
 def load_weights(model: GptOss, src: TensorSource, *, progress: bool = True,
-                 expert_chunk: int = 8) -> Fp8ConversionStats:
+                 expert_chunk: int = 8, keep_mxfp4: bool = False) -> Fp8ConversionStats:
     """Returns the FP8 conversion statistics of the expert weights (empty when not FP8). FP8 KV scales
-    the checkpoint carries (vLLM's names) land in `model.checkpoint_kv_scales` (None when absent)."""
+    the checkpoint carries (vLLM's names) land in `model.checkpoint_kv_scales` (None when absent).
+    keep_mxfp4: also keep the checkpoint's MXFP4 experts as stored (`MoE.mx`, for Fusion.MXFP4_MOE), where
+    `_keeps_mxfp4` allows."""
     validate_source(src)
     cfg, par, dev = model.cfg, model.par, model.device
     if src.config.num_hidden_layers != cfg.num_hidden_layers or src.config.hidden_size != cfg.hidden_size:
@@ -118,6 +160,7 @@ def load_weights(model: GptOss, src: TensorSource, *, progress: bool = True,
     qh, kvh = par.q_heads(cfg), par.kv_heads(cfg)
     q_rows, kv_rows = range(qh.start * d, qh.stop * d), range(kvh.start * d, kvh.stop * d)
     e_rng, i_rng = par.experts(cfg), par.intermediate(cfg)
+    keep_mxfp4 = keep_mxfp4 and _keeps_mxfp4(src, model, i_rng)
 
     model.checkpoint_kv_scales = scales_from_checkpoint(set(src.names()), lambda n: src.get(n, "cpu"),
                                                         cfg.num_hidden_layers, cfg.num_key_value_heads)
@@ -145,12 +188,15 @@ def load_weights(model: GptOss, src: TensorSource, *, progress: bool = True,
         _copy(m.b1, b1[:, 2 * i_rng.start:2 * i_rng.stop])
         if m.b2 is not None:
             _copy(m.b2, rd.dense(p + "mlp.experts.down_proj_bias", e_rng))
+        mx = m.mx = _mxfp4_buffers(model, m, e_rng) if keep_mxfp4 else None
         for c0 in range(e_rng.start, e_rng.stop, expert_chunk):
             chunk = range(c0, min(c0 + expert_chunk, e_rng.stop))
             lo, hi = c0 - e_rng.start, chunk.stop - e_rng.start
+            keep1 = (mx.w1.view(*mx.w1_exp.shape, 16)[lo:hi], mx.w1_exp[lo:hi]) if mx is not None else None
+            keep2 = (mx.w2.view(*mx.w2_exp.shape, 16)[lo:hi], mx.w2_exp[lo:hi]) if mx is not None else None
             # Gate/up rows are interleaved (2i = gate_i, 2i+1 = up_i): slicing whole pairs keeps them together.
-            w1 = rd.experts(p + "mlp.experts.", "gate_up_proj", chunk)[:, 2 * i_rng.start:2 * i_rng.stop]
-            w2 = rd.experts(p + "mlp.experts.", "down_proj", chunk)[:, :, i_rng.start:i_rng.stop]
+            w1 = rd.experts(p + "mlp.experts.", "gate_up_proj", chunk, keep1)[:, 2 * i_rng.start:2 * i_rng.stop]
+            w2 = rd.experts(p + "mlp.experts.", "down_proj", chunk, keep2)[:, :, i_rng.start:i_rng.stop]
             for w, wp, sp in ((w1, m.w1, m.w1_s), (w2, m.w2, m.w2_s)):
                 if sp is None:
                     wp.data[lo:hi].copy_(w.to(wp.dtype))
