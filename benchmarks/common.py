@@ -157,3 +157,17 @@ def markdown_table(rows: list[dict], cols: list[str]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def report_rows(name: str, args: dict, copy_gbps: float, rows: list[dict], label) -> Path:
+    """A micro-benchmark's rows against the copy rate (keys us, GBps, ratio_copy, speedup): one line each (`label(row)`
+    first), the JSON under $OUT/name with the environment and arguments, then the markdown table."""
+    for r in rows:
+        print(f"{label(r)} {r['us']:8.2f} us  {r['GBps']:6.0f} GB/s ({r['ratio_copy']:.2f} of copy)"
+              + (f"  x{r['speedup']:.2f}" if r['speedup'] else ""), flush=True)
+    path = out_dir() / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"env": environment(), "args": args, "copy_GBps": copy_gbps, "rows": rows}, indent=1))
+    print("\n" + markdown_table(rows, ["what", "variant", "us", "GBps", "ratio_copy", "speedup"]), flush=True)
+    print(f"wrote {path}", flush=True)
+    return path

@@ -14,11 +14,10 @@ dequantised weights (a config off it is marked WRONG); the FP8 row is the kernel
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from benchmarks.common import environment, markdown_table, out_dir
+from benchmarks.common import report_rows
 from benchmarks.fusion import copy_gbps, graph_us
 
 DEV = "cuda"  # module constants, so a CPU smoke (tests/kernels/test_moe_mxfp4.py) can shrink them
@@ -134,14 +133,7 @@ def main() -> None:
     copy = copy_gbps()
     print(f"copy {copy:.0f} GB/s (bytes read + written)", flush=True)
     rows = moe_rows(a.reps, copy, not a.no_sweep)
-    for r in rows:
-        print(f"{r['variant']:<52} {r['us']:8.2f} us  {r['GBps']:6.0f} GB/s ({r['ratio_copy']:.2f} of copy)"
-              + (f"  x{r['speedup']:.2f}" if r['speedup'] else ""), flush=True)
-    path = out_dir() / "moe_mxfp4_b1.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"env": environment(), "args": vars(a), "copy_GBps": copy, "rows": rows}, indent=1))
-    print("\n" + markdown_table(rows, ["what", "variant", "us", "GBps", "ratio_copy", "speedup"]), flush=True)
-    print(f"wrote {path}", flush=True)
+    report_rows("moe_mxfp4_b1.json", vars(a), copy, rows, lambda r: f"{r['variant']:<52}")
 
 
 if __name__ == "__main__":

@@ -14,11 +14,10 @@ checked against its fp32 reference (x unquantised); a config off it is marked WR
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from benchmarks.common import environment, markdown_table, out_dir
+from benchmarks.common import report_rows
 from benchmarks.fusion import copy_gbps, graph_us
 
 DEV = "cuda"  # module constants, so a CPU smoke (tests/kernels/test_fp8_rows.py) can shrink them
@@ -86,15 +85,7 @@ def main() -> None:
     copy = copy_gbps()
     print(f"copy {copy:.0f} GB/s (bytes read + written)", flush=True)
     rows = projection_rows(a.reps, copy, not a.no_sweep)
-    for r in rows:
-        print(f"{r['what']:<8} {r['variant']:<48} {r['us']:8.2f} us  {r['GBps']:6.0f} GB/s "
-              f"({r['ratio_copy']:.2f} of copy)" + (f"  x{r['speedup']:.2f}" if r['speedup'] else ""), flush=True)
-    path = out_dir() / "rows_b1.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"env": environment(), "args": vars(a), "copy_GBps": copy, "rows": rows}, indent=1))
-    print("\n" + markdown_table(rows, ["what", "variant", "us", "GBps", "ratio_copy", "speedup"]), flush=True)
-    print(f"wrote {path}", flush=True)
-
+    report_rows("rows_b1.json", vars(a), copy, rows, lambda r: f"{r['what']:<8} {r['variant']:<48}")
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.kernels.gpu_alone import GPU_ALONE
-from tests.support.cuda_graph import capture
+from tests.support.cuda_graph import assert_replays_track_inputs
 
 pytestmark = GPU_ALONE
 
@@ -61,18 +61,7 @@ def test_cuda_graph_replay_same_bits():
     from kernels.fp8_rows import fp8_rows_linear
 
     x, wq, ws, b = _linear_case("qkv", seed=3)
-    fn = lambda: fp8_rows_linear(x, wq, ws, b)  # noqa: E731
-    eager = fn()
-    g, out = capture(fn)
-    for _ in range(3):
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-    x.copy_(torch.randn_like(x))
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, fn())
-
+    assert_replays_track_inputs(lambda: fp8_rows_linear(x, wq, ws, b), lambda: x.copy_(torch.randn_like(x)))
 
 def _config(fusions: str):
     from engine.build import EngineConfig
@@ -87,45 +76,21 @@ def test_model_and_graph_decode_with_rows_fusion():
     """Decode steps of a 2-layer random 20b with FP8 QKV/O: fp8_rows' hidden states close to the defaults' (W8A16
     against W8A8: x not quantised); the engine's CUDA-graph decode with it decodes every token."""
     pytest.importorskip("flashinfer")
-    import dataclasses
 
     from engine.build import load_model
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
     from kernels.registry import DEFAULT_FUSIONS, Fusion, fusions_name, parse_fusions
-    from model.context import SeqStep, build_step_meta
-    from model.kv_cache import KVManager, KVPool, SeqPages, plan_kv_cache
+    from tests.support.model_steps import graph_decode_decodes_every_token, steps_by_setting
 
     rows = DEFAULT_FUSIONS  # fp8_rows is a default (it takes FP8 projections only)
     base = fusions_name(parse_fusions(DEFAULT_FUSIONS) - {Fusion.FP8_ROWS})
     assert base != rows
     model = load_model(_config(base))
-    spec = plan_kv_cache(model.cfg, 1 << 30, page_size=16, max_num_seqs=2, dtype=torch.bfloat16)
-    mgr = KVManager(spec)
-    pools = {s: KVPool(spec, DEV) for s in (base, rows)}
-    pages = SeqPages()
-    ids = torch.randint(0, model.cfg.vocab_size, (304,), device=DEV, generator=torch.Generator(DEV).manual_seed(0))
-    pos, errs = 0, []
-    for n in (300, 1, 1, 1, 1):
-        mgr.grow(pages, pos + n)
-        meta = build_step_meta([SeqStep(pages, pos, n)], spec, DEV)
-        out = {}
-        for s in pools:
-            model.backends.fusions = parse_fusions(s)
-            out[s] = model(ids[pos:pos + n], meta, pools[s])
-        if n == 300:  # prefill: the rows kernel takes one-token steps only
-            assert torch.equal(out[rows], out[base])
-        else:
-            errs.append(_rel(out[rows], out[base]))
-        pos += n
+    outs = steps_by_setting(model, [base, rows], (300, 1, 1, 1, 1), DEV)
+    assert torch.equal(outs[0][rows], outs[0][base])  # prefill: the rows kernel takes one-token steps only
+    errs = [_rel(o[rows], o[base]) for o in outs[1:]]
     # W8A16 vs W8A8 on 2 random layers: 0.028-0.036 a step (rows-b1-ab-1/2, H100), but a step whose token sits near a
     # routing tie can swap an expert (0.12 once in rows-b1-ab-2): judge the steps by their bulk
     assert sorted(errs)[len(errs) // 2] < 5e-2, errs
-    del model, pools
+    del model, outs
     torch.cuda.empty_cache()
-    llm = LLM(dataclasses.replace(_config(rows), cuda_graphs=True))  # captures its decode graphs
-    assert llm.engine.runner.graphs is not None
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1000, 100_000, (n,), generator=g).tolist() for n in (700, 1)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    assert all(len(o.output_ids) == 12 for o in outs)
+    graph_decode_decodes_every_token(_config(rows))

@@ -128,12 +128,11 @@ def test_model_keeps_mxfp4_experts_and_one_token_steps_take_them(ckpt_factory):
     """tiny-a in fp32, loaded with the checkpoint's MXFP4 experts kept (EngineConfig.mxfp4_experts): the kept blocks
     are the file's; with Fusion.MXFP4_MOE a one-token step's logits equal the torch MoE's on the dequantised experts
     up to fp32 summation order, a prefill chunk's bits do not move (one-token steps only)."""
-    from kernels.registry import make_backends, parse_fusions
-    from model.context import SeqStep, build_step_meta
+    from kernels.registry import make_backends
     from model.gpt_oss import GptOss
-    from model.kv_cache import KVManager, KVPool, SeqPages, plan_kv_cache
     from model.loader import load_weights
     from model.weights import SafetensorsSource
+    from tests.support.model_steps import steps_by_setting
 
     src = SafetensorsSource(ckpt_factory("tiny-a"))
     model = GptOss(src.config, make_backends("torch", "torch", "torch"), dtype=torch.float32, fp8=False)
@@ -142,23 +141,10 @@ def test_model_keeps_mxfp4_experts_and_one_token_steps_take_them(ckpt_factory):
     blocks = src.get("model.layers.1.mlp.experts.down_proj_blocks")
     assert torch.equal(mx.w2.view(blocks.shape), blocks)
     assert torch.equal(mx.w1_exp, src.get("model.layers.1.mlp.experts.gate_up_proj_scales"))
-    spec = plan_kv_cache(model.cfg, 1 << 20, page_size=4, max_num_seqs=2, dtype=torch.float32)
-    mgr, pages = KVManager(spec), SeqPages()
-    pools = {s: KVPool(spec) for s in ("off", "mxfp4_moe")}
-    ids = torch.randint(0, model.cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(0))
-    pos = 0
-    for n in (13, 1, 1, 1):
-        mgr.grow(pages, pos + n)
-        meta = build_step_meta([SeqStep(pages, pos, n)], spec)
-        for a, b in zip(pools["mxfp4_moe"].pools, pools["off"].pools):
-            a.copy_(b)  # each step judged alone, from the same KV
-        out = {}
-        for s in pools:
-            model.backends.fusions = parse_fusions(s)
-            out[s] = model(ids[pos:pos + n], meta, pools[s])
+    lens = (13, 1, 1, 1)
+    for n, out in zip(lens, steps_by_setting(model, ["off", "mxfp4_moe"], lens, page_size=4, same_kv=True)):
         if n > 1:
             assert torch.equal(out["mxfp4_moe"], out["off"])
         else:
             assert not torch.equal(out["mxfp4_moe"], out["off"])  # engaged: another summation order
             torch.testing.assert_close(out["mxfp4_moe"], out["off"], rtol=1e-4, atol=1e-4)
-        pos += n

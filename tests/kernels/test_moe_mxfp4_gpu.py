@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tests.kernels.gpu_alone import GPU_ALONE
-from tests.support.cuda_graph import capture
+from tests.support.cuda_graph import assert_replays_track_inputs
 
 pytestmark = GPU_ALONE
 
@@ -56,18 +56,8 @@ def test_cuda_graph_replay_same_bits():
 
     parts, x, logits = _case(1)
     moe = SmallBatchMxfp4MoE()
-    fn = lambda: moe(x, logits, TOP_K, parts)  # noqa: E731
-    eager = fn()
-    g, out = capture(fn)
-    for _ in range(3):
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-    logits.copy_(torch.randn_like(logits))  # other experts: the counters were left zero by the replays before
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, fn())
-
+    # new logits route to other experts: the counters were left zero by the replays before
+    assert_replays_track_inputs(lambda: moe(x, logits, TOP_K, parts), lambda: logits.copy_(torch.randn_like(logits)))
 
 def _config(fusions: str):
     from engine.build import EngineConfig
@@ -82,46 +72,22 @@ def test_model_and_graph_decode_with_mxfp4_moe():
     """Decode steps of a 2-layer random 20b that kept its MXFP4 experts: with Fusion.MXFP4_MOE the hidden states sit
     close to the defaults' FP8 MoE (W4A16 against W8A8: x and act not quantised), a prefill chunk's bits do not move;
     the engine's CUDA-graph decode with it decodes every token."""
-    import dataclasses
-
     import pytest
 
     pytest.importorskip("flashinfer")
     from engine.build import load_model
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
-    from kernels.registry import DEFAULT_FUSIONS, parse_fusions
-    from model.context import SeqStep, build_step_meta
-    from model.kv_cache import KVManager, KVPool, SeqPages, plan_kv_cache
+    from kernels.registry import DEFAULT_FUSIONS
+    from tests.support.model_steps import graph_decode_decodes_every_token, steps_by_setting
 
     base, mx = DEFAULT_FUSIONS, DEFAULT_FUSIONS + "+mxfp4_moe"
     model = load_model(_config(base))
     assert all(layer.mlp.mx is not None for layer in model.layers)
-    spec = plan_kv_cache(model.cfg, 1 << 30, page_size=16, max_num_seqs=2, dtype=torch.bfloat16)
-    mgr = KVManager(spec)
-    pools = {s: KVPool(spec, DEV) for s in (base, mx)}
-    pages = SeqPages()
-    ids = torch.randint(0, model.cfg.vocab_size, (304,), device=DEV, generator=torch.Generator(DEV).manual_seed(0))
-    pos, errs = 0, []
-    for n in (300, 1, 1, 1, 1):
-        mgr.grow(pages, pos + n)
-        meta = build_step_meta([SeqStep(pages, pos, n)], spec, DEV)
-        out = {}
-        for s in pools:
-            model.backends.fusions = parse_fusions(s)
-            out[s] = model(ids[pos:pos + n], meta, pools[s])
-        if n == 300:
-            assert torch.equal(out[mx], out[base])
-        else:
-            errs.append(_rel(out[mx], out[base]))
-        pos += n
+    lens = (300, 1, 1, 1, 1)
+    outs = steps_by_setting(model, [base, mx], lens, DEV)
+    assert torch.equal(outs[0][mx], outs[0][base])  # a prefill chunk: one-token steps only
+    errs = [_rel(o[mx], o[base]) for o in outs[1:]]
     # judged by the bulk of the steps, as the rows kernels' W8A16 test: a token near a routing tie may swap an expert
     assert 0 < sorted(errs)[len(errs) // 2] < 5e-2, errs
-    del model, pools
+    del model, outs
     torch.cuda.empty_cache()
-    llm = LLM(dataclasses.replace(_config(mx), cuda_graphs=True))  # captures its decode graphs
-    assert llm.engine.runner.graphs is not None
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1000, 100_000, (n,), generator=g).tolist() for n in (700, 1)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    assert all(len(o.output_ids) == 12 for o in outs)
+    graph_decode_decodes_every_token(_config(mx))

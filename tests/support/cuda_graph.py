@@ -21,3 +21,18 @@ def capture(fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def assert_replays_track_inputs(fn: Callable[[], torch.Tensor], change: Callable[[], None]) -> None:
+    """fn() captured: three replays give the eager call's bits; after change() rewrites its inputs in place, a replay
+    gives the bits of an eager call on the new inputs."""
+    eager = fn()
+    graph, out = capture(fn)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    change()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fn())
