@@ -24,8 +24,8 @@ Rows on the CUDA cores (fp32 FMAs), as kernels/fp8_rows.py, 8 codes a 32-bit wor
 nibble holds the even input, MODEL_SPEC.md 1.4): each code becomes an exact f16 worth its value / 2^14 by masks
 and shifts (two codes a pass in PTX on the GPU, `_DECODE_ASM`; one at a time in the interpreter, `_e2m1_x2p14`), so
 W is dequantised without rounding; the 2^14 and the group's exponent meet once per 32 inputs (`exp2(S - 113)`).
-Read offline (sass_probe moe_mxfp4), the loop spends ~6.3 instructions a weight at the default tiles: ~2 decoding,
-1 converting to fp32, 1 FMA, the rest x loads, addresses and group sums. Same numbers as `kernels.reference.moe` on
+Read offline (sass_probe moe_mxfp4), the loop spends ~5.7 instructions a weight at the default tiles: ~2 decoding,
+1 converting to fp32, 1 FMA, the rest x loads (through shared memory, with barriers), addresses and group sums. Same numbers as `kernels.reference.moe` on
 `model.quant.dequantize_mxfp4` weights up to fp32 summation order.
 
 Shapes: T tokens, H hidden, I intermediate, E experts (El local), P = T * top_k pairs; MXFP4 rows as
@@ -116,28 +116,32 @@ def _decode_word(w, HW_CVT: tl.constexpr):
 @triton.jit
 def mxfp4_rows_dot(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N: tl.constexpr, GB: tl.constexpr,
                    HW_CVT: tl.constexpr):
-    """fp32 [BN]: sum_k x[k] * W[rn, k] for MXFP4 rows of KW 32-bit words (8 inputs each; stride_wn in words) with
-    one exponent per 4 words, GB groups of 32 inputs a step. x is read in 8 strided vectors, one per code position."""
-    ow = tl.arange(0, 4 * GB)  # words of a step
-    og = tl.arange(0, GB)
-    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + ow[None, :]  # [BN, 4 GB] int32
+    """fp32 [BN]: sum_k x[k] * W[rn, k] for MXFP4 rows of KW 32-bit words (8 inputs each) with one exponent per 4
+    words, GB groups of 32 inputs a step. stride_wn counts groups (16 bytes): the row offset is then a visible
+    multiple of 4 words, so each thread's group comes in one 16-byte load and is summed in the thread. x is read in 8
+    strided vectors, one per code position."""
+    og = tl.arange(0, GB)  # groups of a step
+    oj = tl.arange(0, 4)  # words of a group
+    w_ptrs = (w_ptr + rn[:, None, None].to(tl.int64) * stride_wn * 4
+              + og[None, :, None] * 4 + oj[None, None, :])  # [BN, GB, 4] int32: a thread's group in one load
     e_ptrs = e_ptr + rn[:, None].to(tl.int64) * stride_en + og[None, :]  # [BN, GB]
     acc = tl.zeros((BLOCK_N, GB), dtype=tl.float32)
     for k0 in range(0, KW, 4 * GB):
-        wm = k0 + ow < KW
-        w = tl.load(w_ptrs, mask=wm[None, :], other=0)
+        gm = k0 + og * 4 < KW  # [GB] whole groups (KW counts whole groups)
+        w = tl.load(w_ptrs, mask=gm[None, :, None], other=0)
         d0, d1, d2, d3, d4, d5, d6, d7 = _decode_word(w, HW_CVT)
-        xw = x_ptr + 8 * (k0 + ow)  # [4 GB]: input 8i of each word
-        prod = d0 * tl.load(xw, mask=wm, other=0.0).to(tl.float32)[None, :]
-        prod += d1 * tl.load(xw + 1, mask=wm, other=0.0).to(tl.float32)[None, :]
-        prod += d2 * tl.load(xw + 2, mask=wm, other=0.0).to(tl.float32)[None, :]
-        prod += d3 * tl.load(xw + 3, mask=wm, other=0.0).to(tl.float32)[None, :]
-        prod += d4 * tl.load(xw + 4, mask=wm, other=0.0).to(tl.float32)[None, :]
-        prod += d5 * tl.load(xw + 5, mask=wm, other=0.0).to(tl.float32)[None, :]
-        prod += d6 * tl.load(xw + 6, mask=wm, other=0.0).to(tl.float32)[None, :]
-        prod += d7 * tl.load(xw + 7, mask=wm, other=0.0).to(tl.float32)[None, :]  # [BN, 4 GB]
-        part = tl.sum(tl.reshape(prod, (BLOCK_N, GB, 4)), axis=2)  # [BN, GB] one sum per group
-        ex = tl.load(e_ptrs, mask=((k0 // 4 + og) < KW // 4)[None, :], other=113).to(tl.float32)
+        xw = x_ptr + 8 * (k0 + og[:, None] * 4 + oj[None, :])  # [GB, 4]: input 8i of each word
+        xm = gm[:, None]
+        prod = d0 * tl.load(xw, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        prod += d1 * tl.load(xw + 1, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        prod += d2 * tl.load(xw + 2, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        prod += d3 * tl.load(xw + 3, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        prod += d4 * tl.load(xw + 4, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        prod += d5 * tl.load(xw + 5, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        prod += d6 * tl.load(xw + 6, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        prod += d7 * tl.load(xw + 7, mask=xm, other=0.0).to(tl.float32)[None, :, :]  # [BN, GB, 4]
+        part = tl.sum(prod, axis=2)  # [BN, GB] one sum per group
+        ex = tl.load(e_ptrs, mask=gm[None, :], other=113).to(tl.float32)
         acc += part * tl.exp2(ex - 113.0)  # 2^(S - 127) times the 2^14 of the decode
         w_ptrs += 4 * GB
         e_ptrs += GB
@@ -223,8 +227,8 @@ INTERPRETED = isinstance(_down_mxfp4_kernel, InterpretedFunction)
 
 @dataclass(frozen=True, slots=True)
 class Mxfp4Config:
-    # 8 rows x 32 groups: 8 words a thread a step at 4 warps, ~6.3 SASS instructions a weight (sass_probe; 4 rows:
-    # 7.1, the per-step x loads and group sums spread over fewer weights)
+    # 8 rows x 32 groups: 8 words a thread a step at 4 warps, ~5.7 SASS instructions a weight (sass_probe; 4 rows:
+    # 6.7, the per-step x loads spread over fewer weights; 16 rows: 5.2 at 128 registers)
     block_n1: int = 8  # W1 rows per gate_up program (even: gate/up pairs stay together)
     block_n2: int = 8  # W2 rows per down program
     groups: int = 32  # 32-input groups per K step: 512 bytes of each row (fp8_rows' best width in bytes)
@@ -234,9 +238,9 @@ class Mxfp4Config:
 
 
 def _words(w: torch.Tensor) -> torch.Tensor:
-    """[El, N, K/2] u8 codes -> [El, N, K/8] int32 words (a view): the kernels load 8 codes a word."""
-    assert w.stride(-1) == 1 and w.shape[-1] % 4 == 0 and all(st % 4 == 0 for st in w.stride()[:-1]) \
-        and w.data_ptr() % 4 == 0, f"MXFP4 rows must view as 32-bit words: {tuple(w.shape)} {w.stride()}"
+    """[El, N, K/2] u8 codes -> [El, N, K/8] int32 words (a view): the kernels load 8 codes a word, 4 words a group."""
+    assert w.stride(-1) == 1 and w.shape[-1] % 16 == 0 and all(st % 16 == 0 for st in w.stride()[:-1]) \
+        and w.data_ptr() % 16 == 0, f"MXFP4 rows must view as whole 16-byte groups: {tuple(w.shape)} {w.stride()}"
     return w.view(torch.int32)
 
 
@@ -274,7 +278,7 @@ class SmallBatchMxfp4MoE:
         _gate_up_mxfp4_kernel[(p * nt1,)](
             router_logits, weights, ids, x, w1, w.w1_exp, w.b1, act, n1, w1.shape[2], n1 // 2, e, w.expert_start,
             w.num_local, float(w.alpha), float(w.limit), router_logits.stride(0), x.stride(0), w1.stride(0),
-            w1.stride(1), w.w1_exp.stride(0), w.w1_exp.stride(1), w.b1.stride(0), act.stride(0), TOP_K=top_k,
+            w1.stride(1) // 4, w.w1_exp.stride(0), w.w1_exp.stride(1), w.b1.stride(0), act.stride(0), TOP_K=top_k,
             BLOCK_E=triton.next_power_of_2(e), BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_N=c.block_n1,
             OUT_ROUND=_ROUND_CODE[x.dtype], **self._launch(hw))
         sems = self._counters.get(t * nt2, dev)
@@ -283,7 +287,7 @@ class SmallBatchMxfp4MoE:
         b2 = w.b2 if w.b2 is not None else w.b1  # an unused pointer without bias
         _down_mxfp4_kernel[(t * nt2 * top_k,)](
             act, ids, weights, w2, w.w2_exp, b2, part, sems, out, n2, w2.shape[2], w.expert_start, w.num_local,
-            act.stride(0), w2.stride(0), w2.stride(1), w.w2_exp.stride(0), w.w2_exp.stride(1), b2.stride(0),
+            act.stride(0), w2.stride(0), w2.stride(1) // 4, w.w2_exp.stride(0), w.w2_exp.stride(1), b2.stride(0),
             part.stride(0), part.stride(1), out.stride(0), TOP_K=top_k, HAS_BIAS=w.b2 is not None,
             OUT_ROUND=_ROUND_CODE[x.dtype], Y_ROUND=_ROUND_CODE[torch.promote_types(x.dtype, weights.dtype)],
             BLOCK_N=c.block_n2, **self._launch(hw))
