@@ -25,8 +25,8 @@ nibble holds the even input, MODEL_SPEC.md 1.4): each code becomes an exact f16 
 and shifts (two codes a pass in PTX on the GPU, `_DECODE_ASM`; one at a time in the interpreter, `_e2m1_x2p14`), so
 W is dequantised without rounding; the 2^14 and the group's exponent meet once per 32 inputs (`exp2(S - 113)`).
 Read offline (sass_probe moe_mxfp4), the loop spends ~5.7 instructions a weight at the default tiles: ~2 decoding,
-1 converting to fp32, 1 FMA, the rest x loads (through shared memory, with barriers), addresses and group sums. Same numbers as `kernels.reference.moe` on
-`model.quant.dequantize_mxfp4` weights up to fp32 summation order.
+1 converting to fp32, 1 FMA, the rest x loads (through shared memory, with barriers), addresses and group sums.
+Same numbers as `kernels.reference.moe` on `model.quant.dequantize_mxfp4` weights up to fp32 summation order.
 
 Shapes: T tokens, H hidden, I intermediate, E experts (El local), P = T * top_k pairs; MXFP4 rows as
 [El, N, K/2] u8 (the checkpoint's [El, N, K/32, 16] flattened) with exponents [El, N, K/32] u8.
@@ -46,9 +46,6 @@ from kernels.moe import _ROUND_CODE, round_as
 from kernels.moe_align import store_routes, topk_softmax_rows
 from kernels.moe_small import _Counters
 from kernels.moe_small_tiles import arrive
-
-GROUP = 32  # inputs per UE8M0 exponent; 16 bytes of codes
-
 
 @dataclass(slots=True)
 class Mxfp4Experts:

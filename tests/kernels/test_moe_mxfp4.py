@@ -141,7 +141,7 @@ def test_model_keeps_mxfp4_experts_and_one_token_steps_take_them(ckpt_factory):
     blocks = src.get("model.layers.1.mlp.experts.down_proj_blocks")
     assert torch.equal(mx.w2.view(blocks.shape), blocks)
     assert torch.equal(mx.w1_exp, src.get("model.layers.1.mlp.experts.gate_up_proj_scales"))
-    lens = (13, 1, 1, 1)
+    lens = (13, 1, 1)
     for n, out in zip(lens, steps_by_setting(model, ["off", "mxfp4_moe"], lens, page_size=4, same_kv=True)):
         if n > 1:
             assert torch.equal(out["mxfp4_moe"], out["off"])
