@@ -19,7 +19,7 @@ import logging
 import torch
 from tqdm import tqdm
 
-from common.errors import CheckpointError
+from common.errors import CheckpointError, ConfigError
 from kernels.reference import dequantize_fp8_blockwise, quantize_fp8_blockwise
 from model.config import GptOssConfig
 from model.gpt_oss import GptOss
@@ -117,15 +117,33 @@ def _linear(w_param, s_param, w: torch.Tensor) -> None:
     _copy(s_param, s)
 
 
-def _keeps_mxfp4(src: TensorSource, model: GptOss, i_rng: range) -> bool:
+def mxfp4_expert_bytes(cfg, num_local: int) -> int:
+    """Device bytes of `num_local` experts a layer kept in MXFP4 over all layers: half a byte a weight and one
+    exponent byte per 32 (20b: 10.15 GB for its 32 experts)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    weights = 2 * i * h + h * i
+    return cfg.num_hidden_layers * num_local * (weights // 2 + weights // 32)
+
+
+def _keeps_mxfp4(src: TensorSource, model: GptOss, e_rng: range, i_rng: range) -> bool:
     """Whether the checkpoint's MXFP4 experts can be kept beside the compute copy (EngineConfig.mxfp4_experts):
-    an MXFP4 source and whole experts (TP slices of the intermediate dim would cut 32-input exponent groups)."""
+    an MXFP4 source and whole experts (TP slices of the intermediate dim would cut 32-input exponent groups). On a
+    GPU without room for them (120b's 61 GB beside its FP8 experts on one H200) it is a ConfigError before any copy,
+    not an out-of-memory error mid-load."""
     why = ("the checkpoint's experts are not MXFP4" if src.config.quant_method != "mxfp4" else
            "experts are sliced by TP (--moe-mode ep or tp 1 keep them whole)"
            if len(i_rng) != model.cfg.intermediate_size else "")
     if why:
         log.warning("MXFP4 experts not kept: %s; Fusion.MXFP4_MOE will not apply", why)
-    return not why
+        return False
+    need = mxfp4_expert_bytes(model.cfg, len(e_rng))
+    if model.device.type == "cuda":
+        free = torch.cuda.mem_get_info(model.device)[0]
+        if need > free:
+            raise ConfigError(f"--mxfp4-experts needs {need / 2**30:.1f} GiB more on {model.device}, "
+                              f"{free / 2**30:.1f} GiB are free after the model's own weights")
+    log.info("keeping the MXFP4 experts too: %.1f GiB", need / 2**30)
+    return True
 
 
 def _mxfp4_buffers(model: GptOss, m, e_rng: range):
@@ -160,7 +178,7 @@ def load_weights(model: GptOss, src: TensorSource, *, progress: bool = True,
     qh, kvh = par.q_heads(cfg), par.kv_heads(cfg)
     q_rows, kv_rows = range(qh.start * d, qh.stop * d), range(kvh.start * d, kvh.stop * d)
     e_rng, i_rng = par.experts(cfg), par.intermediate(cfg)
-    keep_mxfp4 = keep_mxfp4 and _keeps_mxfp4(src, model, i_rng)
+    keep_mxfp4 = keep_mxfp4 and _keeps_mxfp4(src, model, e_rng, i_rng)
 
     model.checkpoint_kv_scales = scales_from_checkpoint(set(src.names()), lambda n: src.get(n, "cpu"),
                                                         cfg.num_hidden_layers, cfg.num_key_value_heads)

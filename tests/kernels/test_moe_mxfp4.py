@@ -130,7 +130,8 @@ def test_model_keeps_mxfp4_experts_and_one_token_steps_take_them(ckpt_factory):
     up to fp32 summation order, a prefill chunk's bits do not move (one-token steps only)."""
     from kernels.registry import make_backends
     from model.gpt_oss import GptOss
-    from model.loader import load_weights
+    from model.config import preset
+    from model.loader import load_weights, mxfp4_expert_bytes
     from model.weights import SafetensorsSource
     from tests.support.model_steps import steps_by_setting
 
@@ -138,6 +139,10 @@ def test_model_keeps_mxfp4_experts_and_one_token_steps_take_them(ckpt_factory):
     model = GptOss(src.config, make_backends("torch", "torch", "torch"), dtype=torch.float32, fp8=False)
     load_weights(model, src, progress=False, keep_mxfp4=True)
     mx = model.layers[1].mlp.mx
+    kept = sum(t.numel() for layer in model.layers for t in (layer.mlp.mx.w1, layer.mlp.mx.w1_exp, layer.mlp.mx.w2,
+                                                             layer.mlp.mx.w2_exp))
+    assert kept == mxfp4_expert_bytes(model.cfg, 8)  # what the loader checks against free GPU memory
+    assert round(mxfp4_expert_bytes(preset("gpt-oss-20b"), 32) / 1e9, 2) == 10.15
     blocks = src.get("model.layers.1.mlp.experts.down_proj_blocks")
     assert torch.equal(mx.w2.view(blocks.shape), blocks)
     assert torch.equal(mx.w1_exp, src.get("model.layers.1.mlp.experts.gate_up_proj_scales"))
