@@ -18,7 +18,7 @@ from common.errors import ConfigError
 from engine.runner import ModelRunner
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
-from kernels.registry import DEFAULT_FUSIONS, Backends, make_backends
+from kernels.registry import DEFAULT_FUSIONS, Backends, Fusion, make_backends
 from model.checkpoint_io import ensure_checkpoint
 from model.gpt_oss import GptOss
 from model.config import GptOssConfig
@@ -115,6 +115,8 @@ def load_model(cfg: EngineConfig) -> GptOss:
     model = GptOss(src.config, backends, dtype=DTYPES[cfg.dtype], fp8=cfg.fp8, parallel=cfg.parallel,
                    device=cfg.device, fp8_attention=cfg.fp8_attention)
     prepare_backends(backends, cfg.device, dense_shapes(model))
+    if Fusion.MXFP4_MOE.value in cfg.fusions and not cfg.mxfp4_experts:  # named ("on" does not warn)
+        log.warning("fusion mxfp4_moe is named but the MXFP4 experts are not kept (--mxfp4-experts): it will not apply")
     stats = load_weights(model, src, progress=cfg.progress, keep_mxfp4=cfg.mxfp4_experts)
     log.info("model: %d layers, %d experts, dtype %s, fp8=%s, tp=%d (%s); backends: %s",
              src.config.num_hidden_layers, src.config.num_local_experts, cfg.dtype, cfg.fp8, cfg.parallel.tp_size,
