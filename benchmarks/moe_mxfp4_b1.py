@@ -65,7 +65,7 @@ def fp8_experts(w):
 
     w1, s1, _ = mxfp4_to_fp8(_blocks(w.w1), w.w1_exp)
     w2, s2, _ = mxfp4_to_fp8(_blocks(w.w2), w.w2_exp)
-    return ExpertWeights(w1, s1, w.b1, w2, s2, w.b2, 0, w.num_experts, w.alpha, w.limit)
+    return ExpertWeights(w1, s1, w.b1, w2, s2, w.b2, 0, w.num_local, w.alpha, w.limit)  # one rank: all experts
 
 
 def mxfp4_configs(sweep: bool) -> list:

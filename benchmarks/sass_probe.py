@@ -74,7 +74,7 @@ def _probe_moe_mxfp4() -> None:
         return torch.zeros(4, n, k // 32, 16, dtype=torch.uint8), torch.full((4, n, k // 32), 120, dtype=torch.uint8)
 
     w = Mxfp4Experts.from_blocks(*mx(2 * i, h), torch.zeros(4, 2 * i, dtype=torch.bfloat16), *mx(h, i),
-                                 torch.zeros(4, h, dtype=torch.bfloat16), num_experts=32, alpha=1.702, limit=7.0)
+                                 torch.zeros(4, h, dtype=torch.bfloat16), alpha=1.702, limit=7.0)
     SmallBatchMxfp4MoE()(torch.zeros(1, h, dtype=torch.bfloat16), torch.zeros(1, 32, dtype=torch.bfloat16), 4, w)
 
 

@@ -43,9 +43,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.moe import _ROUND_CODE, round_as
-from kernels.moe_align import store_routes, topk_softmax_rows
-from kernels.moe_small import _Counters
+from kernels.moe_small import _Counters, route_row
 from kernels.moe_small_tiles import arrive
+
 
 @dataclass(slots=True)
 class Mxfp4Experts:
@@ -58,7 +58,6 @@ class Mxfp4Experts:
     w2_exp: torch.Tensor  # [El, H, I/32] u8
     b2: torch.Tensor | None  # [El, H]
     expert_start: int
-    num_experts: int
     alpha: float
     limit: float
 
@@ -68,14 +67,14 @@ class Mxfp4Experts:
 
     @staticmethod
     def from_blocks(w1_blocks: torch.Tensor, w1_scales: torch.Tensor, b1: torch.Tensor, w2_blocks: torch.Tensor,
-                    w2_scales: torch.Tensor, b2: torch.Tensor | None, *, expert_start: int = 0,
-                    num_experts: int | None = None, alpha: float, limit: float) -> "Mxfp4Experts":
+                    w2_scales: torch.Tensor, b2: torch.Tensor | None, *, expert_start: int = 0, alpha: float,
+                    limit: float) -> "Mxfp4Experts":
         """From the checkpoint's [El, N, K/32, 16] blocks and [El, N, K/32] scales (views, no copy)."""
         el, n1, g1, _ = w1_blocks.shape
         el2, n2, g2, _ = w2_blocks.shape
         assert el == el2 and w1_scales.shape == (el, n1, g1) and w2_scales.shape == (el, n2, g2), "MXFP4 shapes"
         return Mxfp4Experts(w1_blocks.reshape(el, n1, g1 * 16), w1_scales, b1, w2_blocks.reshape(el, n2, g2 * 16),
-                            w2_scales, b2, expert_start, num_experts or el, alpha, limit)
+                            w2_scales, b2, expert_start, alpha, limit)
 
 
 @triton.jit
@@ -89,8 +88,8 @@ def _e2m1_x2p14(code):
 
 # One 32-bit word of codes (code q at bits 4q..4q+3, input 8i + q of the row) -> its 8 values x 2^-14 as fp32, two
 # codes per pass: the word shifted so that codes q and q + 4 sit at bits 9..12 of its two 16-bit halves, masked into
-# an f16x2 (magnitude bits, then the sign moved up 3 bits), each half converted. The loop: 7.1 SASS instructions a
-# weight at 4-row tiles against 8.9 decoding one code at a time (sass_probe moe_mxfp4).
+# an f16x2 (magnitude bits, then the sign moved up 3 bits), each half converted. The loop at 4-row tiles, before
+# the 16-byte group loads: 7.1 SASS instructions a weight against 8.9 decoding one code at a time (sass_probe).
 DECODE_SHIFTS = (("shl.b32", 9), ("shl.b32", 5), ("shl.b32", 1), ("shr.u32", 3))  # pass q: codes q and q + 4 to bit 9
 _DECODE_PASS = ("{} t, $8, {}; shl.b32 s, t, 3; and.b32 t, t, 0x0E000E00; and.b32 s, s, 0x80008000; "
                 "or.b32 t, t, s; mov.b32 {{l, h}}, t; cvt.f32.f16 ${}, l; cvt.f32.f16 ${}, h; ")
@@ -160,11 +159,8 @@ def _gate_up_mxfp4_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, w_ptr, e_ptr, b_pt
     p = pid // num_n
     t = p // TOP_K
     j = p % TOP_K
-    rows = t + tl.arange(0, 1)  # [1]
-    ids, w = topk_softmax_rows(logits_ptr, rows, rows >= 0, E, stride_lt, TOP_K, BLOCK_E, BLOCK_TK)
     writer = ((j == 0) & (nt == 0)).to(tl.int32)
-    store_routes(ids_ptr, rw_ptr, rows, ids, w, (rows * 0 + writer) > 0, TOP_K, BLOCK_TK)
-    e = tl.sum(tl.sum(tl.where((tl.arange(0, BLOCK_TK) == j)[None, :], ids, 0), axis=1), axis=0) - expert_start
+    e = route_row(logits_ptr, rw_ptr, ids_ptr, t, j, writer, E, stride_lt, TOP_K, BLOCK_E, BLOCK_TK) - expert_start
     if (e < 0) | (e >= num_local):
         return  # another EP rank's expert: the down launch skips this slot too
     e64 = e.to(tl.int64)

@@ -47,17 +47,25 @@ from kernels.reference import BLOCK, FP8_MAX
 
 
 @triton.jit
+def route_row(logits_ptr, rw_ptr, ids_ptr, t, j, writer, E, stride_lt, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+              BLOCK_TK: tl.constexpr):
+    """Token t's expert in slot j (top-k + softmax of its logits, every program its own); the writer program (writer
+    != 0) also stores the token's ids and weights for the launch after."""
+    rows = t + tl.arange(0, 1)  # [1]
+    ids, w = topk_softmax_rows(logits_ptr, rows, rows >= 0, E, stride_lt, TOP_K, BLOCK_E, BLOCK_TK)
+    store_routes(ids_ptr, rw_ptr, rows, ids, w, (rows * 0 + writer) > 0, TOP_K, BLOCK_TK)
+    return tl.sum(tl.sum(tl.where((tl.arange(0, BLOCK_TK) == j)[None, :], ids, 0), axis=1), axis=0)
+
+
+@triton.jit
 def route_and_quantise_row(logits_ptr, rw_ptr, ids_ptr, x_ptr, xq_ptr, xs_ptr, t, j, writer, k_lo, k_hi, E,
                            stride_lt, stride_xt, stride_xqt, stride_xsk, TOP_K: tl.constexpr,
                            BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_GX: tl.constexpr,
                            FP8_MAX_C: tl.constexpr, HW_CVT: tl.constexpr, QUANT_X: tl.constexpr = True):
-    """Token t's expert in slot j (the writer CTA also stores the token's ids and weights) and, with QUANT_X,
-    x[t, k_lo:k_hi] in e4m3 1x128 groups to xq / xs, which this CTA's K loop then reads (without: the norm
-    before wrote them; b1-probes-2: quantising here cost gate_up ~2 us of its 35 at one token)."""
-    rows = t + tl.arange(0, 1)  # [1]
-    ids, w = topk_softmax_rows(logits_ptr, rows, rows >= 0, E, stride_lt, TOP_K, BLOCK_E, BLOCK_TK)
-    store_routes(ids_ptr, rw_ptr, rows, ids, w, (rows * 0 + writer) > 0, TOP_K, BLOCK_TK)
-    e = tl.sum(tl.sum(tl.where((tl.arange(0, BLOCK_TK) == j)[None, :], ids, 0), axis=1), axis=0)
+    """route_row and, with QUANT_X, x[t, k_lo:k_hi] in e4m3 1x128 groups to xq / xs, which this CTA's K loop then
+    reads (without: the norm before wrote them; b1-probes-2: quantising here cost gate_up ~2 us of its 35 at one
+    token)."""
+    e = route_row(logits_ptr, rw_ptr, ids_ptr, t, j, writer, E, stride_lt, TOP_K, BLOCK_E, BLOCK_TK)
     if QUANT_X:
         quantise_row_range(x_ptr, xq_ptr, xs_ptr, t, k_lo, k_hi, stride_xt, stride_xqt, stride_xsk, BLOCK_GX,
                            FP8_MAX_C, HW_CVT)

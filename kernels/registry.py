@@ -151,10 +151,9 @@ class Backends:
         return (self.fused_norm and Fusion.NORM_QUANT in self.fusions
                 and num_tokens <= NORM_QUANT_MAX_TOKENS)
 
-    def mxfp4_moe(self, num_tokens: int, has_mxfp4: bool, triton_runs: bool) -> bool:
-        """Whether this step's MoE runs on the MXFP4 experts (kernels/moe_mxfp4.py) the model kept."""
-        return (Fusion.MXFP4_MOE in self.fusions and has_mxfp4 and num_tokens <= MXFP4_MOE_MAX_TOKENS
-                and triton_runs)
+    def mxfp4_moe(self, num_tokens: int) -> bool:
+        """Whether this step's MoE runs on the MXFP4 experts (kernels/moe_mxfp4.py), where the model kept them."""
+        return Fusion.MXFP4_MOE in self.fusions and num_tokens <= MXFP4_MOE_MAX_TOKENS
 
     def few_token_linear(self, num_tokens: int, bf16_weight: bool, triton_runs: bool) -> bool:
         """Whether an attention projection runs on kernels.gemv: few tokens and a bf16 weight (FP8 ones keep

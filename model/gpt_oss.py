@@ -125,13 +125,20 @@ class MoE(nn.Module):
         self.b2 = _empty((el, h), dtype, device) if has_b2 else None
         self.expert_start = e_range.start
         # The checkpoint's MXFP4 experts, kept beside the compute copy when EngineConfig.mxfp4_experts asks
-        # (model.loader): one-token steps with Fusion.MXFP4_MOE read them (kernels/moe_mxfp4.py)
+        # (model.loader, keep_mxfp4): one-token steps with Fusion.MXFP4_MOE read them (kernels/moe_mxfp4.py)
         self.mx = None
-        self._mx_moe = None
+        self._mx_moe = None  # the kernel, where Triton runs for mx (a GPU, or the interpreter)
 
     def experts(self) -> ExpertWeights:
         return ExpertWeights(self.w1, self.w1_s, self.b1, self.w2, self.w2_s, self.b2, self.expert_start,
                              self.cfg.num_local_experts, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
+
+    def keep_mxfp4(self, mx) -> None:
+        """The loader's MXFP4 experts (kernels.moe_mxfp4.Mxfp4Experts) for Fusion.MXFP4_MOE."""
+        from kernels import moe_mxfp4  # Triton imported only where the MXFP4 experts are kept
+
+        self.mx = mx
+        self._mx_moe = moe_mxfp4.SmallBatchMxfp4MoE() if mx.w1.is_cuda or moe_mxfp4.INTERPRETED else None
 
     def takes_fp8_input(self, num_tokens: int, be: Backends) -> bool:
         if self._mxfp4_step(num_tokens, be):
@@ -139,11 +146,7 @@ class MoE(nn.Module):
         return be.moe.takes_fp8_input(num_tokens, self.cfg.num_experts_per_tok, self.experts())
 
     def _mxfp4_step(self, num_tokens: int, be: Backends) -> bool:
-        if self.mx is None:
-            return False
-        from kernels import moe_mxfp4  # Triton imported only where the MXFP4 experts were kept
-
-        return be.mxfp4_moe(num_tokens, True, self.mx.w1.is_cuda or moe_mxfp4.INTERPRETED)
+        return self._mx_moe is not None and be.mxfp4_moe(num_tokens)
 
     def forward(self, x: torch.Tensor, be: Backends, logits: torch.Tensor | None = None,
                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -152,10 +155,6 @@ class MoE(nn.Module):
             # The router runs in the activation dtype (bf16 in bf16 mode): this mattered for accuracy.
             logits = torch.nn.functional.linear(x, self.router_w, self.router_b)  # [T, E]
         if self._mxfp4_step(x.shape[0], be):
-            if self._mx_moe is None:
-                from kernels.moe_mxfp4 import SmallBatchMxfp4MoE
-
-                self._mx_moe = SmallBatchMxfp4MoE()
             out = self._mx_moe(x, logits, self.cfg.num_experts_per_tok, self.mx)  # [T, H] partial
         else:
             out = be.moe(x, logits, self.cfg.num_experts_per_tok, self.experts(), x_fp8)  # [T, H] partial

@@ -158,15 +158,14 @@ def _mxfp4_buffers(model: GptOss, m, e_rng: range):
 
     return Mxfp4Experts.from_blocks(buf(el, 2 * i, h // 32, 16), buf(el, 2 * i, h // 32), m.b1,
                                     buf(el, h, i // 32, 16), buf(el, h, i // 32), m.b2, expert_start=e_rng.start,
-                                    num_experts=cfg.num_local_experts, alpha=cfg.swiglu_alpha,
-                                    limit=cfg.swiglu_limit)
+                                    alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
 
 
 def load_weights(model: GptOss, src: TensorSource, *, progress: bool = True,
                  expert_chunk: int = 8, keep_mxfp4: bool = False) -> Fp8ConversionStats:
     """Returns the FP8 conversion statistics of the expert weights (empty when not FP8). FP8 KV scales
     the checkpoint carries (vLLM's names) land in `model.checkpoint_kv_scales` (None when absent).
-    keep_mxfp4: also keep the checkpoint's MXFP4 experts as stored (`MoE.mx`, for Fusion.MXFP4_MOE), where
+    keep_mxfp4: also keep the checkpoint's MXFP4 experts as stored (`MoE.keep_mxfp4`, for Fusion.MXFP4_MOE), where
     `_keeps_mxfp4` allows."""
     validate_source(src)
     cfg, par, dev = model.cfg, model.par, model.device
@@ -206,7 +205,9 @@ def load_weights(model: GptOss, src: TensorSource, *, progress: bool = True,
         _copy(m.b1, b1[:, 2 * i_rng.start:2 * i_rng.stop])
         if m.b2 is not None:
             _copy(m.b2, rd.dense(p + "mlp.experts.down_proj_bias", e_rng))
-        mx = m.mx = _mxfp4_buffers(model, m, e_rng) if keep_mxfp4 else None
+        mx = _mxfp4_buffers(model, m, e_rng) if keep_mxfp4 else None
+        if mx is not None:
+            m.keep_mxfp4(mx)
         for c0 in range(e_rng.start, e_rng.stop, expert_chunk):
             chunk = range(c0, min(c0 + expert_chunk, e_rng.stop))
             lo, hi = c0 - e_rng.start, chunk.stop - e_rng.start

@@ -41,9 +41,8 @@ def _reference(x, logits, top_k, parts, expert_start=0):
     return ref.moe(x, weights, ids, w1, b1, w2, b2, ALPHA, LIMIT, expert_start)
 
 
-def _run(x, logits, top_k, parts, cfg=None, expert_start=0, num_experts=None):
-    w = Mxfp4Experts.from_blocks(*parts[:3], *parts[3:], expert_start=expert_start, num_experts=num_experts,
-                                 alpha=ALPHA, limit=LIMIT)
+def _run(x, logits, top_k, parts, cfg=None, expert_start=0):
+    w = Mxfp4Experts.from_blocks(*parts[:3], *parts[3:], expert_start=expert_start, alpha=ALPHA, limit=LIMIT)
     return SmallBatchMxfp4MoE(cfg)(x, logits, top_k, w)
 
 
@@ -86,7 +85,7 @@ def test_mxfp4_expert_parallel_ranks_sum_to_full():
     full = _run(x, logits, 4, parts, Mxfp4Config(groups=2))
     w1b, w1s, b1, w2b, w2s, b2 = parts
     ranks = [_run(x, logits, 4, (w1b[s], w1s[s], b1[s], w2b[s], w2s[s], b2[s]), Mxfp4Config(groups=2),
-                  expert_start=s.start, num_experts=8) for s in (slice(0, 4), slice(4, 8))]
+                  expert_start=s.start) for s in (slice(0, 4), slice(4, 8))]
     torch.testing.assert_close(ranks[0] + ranks[1], full, rtol=1e-5, atol=1e-5 * full.abs().max().item())
 
 
