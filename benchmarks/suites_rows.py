@@ -99,22 +99,22 @@ ROWS_SUITES["graph-tests"] = Suite(
 _GRAPHED = SERVED_SUITES["issue25-h200-graphed"]
 _ISSUE27 = {s.name: s for s in ISSUE_SUITES["issue27-h200"].steps}
 _ROWS = {s.name: s for s in ROWS_SUITES["rows-b1-ab"].steps}
+_MXFP4 = {s.name: s for s in ROWS_SUITES["mxfp4-b1"].steps}
 ROWS_SUITES["h200-next"] = Suite(
     "what waits for an H200, one call: " + _GRAPHED.description + "; then issue 27's figures with the workers' "
     "defaults (issue27-h200's model-20b and model-120b), the FP8-projection A/B of rows-b1-ab on 20b and 120b, the "
-    "20b decode profile; then the piecewise GPU tests (graphed modes against eager Triton without split-KV, bf16 and "
-    "e4m3 pages; the graph capture tests and plan-host stay in graph-tests: the call's 560 s are spent)",
+    "20b decode profile, the 20b 8k x 1 A/B with and without mxfp4_moe (mxfp4-b1's model step). The piecewise GPU "
+    "tests moved to any-card-next: the call's 560 s are spent",
     carry=STACK_CARRY,
     # timeouts cut to fit one call, from what the steps took on the H200 (issue27-h200-1: model-20b 12 s, model-120b
     # 20 s, profile-20b 17 s; issue25-h200-1: ~140 s an arm)
-    # the piecewise GPU tests last (62 s for three engines in graph-tests-2, a fourth on e4m3 pages since): they also
-    # run on any card (graph-tests), the figures before them only on an H200
+    # the MXFP4 A/B after the figures it would change (on an H200 it is issue 27's figure when it wins)
     steps=_GRAPHED.steps + (replace(_ISSUE27["model-20b"], timeout_s=30),
                             replace(_ROWS["model-20b-fp8-rows"], timeout_s=30),
                             replace(_ISSUE27["model-120b"], timeout_s=40),
                             replace(_ROWS["model-120b-fp8-rows"], timeout_s=40),
                             replace(_ISSUE27["profile-20b"], timeout_s=30),
-                            replace(PIECEWISE_GPU_TESTS, timeout_s=90)),
+                            replace(_MXFP4["model-20b-mxfp4"], timeout_s=60)),
     reproduces=_GRAPHED.reproduces + ISSUE_SUITES["issue27-h200"].reproduces + ROWS_SUITES["rows-b1-ab"].reproduces)
 
 # The same evidence for the graphed-attention default on any card (an H100 when no H200 comes): issue 25's colocated
