@@ -63,7 +63,7 @@ def _probe_moe_small() -> None:
     SmallBatchMoE()(x, torch.zeros(1, 32, dtype=torch.bfloat16), 4, w, quantize_act_1x128(x))
 
 
-def _probe_moe_mxfp4() -> None:
+def _probe_moe_mxfp4(configs=(None,)) -> None:
     """The one-token MoE on MXFP4 experts (kernels/moe_mxfp4.py) at gpt-oss-20b widths, default tiles."""
     import torch
 
@@ -75,11 +75,19 @@ def _probe_moe_mxfp4() -> None:
 
     w = Mxfp4Experts.from_blocks(*mx(2 * i, h), torch.zeros(4, 2 * i, dtype=torch.bfloat16), *mx(h, i),
                                  torch.zeros(4, h, dtype=torch.bfloat16), alpha=1.702, limit=7.0)
-    SmallBatchMxfp4MoE()(torch.zeros(1, h, dtype=torch.bfloat16), torch.zeros(1, 32, dtype=torch.bfloat16), 4, w)
+    for cfg in configs:
+        SmallBatchMxfp4MoE(cfg)(torch.zeros(1, h, dtype=torch.bfloat16), torch.zeros(1, 32, dtype=torch.bfloat16), 4, w)
+
+
+def _probe_moe_mxfp4_f16() -> None:
+    """The same with products summed in f16x2 (Mxfp4Config.f16_dot) at 8 and 16 rows, 2 and 4 warps."""
+    from kernels.moe_mxfp4 import Mxfp4Config
+    _probe_moe_mxfp4([Mxfp4Config(f16_dot=True, block_n1=n, block_n2=n, num_warps=w)
+                      for n, w in ((8, 4), (8, 1), (16, 2), (16, 4), (32, 4))])
 
 
 PROBES = {"fp8_rows": _probe_fp8_rows, "gemv_rows": _probe_gemv_rows, "moe_small": _probe_moe_small,
-          "moe_mxfp4": _probe_moe_mxfp4}
+          "moe_mxfp4": _probe_moe_mxfp4, "moe_mxfp4_f16": _probe_moe_mxfp4_f16}
 
 
 @contextmanager
@@ -139,7 +147,11 @@ for i, rec in enumerate(json.load(sys.stdin)):
     try:
         ck = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=rec["opts"])
     except Exception as e:
-        out.append({"cubin": None, "shared": None, "error": (repr(e.__cause__) + " | " + str(e))[-3000:]})
+        chain = []
+        while e is not None and len(chain) < 8:  # the root cause (a Python error inside the kernel) comes last
+            chain.append(str(e)[-1500:])
+            e = e.__cause__ or e.__context__
+        out.append({"cubin": None, "shared": None, "error": " | ".join(chain)[-3000:]})
         continue
     path = f"{sys.argv[1]}/{i}-{rec['kernel']}.cubin"
     open(path, "wb").write(ck.asm["cubin"])
@@ -172,7 +184,20 @@ def analyse(cubin: str) -> dict:
     sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
     ops = Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
     return {"regs": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None,
-            "ops": {op: n for op, n in sorted(ops.items()) if op.split(".")[0] in OPS}}
+            "loop": _loop_length(sass), "ops": {op: n for op, n in sorted(ops.items()) if op.split(".")[0] in OPS}}
+
+
+def _loop_length(sass: str) -> int | None:
+    """Instructions in the longest backward branch's body (a kernel's main K loop), None without one."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", ln))}
+    best = None
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ln)
+        if m and labels.get(m.group(1), i) < i:
+            n = sum(1 for x in lines[labels[m.group(1)]:i + 1] if re.match(r"\s+/\*[0-9a-f]+\*/", x))
+            best = max(best or 0, n)
+    return best
 
 
 def probe_report(names: list[str], workdir: Path) -> list[dict]:
@@ -200,7 +225,7 @@ def main() -> None:
     for row in probe_report(a.probes, Path(a.out)):
         tiles = {k: v for k, v in row["const"].items() if k.startswith(("BLOCK", "SPLIT", "NUM", "UNROLL"))}
         print(f"{row['kernel']} {tiles} {row['opts']}: {row['regs']} regs, stack {row['stack']}, "
-              f"smem {row['shared']} B; {row['ops']}")
+              f"smem {row['shared']} B, loop {row['loop']} instructions; {row['ops']}")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ ROWS_SUITES: dict[str, Suite] = {
                     "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_mxfp4_gpu.py", 180,
                     summary=PYTEST),
                step("mxfp4-micro", "{py} -m benchmarks.moe_mxfp4_b1", 90,
-                    summary=r"^(fp8|mxfp4 rows 8/8 x 32 groups w4 s3 pdl)|wrote|Error"),
+                    summary=r"^(fp8|mxfp4 rows 8/8 x 32 groups w4 s3 pdl|mxfp4 .* f16)|wrote|Error"),
                step("model-20b-mxfp4", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --linear deepgemm "
                                        "--kv-cache-dtype fp8 --prefill-lens '' --contexts 8192 --batches 1 "
                                        f"--fusions {DEFAULT_FUSIONS},{DEFAULT_FUSIONS}+mxfp4_moe "

@@ -109,13 +109,89 @@ def _decode_word(w, HW_CVT: tl.constexpr):
             _e2m1_x2p14((w >> 24) & 15), _e2m1_x2p14((w >> 28) & 15))
 
 
+# The f16 form (Mxfp4Config.f16_dot, GPU only): products and a word's sum in f16x2 (HFMA2, two weights an
+# instruction) instead of fp32 FMAs after converting every weight. Each byte of codes (inputs 2k, 2k + 1) becomes two
+# e4m3 bytes by masks and shifts (e2m1's sign, 2 exponent bits and mantissa bit land in e4m3's sign, low exponent
+# bits and top mantissa bit: the e2m1 value / 2^6, subnormals included), and Hopper's cvt.f16x2.e4m3x2 turns each
+# pair into an f16x2 in one instruction: L holds the even inputs' codes (0, 2 | 4, 6), H the odd (1, 3 | 5, 7).
+# x comes in as bf16 (one 16-byte load of a word's 8 inputs inside the asm: a tl.load of them took Triton's own
+# layout and reached the rows' through shared memory with barriers, sass_probe), repacked into the same pairs once
+# per (group, word) a thread: f16 holds |x| < 65504 (beyond: saturated). A product is e2m1 x x / 2^6, exact in f16;
+# a word's 8 products are summed in f16 (rel. 2^-11 an add), then in fp32.
+_F16_EXP_BIAS = tl.constexpr(127.0 - 6)  # 2^(S - 127) x 2^6
+F16_PAIRS = ((2, 0), (6, 4), (3, 1), (7, 5))  # (high, low) inputs of each f16x2 pair, in the order of L's and H's halves
+_F16_PAIRS_ASM = tl.constexpr(
+    "{ .reg .b32 a, b, c, d; .reg .f32 x0, x1, x2, x3, x4, x5, x6, x7; ld.global.nc.v4.b32 {a, b, c, d}, [$4]; "
+    + "".join(f"shl.b32 x{2 * i}, {r}, 16; and.b32 x{2 * i + 1}, {r}, 0xFFFF0000; " for i, r in enumerate("abcd"))
+    + "".join(f"cvt.rn.satfinite.f16x2.f32 ${i}, x{hi}, x{lo}; " for i, (hi, lo) in enumerate(F16_PAIRS))
+    + "}")
+_F16_WORD = ("shl.b32 t, ${w}, 2; and.b32 t, t, 0x1C1C1C1C; shl.b32 u, ${w}, 4; and.b32 u, u, 0x80808080; "
+              "or.b32 L, t, u; shr.b32 t, ${w}, 2; and.b32 t, t, 0x1C1C1C1C; and.b32 u, ${w}, 0x80808080; "
+              "or.b32 H, t, u; mov.b32 {{l0, l1}}, L; mov.b32 {{h0, h1}}, H; cvt.rn.f16x2.e4m3x2 f0, l0; "
+              "cvt.rn.f16x2.e4m3x2 f1, l1; cvt.rn.f16x2.e4m3x2 f2, h0; cvt.rn.f16x2.e4m3x2 f3, h1; "
+              "{first} acc, f0, ${p0}{acc}; fma.rn.f16x2 acc, f1, ${p1}, acc; fma.rn.f16x2 acc, f2, ${p2}, acc; "
+              "fma.rn.f16x2 acc, f3, ${p3}, acc; ")
+# a group: words $1..$4, pairs $5..$20 (word j's pair i at $5 + 4j + i) -> $0, the 32 products' sum in fp32
+_F16_DOT_ASM = tl.constexpr(
+    "{ .reg .b32 t, u, L, H, f0, f1, f2, f3, acc; .reg .b16 l0, l1, h0, h1, a, b; .reg .f32 fa, fb; "
+    + "".join(_F16_WORD.format(w=1 + j, p0=5 + 4 * j, p1=6 + 4 * j, p2=7 + 4 * j, p3=8 + 4 * j,
+                               first="mul.rn.f16x2" if j == 0 else "fma.rn.f16x2", acc="" if j == 0 else ", acc")
+              for j in range(4))
+    + "mov.b32 {a, b}, acc; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; add.f32 $0, fa, fb; }")
+
+
+@triton.jit
+def _quarters(v):
+    """[.., 4] -> its 4 slices [..] (the last dim within a thread: free)."""
+    a, b = tl.split(tl.reshape(v, v.shape[:-1] + [2, 2]))  # a: 0, 2; b: 1, 3
+    v0, v2 = tl.split(a)
+    v1, v3 = tl.split(b)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _rows_dot_f16(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N: tl.constexpr, GB: tl.constexpr):
+    """mxfp4_rows_dot's f16 form (x bf16): the same tiles, each word's 8 products summed by _F16_DOT_ASM."""
+    og = tl.arange(0, GB)
+    oj = tl.arange(0, 4)
+    w_ptrs = (w_ptr + rn[:, None, None].to(tl.int64) * stride_wn * 4
+              + og[None, :, None] * 4 + oj[None, None, :])  # [BN, GB, 4] int32
+    e_ptrs = e_ptr + rn[:, None].to(tl.int64) * stride_en + og[None, :]  # [BN, GB]
+    x_at = x_ptr.to(tl.int64)  # x's row, 16-byte aligned (the wrapper checks)
+    acc = tl.zeros((BLOCK_N, GB), dtype=tl.float32)
+    for k0 in range(0, KW, 4 * GB):
+        gm = k0 + og * 4 < KW
+        w = tl.load(w_ptrs, mask=gm[None, :, None], other=0)
+        wi = tl.where(gm[:, None], k0 + og[:, None] * 4 + oj[None, :], 0)  # [GB, 4] words; a masked group reads word 0
+        # not pure: ordered after the launch's griddepcontrol.wait (x is the launch before's output)
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(_F16_PAIRS_ASM, "=r,=r,=r,=r,l", [x_at + wi.to(tl.int64) * 16],
+                                                   dtype=(tl.int32,) * 4, is_pure=True, pack=1)  # [GB, 4] each
+        w0, w1, w2, w3 = _quarters(w)  # [BN, GB] each: word j of every group
+        a0, a1, a2, a3 = _quarters(p0)  # [GB] each: pair i (here 0) of word j
+        b0, b1, b2, b3 = _quarters(p1)
+        c0, c1, c2, c3 = _quarters(p2)
+        d0, d1, d2, d3 = _quarters(p3)
+        part = tl.inline_asm_elementwise(  # [BN, GB]
+            _F16_DOT_ASM, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [w0, w1, w2, w3, a0[None, :], b0[None, :], c0[None, :], d0[None, :], a1[None, :], b1[None, :],
+             c1[None, :], d1[None, :], a2[None, :], b2[None, :], c2[None, :], d2[None, :], a3[None, :], b3[None, :],
+             c3[None, :], d3[None, :]], dtype=tl.float32, is_pure=True, pack=1)
+        ex = tl.load(e_ptrs, mask=gm[None, :], other=0).to(tl.float32)
+        acc += part * tl.exp2(ex - _F16_EXP_BIAS)
+        w_ptrs += 4 * GB
+        e_ptrs += GB
+    return tl.sum(acc, axis=1)
+
+
 @triton.jit
 def mxfp4_rows_dot(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-                   HW_CVT: tl.constexpr):
+                   HW_CVT: tl.constexpr, F16: tl.constexpr = False):
     """fp32 [BN]: sum_k x[k] * W[rn, k] for MXFP4 rows of KW 32-bit words (8 inputs each) with one exponent per 4
     words, GB groups of 32 inputs a step. stride_wn counts groups (16 bytes): the row offset is then a visible
     multiple of 4 words, so each thread's group comes in one 16-byte load and is summed in the thread. x is read in 8
-    strided vectors, one per code position."""
+    strided vectors, one per code position. F16 (on the GPU, x bf16): _rows_dot_f16."""
+    if F16 and HW_CVT:
+        return _rows_dot_f16(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N, GB)
     og = tl.arange(0, GB)  # groups of a step
     oj = tl.arange(0, 4)  # words of a group
     w_ptrs = (w_ptr + rn[:, None, None].to(tl.int64) * stride_wn * 4
@@ -149,7 +225,7 @@ def _gate_up_mxfp4_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, w_ptr, e_ptr, b_pt
                           expert_start, num_local, alpha, limit, stride_lt, stride_xt, stride_we, stride_wn,
                           stride_ee, stride_en, stride_be, stride_ap, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
                           BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-                          OUT_ROUND: tl.constexpr, PDL: tl.constexpr, HW_CVT: tl.constexpr):
+                          OUT_ROUND: tl.constexpr, PDL: tl.constexpr, HW_CVT: tl.constexpr, F16: tl.constexpr):
     if PDL:  # launched early: the router's logits and x come from the launch before
         gdc_wait()
         gdc_launch_dependents()
@@ -167,7 +243,7 @@ def _gate_up_mxfp4_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, w_ptr, e_ptr, b_pt
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = offs_n % N  # wrapped rows read valid memory and are never stored
     v = mxfp4_rows_dot(x_ptr + t * stride_xt, w_ptr + e64 * stride_we, e_ptr + e64 * stride_ee, rn, KW, stride_wn,
-                       stride_en, BLOCK_N, GB, HW_CVT)
+                       stride_en, BLOCK_N, GB, HW_CVT, F16)
     v = round_as(v + tl.load(b_ptr + e64 * stride_be + rn).to(tl.float32), OUT_ROUND)  # the linear's output
     gate, up = tl.split(tl.reshape(v, (BLOCK_N // 2, 2)))  # interleaved rows: 2i = gate_i, 2i + 1 = up_i
     gate = tl.minimum(gate, limit)
@@ -182,7 +258,7 @@ def _down_mxfp4_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, e_ptr, b_ptr, part_ptr, 
                        expert_start, num_local, stride_ap, stride_we, stride_wn, stride_ee, stride_en, stride_be,
                        stride_pj, stride_pt, stride_ot, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        OUT_ROUND: tl.constexpr, Y_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-                       PDL: tl.constexpr, HW_CVT: tl.constexpr):
+                       PDL: tl.constexpr, HW_CVT: tl.constexpr, F16: tl.constexpr):
     pid = tl.program_id(0)
     j = pid % TOP_K
     num_n = tl.cdiv(N, BLOCK_N)
@@ -198,7 +274,7 @@ def _down_mxfp4_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, e_ptr, b_ptr, part_ptr, 
     if (e >= 0) & (e < num_local):
         e64 = e.to(tl.int64)
         y = mxfp4_rows_dot(act_ptr + (t * TOP_K + j) * stride_ap, w_ptr + e64 * stride_we, e_ptr + e64 * stride_ee,
-                           rn, KW, stride_wn, stride_en, BLOCK_N, GB, HW_CVT)
+                           rn, KW, stride_wn, stride_en, BLOCK_N, GB, HW_CVT, F16)
         if HAS_BIAS:  # inside the rounding of the linear's output, as F.linear's bias
             y += tl.load(b_ptr + e64 * stride_be + rn).to(tl.float32)
         tl.store(p_ptrs + j * stride_pj, y, mask=nmask)
@@ -228,6 +304,8 @@ class Mxfp4Config:
     num_warps: int = 4
     num_stages: int = 3
     pdl: bool = True  # programmatic dependent launch on the GPU (the interpreter has none)
+    # products and a word's sums in f16x2 (_rows_dot_f16) for bf16 x on the GPU; the interpreter sums in fp32
+    f16_dot: bool = False
 
 
 def _words(w: torch.Tensor) -> torch.Tensor:
@@ -244,10 +322,12 @@ class SmallBatchMxfp4MoE:
         self.config = config or Mxfp4Config()
         self._counters = _Counters()
 
-    def _launch(self, hw: bool) -> dict:
+    def _launch(self, hw: bool, x: torch.Tensor) -> dict:
         c = self.config
         on = c.pdl and hw
-        return dict(GB=c.groups, num_warps=c.num_warps, num_stages=c.num_stages, PDL=on, HW_CVT=hw,
+        # the f16 form reads a word's 8 bf16 of x in one 16-byte load: rows must start 16-byte aligned
+        f16 = c.f16_dot and x.dtype == torch.bfloat16 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+        return dict(GB=c.groups, num_warps=c.num_warps, num_stages=c.num_stages, PDL=on, HW_CVT=hw, F16=f16,
                     **({"launch_pdl": True} if on else {}))
 
     def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: Mxfp4Experts) -> torch.Tensor:
@@ -273,7 +353,7 @@ class SmallBatchMxfp4MoE:
             w.num_local, float(w.alpha), float(w.limit), router_logits.stride(0), x.stride(0), w1.stride(0),
             w1.stride(1) // 4, w.w1_exp.stride(0), w.w1_exp.stride(1), w.b1.stride(0), act.stride(0), TOP_K=top_k,
             BLOCK_E=triton.next_power_of_2(e), BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_N=c.block_n1,
-            OUT_ROUND=_ROUND_CODE[x.dtype], **self._launch(hw))
+            OUT_ROUND=_ROUND_CODE[x.dtype], **self._launch(hw, x))
         sems = self._counters.get(t * nt2, dev)
         part = torch.empty(top_k, t, n2, dtype=torch.float32, device=dev)
         out = torch.empty(t, n2, dtype=x.dtype, device=dev)
@@ -283,5 +363,5 @@ class SmallBatchMxfp4MoE:
             act.stride(0), w2.stride(0), w2.stride(1) // 4, w.w2_exp.stride(0), w.w2_exp.stride(1), b2.stride(0),
             part.stride(0), part.stride(1), out.stride(0), TOP_K=top_k, HAS_BIAS=w.b2 is not None,
             OUT_ROUND=_ROUND_CODE[x.dtype], Y_ROUND=_ROUND_CODE[torch.promote_types(x.dtype, weights.dtype)],
-            BLOCK_N=c.block_n2, **self._launch(hw))
+            BLOCK_N=c.block_n2, **self._launch(hw, act))
         return out
