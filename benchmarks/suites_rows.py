@@ -140,3 +140,16 @@ ROWS_SUITES["any-card-next"] = Suite(
     steps=ROWS_SUITES["mxfp4-b1"].steps + (PIECEWISE_GPU_TESTS,),
     reproduces=ROWS_SUITES["mxfp4-b1"].reproduces + ("graph-tests-4 (2026-12-07, H100): all-e4m3 0.034 from eager "
                                                      "Triton at T=1, the two eager backends 0.039 apart",))
+
+# One H200 call for both open issues when only one may come: issue 25's colocated run with the decode worker's
+# default (attention inside the piecewise graphs, with and without prefix caching: the issue's ratio on its card),
+# then the MXFP4 experiment of issue 27 (its GPU tests, the micro-benchmark with the f16x2 form in the sweep, the 20b
+# 8k x 1 A/B). On another card, any-card-next instead (the device call chooses by nvidia-smi).
+_GRAPHED_STEPS = {s.name: s for s in _GRAPHED.steps}
+ROWS_SUITES["h200-25-27"] = Suite(
+    "issue 25's colocated multi-turn run with the decode worker's defaults (attention inside the piecewise graphs "
+    "for steps <= 768 tokens; 64 x 8 turns, ONE decode worker, with and without prefix caching), then "
+    + ROWS_SUITES["mxfp4-b1"].description,
+    carry=STACK_CARRY,
+    steps=(_GRAPHED_STEPS["colocated-1-graphed768"],) + ROWS_SUITES["mxfp4-b1"].steps,
+    reproduces=_GRAPHED.reproduces + ROWS_SUITES["mxfp4-b1"].reproduces)
