@@ -142,8 +142,8 @@ _F16_DOT_ASM = tl.constexpr(
 
 @triton.jit
 def _quarters(v):
-    """[.., 4] -> its 4 slices [..] (the last dim within a thread: free)."""
-    a, b = tl.split(tl.reshape(v, v.shape[:-1] + [2, 2]))  # a: 0, 2; b: 1, 3
+    """[A, B, 4] -> its 4 slices [A, B] (the last dim within a thread: free)."""
+    a, b = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], 2, 2)))  # a: 0, 2; b: 1, 3
     v0, v2 = tl.split(a)
     v1, v3 = tl.split(b)
     return v0, v1, v2, v3
@@ -167,15 +167,14 @@ def _rows_dot_f16(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N: tl
         p0, p1, p2, p3 = tl.inline_asm_elementwise(_F16_PAIRS_ASM, "=r,=r,=r,=r,l", [x_at + wi.to(tl.int64) * 16],
                                                    dtype=(tl.int32,) * 4, is_pure=True, pack=1)  # [GB, 4] each
         w0, w1, w2, w3 = _quarters(w)  # [BN, GB] each: word j of every group
-        a0, a1, a2, a3 = _quarters(p0)  # [GB] each: pair i (here 0) of word j
-        b0, b1, b2, b3 = _quarters(p1)
-        c0, c1, c2, c3 = _quarters(p2)
-        d0, d1, d2, d3 = _quarters(p3)
+        a0, a1, a2, a3 = _quarters(p0[None, :, :])  # [1, GB] each: pair i (here 0) of word j
+        b0, b1, b2, b3 = _quarters(p1[None, :, :])
+        c0, c1, c2, c3 = _quarters(p2[None, :, :])
+        d0, d1, d2, d3 = _quarters(p3[None, :, :])
         part = tl.inline_asm_elementwise(  # [BN, GB]
             _F16_DOT_ASM, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-            [w0, w1, w2, w3, a0[None, :], b0[None, :], c0[None, :], d0[None, :], a1[None, :], b1[None, :],
-             c1[None, :], d1[None, :], a2[None, :], b2[None, :], c2[None, :], d2[None, :], a3[None, :], b3[None, :],
-             c3[None, :], d3[None, :]], dtype=tl.float32, is_pure=True, pack=1)
+            [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3],
+            dtype=tl.float32, is_pure=True, pack=1)
         ex = tl.load(e_ptrs, mask=gm[None, :], other=0).to(tl.float32)
         acc += part * tl.exp2(ex - _F16_EXP_BIAS)
         w_ptrs += 4 * GB
