@@ -117,7 +117,8 @@ def _decode_word(w, HW_CVT: tl.constexpr):
 # x comes in as bf16 (one 16-byte load of a word's 8 inputs inside the asm: a tl.load of them took Triton's own
 # layout and reached the rows' through shared memory with barriers, sass_probe), repacked into the same pairs once
 # per (group, word) a thread: f16 holds |x| < 65504 (beyond: saturated). A product is e2m1 x x / 2^6, exact in f16;
-# a word's 8 products are summed in f16 (rel. 2^-11 an add), then in fp32.
+# a group's 32 products are summed in f16x2 (rel. 2^-11 an add; the two halves meet in fp32), then in fp32. The
+# sum cannot overflow below |x| ~ 20,000 (x here: a norm's output, or act, which the SwiGLU clamp keeps under 56).
 _F16_EXP_BIAS = tl.constexpr(127.0 - 6)  # 2^(S - 127) x 2^6
 F16_PAIRS = ((2, 0), (6, 4), (3, 1), (7, 5))  # (high, low) inputs of each f16x2 pair, in the order of L's and H's halves
 _F16_PAIRS_ASM = tl.constexpr(
@@ -151,7 +152,7 @@ def _quarters(v):
 
 @triton.jit
 def _rows_dot_f16(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N: tl.constexpr, GB: tl.constexpr):
-    """mxfp4_rows_dot's f16 form (x bf16): the same tiles, each word's 8 products summed by _F16_DOT_ASM."""
+    """mxfp4_rows_dot's f16 form (x bf16): the same tiles, each group's 32 products summed by _F16_DOT_ASM."""
     og = tl.arange(0, GB)
     oj = tl.arange(0, 4)
     w_ptrs = (w_ptr + rn[:, None, None].to(tl.int64) * stride_wn * 4
@@ -163,7 +164,9 @@ def _rows_dot_f16(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N: tl
         gm = k0 + og * 4 < KW
         w = tl.load(w_ptrs, mask=gm[None, :, None], other=0)
         wi = tl.where(gm[:, None], k0 + og[:, None] * 4 + oj[None, :], 0)  # [GB, 4] words; a masked group reads word 0
-        # not pure: ordered after the launch's griddepcontrol.wait (x is the launch before's output)
+        # pure: Triton then gives it the rows' layout (not pure, it took its own and a shared-memory conversion). It
+        # cannot move above the launch's griddepcontrol.wait (x is the launch before's output): that sits in an
+        # earlier block and this address changes every step
         p0, p1, p2, p3 = tl.inline_asm_elementwise(_F16_PAIRS_ASM, "=r,=r,=r,=r,l", [x_at + wi.to(tl.int64) * 16],
                                                    dtype=(tl.int32,) * 4, is_pure=True, pack=1)  # [GB, 4] each
         w0, w1, w2, w3 = _quarters(w)  # [BN, GB] each: word j of every group
