@@ -199,9 +199,9 @@ def main() -> None:
     ap.add_argument("--norm-quant-max-tokens", type=int, default=None,
                     help="kernels.registry.NORM_QUANT_MAX_TOKENS for this run (norm_quant's token range), e.g. to A/B "
                          "norm_quant at prefill sizes")
-    ap.add_argument("--mxfp4-f16", action="store_true",
-                    help="the model's MXFP4 MoE (Fusion.MXFP4_MOE) in its f16x2 form (kernels.moe_mxfp4.Mxfp4Config"
-                         ".f16_dot, 8 rows on one warp) instead of the default tiles")
+    ap.add_argument("--mxfp4-dot", default="", choices=["", "fp32", "f16_cvt", "f16_lop"],
+                    help="the model's MXFP4 MoE (Fusion.MXFP4_MOE) in this form of kernels.moe_mxfp4.Mxfp4Config.dot, "
+                         "8 rows on one warp, instead of the default config")
     ap.add_argument("--tag", default="")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
     a = ap.parse_args()
@@ -222,11 +222,11 @@ def main() -> None:
                   # an arm names mxfp4_moe: keep the MXFP4 experts too ("on" does not: 120b has no room for both)
                   mxfp4_experts=Fusion.MXFP4_MOE.value in a.fusions)
     res.data["load_seconds"] = round(time.monotonic() - t0, 1)
-    if a.mxfp4_f16:
+    if a.mxfp4_dot:
         from kernels.moe_mxfp4 import Mxfp4Config, SmallBatchMxfp4MoE
         for layer in model.layers:
             if layer.mlp._mx_moe is not None:
-                layer.mlp._mx_moe = SmallBatchMxfp4MoE(Mxfp4Config(f16_dot=True, num_warps=1))
+                layer.mlp._mx_moe = SmallBatchMxfp4MoE(Mxfp4Config(dot=a.mxfp4_dot, num_warps=1))
     settings = [s for s in a.fusions.split(",") if s.strip()] or ["off"]
     use_fusions(model, settings[0])
     print(f"loaded {a.preset} FP8 in {res.data['load_seconds']} s; {model.backends.describe()}"

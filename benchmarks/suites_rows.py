@@ -46,17 +46,17 @@ ROWS_SUITES: dict[str, Suite] = {
         "dequantised fp32 reference, bits under CUDA-graph replay, a 2-layer model and its graph decode), the "
         "micro-benchmark against kernels/moe_small.py on the same experts in FP8 (model.quant.mxfp4_to_fp8), weights "
         "from HBM, with a config sweep, then the 20b decode replay at 8k x 1 A/B in one process on the best batch-1 "
-        "configuration (FP8 QKV/O, e4m3 pages, the default fusions) with and without mxfp4_moe (its f16x2 form)",
+        "configuration (FP8 QKV/O, e4m3 pages, the default fusions) with and without mxfp4_moe (its f16x2 LOP3 form)",
         carry=STACK_CARRY,
         steps=(step("mxfp4-gpu-tests",
                     "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_mxfp4_gpu.py", 180,
                     summary=PYTEST),
                step("mxfp4-micro", "{py} -m benchmarks.moe_mxfp4_b1", 90,
-                    summary=r"^(fp8|mxfp4 rows 8/8 x 32 groups w4 s3 pdl|mxfp4 .* f16)|wrote|Error"),
+                    summary=r"^(fp8|mxfp4 rows 8/8 x 32 groups w4 s3 pdl|mxfp4 .* f16_\w+)|wrote|Error"),
                step("model-20b-mxfp4", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --linear deepgemm "
                                        "--kv-cache-dtype fp8 --prefill-lens '' --contexts 8192 --batches 1 "
                                        f"--fusions {DEFAULT_FUSIONS},{DEFAULT_FUSIONS}+mxfp4_moe "
-                                       "--mxfp4-f16 --tag gpt-oss-20b-tp1-mxfp4-ab", 90,
+                                       "--mxfp4-dot f16_lop --tag gpt-oss-20b-tp1-mxfp4-ab", 90,
                     summary=r"^decode ctx|FAILED|Error",
                     publish={"model_gpt-oss-20b-tp1-mxfp4-ab.json": "model_gpt-oss-20b-tp1-mxfp4-ab.json"})),
         reproduces=("issue27-h200-1 (2026-12-06, H200): the 20b MoE at one token 25.5 + 13.0 us a layer in the model "

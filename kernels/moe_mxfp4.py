@@ -141,6 +141,33 @@ _F16_DOT_ASM = tl.constexpr(
     + "mov.b32 {a, b}, acc; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; add.f32 $0, fa, fb; }")
 
 
+# The LOP3 form (Mxfp4Config.dot "f16_lop"): the same f16x2 sums, decoded without the conversion unit. On the H100
+# (any-card-next-1) the e4m3 form ran at 0.49 of copy, 10 % ahead of the FP8 path: Hopper converts 16 values a clock
+# per SM, so its 0.5 cvt a weight (and the fp32 form's 1 f16 -> f32 a weight) bound the kernel, not the bytes. Here
+# only integer ops and HFMA2 run: code pair (3 - r, 7 - r) of a word sits at bits 12..15 of its halves once shifted
+# left by 4r; sign kept at 15, magnitude moved to bits 9..11 (Marlin's FP4 placement) makes an exact f16 worth the e2m1
+# value / 2^14. x is scaled by 2^4 (its bf16 exponent + 4: exact) so products, e2m1 x x / 2^10, stay out of f16's
+# subnormals but for |e2m1 x x| < 1/16 (absolute error <= 3e-5 there); f16 holds |x| < 4094 (beyond: saturated).
+LOP_X_LOG2 = 4
+LOP_PAIRS = ((7, 3), (6, 2), (5, 1), (4, 0))  # (high, low) inputs of pass r's f16x2 pair
+_LOP_EXP_BIAS = tl.constexpr(127.0 - 14 + LOP_X_LOG2)
+_LOP_PAIRS_ASM = tl.constexpr(
+    "{ .reg .b32 a, b, c, d; .reg .f32 x0, x1, x2, x3, x4, x5, x6, x7; ld.global.nc.v4.b32 {a, b, c, d}, [$4]; "
+    + "".join(f"add.u32 {r}, {r}, {hex((LOP_X_LOG2 << 7) * 0x10001)}; " for r in "abcd")
+    + "".join(f"shl.b32 x{2 * i}, {r}, 16; and.b32 x{2 * i + 1}, {r}, 0xFFFF0000; " for i, r in enumerate("abcd"))
+    + "".join(f"cvt.rn.satfinite.f16x2.f32 ${i}, x{hi}, x{lo}; " for i, (hi, lo) in enumerate(LOP_PAIRS))
+    + "}")
+_LOP_PASS = ("{shift}shr.b32 m, v, 3; and.b32 m, m, 0x0E000E00; and.b32 v, v, 0x80008000; or.b32 v, v, m; "
+             "{op} acc, v, ${p}{acc}; ")
+_LOP_DOT_ASM = tl.constexpr(
+    "{ .reg .b32 v, m, acc; .reg .b16 a, b; .reg .f32 fa, fb; "
+    + "".join(_LOP_PASS.format(shift=f"mov.b32 v, ${1 + j}; " if r == 0 else f"shl.b32 v, ${1 + j}, {4 * r}; ",
+                               op="mul.rn.f16x2" if j == r == 0 else "fma.rn.f16x2", p=5 + 4 * j + r,
+                               acc="" if j == r == 0 else ", acc")
+              for j in range(4) for r in range(4))
+    + "mov.b32 {a, b}, acc; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; add.f32 $0, fa, fb; }")
+
+
 @triton.jit
 def _quarters(v):
     """[A, B, 4] -> its 4 slices [A, B] (the last dim within a thread: free)."""
@@ -151,8 +178,11 @@ def _quarters(v):
 
 
 @triton.jit
-def _rows_dot_f16(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N: tl.constexpr, GB: tl.constexpr):
-    """mxfp4_rows_dot's f16 form (x bf16): the same tiles, each group's 32 products summed by _F16_DOT_ASM."""
+def _rows_dot_f16(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N: tl.constexpr, GB: tl.constexpr,
+                  LOP: tl.constexpr, PREFETCH: tl.constexpr):
+    """mxfp4_rows_dot's f16 forms (x bf16): the same tiles, each group's 32 products summed by _F16_DOT_ASM (the
+    e4m3 conversions) or, LOP, _LOP_DOT_ASM (integer decode). PREFETCH: the next step's weights and exponents are
+    loaded before this step's sums (two steps in flight a thread; without, a step's loads wait for the last's math)."""
     og = tl.arange(0, GB)
     oj = tl.arange(0, 4)
     w_ptrs = (w_ptr + rn[:, None, None].to(tl.int64) * stride_wn * 4
@@ -160,26 +190,49 @@ def _rows_dot_f16(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N: tl
     e_ptrs = e_ptr + rn[:, None].to(tl.int64) * stride_en + og[None, :]  # [BN, GB]
     x_at = x_ptr.to(tl.int64)  # x's row, 16-byte aligned (the wrapper checks)
     acc = tl.zeros((BLOCK_N, GB), dtype=tl.float32)
+    w = tl.load(w_ptrs, mask=(og * 4 < KW)[None, :, None], other=0)  # step 0 (PREFETCH)
+    ex = tl.load(e_ptrs, mask=(og * 4 < KW)[None, :], other=0)
     for k0 in range(0, KW, 4 * GB):
         gm = k0 + og * 4 < KW
-        w = tl.load(w_ptrs, mask=gm[None, :, None], other=0)
+        if PREFETCH:
+            gn = k0 + 4 * GB + og * 4 < KW
+            w_next = tl.load(w_ptrs + 4 * GB, mask=gn[None, :, None], other=0)
+            ex_next = tl.load(e_ptrs + GB, mask=gn[None, :], other=0)
+        else:
+            w = tl.load(w_ptrs, mask=gm[None, :, None], other=0)
+            ex = tl.load(e_ptrs, mask=gm[None, :], other=0)
+            w_next = w
+            ex_next = ex
         wi = tl.where(gm[:, None], k0 + og[:, None] * 4 + oj[None, :], 0)  # [GB, 4] words; a masked group reads word 0
         # pure: Triton then gives it the rows' layout (not pure, it took its own and a shared-memory conversion). It
         # cannot move above the launch's griddepcontrol.wait (x is the launch before's output): that sits in an
         # earlier block and this address changes every step
-        p0, p1, p2, p3 = tl.inline_asm_elementwise(_F16_PAIRS_ASM, "=r,=r,=r,=r,l", [x_at + wi.to(tl.int64) * 16],
-                                                   dtype=(tl.int32,) * 4, is_pure=True, pack=1)  # [GB, 4] each
+        if LOP:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(_LOP_PAIRS_ASM, "=r,=r,=r,=r,l", [x_at + wi.to(tl.int64) * 16],
+                                                       dtype=(tl.int32,) * 4, is_pure=True, pack=1)  # [GB, 4] each
+        else:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(_F16_PAIRS_ASM, "=r,=r,=r,=r,l", [x_at + wi.to(tl.int64) * 16],
+                                                       dtype=(tl.int32,) * 4, is_pure=True, pack=1)
         w0, w1, w2, w3 = _quarters(w)  # [BN, GB] each: word j of every group
         a0, a1, a2, a3 = _quarters(p0[None, :, :])  # [1, GB] each: pair i (here 0) of word j
         b0, b1, b2, b3 = _quarters(p1[None, :, :])
         c0, c1, c2, c3 = _quarters(p2[None, :, :])
         d0, d1, d2, d3 = _quarters(p3[None, :, :])
-        part = tl.inline_asm_elementwise(  # [BN, GB]
-            _F16_DOT_ASM, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-            [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3],
-            dtype=tl.float32, is_pure=True, pack=1)
-        ex = tl.load(e_ptrs, mask=gm[None, :], other=0).to(tl.float32)
-        acc += part * tl.exp2(ex - _F16_EXP_BIAS)
+        scale = tl.exp2(ex.to(tl.float32) - (_LOP_EXP_BIAS if LOP else _F16_EXP_BIAS))
+        if LOP:
+            part = tl.inline_asm_elementwise(  # [BN, GB]
+                _LOP_DOT_ASM, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3],
+                dtype=tl.float32, is_pure=True, pack=1)
+            acc += part * scale
+        else:
+            part = tl.inline_asm_elementwise(
+                _F16_DOT_ASM, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3],
+                dtype=tl.float32, is_pure=True, pack=1)
+            acc += part * scale
+        w = w_next
+        ex = ex_next
         w_ptrs += 4 * GB
         e_ptrs += GB
     return tl.sum(acc, axis=1)
@@ -187,13 +240,14 @@ def _rows_dot_f16(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N: tl
 
 @triton.jit
 def mxfp4_rows_dot(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-                   HW_CVT: tl.constexpr, F16: tl.constexpr = False):
+                   HW_CVT: tl.constexpr, DOT: tl.constexpr = 0):
     """fp32 [BN]: sum_k x[k] * W[rn, k] for MXFP4 rows of KW 32-bit words (8 inputs each) with one exponent per 4
     words, GB groups of 32 inputs a step. stride_wn counts groups (16 bytes): the row offset is then a visible
     multiple of 4 words, so each thread's group comes in one 16-byte load and is summed in the thread. x is read in 8
-    strided vectors, one per code position. F16 (on the GPU, x bf16): _rows_dot_f16."""
-    if F16 and HW_CVT:
-        return _rows_dot_f16(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N, GB)
+    strided vectors, one per code position. DOT 1 / 2 (on the GPU, x bf16): _rows_dot_f16's e4m3 / LOP3 forms;
+    3 / 4 the same with the next step's loads issued first."""
+    if DOT > 0 and HW_CVT:
+        return _rows_dot_f16(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N, GB, DOT % 2 == 0, DOT > 2)
     og = tl.arange(0, GB)  # groups of a step
     oj = tl.arange(0, 4)  # words of a group
     w_ptrs = (w_ptr + rn[:, None, None].to(tl.int64) * stride_wn * 4
@@ -227,7 +281,7 @@ def _gate_up_mxfp4_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, w_ptr, e_ptr, b_pt
                           expert_start, num_local, alpha, limit, stride_lt, stride_xt, stride_we, stride_wn,
                           stride_ee, stride_en, stride_be, stride_ap, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
                           BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-                          OUT_ROUND: tl.constexpr, PDL: tl.constexpr, HW_CVT: tl.constexpr, F16: tl.constexpr):
+                          OUT_ROUND: tl.constexpr, PDL: tl.constexpr, HW_CVT: tl.constexpr, DOT: tl.constexpr):
     if PDL:  # launched early: the router's logits and x come from the launch before
         gdc_wait()
         gdc_launch_dependents()
@@ -245,7 +299,7 @@ def _gate_up_mxfp4_kernel(logits_ptr, rw_ptr, ids_ptr, x_ptr, w_ptr, e_ptr, b_pt
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = offs_n % N  # wrapped rows read valid memory and are never stored
     v = mxfp4_rows_dot(x_ptr + t * stride_xt, w_ptr + e64 * stride_we, e_ptr + e64 * stride_ee, rn, KW, stride_wn,
-                       stride_en, BLOCK_N, GB, HW_CVT, F16)
+                       stride_en, BLOCK_N, GB, HW_CVT, DOT)
     v = round_as(v + tl.load(b_ptr + e64 * stride_be + rn).to(tl.float32), OUT_ROUND)  # the linear's output
     gate, up = tl.split(tl.reshape(v, (BLOCK_N // 2, 2)))  # interleaved rows: 2i = gate_i, 2i + 1 = up_i
     gate = tl.minimum(gate, limit)
@@ -260,7 +314,7 @@ def _down_mxfp4_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, e_ptr, b_ptr, part_ptr, 
                        expert_start, num_local, stride_ap, stride_we, stride_wn, stride_ee, stride_en, stride_be,
                        stride_pj, stride_pt, stride_ot, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        OUT_ROUND: tl.constexpr, Y_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-                       PDL: tl.constexpr, HW_CVT: tl.constexpr, F16: tl.constexpr):
+                       PDL: tl.constexpr, HW_CVT: tl.constexpr, DOT: tl.constexpr):
     pid = tl.program_id(0)
     j = pid % TOP_K
     num_n = tl.cdiv(N, BLOCK_N)
@@ -276,7 +330,7 @@ def _down_mxfp4_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, e_ptr, b_ptr, part_ptr, 
     if (e >= 0) & (e < num_local):
         e64 = e.to(tl.int64)
         y = mxfp4_rows_dot(act_ptr + (t * TOP_K + j) * stride_ap, w_ptr + e64 * stride_we, e_ptr + e64 * stride_ee,
-                           rn, KW, stride_wn, stride_en, BLOCK_N, GB, HW_CVT, F16)
+                           rn, KW, stride_wn, stride_en, BLOCK_N, GB, HW_CVT, DOT)
         if HAS_BIAS:  # inside the rounding of the linear's output, as F.linear's bias
             y += tl.load(b_ptr + e64 * stride_be + rn).to(tl.float32)
         tl.store(p_ptrs + j * stride_pj, y, mask=nmask)
@@ -306,8 +360,11 @@ class Mxfp4Config:
     num_warps: int = 4
     num_stages: int = 3
     pdl: bool = True  # programmatic dependent launch on the GPU (the interpreter has none)
-    # products and a word's sums in f16x2 (_rows_dot_f16) for bf16 x on the GPU; the interpreter sums in fp32
-    f16_dot: bool = False
+    # "fp32": decoded weights converted to fp32, FMAs; "f16_cvt" / "f16_lop": products and a group's sums in f16x2
+    # (_rows_dot_f16), weights decoded by Hopper's e4m3x2 conversion / by integer ops alone. The f16 forms need bf16 x
+    # on the GPU (else fp32); the interpreter always sums in fp32
+    dot: str = "fp32"
+    prefetch: bool = False  # the f16 forms: the next K step's loads before this one's math
 
 
 def _words(w: torch.Tensor) -> torch.Tensor:
@@ -328,8 +385,9 @@ class SmallBatchMxfp4MoE:
         c = self.config
         on = c.pdl and hw
         # the f16 form reads a word's 8 bf16 of x in one 16-byte load: rows must start 16-byte aligned
-        f16 = c.f16_dot and x.dtype == torch.bfloat16 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-        return dict(GB=c.groups, num_warps=c.num_warps, num_stages=c.num_stages, PDL=on, HW_CVT=hw, F16=f16,
+        f16 = x.dtype == torch.bfloat16 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+        dot = ({"fp32": 0, "f16_cvt": 1, "f16_lop": 2}[c.dot] + 2 * (c.prefetch and c.dot != "fp32")) if f16 else 0
+        return dict(GB=c.groups, num_warps=c.num_warps, num_stages=c.num_stages, PDL=on, HW_CVT=hw, DOT=dot,
                     **({"launch_pdl": True} if on else {}))
 
     def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w: Mxfp4Experts) -> torch.Tensor:

@@ -154,28 +154,31 @@ def test_model_keeps_mxfp4_experts_and_one_token_steps_take_them(ckpt_factory):
             torch.testing.assert_close(out["mxfp4_moe"], out["off"], rtol=1e-4, atol=1e-4)
 
 
-def _f16_group(words, x):
-    """The f16x2 form's two asm blocks run by tests.support.ptx_emu: words [N, 4] uint32 (a group's codes), x [N, 32]
-    float32 (bf16 values) -> [N] fp32 group sums, as the kernel has them before the group's exponent."""
+def _f16_group(words, x, lop: bool):
+    """An f16x2 form's two asm blocks (e4m3 conversions, or LOP3 decode) run by tests.support.ptx_emu: words [N, 4]
+    uint32 (a group's codes), x [N, 32] float32 (bf16 values) -> [N] group sums in e2m1 x x units."""
     import numpy as np
 
-    from kernels.moe_mxfp4 import _F16_DOT_ASM, _F16_PAIRS_ASM
+    from kernels import moe_mxfp4 as m
     from tests.support.ptx_emu import run_asm
 
+    pairs_asm, dot_asm, unit = ((m._LOP_PAIRS_ASM, m._LOP_DOT_ASM, 2.0 ** (14 - m.LOP_X_LOG2)) if lop else
+                                (m._F16_PAIRS_ASM, m._F16_DOT_ASM, 2.0 ** 6))
     n = words.shape[0]
     bf16 = (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint32)  # x is bf16-exact
     memory = (bf16[:, 0::2] | (bf16[:, 1::2] << 16)).reshape(-1)  # bf16 pairs, word j of group g at 16 (4g + j)
-    pairs = run_asm(_F16_PAIRS_ASM.value, {4: np.arange(4 * n, dtype=np.int64) * 16}, 4, memory)
+    pairs = run_asm(pairs_asm.value, {4: np.arange(4 * n, dtype=np.int64) * 16}, 4, memory)
     pairs = [p.reshape(n, 4) for p in pairs]  # pair i of word j
     ins = {1 + j: words[:, j] for j in range(4)} | {5 + 4 * j + i: pairs[i][:, j] for j in range(4) for i in range(4)}
-    (out,) = run_asm(_F16_DOT_ASM.value, ins, 1)
-    return out.view(np.float32)
+    (out,) = run_asm(dot_asm.value, ins, 1)
+    return out.view(np.float32).astype(np.float64) * unit
 
 
-def test_mxfp4_f16_form_asm_emulated():
-    """The GPU-only f16x2 form (Mxfp4Config.f16_dot): its PTX run by a CPU emulator. Every code at every position
-    decodes to its e2m1 value / 2^6 exactly (one x of 1 at a time), and random groups sum to the exact fp64 dot within
-    f16's summation error."""
+@pytest.mark.parametrize("lop", [False, True], ids=["f16_cvt", "f16_lop"])
+def test_mxfp4_f16_forms_asm_emulated(lop):
+    """The GPU-only f16x2 forms (Mxfp4Config.dot f16_cvt, f16_lop): their PTX run by a CPU emulator. Every code at
+    every position decodes exactly (one x of 1 at a time), and random groups sum to the exact fp64 dot within f16's
+    summation error."""
     import numpy as np
 
     from model.quant import FP4_VALUES
@@ -185,14 +188,12 @@ def test_mxfp4_f16_form_asm_emulated():
     for pos in range(32):
         x = np.zeros((16, 32), dtype=np.float32)
         x[:, pos] = 1.0
-        got = _f16_group(words, x).astype(np.float64) * 2.0 ** 6
-        np.testing.assert_array_equal(got, lut, err_msg=f"input {pos}")
+        np.testing.assert_array_equal(_f16_group(words, x, lop), lut, err_msg=f"input {pos}")
     rng = np.random.default_rng(0)
     words = rng.integers(0, 2 ** 32, (4096, 4), dtype=np.uint64).astype(np.uint32)
     x = (rng.standard_normal((4096, 32)) * np.exp2(rng.integers(-6, 10, (4096, 1)))).astype(np.float32)
     x = (x.view(np.uint32) & 0xFFFF0000).view(np.float32)  # bf16 values
     codes = (words[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 15  # [N, 4 words, 8 codes]: input 8j + q
-    want = (lut[codes.reshape(4096, 32)] * x).sum(axis=1)
-    got = _f16_group(words, x).astype(np.float64) * 2.0 ** 6
-    scale = (np.abs(lut[codes.reshape(4096, 32)] * x)).sum(axis=1)
+    prods = lut[codes.reshape(4096, 32)] * x
+    got, want, scale = _f16_group(words, x, lop), prods.sum(axis=1), np.abs(prods).sum(axis=1)
     assert np.all(np.abs(got - want) <= 2e-3 * scale + 1e-30), np.max(np.abs(got - want) / scale)

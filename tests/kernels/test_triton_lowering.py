@@ -92,7 +92,8 @@ def _launch_every_kernel() -> None:
     mx = random_mxfp4_experts(e, 128, 96, "cpu", torch.Generator().manual_seed(0))
     SmallBatchMxfp4MoE()(xb[:1], logits[:1], 2, mx)
     SmallBatchMxfp4MoE(Mxfp4Config(block_n1=8, block_n2=2, groups=2))(xb[:1], logits[:1], 2, mx)
-    SmallBatchMxfp4MoE(Mxfp4Config(f16_dot=True, num_warps=1))(xb[:1], logits[:1], 2, mx)  # the f16x2 form's PTX
+    SmallBatchMxfp4MoE(Mxfp4Config(dot="f16_cvt", num_warps=1))(xb[:1], logits[:1], 2, mx)  # the f16x2 forms' PTX
+    SmallBatchMxfp4MoE(Mxfp4Config(dot="f16_lop", num_warps=1))(xb[:1], logits[:1], 2, mx)
 
 
 def _launch_attention() -> None:
