@@ -8,12 +8,13 @@ reads 99.5 MB in FP8, 52.9 MB in MXFP4 with its exponents; the L2 holds 50-60). 
 a call reads; GB/s against this run's copy rate. Every MXFP4 row is checked against the fp32 reference on the
 dequantised weights (a config off it is marked WRONG); the FP8 row is the kernel tests' business.
 
-    python -m benchmarks.moe_mxfp4_b1 [--reps 48] [--no-sweep]      # writes $OUT/moe_mxfp4_b1.json
+    python -m benchmarks.moe_mxfp4_b1 [--reps 48] [--no-sweep] [--kernels]     # writes $OUT/moe_mxfp4_b1.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
@@ -135,15 +136,69 @@ def moe_rows(reps: int, copy: float, sweep: bool) -> list[dict]:
     return rows
 
 
+def kernel_rows(reps: int, configs: list) -> list[dict]:
+    """Each kernel's own device time (torch.profiler, eager launches without PDL, so no kernel's time includes a wait
+    for the one before): FP8 moe_small and the given MXFP4 configs, weights from HBM (cycling) and the same call
+    repeated (its 4 experts stay in L2). A kernel that takes as long from L2 as from HBM is not bound by the bytes."""
+    from dataclasses import replace
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernels.moe_mxfp4 import SmallBatchMxfp4MoE
+    from kernels.moe_small import SmallBatchMoE
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    w = random_mxfp4_experts(E, H, I, DEV, g)
+    wf = fp8_experts(w)
+    x = torch.randn(1, H, device=DEV, generator=g).to(ACT)
+    per = E // ROUTINGS
+    logits = [torch.randn(1, E, device=DEV, generator=g).to(ACT) for _ in range(ROUTINGS)]
+    for r, lg in enumerate(logits):
+        lg[0, r * per:(r + 1) * per] += 20.0
+    small = SmallBatchMoE(replace(SmallBatchMoE.config_for(TOP_K), pdl=False))
+    sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)  # the CPU smoke profiles nothing
+    variants = [("fp8 moe_small", lambda lg: small(x, lg, TOP_K, wf))]
+    for cfg in configs:
+        moe = SmallBatchMxfp4MoE(replace(cfg, pdl=False))
+        variants.append((_name(replace(cfg, pdl=False)), lambda lg, moe=moe: moe(x, lg, TOP_K, w)))
+    rows = []
+    for name, fn in variants:
+        for routing in ("hbm", "l2"):
+            for _ in range(2 * ROUTINGS):
+                fn(logits[0])
+            sync()
+            with profile(activities=[ProfilerActivity.CUDA if DEV == "cuda" else ProfilerActivity.CPU]) as prof:
+                for r in range(reps):
+                    fn(logits[r % ROUTINGS if routing == "hbm" else 0])
+                sync()
+            for k in prof.key_averages():
+                if k.self_device_time_total > 0 and k.count >= reps:  # the MoE's kernels, once (or more) a call
+                    rows.append({"what": "kernel", "variant": name, "routing": routing, "kernel": k.key[:48],
+                                 "us": k.self_device_time_total / k.count, "per_call": k.count / reps})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=48, help="calls per graph (a multiple of 8 reads every expert)")
     ap.add_argument("--no-sweep", action="store_true", help="the default config only")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also each kernel's device time (profiler, no PDL), weights from HBM and from L2, for FP8 "
+                         "moe_small and the f16 forms")
     a = ap.parse_args()
     copy = copy_gbps()
     print(f"copy {copy:.0f} GB/s (bytes read + written)", flush=True)
     rows = moe_rows(a.reps, copy, not a.no_sweep)
-    report_rows("moe_mxfp4_b1.json", vars(a), copy, rows, lambda r: f"{r['variant']:<52}")
+    path = report_rows("moe_mxfp4_b1.json", vars(a), copy, rows, lambda r: f"{r['variant']:<52}")
+    if a.kernels:
+        from kernels.moe_mxfp4 import Mxfp4Config
+        krows = kernel_rows(a.reps, [Mxfp4Config(), Mxfp4Config(dot="f16_cvt", num_warps=1),
+                                     Mxfp4Config(dot="f16_lop", num_warps=1),
+                                     Mxfp4Config(dot="f16_lop", num_warps=1, prefetch=True)])
+        for r in krows:
+            print(f"kernel {r['variant']:<56} {r['routing']:<4} {r['kernel']:<48} {r['us']:8.2f} us", flush=True)
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps(data | {"kernels": krows}, indent=1))
 
 
 if __name__ == "__main__":

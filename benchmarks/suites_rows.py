@@ -45,14 +45,14 @@ ROWS_SUITES: dict[str, Suite] = {
         "Fusion.MXFP4_MOE with EngineConfig.mxfp4_experts): its GPU tests (parity at 20b widths against the "
         "dequantised fp32 reference, bits under CUDA-graph replay, a 2-layer model and its graph decode), the "
         "micro-benchmark against kernels/moe_small.py on the same experts in FP8 (model.quant.mxfp4_to_fp8), weights "
-        "from HBM, with a config sweep, then the 20b decode replay at 8k x 1 A/B in one process on the best batch-1 "
+        "from HBM, with a config sweep and each kernel's device time from HBM and from L2, then the 20b decode replay at 8k x 1 A/B in one process on the best batch-1 "
         "configuration (FP8 QKV/O, e4m3 pages, the default fusions) with and without mxfp4_moe (its f16x2 LOP3 form)",
         carry=STACK_CARRY,
         steps=(step("mxfp4-gpu-tests",
                     "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_mxfp4_gpu.py", 180,
                     summary=PYTEST),
-               step("mxfp4-micro", "{py} -m benchmarks.moe_mxfp4_b1", 90,
-                    summary=r"^(fp8|mxfp4 rows 8/8 x 32 groups w4 s3 pdl|mxfp4 .* f16_\w+)|wrote|Error"),
+               step("mxfp4-micro", "{py} -m benchmarks.moe_mxfp4_b1 --kernels", 100,
+                    summary=r"^(fp8|mxfp4 rows 8/8 x 32 groups w4 s3 pdl|mxfp4 .* f16_\w+|kernel )|wrote|Error"),
                step("model-20b-mxfp4", "{py} -m benchmarks.bench_model --preset gpt-oss-20b --linear deepgemm "
                                        "--kv-cache-dtype fp8 --prefill-lens '' --contexts 8192 --batches 1 "
                                        f"--fusions {DEFAULT_FUSIONS},{DEFAULT_FUSIONS}+mxfp4_moe "

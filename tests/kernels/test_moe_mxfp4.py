@@ -100,6 +100,9 @@ def test_mxfp4_moe_benchmark_smoke(monkeypatch):
     rows = bench.moe_rows(1, 1.0, sweep=False)
     assert [r["variant"] for r in rows] == ["fp8 moe_small (default)", "mxfp4 rows 8/8 x 32 groups w4 s3 pdl"]
     assert not any("WRONG" in r["variant"] for r in rows), rows
+    # the per-kernel profile's set-up and calls (no CUDA activity on a CPU: no rows), one routing to keep it short
+    monkeypatch.setattr(bench, "ROUTINGS", 1)
+    assert bench.kernel_rows(1, [Mxfp4Config(dot="f16_lop", prefetch=True)]) == []
 
 
 def test_mxfp4_gpu_decode_passes_place_every_code():
