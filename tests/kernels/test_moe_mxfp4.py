@@ -162,7 +162,7 @@ def _f16_group(words, x, lop: bool):
     uint32 (a group's codes), x [N, 32] float32 (bf16 values) -> [N] group sums in e2m1 x x units."""
     import numpy as np
 
-    from kernels import moe_mxfp4 as m
+    from kernels import moe_mxfp4_f16 as m
     from tests.support.ptx_emu import run_asm
 
     pairs_asm, dot_asm, unit = ((m._LOP_PAIRS_ASM, m._LOP_DOT_ASM, 2.0 ** (14 - m.LOP_X_LOG2)) if lop else
