@@ -84,7 +84,7 @@ def _probe_moe_mxfp4_f16() -> None:
     from kernels.moe_mxfp4 import Mxfp4Config
     _probe_moe_mxfp4([Mxfp4Config(dot=d, block_n1=n, block_n2=n, num_warps=w)
                       for d in ("f16_cvt", "f16_lop") for n, w in ((8, 1), (16, 1), (16, 2))]
-                     + [Mxfp4Config(dot="f16_lop", num_warps=1, prefetch=True)])
+                     + [Mxfp4Config(dot="f16_lop", block_n1=n, block_n2=n, num_warps=1, prefetch=True) for n in (8, 4)])
 
 
 PROBES = {"fp8_rows": _probe_fp8_rows, "gemv_rows": _probe_gemv_rows, "moe_small": _probe_moe_small,
