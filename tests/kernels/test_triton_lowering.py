@@ -93,7 +93,7 @@ def _launch_every_kernel() -> None:
     SmallBatchMxfp4MoE()(xb[:1], logits[:1], 2, mx)
     SmallBatchMxfp4MoE(Mxfp4Config(block_n1=8, block_n2=2, groups=2))(xb[:1], logits[:1], 2, mx)
     SmallBatchMxfp4MoE(Mxfp4Config(dot="f16_cvt", num_warps=1))(xb[:1], logits[:1], 2, mx)  # the f16x2 forms' PTX
-    SmallBatchMxfp4MoE(Mxfp4Config(dot="f16_lop", num_warps=1))(xb[:1], logits[:1], 2, mx)
+    SmallBatchMxfp4MoE(Mxfp4Config(dot="f16_lop", num_warps=1, prefetch=True))(xb[:1], logits[:1], 2, mx)
 
 
 def _launch_attention() -> None:
