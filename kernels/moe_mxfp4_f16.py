@@ -19,7 +19,8 @@ import triton.language as tl
 # a group's 32 products are summed in f16x2 (rel. 2^-11 an add; the two halves meet in fp32), then in fp32. The
 # sum cannot overflow below |x| ~ 20,000 (x here: a norm's output, or act, which the SwiGLU clamp keeps under 56).
 _F16_EXP_BIAS = tl.constexpr(127.0 - 6)  # 2^(S - 127) x 2^6
-F16_PAIRS = ((2, 0), (6, 4), (3, 1), (7, 5))  # (high, low) inputs of each f16x2 pair, in the order of L's and H's halves
+# (high, low) inputs of each f16x2 pair, in the order of L's and H's halves
+F16_PAIRS = ((2, 0), (6, 4), (3, 1), (7, 5))
 _F16_PAIRS_ASM = tl.constexpr(
     "{ .reg .b32 a, b, c, d; .reg .f32 x0, x1, x2, x3, x4, x5, x6, x7; ld.global.nc.v4.b32 {a, b, c, d}, [$4]; "
     + "".join(f"shl.b32 x{2 * i}, {r}, 16; and.b32 x{2 * i + 1}, {r}, 0xFFFF0000; " for i, r in enumerate("abcd"))
@@ -89,8 +90,12 @@ def _rows_dot_f16(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N: tl
     e_ptrs = e_ptr + rn[:, None].to(tl.int64) * stride_en + og[None, :]  # [BN, GB]
     x_at = x_ptr.to(tl.int64)  # x's row, 16-byte aligned (the wrapper checks)
     acc = tl.zeros((BLOCK_N, GB), dtype=tl.float32)
-    w = tl.load(w_ptrs, mask=(og * 4 < KW)[None, :, None], other=0)  # step 0 (PREFETCH)
-    ex = tl.load(e_ptrs, mask=(og * 4 < KW)[None, :], other=0)
+    if PREFETCH:  # step 0's loads; without, each step loads its own
+        w = tl.load(w_ptrs, mask=(og * 4 < KW)[None, :, None], other=0)
+        ex = tl.load(e_ptrs, mask=(og * 4 < KW)[None, :], other=0)
+    else:
+        w = tl.zeros((BLOCK_N, GB, 4), dtype=tl.int32)
+        ex = tl.zeros((BLOCK_N, GB), dtype=e_ptr.dtype.element_ty)
     for k0 in range(0, KW, 4 * GB):
         gm = k0 + og * 4 < KW
         if PREFETCH:
@@ -106,30 +111,19 @@ def _rows_dot_f16(x_ptr, w_ptr, e_ptr, rn, KW, stride_wn, stride_en, BLOCK_N: tl
         # pure: Triton then gives it the rows' layout (not pure, it took its own and a shared-memory conversion). It
         # cannot move above the launch's griddepcontrol.wait (x is the launch before's output): that sits in an
         # earlier block and this address changes every step
-        if LOP:
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(_LOP_PAIRS_ASM, "=r,=r,=r,=r,l", [x_at + wi.to(tl.int64) * 16],
-                                                       dtype=(tl.int32,) * 4, is_pure=True, pack=1)  # [GB, 4] each
-        else:
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(_F16_PAIRS_ASM, "=r,=r,=r,=r,l", [x_at + wi.to(tl.int64) * 16],
-                                                       dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(_LOP_PAIRS_ASM if LOP else _F16_PAIRS_ASM, "=r,=r,=r,=r,l",
+                                                   [x_at + wi.to(tl.int64) * 16], dtype=(tl.int32,) * 4,
+                                                   is_pure=True, pack=1)  # [GB, 4] each
         w0, w1, w2, w3 = _quarters(w)  # [BN, GB] each: word j of every group
         a0, a1, a2, a3 = _quarters(p0[None, :, :])  # [1, GB] each: pair i (here 0) of word j
         b0, b1, b2, b3 = _quarters(p1[None, :, :])
         c0, c1, c2, c3 = _quarters(p2[None, :, :])
         d0, d1, d2, d3 = _quarters(p3[None, :, :])
-        scale = tl.exp2(ex.to(tl.float32) - (_LOP_EXP_BIAS if LOP else _F16_EXP_BIAS))
-        if LOP:
-            part = tl.inline_asm_elementwise(  # [BN, GB]
-                _LOP_DOT_ASM, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-                [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3],
-                dtype=tl.float32, is_pure=True, pack=1)
-            acc += part * scale
-        else:
-            part = tl.inline_asm_elementwise(
-                _F16_DOT_ASM, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-                [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3],
-                dtype=tl.float32, is_pure=True, pack=1)
-            acc += part * scale
+        part = tl.inline_asm_elementwise(  # [BN, GB]
+            _LOP_DOT_ASM if LOP else _F16_DOT_ASM, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3],
+            dtype=tl.float32, is_pure=True, pack=1)
+        acc += part * tl.exp2(ex.to(tl.float32) - (_LOP_EXP_BIAS if LOP else _F16_EXP_BIAS))
         w = w_next
         ex = ex_next
         w_ptrs += 4 * GB
