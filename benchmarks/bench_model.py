@@ -223,10 +223,9 @@ def main() -> None:
                   mxfp4_experts=Fusion.MXFP4_MOE.value in a.fusions)
     res.data["load_seconds"] = round(time.monotonic() - t0, 1)
     if a.mxfp4_dot:
-        from kernels.moe_mxfp4 import Mxfp4Config, SmallBatchMxfp4MoE
+        from kernels.moe_mxfp4 import Mxfp4Config
         for layer in model.layers:
-            if layer.mlp._mx_moe is not None:
-                layer.mlp._mx_moe = SmallBatchMxfp4MoE(Mxfp4Config(dot=a.mxfp4_dot, num_warps=1))
+            layer.mlp.use_mxfp4_config(Mxfp4Config(dot=a.mxfp4_dot, num_warps=1))
     settings = [s for s in a.fusions.split(",") if s.strip()] or ["off"]
     use_fusions(model, settings[0])
     print(f"loaded {a.preset} FP8 in {res.data['load_seconds']} s; {model.backends.describe()}"

@@ -101,18 +101,24 @@ def _row(variant: str, us: float, nbytes: float, copy: float, base: float | None
             "GBps": gbps, "ratio_copy": gbps / copy, "speedup": base / us if base else None}
 
 
-def moe_rows(reps: int, copy: float, sweep: bool) -> list[dict]:
-    from kernels.moe_mxfp4 import SmallBatchMxfp4MoE
-    from kernels.moe_small import SmallBatchMoE
-
+def _inputs():
+    """(MXFP4 experts, the same in FP8, x [1, H], ROUTINGS logits [1, E]): routing r favours experts
+    per * r .. per * (r + 1) - 1, so cycling the logits reads every expert from HBM."""
     g = torch.Generator(device=DEV).manual_seed(0)
     w = random_mxfp4_experts(E, H, I, DEV, g)
-    wf = fp8_experts(w)
     x = torch.randn(1, H, device=DEV, generator=g).to(ACT)
     per = E // ROUTINGS  # experts a routing favours (>= TOP_K at 20b widths: 4)
     logits = [torch.randn(1, E, device=DEV, generator=g).to(ACT) for _ in range(ROUTINGS)]
     for r, lg in enumerate(logits):
         lg[0, r * per:(r + 1) * per] += 20.0
+    return w, fp8_experts(w), x, logits
+
+
+def moe_rows(reps: int, copy: float, sweep: bool) -> list[dict]:
+    from kernels.moe_mxfp4 import SmallBatchMxfp4MoE
+    from kernels.moe_small import SmallBatchMoE
+
+    w, wf, x, logits = _inputs()
     calls = iter(range(1 << 62))
 
     def cycling(fn):
@@ -145,14 +151,7 @@ def kernel_rows(reps: int, configs: list) -> list[dict]:
     from kernels.moe_mxfp4 import SmallBatchMxfp4MoE
     from kernels.moe_small import SmallBatchMoE
 
-    g = torch.Generator(device=DEV).manual_seed(0)
-    w = random_mxfp4_experts(E, H, I, DEV, g)
-    wf = fp8_experts(w)
-    x = torch.randn(1, H, device=DEV, generator=g).to(ACT)
-    per = E // ROUTINGS
-    logits = [torch.randn(1, E, device=DEV, generator=g).to(ACT) for _ in range(ROUTINGS)]
-    for r, lg in enumerate(logits):
-        lg[0, r * per:(r + 1) * per] += 20.0
+    w, wf, x, logits = _inputs()
     small = SmallBatchMoE(replace(SmallBatchMoE.config_for(TOP_K), pdl=False))
     sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)  # the CPU smoke profiles nothing
     variants = [("fp8 moe_small", lambda lg: small(x, lg, TOP_K, wf))]

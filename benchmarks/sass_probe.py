@@ -80,7 +80,8 @@ def _probe_moe_mxfp4(configs=(None,)) -> None:
 
 
 def _probe_moe_mxfp4_f16() -> None:
-    """The same with products summed in f16x2 (Mxfp4Config.dot f16_cvt, f16_lop) at 8 and 16 rows, 1 and 2 warps, and with the next step's loads first."""
+    """The same with products summed in f16x2 (Mxfp4Config.dot f16_cvt, f16_lop) at 8 and 16 rows, 1 and 2 warps,
+    and with the next step's loads first."""
     from kernels.moe_mxfp4 import Mxfp4Config
     _probe_moe_mxfp4([Mxfp4Config(dot=d, block_n1=n, block_n2=n, num_warps=w)
                       for d in ("f16_cvt", "f16_lop") for n, w in ((8, 1), (16, 1), (16, 2))]

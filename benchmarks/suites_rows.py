@@ -45,8 +45,9 @@ ROWS_SUITES: dict[str, Suite] = {
         "Fusion.MXFP4_MOE with EngineConfig.mxfp4_experts): its GPU tests (parity at 20b widths against the "
         "dequantised fp32 reference, bits under CUDA-graph replay, a 2-layer model and its graph decode), the "
         "micro-benchmark against kernels/moe_small.py on the same experts in FP8 (model.quant.mxfp4_to_fp8), weights "
-        "from HBM, with a config sweep and each kernel's device time from HBM and from L2, then the 20b decode replay at 8k x 1 A/B in one process on the best batch-1 "
-        "configuration (FP8 QKV/O, e4m3 pages, the default fusions) with and without mxfp4_moe (its f16x2 LOP3 form)",
+        "from HBM, with a config sweep and each kernel's device time from HBM and from L2, then the 20b decode replay "
+        "at 8k x 1 A/B in one process on the best batch-1 configuration (FP8 QKV/O, e4m3 pages, the default fusions) "
+        "with and without mxfp4_moe (its f16x2 LOP3 form)",
         carry=STACK_CARRY,
         steps=(step("mxfp4-gpu-tests",
                     "{py} -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_mxfp4_gpu.py", 180,

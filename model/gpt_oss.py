@@ -140,6 +140,11 @@ class MoE(nn.Module):
         self.mx = mx
         self._mx_moe = moe_mxfp4.SmallBatchMxfp4MoE() if mx.w1.is_cuda or moe_mxfp4.INTERPRETED else None
 
+    def use_mxfp4_config(self, config) -> None:
+        """Another kernels.moe_mxfp4.Mxfp4Config for the kept experts' kernel (benchmarks A/B its forms)."""
+        if self._mx_moe is not None:
+            self._mx_moe.config = config
+
     def takes_fp8_input(self, num_tokens: int, be: Backends) -> bool:
         if self._mxfp4_step(num_tokens, be):
             return False  # W4A16: x stays in its dtype
